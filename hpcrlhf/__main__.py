@@ -1,0 +1,5 @@
+import sys
+
+from hpcrlhf.cli import main
+
+sys.exit(main())

@@ -1,0 +1,157 @@
+"""Reading rows from data files, dataset folders and hub datasets.
+
+Every row keeps its origin (`train.jsonl:17`, `data.parquet: row 17`) so that a bad row is
+reported where the user can find it. Field checks (`require_text`) happen once, up front, before
+any model is loaded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+from hpcrlhf.errors import DataError
+
+FILE_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv", ".arrow": "arrow"}
+
+
+@dataclass(frozen=True)
+class Row:
+    """One data row and where it came from."""
+
+    data: dict[str, Any]
+    origin: str
+
+
+def rows_from_records(records: Iterable[dict], source: str) -> list[Row]:
+    """Wrap in-memory records (e.g. the bundled task's) as rows numbered from 1."""
+    return [Row(dict(r), f"{source}: row {i}") for i, r in enumerate(records, start=1)]
+
+
+def read_rows(spec: str, *, split: str = "train", limit: int | None = None) -> list[Row]:
+    """Rows of a local file, a `datasets` folder, or a hub dataset name.
+
+    JSON Lines is read line by line so errors name the line; other formats go through `datasets`
+    and name the row number.
+    """
+    path = Path(spec).expanduser()
+    if path.is_file():
+        if path.suffix == ".jsonl":
+            rows = _read_jsonl(path, limit)
+        elif path.suffix == ".json":
+            rows = _read_json(path)
+        elif path.suffix in FILE_FORMATS:
+            rows = _read_with_datasets(FILE_FORMATS[path.suffix], str(path), str(path), split="train")
+        else:
+            raise DataError(f"{path}: unknown data file type '{path.suffix}'; use one of {', '.join(FILE_FORMATS)}")
+    elif path.is_dir():
+        rows = _read_saved_dataset(path, split)
+    elif _looks_local(spec):
+        raise DataError(f"data path '{spec}' does not exist")
+    else:
+        rows = _read_hub(spec, split)
+    if not rows:
+        raise DataError(f"{spec}: no rows found")
+    return rows[:limit] if limit is not None else rows
+
+
+def require_text(rows: Sequence[Row], keys: Sequence[str], *, key_option: dict[str, str] | None = None) -> None:
+    """Check that every row has a non-empty string for each key; report the first bad row.
+
+    `key_option` maps a key to the config option that names it, so the error can say how to
+    point hpcrlhf at the right field.
+    """
+    key_option = key_option or {}
+    for row in rows:
+        for key in keys:
+            hint = f" (or set {key_option[key]} to the field that holds it)" if key in key_option else ""
+            if key not in row.data:
+                have = ", ".join(sorted(row.data)) or "none"
+                raise DataError(f"{row.origin}: field '{key}' is missing; the row has: {have}{hint}")
+            value = row.data[key]
+            if not isinstance(value, str):
+                raise DataError(f"{row.origin}: field '{key}' must be a string, got {value!r} ({type(value).__name__})")
+            if not value.strip():
+                raise DataError(f"{row.origin}: field '{key}' is empty; remove the row or fill it in")
+
+
+def _looks_local(spec: str) -> bool:
+    """Hub names are `name` or `org/name`; anything else that does not exist is a missing path."""
+    return spec.startswith(("/", ".", "~")) or Path(spec).suffix in FILE_FORMATS or spec.count("/") > 1
+
+
+def _read_jsonl(path: Path, limit: int | None) -> list[Row]:
+    rows = []
+    with path.open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path}:{lineno}: invalid JSON ({e.msg} at column {e.colno})") from None
+            if not isinstance(obj, dict):
+                raise DataError(f"{path}:{lineno}: expected a JSON object per line, got {type(obj).__name__}")
+            rows.append(Row(obj, f"{path}:{lineno}"))
+            if limit is not None and len(rows) >= limit:
+                break
+    return rows
+
+
+def _read_json(path: Path) -> list[Row]:
+    try:
+        obj = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise DataError(f"{path}:{e.lineno}: invalid JSON ({e.msg} at column {e.colno})") from None
+    if isinstance(obj, dict) and isinstance(obj.get("data"), list):
+        obj = obj["data"]
+    if not isinstance(obj, list):
+        raise DataError(f"{path}: expected a JSON list of objects (or {{\"data\": [...]}}), got {type(obj).__name__}")
+    rows = []
+    for i, item in enumerate(obj, start=1):
+        if not isinstance(item, dict):
+            raise DataError(f"{path}: row {i}: expected an object, got {type(item).__name__}")
+        rows.append(Row(item, f"{path}: row {i}"))
+    return rows
+
+
+def _read_with_datasets(kind: str, data_files: str, label: str, split: str) -> list[Row]:
+    import datasets
+
+    try:
+        ds = datasets.load_dataset(kind, data_files=data_files, split=split)
+    except Exception as e:  # datasets raises many types for unreadable files
+        raise DataError(f"{label}: cannot read as {kind}: {e}") from None
+    return rows_from_records(ds, label)
+
+
+def _read_saved_dataset(path: Path, split: str) -> list[Row]:
+    import datasets
+
+    try:
+        ds = datasets.load_from_disk(str(path))
+    except Exception as e:
+        raise DataError(f"{path}: not a dataset folder saved by `datasets.save_to_disk` ({e})") from None
+    if isinstance(ds, datasets.DatasetDict):
+        if split not in ds:
+            raise DataError(f"{path}: split '{split}' not found; available: {', '.join(ds)} (set data.split)")
+        ds = ds[split]
+    return rows_from_records(ds, f"{path}[{split}]")
+
+
+def _read_hub(name: str, split: str) -> list[Row]:
+    if os.environ.get("HF_HUB_OFFLINE") == "1" or os.environ.get("HF_DATASETS_OFFLINE") == "1":
+        raise DataError(
+            f"data '{name}' is not a local file or folder, and the hub is off (HF_HUB_OFFLINE=1); "
+            "copy the dataset to shared storage and give its path"
+        )
+    import datasets
+
+    try:
+        ds = datasets.load_dataset(name, split=split)
+    except Exception as e:
+        raise DataError(f"data '{name}' is not a local file or folder and could not be loaded from the hub: {e}") from None
+    return rows_from_records(ds, f"{name}[{split}]")

@@ -1,0 +1,195 @@
+"""The training-engine seam over DeepSpeed.
+
+Trainers drive a model through `TrainingEngine` (forward, backward, step, checkpoints, export)
+and never import deepspeed. The DeepSpeed config is built by one pure function from hpcrlhf's
+typed config, so what runs is inspectable and testable.
+
+Loss scaling contract: the trainer passes a loss already normalised for the whole global batch
+(e.g. sum of token losses on this rank x world size / tokens in the global batch). DeepSpeed's own
+division by accumulation steps is switched off, and its average over data-parallel ranks turns
+that into the exact global mean — so 1 rank and N ranks, packed and unpacked, train the same.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hpcrlhf.config.schema import EngineConfig, OptimConfig
+from hpcrlhf.engines.schedule import lr_multiplier
+
+
+def build_deepspeed_config(
+    engine: EngineConfig, optim: OptimConfig, *, micro_batch_size: int, grad_accum_steps: int, world_size: int
+) -> dict[str, Any]:
+    """DeepSpeed's JSON config for one role's training engine."""
+    cfg: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": micro_batch_size,
+        "gradient_accumulation_steps": grad_accum_steps,
+        "train_batch_size": micro_batch_size * grad_accum_steps * world_size,
+        "gradient_clipping": optim.max_grad_norm,
+        "steps_per_print": 10**9,  # hpcrlhf logs; DeepSpeed stays quiet
+        "wall_clock_breakdown": False,
+        "optimizer": {
+            "type": "AdamW",
+            "params": {
+                "lr": optim.lr,
+                "betas": list(optim.betas),
+                "eps": optim.eps,
+                "weight_decay": optim.weight_decay,
+                # DeepSpeed's fused Adam is a JIT-compiled op; torch's is as fast for our use and
+                # needs no build. With offload DeepSpeed uses its CPU Adam regardless.
+                **({} if engine.offload_optimizer else {"torch_adam": True}),
+            },
+        },
+        "zero_optimization": {"stage": engine.zero_stage},
+        "bf16": {"enabled": engine.precision == "bf16"},
+    }
+    zero = cfg["zero_optimization"]
+    if engine.zero_stage == 3:
+        zero.update(stage3_gather_16bit_weights_on_model_save=True, stage3_param_persistence_threshold=0)
+    if engine.offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
+    if engine.offload_params:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
+    return cfg
+
+
+def _skip_shm_comm_build() -> None:
+    """DeepSpeed JIT-compiles a shared-memory op for CPU inference all-reduce when its comm
+    backend starts (~40 s, minutes on a busy node). Training never uses it, so skip the build.
+    (`import deepspeed.comm.torch as m` would give torch itself: reach the module through
+    sys.modules.)"""
+    import deepspeed  # noqa: F401  (registers deepspeed.comm.torch)
+
+    mod = sys.modules.get("deepspeed.comm.torch")
+    if mod is not None and hasattr(mod, "build_shm_op"):
+        mod.build_shm_op = lambda: None
+
+
+def maybe_zero3_init_context(ds_config: dict[str, Any]):
+    """Keep transformers' ZeRO-3 hook alive while a model loads, so weights are sharded at load."""
+    if ds_config["zero_optimization"]["stage"] != 3:
+        return None
+    from transformers.integrations import HfDeepSpeedConfig
+
+    return HfDeepSpeedConfig(ds_config)
+
+
+class TrainingEngine:
+    """A model, its optimizer and schedule, trained under DeepSpeed."""
+
+    def __init__(self, model: torch.nn.Module, ds_config: dict[str, Any], *, optim: OptimConfig, total_steps: int,
+                 gradient_checkpointing: bool = False):
+        _skip_shm_comm_build()
+        import deepspeed
+
+        self.ds_config = ds_config
+        if gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        warmup = int(optim.warmup_ratio * total_steps)
+        factor = partial(lr_multiplier, total_steps=total_steps, warmup_steps=warmup, kind=optim.scheduler,
+                         min_ratio=optim.min_lr_ratio)
+        self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
+            model=model,
+            model_parameters=[p for p in model.parameters() if p.requires_grad],
+            config=ds_config,
+            lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, factor),
+        )
+        self._untracked_norm = ds_config["zero_optimization"]["stage"] == 0 and not ds_config["bf16"]["enabled"]
+        self._last_norm: float | None = None
+
+    @property
+    def module(self) -> torch.nn.Module:
+        return self.engine.module
+
+    @property
+    def device(self) -> torch.device:
+        return self.engine.device
+
+    @property
+    def zero_stage(self) -> int:
+        return self.ds_config["zero_optimization"]["stage"]
+
+    def train(self) -> None:
+        self.engine.train()
+
+    def eval(self) -> None:
+        self.engine.eval()
+
+    def __call__(self, **batch):
+        # No KV cache in training forwards: transformers only honours packed-row boundaries
+        # (position_ids restarts) when no cache is present.
+        return self.engine(**batch, use_cache=False)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.engine.backward(loss, scale_wrt_gas=False)
+
+    def step(self) -> None:
+        """Call after every micro-batch; the optimizer steps at accumulation boundaries."""
+        if self._untracked_norm and self.engine.is_gradient_accumulation_boundary():
+            # Plain fp32 data parallel clips without keeping the norm; gradients are already
+            # averaged over ranks here, so measure them before the step.
+            grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+            self._last_norm = float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
+        self.engine.step()
+
+    def grad_norm(self) -> float | None:
+        """Global gradient norm (before clipping) of the last optimizer step."""
+        if self._untracked_norm:
+            return self._last_norm
+        norm = self.engine.get_global_grad_norm()
+        return None if norm is None else float(norm)
+
+    def lr(self) -> float:
+        return float(self.scheduler.get_last_lr()[0])
+
+    def save_checkpoint(self, folder: Path, client_state: dict[str, Any]) -> None:
+        """Model, optimizer and scheduler (sharded per rank) plus the trainer's client state."""
+        # hpcrlhf writes `latest` itself, after every rank has finished (see hpcrlhf.checkpoint).
+        self.engine.save_checkpoint(str(folder.parent), tag=folder.name, client_state=client_state, save_latest=False)
+
+    def load_checkpoint(self, folder: Path) -> dict[str, Any]:
+        _, client_state = self.engine.load_checkpoint(str(folder.parent), tag=folder.name)
+        if client_state is None:
+            raise FileNotFoundError(f"no DeepSpeed checkpoint in {folder}")
+        return client_state
+
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """Consolidated weights on rank 0 (None elsewhere); every rank must call (ZeRO-3 gathers)."""
+        if self.zero_stage == 3:
+            sd = self.engine._zero3_consolidated_16bit_state_dict()
+            return sd if torch.distributed.get_rank() == 0 else None
+        return self.module.state_dict() if torch.distributed.get_rank() == 0 else None
+
+    def gathered_parameters(self):
+        """Context in which every rank holds the full parameters (for generation under ZeRO-3)."""
+        if self.zero_stage != 3:
+            return contextlib.nullcontext()
+        import deepspeed
+
+        return deepspeed.zero.GatheredParameters(list(self.module.parameters()))
+
+
+def set_extension_cache() -> None:
+    """DeepSpeed's JIT ops (CPU Adam) build once per machine into hpcrlhf's cache."""
+    from hpcrlhf.cache import cache_dir
+
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(cache_dir("torch_extensions")))
+
+
+def save_hf_model(engine: TrainingEngine, tokenizer, folder: Path) -> None:
+    """Save the trained weights in Hugging Face format (loadable by transformers and vLLM)."""
+    state = engine.full_state_dict()  # every rank takes part (ZeRO-3 gathers)
+    if torch.distributed.get_rank() == 0:
+        folder.mkdir(parents=True, exist_ok=True)
+        state = {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
+        engine.module.save_pretrained(str(folder), state_dict=state, safe_serialization=True)
+        tokenizer.save_pretrained(str(folder))
+    torch.distributed.barrier()

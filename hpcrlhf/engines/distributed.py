@@ -1,0 +1,76 @@
+"""Process-group setup and the few collectives trainers need.
+
+Rank, world size and rendezvous come from the launcher's environment (torchrun / the deepspeed
+launcher set RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT; hpcrlhf's own MPI and Ray
+launchers set the same variables). A plain `python`/`hpcrlhf` call is a world of one.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def read_dist_env() -> DistEnv:
+    env = os.environ
+    return DistEnv(int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1)), int(env.get("LOCAL_RANK", 0)))
+
+
+def device_for(local_rank: int) -> torch.device:
+    return torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def init_distributed(timeout_minutes: float = 30.0) -> DistEnv:
+    """Join (or create, for a world of one) the default process group; idempotent."""
+    env = read_dist_env()
+    if dist.is_initialized():
+        return env
+    if env.world_size == 1:
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
+        os.environ.setdefault("RANK", "0")
+        os.environ.setdefault("LOCAL_RANK", "0")
+        os.environ.setdefault("WORLD_SIZE", "1")
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if torch.cuda.is_available():
+        torch.cuda.set_device(env.local_rank)
+    # A finite timeout turns a dead peer into an error instead of a hang until the job's time limit.
+    dist.init_process_group(backend, timeout=timedelta(minutes=timeout_minutes))
+    return env
+
+
+def all_reduce_sum(values: list[float]) -> list[float]:
+    """Sum a few numbers over all ranks (float64 on the CPU: exact for counts)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return list(values)
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return t.tolist()
+
+
+def barrier() -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()

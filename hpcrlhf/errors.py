@@ -1,0 +1,22 @@
+"""Errors hpcrlhf raises on purpose.
+
+Every failure caused by user input (a recipe, a `--set` value, a data row, a model folder, a
+layout) is one of these, with a message that names the field, the value and the fix. Anything
+else escaping to the user is a bug.
+"""
+
+
+class HpcrlhfError(Exception):
+    """Base class: a problem the user can fix, explained in the message."""
+
+
+class ConfigError(HpcrlhfError):
+    """A recipe, a `--set` override or a config value is invalid."""
+
+
+class DataError(HpcrlhfError):
+    """A dataset, a data file or one of its rows is invalid (the message names file and line)."""
+
+
+class ModelError(HpcrlhfError):
+    """A model path, family or attention implementation cannot be used."""

@@ -1,0 +1,32 @@
+"""Running the real `hpcrlhf` entry point in subprocesses (plain or under torchrun)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from hpcrlhf.engines.distributed import free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def cli_command(args: list[str], nproc: int = 1) -> list[str]:
+    if nproc == 1:
+        return [sys.executable, "-m", "hpcrlhf", *args]
+    return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+            f"--master_port={free_port()}", "-m", "hpcrlhf", *args]
+
+
+def cli_env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", **extra)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return env
+
+
+def run_cli(args: list[str], *, nproc: int = 1, timeout: float = 600, check: bool = True) -> subprocess.CompletedProcess:
+    proc = subprocess.run(cli_command(args, nproc), cwd=ROOT, env=cli_env(), capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"hpcrlhf {' '.join(args)} exited {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+    return proc

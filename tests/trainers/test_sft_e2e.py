@@ -1,0 +1,128 @@
+"""SFT end to end through the real CLI: it learns, 2 ranks (ZeRO-2, ZeRO-3 + offload) agree with
+1 rank, a signalled stop + resume equals an uninterrupted run, and the exported model loads."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import time
+
+import pytest
+
+from hpcrlhf.metrics import read_metrics
+from tests.launch_helpers import ROOT, cli_command, cli_env, run_cli
+
+# A short, fully logged run: 24 steps, 2 micro-batches of 16 per step on one rank.
+SHORT = ["--set", "train.max_steps=24", "--set", "train.global_batch_size=32", "--set", "train.micro_batch_size=16",
+         "--set", "log.every_steps=1", "--set", "eval.every_steps=12", "--set", "eval.score_prompts=32",
+         "--set", "task.eval_size=64", "--set", "task.train_size=2000", "--set", "log.tensorboard=false"]
+
+
+def losses(run_dir) -> dict[int, float]:
+    return {m["step"]: m["train/loss"] for m in read_metrics(run_dir) if "train/loss" in m}
+
+
+def evals(run_dir) -> dict[int, float]:
+    return {m["step"]: m["eval/loss"] for m in read_metrics(run_dir) if "eval/loss" in m}
+
+
+@pytest.fixture(scope="module")
+def baseline(tmp_path_factory):
+    out = tmp_path_factory.mktemp("sft") / "one_rank"
+    run_cli(["train", "sft", "-o", str(out), *SHORT])
+    return out
+
+
+@pytest.mark.slow
+def test_sft_learns_the_bundled_task(tmp_path):
+    out = tmp_path / "learn"
+    run_cli(["train", "sft", "-o", str(out), "--set", "eval.every_steps=0", "--set", "log.tensorboard=true"])
+    summary = json.loads((out / "summary.json").read_text())
+    before, after = summary["before"], summary["after"]
+    assert before["eval/task_score"] < 0.05
+    assert after["eval/task_score"] > 0.3, summary
+    assert after["eval/loss"] < 0.5 * before["eval/loss"]
+    curve = losses(out)
+    assert curve[max(curve)] < 0.5 * curve[min(curve)]
+    assert list((out / "tensorboard").glob("events.out.tfevents.*"))
+    assert (out / "config.yaml").read_text().startswith("model:")
+
+
+def test_run_folder_and_exported_model(baseline):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hpcrlhf.data.sft import encode_prompt
+
+    assert (baseline / "checkpoints" / "latest").read_text().strip() == "step_000024"
+    assert all("step" in m for m in read_metrics(baseline))
+    tok = AutoTokenizer.from_pretrained(baseline / "model")
+    model = AutoModelForCausalLM.from_pretrained(baseline / "model")
+    ids = encode_prompt(tok, "12+34=")
+    out = model.generate(__import__("torch").tensor([ids]), max_new_tokens=3, do_sample=False)
+    assert out.shape[1] > len(ids)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("engine", [["--set", "engine.zero_stage=2"],
+                                    ["--set", "engine.zero_stage=3", "--set", "engine.offload_optimizer=true",
+                                     "--set", "engine.offload_params=true"]], ids=["zero2", "zero3-offload"])
+def test_two_ranks_agree_with_one(baseline, tmp_path, engine):
+    out = tmp_path / "two_ranks"
+    run_cli(["train", "sft", "-o", str(out), *SHORT, *engine], nproc=2)
+    one, two = losses(baseline), losses(out)
+    assert sorted(one) == sorted(two) == list(range(1, 25))
+    for step in one:
+        assert two[step] == pytest.approx(one[step], rel=2e-3, abs=2e-3), step
+    for step, value in evals(baseline).items():
+        assert evals(out)[step] == pytest.approx(value, rel=2e-3)
+
+
+def test_stop_signal_then_resume_equals_uninterrupted(baseline, tmp_path):
+    out = tmp_path / "resumed"
+    args = ["train", "sft", "-o", str(out), *SHORT]
+    proc = subprocess.Popen(cli_command(args), cwd=ROOT, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 300
+    while not any(s >= 5 for s in losses(out)) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGUSR1)  # what Slurm sends before a time limit
+    log = proc.communicate(timeout=300)[0]
+    assert proc.returncode == 3, log[-3000:]
+    stopped_at = int((out / "checkpoints" / "latest").read_text().strip().split("_")[1])
+    assert 5 <= stopped_at < 24
+    run_cli(args)  # same command again resumes
+    one, resumed = losses(baseline), losses(out)
+    assert sorted(resumed) == list(range(1, 25))  # every step exactly once
+    for step in one:
+        assert resumed[step] == pytest.approx(one[step], rel=1e-6, abs=1e-7), step
+    assert evals(out)[24] == pytest.approx(evals(baseline)[24], rel=1e-6)
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--set", "train.lrr=1"], "unknown key 'lrr' in section 'train'"),
+    (["--set", "optim.lr=fast"], "optim.lr: expected a float, got 'fast'"),
+    (["--config", "no-such-recipe"], "neither a file nor a shipped recipe"),
+    (["--set", "train.global_batch_size=30", "--set", "train.micro_batch_size=4"], "train.global_batch_size: 30 is not a multiple"),
+    (["--set", "model.path=/nonexistent/model"], "model.path: '/nonexistent/model' does not exist"),
+    (["--set", "model.attn_implementation=flash_attention_2"], "flash_attention_2' cannot be used"),
+])
+def test_cli_reports_bad_input_without_traceback(tmp_path, args, needle):
+    proc = run_cli(["train", "sft", "-o", str(tmp_path / "bad"), *args], check=False, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert needle in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_bad_recipe_file_names_file_and_line(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("train:\n  max_steps: 3\n  epocs: 2\n")
+    proc = run_cli(["train", "sft", "-c", str(recipe), "-o", str(tmp_path / "bad")], check=False, timeout=120)
+    assert proc.returncode == 2
+    assert f"{recipe}:3" in proc.stderr and "did you mean 'epochs'" in proc.stderr
+
+
+def test_help_is_complete():
+    top = run_cli(["--help"]).stdout
+    for cmd in ("train", "config", "demo"):
+        assert cmd in top
+    train = run_cli(["train", "--help"]).stdout
+    assert "--config" in train and "--set" in train and "--output-dir" in train and "sft" in train
