@@ -61,6 +61,17 @@ def build_deepspeed_config(
     return cfg
 
 
+def ensure_deepspeed_comm() -> None:
+    """Attach DeepSpeed's comm layer to the process group (`engines.distributed` made it).
+
+    ZeRO-3's `zero.Init` (inside `from_pretrained`) reads the world size from deepspeed.comm,
+    so this must happen before a model is loaded, not only in `deepspeed.initialize`."""
+    _skip_shm_comm_build()
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend=torch.distributed.get_backend())
+
+
 def _skip_shm_comm_build() -> None:
     """DeepSpeed JIT-compiles a shared-memory op for CPU inference all-reduce when its comm
     backend starts (~40 s, minutes on a busy node). Training never uses it, so skip the build.
@@ -79,6 +90,7 @@ def maybe_zero3_init_context(ds_config: dict[str, Any]):
         return None
     from transformers.integrations import HfDeepSpeedConfig
 
+    ensure_deepspeed_comm()
     return HfDeepSpeedConfig(ds_config)
 
 
@@ -87,7 +99,7 @@ class TrainingEngine:
 
     def __init__(self, model: torch.nn.Module, ds_config: dict[str, Any], *, optim: OptimConfig, total_steps: int,
                  gradient_checkpointing: bool = False):
-        _skip_shm_comm_build()
+        ensure_deepspeed_comm()
         import deepspeed
 
         self.ds_config = ds_config
