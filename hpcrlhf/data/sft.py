@@ -21,14 +21,17 @@ class TokenizedSample:
     origin: str
 
 
-def encode_prompt(tokenizer, prompt: str, apply_chat_template: bool = False) -> list[int]:
-    """Token ids of a prompt as the model sees it, BOS and chat template included."""
+def encode_prompts(tokenizer, prompts: Sequence[str], apply_chat_template: bool = False) -> list[list[int]]:
+    """Token ids of prompts as the model sees them, special tokens and chat template included."""
     if apply_chat_template:
-        text = tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
-        )
-        return tokenizer(text, add_special_tokens=False)["input_ids"]
-    return tokenizer(prompt, add_special_tokens=True)["input_ids"]
+        prompts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
+                                                 add_generation_prompt=True) for p in prompts]
+        return tokenizer(list(prompts), add_special_tokens=False)["input_ids"]
+    return tokenizer(list(prompts), add_special_tokens=True)["input_ids"]
+
+
+def encode_prompt(tokenizer, prompt: str, apply_chat_template: bool = False) -> list[int]:
+    return encode_prompts(tokenizer, [prompt], apply_chat_template)[0]
 
 
 def tokenize_sft(
@@ -41,10 +44,12 @@ def tokenize_sft(
     apply_chat_template: bool = False,
 ) -> tuple[list[TokenizedSample], int]:
     """Tokenise rows; returns the samples and how many were truncated to `max_length`."""
+    if not rows:
+        return [], 0
+    prompts = encode_prompts(tokenizer, [r.data[prompt_key] for r in rows], apply_chat_template)
+    responses = tokenizer([r.data[response_key] for r in rows], add_special_tokens=False)["input_ids"]
     samples, truncated = [], 0
-    for row in rows:
-        prompt = encode_prompt(tokenizer, row.data[prompt_key], apply_chat_template)
-        response = tokenizer(row.data[response_key], add_special_tokens=False)["input_ids"]
+    for row, prompt, response in zip(rows, prompts, responses):
         ids = prompt + response + [tokenizer.eos_token_id]
         mask = [False] * len(prompt) + [True] * (len(response) + 1)
         if len(ids) > max_length:

@@ -18,7 +18,7 @@ import torch
 from hpcrlhf.algos.logprobs import nll_sum
 from hpcrlhf.config.schema import SFTConfig
 from hpcrlhf.data.batching import collate, pack_rows
-from hpcrlhf.data.sft import TokenizedSample, encode_prompt, tokenize_sft
+from hpcrlhf.data.sft import TokenizedSample, encode_prompts, tokenize_sft
 from hpcrlhf.data.sources import Row, read_rows, require_text, rows_from_records
 from hpcrlhf.data.tasks import get_task
 from hpcrlhf.engines.distributed import DistEnv, all_reduce_sum, init_distributed
@@ -81,8 +81,8 @@ def build_sft_data(cfg: SFTConfig, tokenizer) -> SFTData:
     score_prompts = []
     if cfg.task.name:
         task = get_task(cfg.task.name, max_operand=cfg.task.max_operand, seed=cfg.task.seed)
-        for r in task.prompt_rows("eval", cfg.eval.score_prompts):
-            score_prompts.append((encode_prompt(tokenizer, r["prompt"], cfg.data.apply_chat_template), r["prompt"]))
+        texts = [r["prompt"] for r in task.prompt_rows("eval", cfg.eval.score_prompts)]
+        score_prompts = list(zip(encode_prompts(tokenizer, texts, cfg.data.apply_chat_template), texts))
     return SFTData(rows, evals, score_prompts)
 
 

@@ -1,0 +1,146 @@
+"""The bundled tokenizer and tiny models: offline, deterministic, loadable by transformers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from hpcrlhf.cache import atomic_dir, cache_dir
+from hpcrlhf.errors import ModelError
+from hpcrlhf.models.tiny import TINY_FAMILIES, build_tiny_model_dir, resolve_model_path
+from hpcrlhf.models.tokenizer import build_tokenizer, corpus_text, tiny_tokenizer_dir
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _private_cache(tmp_path_factory):
+    """Every build in this module goes to a temporary cache, never the user's home."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HPCRLHF_CACHE", str(tmp_path_factory.mktemp("hpcrlhf-cache")))
+        mp.setenv("HF_HUB_OFFLINE", "1")
+        yield
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return AutoTokenizer.from_pretrained(str(tiny_tokenizer_dir()))
+
+
+def test_cache_dir_honours_env(tmp_path, monkeypatch):
+    monkeypatch.setenv("HPCRLHF_CACHE", str(tmp_path / "root"))
+    path = cache_dir("a", "b")
+    assert path == tmp_path / "root" / "a" / "b" and path.is_dir()
+
+
+def test_atomic_dir(tmp_path):
+    final = tmp_path / "entry"
+    with pytest.raises(RuntimeError):
+        with atomic_dir(final) as tmp:
+            (tmp / "half").write_text("x")
+            raise RuntimeError("build failed")
+    assert not final.exists() and list(tmp_path.iterdir()) == []
+
+    with atomic_dir(final) as tmp:
+        (tmp / "ok").write_text("mine")
+    assert (final / "ok").read_text() == "mine"
+
+    # Someone else finished first: their entry stays, ours is dropped.
+    with atomic_dir(final) as tmp:
+        (tmp / "ok").write_text("late")
+    assert (final / "ok").read_text() == "mine"
+    assert [p.name for p in tmp_path.iterdir()] == ["entry"]
+
+
+def test_tokenizer_is_deterministic():
+    first = build_tokenizer().backend_tokenizer.to_str()
+    second = build_tokenizer().backend_tokenizer.to_str()
+    assert first == second
+
+
+def test_digits_are_single_tokens(tokenizer):
+    for digit in "0123456789":
+        assert len(tokenizer(digit)["input_ids"]) == 1
+    assert tokenizer.tokenize("12+345=357") == list("12+345=357")
+    ids = tokenizer("907")["input_ids"]
+    assert ids == [tokenizer.convert_tokens_to_ids(d) for d in "907"]
+    assert tokenizer.decode(tokenizer("Adding 12 and 30 gives 42.")["input_ids"]) == (
+        "Adding 12 and 30 gives 42."
+    )
+
+
+def test_special_tokens(tokenizer):
+    ids = [
+        tokenizer.bos_token_id,
+        tokenizer.eos_token_id,
+        tokenizer.pad_token_id,
+        tokenizer.unk_token_id,
+    ]
+    assert None not in ids and len(set(ids)) == 4
+    assert tokenizer.pad_token == "<|pad|>" and tokenizer.eos_token == "<|eos|>"
+    assert len(tokenizer) == 512
+    # No BOS is prepended by plain encoding: prompt + response ids concatenate cleanly.
+    assert tokenizer("1+2=")["input_ids"][0] != tokenizer.bos_token_id
+
+
+def test_chat_template(tokenizer):
+    messages = [{"role": "user", "content": "12+34="}]
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert text == "<|bos|><|user|>\n12+34=<|eos|>\n<|assistant|>\n"
+    full = messages + [{"role": "assistant", "content": "46"}]
+    text = tokenizer.apply_chat_template(full, tokenize=False)
+    assert text.endswith("<|assistant|>\n46<|eos|>\n")
+    ids = tokenizer(text)["input_ids"]
+    assert tokenizer.convert_tokens_to_ids("<|assistant|>") in ids
+
+
+@pytest.mark.parametrize("family", TINY_FAMILIES)
+def test_family_builds_and_loads(family, tokenizer):
+    path = build_tiny_model_dir(family)
+    assert (path / "model.safetensors").is_file()
+    model = AutoModelForCausalLM.from_pretrained(str(path))
+    loaded_tok = AutoTokenizer.from_pretrained(str(path))
+    prompt = "12+345="
+    # qwen2 folders load as Qwen2Tokenizer (transformers insists); it must still agree.
+    for text in [prompt, *corpus_text().splitlines()[:40]]:
+        assert loaded_tok(text)["input_ids"] == tokenizer(text)["input_ids"], text
+    batch = loaded_tok([prompt, "1+2="], return_tensors="pt", padding=True)
+    with torch.no_grad():
+        logits = model(**batch).logits
+    assert logits.shape == (2, batch["input_ids"].shape[1], len(tokenizer))
+    assert torch.isfinite(logits).all()
+    for cfg in (model.config, model.generation_config):
+        assert cfg.eos_token_id == tokenizer.eos_token_id
+        assert cfg.bos_token_id == tokenizer.bos_token_id
+        assert cfg.pad_token_id == tokenizer.pad_token_id
+    if family == "mixtral":
+        assert model.config.num_local_experts == 4 and model.config.num_experts_per_tok == 2
+    # The second call reuses the cache entry.
+    assert build_tiny_model_dir(family) == path
+
+
+def test_weights_are_deterministic(tmp_path, monkeypatch):
+    dirs = []
+    for name in ("a", "b"):
+        monkeypatch.setenv("HPCRLHF_CACHE", str(tmp_path / name))
+        dirs.append(build_tiny_model_dir("llama"))
+    assert dirs[0] != dirs[1]
+    first, second = (load_file(str(Path(d) / "model.safetensors")) for d in dirs)
+    assert first.keys() == second.keys()
+    for key in first:
+        assert torch.equal(first[key], second[key]), key
+    files = [(d / "model.safetensors").read_bytes() for d in dirs]
+    assert files[0] == files[1]
+
+
+def test_resolve_model_path():
+    path = resolve_model_path("builtin:tiny-llama")
+    assert Path(path) == build_tiny_model_dir("llama")
+    assert resolve_model_path("/some/where/model") == "/some/where/model"
+    assert resolve_model_path("org/model-name") == "org/model-name"
+    with pytest.raises(ModelError, match="builtin:tiny-llama"):
+        resolve_model_path("builtin:tiny-falcon")
+    with pytest.raises(ModelError, match="gpt2"):
+        build_tiny_model_dir("falcon")
