@@ -27,7 +27,11 @@ def run_demo(out: Path, *, fresh: bool = False) -> int:
     if sft.get("before"):
         report.append(f"  {'base model':<12}{sft['before']['eval/task_score']:>8.3f}")
     report.append(f"  {'after SFT':<12}{sft['after']['eval/task_score']:>8.3f}")
-    report.append(f"  run folder: {out / 'sft'} (metrics.jsonl, tensorboard/, model/)")
+    from hpcrlhf.plots import plot_metrics
+
+    png = plot_metrics(out / "sft", ["train/loss", "eval/loss", "eval/task_score"], out / "sft_curves.png",
+                       title="hpcrlhf demo: SFT of the tiny llama on arithmetic")
+    report.append(f"  run folder: {out / 'sft'} (metrics.jsonl, tensorboard/, model/); curves: {png}")
     print("\n".join(report))
     get_logger().info("demo finished")
     return 0

@@ -7,6 +7,7 @@ does not depend on how the batch is split over ranks, micro-batches or packed ro
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ from hpcrlhf.data.tasks import get_task
 from hpcrlhf.engines.distributed import DistEnv, all_reduce_sum, init_distributed
 from hpcrlhf.engines.hf_generate import generate_greedy
 from hpcrlhf.logs import get_logger
+from hpcrlhf.metrics import read_metrics
 from hpcrlhf.trainers.plan import BatchPlan
 from hpcrlhf.trainers.run import Run
 
@@ -185,11 +187,17 @@ class SFTTrainer:
     def fit(self) -> dict:
         cfg, run, plan = self.cfg, self.run, self.plan
         step = run.resume(self.engine)["step"]
-        before = None
+        done = run.dir / "summary.json"
+        if step >= plan.total_steps and done.exists():
+            log.info(f"{run.dir} is already complete ({step} steps); use a new --output-dir to train again")
+            run.finish()
+            return json.loads(done.read_text())
         if step == 0:
             before = self.evaluate()
             run.log(0, before)
             log.info("before training: " + _fmt(before))
+        else:  # resumed: the first evaluation is in the run's metrics
+            before = next((m for m in read_metrics(run.dir) if m["step"] == 0 and "eval/loss" in m), None)
         progress = run.start_progress(plan.total_steps, step, "sft")
         window: list[float] = []
         window_start = time.perf_counter()
