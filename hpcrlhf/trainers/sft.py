@@ -7,11 +7,8 @@ does not depend on how the batch is split over ranks, micro-batches or packed ro
 
 from __future__ import annotations
 
-import json
 import math
-import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Sequence
 
 import torch
@@ -25,7 +22,7 @@ from hpcrlhf.data.tasks import get_task
 from hpcrlhf.engines.distributed import DistEnv, all_reduce_sum, init_distributed
 from hpcrlhf.engines.hf_generate import generate_greedy
 from hpcrlhf.logs import get_logger
-from hpcrlhf.metrics import read_metrics
+from hpcrlhf.trainers.base import Trainer
 from hpcrlhf.trainers.plan import BatchPlan
 from hpcrlhf.trainers.run import Run
 
@@ -109,7 +106,9 @@ def eval_shards(items: Sequence, env: DistEnv, batch_size: int) -> list[tuple[li
     return [(b, False) if b else ([items[0]], True) for b, _ in batches]
 
 
-class SFTTrainer:
+class SFTTrainer(Trainer):
+    kind = "sft"
+
     def __init__(self, cfg: SFTConfig):
         from hpcrlhf.engines.deepspeed_engine import (TrainingEngine, build_deepspeed_config,
                                                       maybe_zero3_init_context, set_extension_cache)
@@ -182,70 +181,6 @@ class SFTTrainer:
             total, n = all_reduce_sum([total, n])
             out["eval/task_score"] = total / n
         return out
-
-    # -- the loop -------------------------------------------------------------------------------------
-    def fit(self) -> dict:
-        cfg, run, plan = self.cfg, self.run, self.plan
-        step = run.resume(self.engine)["step"]
-        done = run.dir / "summary.json"
-        if step >= plan.total_steps and done.exists():
-            log.info(f"{run.dir} is already complete ({step} steps); use a new --output-dir to train again")
-            run.finish()
-            return json.loads(done.read_text())
-        if step == 0:
-            before = self.evaluate()
-            run.log(0, before)
-            log.info("before training: " + _fmt(before))
-        else:  # resumed: the first evaluation is in the run's metrics
-            before = next((m for m in read_metrics(run.dir) if m["step"] == 0 and "eval/loss" in m), None)
-        progress = run.start_progress(plan.total_steps, step, "sft")
-        window: list[float] = []
-        window_start = time.perf_counter()
-        stopped = False
-        while step < plan.total_steps:
-            with run.timed("step"):
-                metrics = self.train_step(step)
-            step += 1
-            window.append(metrics["train/loss"])
-            progress.update(1, loss=metrics["train/loss"])
-            if step % cfg.log.every_steps == 0 or step == plan.total_steps:
-                elapsed = time.perf_counter() - window_start
-                run.log(step, {"train/loss": sum(window) / len(window), "train/lr": self.engine.lr(),
-                               "train/grad_norm": self.engine.grad_norm(),
-                               "train/epoch": step / plan.steps_per_epoch,
-                               "throughput/tokens_per_sec": metrics["train/tokens"] * len(window) / elapsed,
-                               **{k: v / len(window) for k, v in run.pop_timings().items()}})
-                window, window_start = [], time.perf_counter()
-            if cfg.eval.every_steps and step % cfg.eval.every_steps == 0 and step < plan.total_steps:
-                run.log(step, self.evaluate())
-                window_start = time.perf_counter()  # keep eval time out of the throughput window
-            run.maybe_checkpoint(self.engine, step)
-            if run.stop_requested():
-                stopped = True
-                break
-        if stopped:
-            if run.checkpoints.latest() != run.checkpoints.path_for(step):
-                run.save_checkpoint(self.engine, step)
-            log.info(f"stop requested: checkpointed at step {step}; rerun the same command to resume")
-            run.finish()
-            return {"status": "stopped", "step": step}
-        after = self.evaluate()
-        run.log(step, after)
-        if run.checkpoints.latest() != run.checkpoints.path_for(step):
-            run.save_checkpoint(self.engine, step)
-        if cfg.checkpoint.save_model:
-            from hpcrlhf.engines.deepspeed_engine import save_hf_model
-
-            save_hf_model(self.engine, self.tokenizer, Path(cfg.output_dir) / "model")
-        summary = {"status": "done", "step": step, "before": before, "after": after}
-        run.write_summary(summary)
-        log.info("after training: " + _fmt(after))
-        run.finish()
-        return summary
-
-
-def _fmt(metrics: dict[str, float]) -> str:
-    return ", ".join(f"{k}={v:.4f}" for k, v in metrics.items())
 
 
 def run_sft(cfg: SFTConfig) -> dict:

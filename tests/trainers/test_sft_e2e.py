@@ -120,6 +120,15 @@ def test_bad_recipe_file_names_file_and_line(tmp_path):
     assert f"{recipe}:3" in proc.stderr and "did you mean 'epochs'" in proc.stderr
 
 
+def test_bad_data_row_is_reported_before_training(tmp_path):
+    data = tmp_path / "train.jsonl"
+    data.write_text(json.dumps({"prompt": "1+1=", "response": "2"}) + "\n" + json.dumps({"prompt": "2+2="}) + "\n")
+    proc = run_cli(["train", "sft", "-o", str(tmp_path / "bad"), "--set", f"data.train_path={data}",
+                    "--set", "task.name=null"], check=False, timeout=120)
+    assert proc.returncode == 2
+    assert f"{data}:2: field 'response' is missing" in proc.stderr and "data.response_key" in proc.stderr
+
+
 def test_help_is_complete():
     top = run_cli(["--help"]).stdout
     for cmd in ("train", "config", "demo"):
