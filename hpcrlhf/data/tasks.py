@@ -285,3 +285,10 @@ def get_task(name: str, **kwargs: Any) -> Any:
             f"{', '.join(valid)}"
         )
     return cls(**kwargs)
+
+
+def build_task(task_cfg: Any) -> Any | None:
+    """The task a config's `task` section names (None when `task.name` is null)."""
+    if task_cfg.name is None:
+        return None
+    return get_task(task_cfg.name, max_operand=task_cfg.max_operand, seed=task_cfg.seed)

@@ -18,7 +18,7 @@ from hpcrlhf.config.schema import SFTConfig
 from hpcrlhf.data.batching import collate, pack_rows
 from hpcrlhf.data.sft import TokenizedSample, encode_prompts, tokenize_sft
 from hpcrlhf.data.sources import Row, read_rows, require_text, rows_from_records
-from hpcrlhf.data.tasks import get_task
+from hpcrlhf.data.tasks import build_task
 from hpcrlhf.engines.distributed import DistEnv, all_reduce_sum, init_distributed
 from hpcrlhf.engines.hf_generate import generate_greedy
 from hpcrlhf.logs import get_logger
@@ -40,17 +40,16 @@ class SFTData:
 
 def load_sft_rows(cfg: SFTConfig) -> tuple[list[Row], list[Row]]:
     """Train and eval rows from the configured files, or from the bundled task."""
-    data, task_cfg = cfg.data, cfg.task
+    data, task = cfg.data, build_task(cfg.task)
+    origin = f"task:{cfg.task.name}"
     if data.train_path:
         train = read_rows(data.train_path, split=data.split, limit=data.max_samples)
     else:
-        task = get_task(task_cfg.name, max_operand=task_cfg.max_operand, seed=task_cfg.seed)
-        train = rows_from_records(task.sft_rows("train", data.max_samples or task_cfg.train_size), f"task:{task_cfg.name}[train]")
+        train = rows_from_records(task.sft_rows("train", data.max_samples or cfg.task.train_size), f"{origin}[train]")
     if data.eval_path:
         evals = read_rows(data.eval_path, split=data.split)
-    elif task_cfg.name and not data.train_path:
-        task = get_task(task_cfg.name, max_operand=task_cfg.max_operand, seed=task_cfg.seed)
-        evals = rows_from_records(task.sft_rows("eval", task_cfg.eval_size), f"task:{task_cfg.name}[eval]")
+    elif task is not None and not data.train_path:
+        evals = rows_from_records(task.sft_rows("eval", cfg.task.eval_size), f"{origin}[eval]")
     else:
         evals = []
     keys = (data.prompt_key, data.response_key)
@@ -78,8 +77,8 @@ def build_sft_data(cfg: SFTConfig, tokenizer) -> SFTData:
     else:
         rows = [[s] for s in train]
     score_prompts = []
-    if cfg.task.name:
-        task = get_task(cfg.task.name, max_operand=cfg.task.max_operand, seed=cfg.task.seed)
+    task = build_task(cfg.task)
+    if task is not None:
         texts = [r["prompt"] for r in task.prompt_rows("eval", cfg.eval.score_prompts)]
         score_prompts = list(zip(encode_prompts(tokenizer, texts, cfg.data.apply_chat_template), texts))
     return SFTData(rows, evals, score_prompts)
@@ -169,7 +168,7 @@ class SFTTrainer(Trainer):
             loss, count = all_reduce_sum([loss, count])
             out["eval/loss"] = loss / count
         if self.data.score_prompts:
-            task = get_task(self.cfg.task.name, max_operand=self.cfg.task.max_operand, seed=self.cfg.task.seed)
+            task = build_task(self.cfg.task)
             total, n = 0.0, 0
             for batch, dummy in eval_shards(self.data.score_prompts, self.env, self.cfg.eval.batch_size):
                 texts = generate_greedy(self.engine.module, self.tokenizer, [p for p, _ in batch],
