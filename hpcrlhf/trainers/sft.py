@@ -101,8 +101,8 @@ def eval_shards(items: Sequence, env: DistEnv, batch_size: int) -> list[tuple[li
     ZeRO-3 requirement), padded with dummy batches flagged True."""
     shard = list(items[env.rank :: env.world_size])
     n_batches = math.ceil(math.ceil(len(items) / env.world_size) / batch_size) if items else 0
-    batches = [(shard[i * batch_size : (i + 1) * batch_size], False) for i in range(n_batches)]
-    return [(b, False) if b else ([items[0]], True) for b, _ in batches]
+    batches = [shard[i * batch_size : (i + 1) * batch_size] for i in range(n_batches)]
+    return [(b, False) if b else ([items[0]], True) for b in batches]
 
 
 class SFTTrainer(Trainer):
