@@ -78,6 +78,36 @@ def require_text(rows: Sequence[Row], keys: Sequence[str], *, key_option: dict[s
                 raise DataError(f"{row.origin}: field '{key}' is empty; remove the row or fill it in")
 
 
+def require_number(rows: Sequence[Row], key: str, *, option: str) -> None:
+    """Check that every row has a finite number (not a bool) under `key`."""
+    for row in rows:
+        value = row.data.get(key)
+        if key not in row.data:
+            raise DataError(f"{row.origin}: field '{key}' is missing (set by {option}); the row has: "
+                            f"{', '.join(sorted(row.data)) or 'none'}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value or abs(value) == float("inf"):
+            raise DataError(f"{row.origin}: field '{key}' ({option}) must be a finite number, got {value!r}")
+
+
+def require_label(rows: Sequence[Row], key: str, *, option: str) -> None:
+    """Check that every row has a boolean label (true/false, or 1/0) under `key`."""
+    for row in rows:
+        if key not in row.data:
+            raise DataError(f"{row.origin}: field '{key}' is missing (set by {option}); the row has: "
+                            f"{', '.join(sorted(row.data)) or 'none'}")
+        if row.data[key] not in (True, False):  # 1 and 0 compare equal to True and False
+            raise DataError(f"{row.origin}: field '{key}' ({option}) must be true or false (desirable or not), "
+                            f"got {row.data[key]!r}")
+
+
+def require_distinct(rows: Sequence[Row], a: str, b: str) -> None:
+    """Check that fields `a` and `b` differ in every row (a preference pair needs two answers)."""
+    for row in rows:
+        if row.data[a].strip() == row.data[b].strip():
+            raise DataError(f"{row.origin}: '{a}' and '{b}' are identical ({row.data[a]!r}); a preference pair "
+                            "needs two different responses: fix or remove the row")
+
+
 def _looks_local(spec: str) -> bool:
     """Hub names are `name` or `org/name`; anything else that does not exist is a missing path."""
     return spec.startswith(("/", ".", "~")) or Path(spec).suffix in FILE_FORMATS or spec.count("/") > 1

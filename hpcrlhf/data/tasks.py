@@ -22,6 +22,7 @@ Row kinds, one method each (all take `split` = "train" or "eval" and a row count
 - `sft_rows`        {"prompt", "response"}                    correct demonstrations
 - `prompt_rows`     {"prompt", "answer"}                      prompts for RL and evaluation
 - `preference_rows` {"prompt", "chosen", "rejected"}          chosen right, rejected wrong
+- `mixed_preference_rows` the same plus "difficulty": easy and hard pairs mixed
 - `unpaired_rows`   {"prompt", "completion", "label"}         half right (True), half wrong
 
 `score(prompt, response)` is the exact, rule-based reward (1.0 or 0.0) and `partial_score` a
@@ -186,6 +187,16 @@ class ArithmeticTask:
                     "rejected": str(wrong(answer, rng)),
                 }
             )
+        return rows
+
+    def mixed_preference_rows(self, split: str, n: int, hard_fraction: float) -> list[dict[str, str]]:
+        """`n` pairs like `preference_rows`, each hard with probability `hard_fraction` (a stable
+        per-row draw), with a "difficulty" field ("easy" or "hard") for per-kind evaluation."""
+        easy, hard = self.preference_rows(split, n), self.preference_rows(split, n, hard=True)
+        rows = []
+        for i, (e, h) in enumerate(zip(easy, hard)):  # same problem at the same index
+            is_hard = _unit_hash("difficulty", self.seed, split, i) < hard_fraction
+            rows.append({**(h if is_hard else e), "difficulty": "hard" if is_hard else "easy"})
         return rows
 
     def unpaired_rows(self, split: str, n: int) -> list[dict[str, Any]]:

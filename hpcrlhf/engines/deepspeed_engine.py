@@ -17,7 +17,7 @@ import os
 import sys
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -196,12 +196,57 @@ def set_extension_cache() -> None:
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(cache_dir("torch_extensions")))
 
 
-def save_hf_model(engine: TrainingEngine, tokenizer, folder: Path) -> None:
-    """Save the trained weights in Hugging Face format (loadable by transformers and vLLM)."""
-    state = engine.full_state_dict()  # every rank takes part (ZeRO-3 gathers)
+def save_hf_model(engine: TrainingEngine, write: Callable[[dict[str, torch.Tensor]], None]) -> None:
+    """Gather the trained weights (every rank takes part: ZeRO-3 gathers) and let rank 0 `write`
+    them (CPU tensors) in Hugging Face format."""
+    state = engine.full_state_dict()
     if torch.distributed.get_rank() == 0:
-        folder.mkdir(parents=True, exist_ok=True)
-        state = {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
-        engine.module.save_pretrained(str(folder), state_dict=state, safe_serialization=True)
-        tokenizer.save_pretrained(str(folder))
+        write({k: v.detach().to("cpu").contiguous() for k, v in state.items()})
     torch.distributed.barrier()
+
+
+@contextlib.contextmanager
+def zero3_init_paused():
+    """Load a model normally (unsharded) even while a ZeRO-3 config is active, e.g. on rank 0
+    for export."""
+    from transformers.integrations import deepspeed as hf_ds
+
+    ref = hf_ds._hf_deepspeed_config_weak_ref
+    hf_ds.unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        hf_ds._hf_deepspeed_config_weak_ref = ref
+
+
+def build_frozen_deepspeed_config(engine: EngineConfig, *, offload: bool, micro_batch_size: int,
+                                  world_size: int) -> dict[str, Any] | None:
+    """DeepSpeed config of a frozen model (the reference) next to a ZeRO-3 policy: parameters
+    sharded too (optionally kept in CPU memory). None at ZeRO 0-2, where a frozen model is just
+    replicated (it has no gradients or optimizer states to shard)."""
+    if engine.zero_stage != 3:
+        return None
+    zero: dict[str, Any] = {"stage": 3, "stage3_param_persistence_threshold": 0}
+    if offload:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
+    return {"train_micro_batch_size_per_gpu": micro_batch_size, "train_batch_size": micro_batch_size * world_size,
+            "zero_optimization": zero, "bf16": {"enabled": engine.precision == "bf16"}, "steps_per_print": 10**9}
+
+
+class FrozenModel:
+    """A model used only for forward passes (a reference or reward model), in eval mode."""
+
+    def __init__(self, model: torch.nn.Module, ds_config: dict[str, Any] | None, device: torch.device):
+        model.requires_grad_(False)
+        if ds_config is None:
+            self.module = model.to(device).eval()
+        else:
+            ensure_deepspeed_comm()
+            import deepspeed
+
+            self.module = deepspeed.initialize(model=model, config=ds_config)[0].module.eval()
+        self.device = device
+
+    @torch.no_grad()
+    def __call__(self, **batch):
+        return self.module(**batch, use_cache=False)

@@ -59,18 +59,28 @@ def load_tokenizer(path: str, *, trust_remote_code: bool = False):
     return tok
 
 
-def load_causal_lm(path: str, *, attn_implementation: str = "auto", dtype: str = "fp32", trust_remote_code: bool = False):
-    from transformers import AutoModelForCausalLM
+def from_pretrained(auto_cls, path: str, *, attn_implementation: str = "auto", dtype: str = "fp32",
+                    trust_remote_code: bool = False, quantization_config=None, **kwargs):
+    """`auto_cls.from_pretrained` with hpcrlhf's path checks, attention choice and errors."""
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # hpcrlhf reports its own progress
-
     path = resolve_model_path(path)
     _check_model_path(path)
     attn = resolve_attn_implementation(attn_implementation)
+    if quantization_config is not None:
+        kwargs["quantization_config"] = quantization_config
     try:
-        return AutoModelForCausalLM.from_pretrained(
-            path, dtype=DTYPES[dtype], attn_implementation=attn, trust_remote_code=trust_remote_code
-        )
+        return auto_cls.from_pretrained(path, dtype=DTYPES[dtype], attn_implementation=attn,
+                                        trust_remote_code=trust_remote_code, **kwargs)
     except (OSError, ValueError) as e:
-        raise ModelError(f"model.path: cannot load '{path}' as a causal LM: {e}") from None
+        what = auto_cls.__name__.removeprefix("AutoModelFor")
+        raise ModelError(f"model.path: cannot load '{path}' as {what}: {e}") from None
+
+
+def load_causal_lm(path: str, *, attn_implementation: str = "auto", dtype: str = "fp32", trust_remote_code: bool = False,
+                   quantization_config=None):
+    from transformers import AutoModelForCausalLM
+
+    return from_pretrained(AutoModelForCausalLM, path, attn_implementation=attn_implementation, dtype=dtype,
+                           trust_remote_code=trust_remote_code, quantization_config=quantization_config)

@@ -1,10 +1,12 @@
-"""The training loop every single-model trainer shares (SFT, RM, DPO, KTO, ...).
+"""The training loop every single-model trainer shares (SFT, RM, DPO, KTO, CSFT).
 
-A subclass builds `cfg`, `run`, `plan`, `engine` and `tokenizer`, and supplies the two things
-that differ between algorithms: `train_step(step)` (one optimizer step; returns `train/*`
-metrics for that step, `train/tokens` included) and `evaluate()`. The loop owns the rest:
-resume, progress, windowed metrics, periodic evaluation and checkpoints, stop requests, the
-final model and the summary.
+A subclass calls `setup(cfg)`, loads its data, calls `build_engine(num_rows)`, and supplies the
+two things that differ between algorithms: `train_step(step)` (one optimizer step; returns
+`train/*` metrics for that step, `train/tokens` included) and `evaluate()`. The base owns the
+rest: model loading (causal LM or value model, LoRA), the DeepSpeed engine, resume, progress,
+windowed metrics, periodic evaluation and checkpoints, stop requests, the exported model and the
+summary. `sample_mean_step` and `eval_means` are the shared shapes of a step and an evaluation
+whose loss is a mean over samples.
 """
 
 from __future__ import annotations
@@ -13,27 +15,163 @@ import json
 import time
 from collections import defaultdict
 from pathlib import Path
+from typing import Any, Callable, Sequence
 
+import torch
+
+from hpcrlhf.engines.distributed import all_reduce_sum, init_distributed
+from hpcrlhf.engines.hf_generate import generate_greedy
 from hpcrlhf.logs import get_logger
 from hpcrlhf.metrics import read_metrics
+from hpcrlhf.trainers.plan import BatchPlan, eval_shards
+from hpcrlhf.trainers.run import Run
 
 log = get_logger()
+
+Stats = dict[str, tuple[float, float]]
+"""Metric name -> (sum, count) over some samples; means are taken after summing over ranks."""
 
 
 class Trainer:
     kind = "train"
+    value_head = False
+    """True for trainers whose model is a value model (reward model), else a causal LM."""
 
+    # -- construction ---------------------------------------------------------------------------
+    def setup(self, cfg) -> None:
+        from hpcrlhf.models.loading import load_tokenizer
+
+        self.cfg = cfg
+        self.env = init_distributed()
+        torch.manual_seed(cfg.seed)
+        self.run = Run(cfg, self.env)
+        self.tokenizer = load_tokenizer(cfg.model.path, trust_remote_code=cfg.model.trust_remote_code)
+        self.pad_id = self.tokenizer.pad_token_id
+
+    def load_model(self, path: str) -> torch.nn.Module:
+        """A transformers model from `path`: a causal LM, or for value trainers a one-label
+        sequence-classification model (no LoRA, not yet in an engine)."""
+        from hpcrlhf.models.loading import load_causal_lm
+        from hpcrlhf.models.lora import quantization_config
+        from hpcrlhf.models.value import load_value_model
+
+        kw = dict(attn_implementation=self.cfg.model.attn_implementation, dtype=self.cfg.engine.precision,
+                  trust_remote_code=self.cfg.model.trust_remote_code, quantization_config=quantization_config(self.cfg.lora))
+        if self.value_head:
+            return load_value_model(path, pad_token_id=self.pad_id, **kw)
+        return load_causal_lm(path, **kw)
+
+    def build_engine(self, num_rows: int) -> None:
+        """The batch plan and the trained model under DeepSpeed (with LoRA when configured)."""
+        from hpcrlhf.engines.deepspeed_engine import (TrainingEngine, build_deepspeed_config,
+                                                      maybe_zero3_init_context, set_extension_cache)
+        from hpcrlhf.models.lora import apply_lora
+        from hpcrlhf.models.value import ValueModel
+
+        cfg = self.cfg
+        self.plan = BatchPlan.build(cfg.train, num_rows=num_rows, data_parallel_size=self.env.world_size)
+        self.ds_config = build_deepspeed_config(cfg.engine, cfg.optim, micro_batch_size=self.plan.micro_batch_rows,
+                                                grad_accum_steps=self.plan.grad_accum_steps, world_size=self.env.world_size)
+        set_extension_cache()
+        self._zero3_ctx = maybe_zero3_init_context(self.ds_config)  # alive while models load
+        model = self.load_model(cfg.model.path)
+        if cfg.lora.rank:
+            model = apply_lora(model, cfg.lora, value_head=self.value_head,
+                               gradient_checkpointing=cfg.engine.gradient_checkpointing)
+        if self.value_head:
+            model = ValueModel(model)
+        self.engine = TrainingEngine(model, self.ds_config, optim=cfg.optim, total_steps=self.plan.total_steps,
+                                     gradient_checkpointing=cfg.engine.gradient_checkpointing)
+        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        log.info(f"{self.kind}: {num_rows} training rows, {self.plan.total_steps} steps, {self.env.world_size} rank(s) x "
+                 f"{self.plan.micro_batch_rows} rows x {self.plan.grad_accum_steps} accumulation, ZeRO-{cfg.engine.zero_stage}"
+                 + (f", LoRA rank {cfg.lora.rank} ({trainable} trainable parameters)" if cfg.lora.rank else ""))
+
+    # -- what each trainer supplies -------------------------------------------------------------
     def train_step(self, step: int) -> dict[str, float]:
         raise NotImplementedError
 
     def evaluate(self) -> dict[str, float]:
         raise NotImplementedError
 
-    def save_outputs(self) -> None:
-        """Write the final model in Hugging Face format into `model/` of the run folder."""
-        from hpcrlhf.engines.deepspeed_engine import save_hf_model
+    def exported_config(self) -> dict[str, Any]:
+        """Extra entries for the exported model's config.json."""
+        return {}
 
-        save_hf_model(self.engine, self.tokenizer, Path(self.cfg.output_dir) / "model")
+    def save_outputs(self) -> None:
+        """Write the final model in Hugging Face format into `model/` of the run folder (LoRA
+        adapters merged, the adapter alone in `model/adapter/`)."""
+        from hpcrlhf.engines.deepspeed_engine import save_hf_model, zero3_init_paused
+        from hpcrlhf.models.export import export_pretrained
+
+        def build_base():
+            with zero3_init_paused():
+                return self.load_model(self.cfg.model.path)
+
+        extra = self.exported_config()  # may need every rank (collectives)
+        save_hf_model(self.engine, lambda state: export_pretrained(
+            self.engine.module, state, Path(self.cfg.output_dir) / "model", self.tokenizer,
+            lora=self.cfg.lora, build_base=build_base, config_updates=extra))
+
+    # -- shared shapes of a step and of an evaluation ------------------------------------------
+    def sample_mean_step(self, step: int, num_rows: int,
+                         micro_loss: Callable[[list[int]], tuple[torch.Tensor, int, Stats]]) -> dict[str, float]:
+        """One optimizer step on a loss that is a mean over the samples of the global batch.
+
+        `micro_loss(indices)` returns the mean loss over those samples, their token count and
+        statistics. Each micro-batch's mean is weighted by its share of the global batch (every
+        rank gets the same number of rows), so 1 rank and N ranks compute the same update.
+        """
+        indices = self.plan.rows_for_step(num_rows, step, self.cfg.seed, self.env.rank)
+        global_rows, world = self.plan.global_batch_rows, self.env.world_size
+        self.engine.train()
+        sums: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
+        tokens = 0
+        for start in range(0, len(indices), self.plan.micro_batch_rows):
+            part = indices[start : start + self.plan.micro_batch_rows]
+            loss, n_tokens, stats = micro_loss(part)
+            self.engine.backward(loss * (len(part) * world / global_rows))
+            self.engine.step()
+            tokens += n_tokens
+            _add(sums, {"train/loss": (float(loss.detach()) * len(part), len(part)), **stats})
+        means = _reduce_means(sums)
+        means["train/tokens"] = all_reduce_sum([tokens])[0]
+        return means
+
+    def eval_means(self, items: Sequence, batch_stats: Callable[[list], Stats]) -> dict[str, float]:
+        """Means of `batch_stats` over `items`, sharded over ranks (ZeRO-3 safe)."""
+        sums: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
+        for batch, dummy in eval_shards(items, self.env, self.cfg.eval.batch_size):
+            stats = batch_stats(batch)
+            _add(sums, {k: (0.0, 0.0) for k in stats} if dummy else stats)
+        return _reduce_means(sums)
+
+    def task_prompts(self, template: Callable[[str], str] = str) -> list[tuple[list[int], str]]:
+        """(token ids of template(prompt), prompt) for the task's held-out prompts (none without a task)."""
+        from hpcrlhf.data.sft import encode_prompts
+        from hpcrlhf.data.tasks import build_task
+
+        task = build_task(self.cfg.task)
+        if task is None:
+            return []
+        texts = [r["prompt"] for r in task.prompt_rows("eval", self.cfg.eval.score_prompts)]
+        ids = encode_prompts(self.tokenizer, [template(t) for t in texts], self.cfg.data.apply_chat_template)
+        return list(zip(ids, texts))
+
+    def generation_scores(self, prompts: Sequence[tuple[list[int], str]], key: str = "eval/task_score") -> dict[str, float]:
+        """Mean task score of greedy generations for (prompt ids, prompt text) pairs."""
+        from hpcrlhf.data.tasks import build_task
+
+        task = build_task(self.cfg.task)
+
+        def stats(batch: list) -> Stats:
+            texts = generate_greedy(self.engine.module, self.tokenizer, [ids for ids, _ in batch],
+                                    max_new_tokens=self.cfg.eval.max_new_tokens, device=self.engine.device,
+                                    synced_gpus=self.engine.zero_stage == 3 and self.env.world_size > 1)
+            return {key: (sum(task.score(prompt, text) for (_, prompt), text in zip(batch, texts)), len(batch))}
+
+        self.engine.eval()
+        return self.eval_means(prompts, stats) if prompts else {}
 
     def fit(self) -> dict:
         run, plan = self.run, self.plan
@@ -96,6 +234,19 @@ class Trainer:
     def _checkpoint_once(self, step: int) -> None:
         if self.run.checkpoints.latest() != self.run.checkpoints.path_for(step):
             self.run.save_checkpoint(self.engine, step)
+
+
+def _add(sums: dict[str, list[float]], stats: Stats) -> None:
+    for key, (total, count) in stats.items():
+        sums[key][0] += total
+        sums[key][1] += count
+
+
+def _reduce_means(sums: dict[str, list[float]]) -> dict[str, float]:
+    """Sum (sum, count) pairs over ranks, then divide; a metric no rank had a sample for is left out."""
+    keys = sorted(sums)
+    flat = all_reduce_sum([x for k in keys for x in sums[k]])
+    return {k: flat[2 * i] / flat[2 * i + 1] for i, k in enumerate(keys) if flat[2 * i + 1] > 0}
 
 
 def format_metrics(metrics: dict[str, float]) -> str:

@@ -1,4 +1,5 @@
-"""Derived batch numbers, computed once from the config and the world size.
+"""Derived batch numbers, computed once from the config and the world size, and which rows
+each rank works on.
 
 Configs never change after loading; everything that follows from them (accumulation steps,
 rows per rank, steps per epoch) lives here with names that carry their unit.
@@ -6,9 +7,14 @@ rows per rank, steps per epoch) lives here with names that carry their unit.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import Sequence
+
+import torch
 
 from hpcrlhf.config.schema import TrainConfig
+from hpcrlhf.engines.distributed import DistEnv
 from hpcrlhf.errors import ConfigError
 
 
@@ -26,6 +32,17 @@ class BatchPlan:
     @property
     def rows_per_rank_per_step(self) -> int:
         return self.micro_batch_rows * self.grad_accum_steps
+
+    def rows_for_step(self, num_rows: int, step: int, seed: int, rank: int) -> list[int]:
+        """Indices of the rows `rank` trains on at optimizer step `step` (0-based).
+
+        The order is a pure function of (seed, epoch), so the data position of a resumed run is
+        just its step: no sample is lost or repeated across a restart.
+        """
+        epoch, within = divmod(step, self.steps_per_epoch)
+        order = torch.randperm(num_rows, generator=torch.Generator().manual_seed(seed + epoch))
+        start = within * self.global_batch_rows + rank * self.rows_per_rank_per_step
+        return order[start : start + self.rows_per_rank_per_step].tolist()
 
     @classmethod
     def build(cls, train: TrainConfig, *, num_rows: int, data_parallel_size: int) -> "BatchPlan":
@@ -45,3 +62,12 @@ class BatchPlan:
             )
         total = train.max_steps if train.max_steps is not None else steps_per_epoch * train.epochs
         return cls(w, g, m, g // (m * w), steps_per_epoch, total)
+
+
+def eval_shards(items: Sequence, env: DistEnv, batch_size: int) -> list[tuple[list, bool]]:
+    """This rank's share of `items` in batches; every rank gets the same number of batches (a
+    ZeRO-3 requirement), padded with dummy batches flagged True."""
+    shard = list(items[env.rank :: env.world_size])
+    n_batches = math.ceil(math.ceil(len(items) / env.world_size) / batch_size) if items else 0
+    batches = [shard[i * batch_size : (i + 1) * batch_size] for i in range(n_batches)]
+    return [(b, False) if b else ([items[0]], True) for b in batches]

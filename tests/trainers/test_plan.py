@@ -3,7 +3,6 @@ import pytest
 from hpcrlhf.config.schema import TrainConfig
 from hpcrlhf.errors import ConfigError
 from hpcrlhf.trainers.plan import BatchPlan
-from hpcrlhf.trainers.sft import rows_for_step
 
 
 def test_plan_derives_accumulation_and_steps():
@@ -29,6 +28,6 @@ def test_rows_for_step_cover_each_epoch_once_across_ranks():
         seen = []
         for step in range(epoch * p.steps_per_epoch, (epoch + 1) * p.steps_per_epoch):
             for rank in range(2):
-                seen += rows_for_step(24, step, p, seed=5, rank=rank)
+                seen += p.rows_for_step(24, step, seed=5, rank=rank)
         assert sorted(seen) == list(range(24))  # no sample lost or repeated within an epoch
-    assert rows_for_step(24, 0, p, 5, 0) != rows_for_step(24, p.steps_per_epoch, p, 5, 0)  # reshuffled per epoch
+    assert p.rows_for_step(24, 0, 5, 0) != p.rows_for_step(24, p.steps_per_epoch, 5, 0)  # reshuffled per epoch

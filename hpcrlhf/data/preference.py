@@ -1,0 +1,90 @@
+"""Preference data: (prompt, chosen, rejected) pairs and unpaired labelled completions.
+
+Every response is tokenised like an SFT sample (`prompt + response + EOS`, loss mask on the
+response and EOS), so reward models, DPO and KTO score exactly the tokens SFT trained on and a
+policy will generate. Rows are checked up front and a bad row is named by file and line.
+
+KTO's reference point needs completions that do *not* answer their prompt: each unpaired sample
+carries a mismatched sequence, its own prompt followed by the completion of the next row
+(`mismatched_pairs` over the dataset order, fixed for the whole run, so reference log-probs of
+those sequences can be precomputed like any other).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from hpcrlhf.algos.preference import mismatched_pairs
+from hpcrlhf.config.schema import PairDataConfig, UnpairedDataConfig
+from hpcrlhf.data.sft import TokenizedSample, tokenize_sft
+from hpcrlhf.data.sources import Row, require_distinct, require_label, require_number, require_text
+from hpcrlhf.errors import DataError
+
+
+@dataclass(frozen=True)
+class PairSample:
+    chosen: TokenizedSample
+    rejected: TokenizedSample
+    margin: float
+    """Preference margin from the data (0 without `data.margin_key`)."""
+    tag: str
+    """The row's "difficulty" field when it has one (the bundled task's easy/hard pairs), else ""."""
+
+
+@dataclass(frozen=True)
+class UnpairedSample:
+    sample: TokenizedSample
+    mismatched: TokenizedSample
+    """This row's prompt followed by another row's completion (for the KL estimate)."""
+    desirable: bool
+
+
+def check_pair_rows(rows: Sequence[Row], data: PairDataConfig) -> None:
+    keys = (data.prompt_key, data.chosen_key, data.rejected_key)
+    require_text(rows, keys, key_option={data.prompt_key: "data.prompt_key", data.chosen_key: "data.chosen_key",
+                                         data.rejected_key: "data.rejected_key"})
+    require_distinct(rows, data.chosen_key, data.rejected_key)
+    if data.margin_key:
+        require_number(rows, data.margin_key, option="data.margin_key")
+
+
+def check_unpaired_rows(rows: Sequence[Row], data: UnpairedDataConfig) -> None:
+    require_text(rows, (data.prompt_key, data.completion_key),
+                 key_option={data.prompt_key: "data.prompt_key", data.completion_key: "data.completion_key"})
+    require_label(rows, data.label_key, option="data.label_key")
+
+
+def tokenize_pairs(rows: Sequence[Row], tokenizer, data: PairDataConfig) -> tuple[list[PairSample], int]:
+    """Tokenised pairs and how many had a response truncated to `data.max_length`."""
+    kw = dict(prompt_key=data.prompt_key, max_length=data.max_length, apply_chat_template=data.apply_chat_template)
+    chosen, n_c = tokenize_sft(rows, tokenizer, response_key=data.chosen_key, **kw)
+    rejected, n_r = tokenize_sft(rows, tokenizer, response_key=data.rejected_key, **kw)
+    pairs = []
+    for row, c, r in zip(rows, chosen, rejected):
+        if c.input_ids == r.input_ids:
+            raise DataError(f"{row.origin}: chosen and rejected are identical after truncation to data.max_length="
+                            f"{data.max_length} tokens (the prompt fills it); raise data.max_length")
+        margin = float(row.data[data.margin_key]) if data.margin_key else 0.0
+        pairs.append(PairSample(c, r, margin, str(row.data.get("difficulty", ""))))
+    return pairs, max(n_c, n_r)
+
+
+def tokenize_unpaired(rows: Sequence[Row], tokenizer, data: UnpairedDataConfig) -> tuple[list[UnpairedSample], int]:
+    """Tokenised labelled completions, each with its mismatched sequence (needs >= 2 rows)."""
+    if len(rows) < 2:
+        raise DataError(f"KTO needs at least 2 rows to pair prompts with unrelated completions, got {len(rows)}")
+    samples, truncated = tokenize_sft(rows, tokenizer, prompt_key=data.prompt_key, response_key=data.completion_key,
+                                      max_length=data.max_length, apply_chat_template=data.apply_chat_template)
+    other = mismatched_pairs(len(samples)).tolist()
+    return [UnpairedSample(s, splice(s, samples[j], data.max_length), bool(row.data[data.label_key]))
+            for row, s, j in zip(rows, samples, other)], truncated
+
+
+def splice(prompt_of: TokenizedSample, response_of: TokenizedSample, max_length: int) -> TokenizedSample:
+    """The prompt tokens of one sample followed by the response tokens of another."""
+    prompt = [t for t, m in zip(prompt_of.input_ids, prompt_of.loss_mask) if not m]
+    response = [t for t, m in zip(response_of.input_ids, response_of.loss_mask) if m]
+    ids = (prompt + response)[:max_length]
+    mask = ([False] * len(prompt) + [True] * len(response))[:max_length]
+    return TokenizedSample(tuple(ids), tuple(mask), f"{prompt_of.origin} + response of {response_of.origin}")
