@@ -19,3 +19,14 @@ def tiny_llama() -> str:
     from hpcrlhf.models.tiny import build_tiny_model_dir
 
     return str(build_tiny_model_dir("llama"))
+
+
+@pytest.fixture(scope="session")
+def sft_model(tmp_path_factory) -> str:
+    """A partly trained SFT model (task score ~0.15): room left for preference training to help."""
+    from tests.launch_helpers import run_cli
+
+    out = tmp_path_factory.mktemp("sft_base") / "run"
+    run_cli(["train", "sft", "-o", str(out), "--set", "train.max_steps=600", "--set", "eval.every_steps=0",
+             "--set", "log.tensorboard=false", "--set", "task.train_size=38400"])
+    return str(out / "model")

@@ -16,10 +16,12 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from hpcrlhf.algos.preference import mismatched_pairs
-from hpcrlhf.config.schema import PairDataConfig, UnpairedDataConfig
+from hpcrlhf.config.schema import PairDataConfig, TaskConfig, UnpairedDataConfig
+from hpcrlhf.data.loading import load_rows
 from hpcrlhf.data.sft import TokenizedSample, tokenize_sft
 from hpcrlhf.data.sources import Row, require_distinct, require_label, require_number, require_text
 from hpcrlhf.errors import DataError
+from hpcrlhf.logs import get_logger
 
 
 @dataclass(frozen=True)
@@ -88,3 +90,31 @@ def splice(prompt_of: TokenizedSample, response_of: TokenizedSample, max_length:
     ids = (prompt + response)[:max_length]
     mask = ([False] * len(prompt) + [True] * len(response))[:max_length]
     return TokenizedSample(tuple(ids), tuple(mask), f"{prompt_of.origin} + response of {response_of.origin}")
+
+
+def load_pairs(data: PairDataConfig, task_cfg: TaskConfig, tokenizer) -> tuple[list[PairSample], list[PairSample]]:
+    """Checked, tokenised train and eval pairs (the task's mixed easy/hard pairs by default)."""
+    train, evals = load_rows(data, task_cfg, lambda task, split, n: task.mixed_preference_rows(
+        split, n, task_cfg.hard_pair_fraction))
+    for rows in (train, evals):
+        check_pair_rows(rows, data)
+    (train, truncated), (evals, _) = tokenize_pairs(train, tokenizer, data), tokenize_pairs(evals, tokenizer, data)
+    _warn_truncated(truncated, len(train), data.max_length)
+    return train, evals
+
+
+def load_unpaired(data: UnpairedDataConfig, task_cfg: TaskConfig, tokenizer) -> tuple[list[UnpairedSample], list[UnpairedSample]]:
+    """Checked, tokenised train and eval labelled completions (the task's by default)."""
+    train, evals = load_rows(data, task_cfg, lambda task, split, n: task.unpaired_rows(split, n))
+    for rows in (train, evals):
+        check_unpaired_rows(rows, data)
+    train, truncated = tokenize_unpaired(train, tokenizer, data)
+    evals = tokenize_unpaired(evals, tokenizer, data)[0] if evals else []
+    _warn_truncated(truncated, len(train), data.max_length)
+    return train, evals
+
+
+def _warn_truncated(truncated: int, total: int, max_length: int) -> None:
+    if truncated:
+        get_logger().warning(f"{truncated} of {total} training rows had a response longer than data.max_length="
+                             f"{max_length} tokens and were truncated")

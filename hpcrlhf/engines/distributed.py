@@ -71,6 +71,16 @@ def all_reduce_sum(values: list[float]) -> list[float]:
     return t.tolist()
 
 
+def all_reduce_tensor(t: torch.Tensor) -> torch.Tensor:
+    """Element-wise sum of a tensor over all ranks (returns a new tensor on t's device)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return t.clone()
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    out = t.to(device).clone()
+    dist.all_reduce(out)
+    return out.to(t.device)
+
+
 def barrier() -> None:
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.barrier()

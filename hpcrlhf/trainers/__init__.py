@@ -1,10 +1,20 @@
-"""Trainers by job kind. Each entry takes its typed config and returns a summary dict."""
+"""Trainers by job kind. Each entry takes its typed config and returns a summary dict.
+
+Modules are imported when a job runs, so `hpcrlhf --help` stays fast."""
+
+from importlib import import_module
+
+_RUNNERS = {"sft": ("sft", "run_sft"), "rm": ("rm", "run_rm"), "dpo": ("dpo", "run_dpo"),
+            "kto": ("kto", "run_kto"), "csft": ("csft", "run_csft")}
 
 
-def _sft(cfg):
-    from hpcrlhf.trainers.sft import run_sft
+def _runner(kind: str):
+    module, name = _RUNNERS[kind]
 
-    return run_sft(cfg)
+    def run(cfg):
+        return getattr(import_module(f"hpcrlhf.trainers.{module}"), name)(cfg)
+
+    return run
 
 
-TRAINERS = {"sft": _sft}
+TRAINERS = {kind: _runner(kind) for kind in _RUNNERS}
