@@ -44,12 +44,12 @@ class DPOTrainer(PolicyTrainer):
                   ) -> tuple[torch.Tensor, int, Stats]:
         cfg, n = self.cfg.dpo, len(pairs)
         policy, ref, counts = self.logps(_sequences(pairs), table, _table_ids(indices))
+        nll = -policy[:n] / counts[:n].clamp(min=1)  # mean token NLL of each chosen response
         if cfg.loss == "ipo":
             policy, ref = policy / counts.clamp(min=1), ref / counts.clamp(min=1)
         out = dpo_loss(policy[:n], policy[n:], ref[:n], ref[n:], beta=cfg.beta, loss_type=cfg.loss,
                        label_smoothing=cfg.label_smoothing)
         loss = out.loss
-        nll = -(policy[:n] / counts[:n].clamp(min=1)) if cfg.loss != "ipo" else -policy[:n]
         if cfg.nll_coef:
             loss = loss + cfg.nll_coef * nll.mean()
         stats = {f"{prefix}/reward_chosen": (float(out.chosen_rewards.sum()), n),

@@ -25,19 +25,11 @@ class KTOTrainer(PolicyTrainer):
     def __init__(self, cfg: KTOConfig):
         self.setup(cfg)
         self.train, self.evals = load_unpaired(cfg.data, cfg.task, self.tokenizer)
-        if self.plan_rows_per_rank() < 2:
-            from hpcrlhf.errors import ConfigError
-
-            raise ConfigError("train.global_batch_size: KTO's KL estimate pairs prompts with other rows' completions; "
-                              "give every rank at least 2 rows per step")
         self.build_engine(len(self.train))
         # Sequence tables laid out [sample 0, mismatched 0, sample 1, mismatched 1, ...].
         self.build_reference({"train": [s for u in self.train for s in (u.sample, u.mismatched)],
                               "eval": [s for u in self.evals for s in (u.sample, u.mismatched)]})
         self.pairs = task_pairs(self)
-
-    def plan_rows_per_rank(self) -> int:
-        return self.cfg.train.global_batch_size // self.env.world_size
 
     @torch.no_grad()
     def kl_estimate(self, rows: list[UnpairedSample], table: str, indices: list[int]) -> torch.Tensor:

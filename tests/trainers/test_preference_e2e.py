@@ -161,3 +161,19 @@ def test_precomputed_reference_equals_live(one_rank_runs, tmp_path):
     assert (out / "reference_logps.pt").exists()
     before = summary(out)["after"]["eval/loss"]
     assert before == pytest.approx(summary(one_rank_runs["dpo"])["after"]["eval/loss"], rel=1e-4)
+
+
+def test_rm_on_user_pairs_with_margins_and_no_eval_data(tmp_path):
+    from hpcrlhf.data.tasks import ArithmeticTask
+
+    rows = [{**r, "margin": 1.0 if r["difficulty"] == "easy" else 0.0}
+            for r in ArithmeticTask().mixed_preference_rows("train", 64, 0.5)]
+    data = tmp_path / "pairs.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "rm"
+    run_cli(["train", "rm", "-o", str(out), *SHORT, "--set", "task.name=null", "--set", f"data.train_path={data}",
+             "--set", "data.margin_key=margin"])
+    losses = train_metric(out, "train/loss")
+    assert len(losses) == 6 and all(v == v and v > 0 for v in losses.values())
+    config = json.loads((out / "model" / "config.json").read_text())
+    assert config["reward_std"] > 0  # statistics from training pairs when there is no eval data
