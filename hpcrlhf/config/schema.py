@@ -319,6 +319,25 @@ class RMConfig(TrainJobConfig):
 
 
 @dataclass(frozen=True)
+class PolicyJobConfig(TrainJobConfig):
+    """Jobs that train a policy against a frozen reference model (DPO, KTO)."""
+
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=2e-4))
+    """Optimizer and learning-rate schedule."""
+    train: TrainConfig = field(default_factory=lambda: TrainConfig(global_batch_size=32, micro_batch_size=32))
+    """Batch sizes (in pairs or samples) and length of training."""
+    reference: ReferenceConfig = field(default_factory=ReferenceConfig)
+    """The frozen reference model."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.reference.offload and self.engine.zero_stage != 3:
+            raise ConfigError("reference.offload: true keeps reference weights in CPU memory through ZeRO-3: "
+                              "set engine.zero_stage=3, or reference.precompute=true to drop the reference model "
+                              "after one pass")
+
+
+@dataclass(frozen=True)
 class DPOLossConfig:
     loss: Literal["dpo", "ipo", "cdpo"] = "dpo"
     """dpo: -log sigmoid(beta h) (Rafailov et al. 2023); ipo: (h - 1/(2 beta))^2 on
@@ -341,25 +360,15 @@ class DPOLossConfig:
 
 
 @dataclass(frozen=True)
-class DPOConfig(TrainJobConfig):
+class DPOConfig(PolicyJobConfig):
     """Direct preference optimisation (DPO, IPO, cDPO) against a frozen reference model."""
 
     data: PairDataConfig = field(default_factory=PairDataConfig)
     """Preference pairs for training and evaluation."""
-    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=2e-4))
-    """Optimizer and learning-rate schedule."""
-    train: TrainConfig = field(default_factory=lambda: TrainConfig(global_batch_size=32, micro_batch_size=32))
-    """Batch sizes (in pairs) and length of training."""
     dpo: DPOLossConfig = field(default_factory=DPOLossConfig)
     """The preference loss."""
-    reference: ReferenceConfig = field(default_factory=ReferenceConfig)
-    """The frozen reference model."""
     output_dir: str = "runs/dpo"
     """Run folder: config.yaml, metrics.jsonl, TensorBoard files, checkpoints/, model/."""
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        _check_reference(self.reference, self.engine)
 
 
 @dataclass(frozen=True)
@@ -379,26 +388,16 @@ class KTOLossConfig:
 
 
 @dataclass(frozen=True)
-class KTOConfig(TrainJobConfig):
+class KTOConfig(PolicyJobConfig):
     """Kahneman-Tversky optimisation on unpaired desirable/undesirable samples (Ethayarajh et al.
     2024), with the reference point estimated on mismatched (prompt, completion) pairs."""
 
     data: UnpairedDataConfig = field(default_factory=UnpairedDataConfig)
     """Labelled (prompt, completion) rows for training and evaluation."""
-    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=2e-4))
-    """Optimizer and learning-rate schedule."""
-    train: TrainConfig = field(default_factory=lambda: TrainConfig(global_batch_size=32, micro_batch_size=32))
-    """Batch sizes (in samples) and length of training."""
     kto: KTOLossConfig = field(default_factory=KTOLossConfig)
     """The KTO loss."""
-    reference: ReferenceConfig = field(default_factory=ReferenceConfig)
-    """The frozen reference model."""
     output_dir: str = "runs/kto"
     """Run folder: config.yaml, metrics.jsonl, TensorBoard files, checkpoints/, model/."""
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        _check_reference(self.reference, self.engine)
 
 
 @dataclass(frozen=True)
@@ -426,13 +425,6 @@ class CSFTConfig(TrainJobConfig):
     """How rewards become conditions."""
     output_dir: str = "runs/csft"
     """Run folder; `model/csft.json` records the template and buckets for generation."""
-
-
-def _check_reference(ref: ReferenceConfig, engine: EngineConfig) -> None:
-    if ref.offload and engine.zero_stage != 3:
-        raise ConfigError("reference.offload: true keeps reference weights in CPU memory through ZeRO-3: "
-                          "set engine.zero_stage=3, or reference.precompute=true to drop the reference model "
-                          "after one pass")
 
 
 JOB_CONFIGS: dict[str, type] = {"sft": SFTConfig, "rm": RMConfig, "dpo": DPOConfig, "kto": KTOConfig, "csft": CSFTConfig}

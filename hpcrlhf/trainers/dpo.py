@@ -21,15 +21,6 @@ from hpcrlhf.trainers.base import Stats
 from hpcrlhf.trainers.policy import PolicyTrainer
 
 
-def _sequences(pairs: list[PairSample]) -> list:
-    return [p.chosen for p in pairs] + [p.rejected for p in pairs]
-
-
-def _table_ids(indices: list[int]) -> list[int]:
-    """Ids of chosen then rejected responses in a table laid out [c0, r0, c1, r1, ...]."""
-    return [2 * i for i in indices] + [2 * i + 1 for i in indices]
-
-
 class DPOTrainer(PolicyTrainer):
     kind = "dpo"
 
@@ -37,13 +28,13 @@ class DPOTrainer(PolicyTrainer):
         self.setup(cfg)
         self.train, self.evals = load_pairs(cfg.data, cfg.task, self.tokenizer)
         self.build_engine(len(self.train))
-        self.build_reference({"train": [s for p in self.train for s in (p.chosen, p.rejected)],
-                              "eval": [s for p in self.evals for s in (p.chosen, p.rejected)]})
+        self.build_reference(lambda p: (p.chosen, p.rejected))
 
     def pair_loss(self, pairs: list[PairSample], table: str, indices: list[int], prefix: str
                   ) -> tuple[torch.Tensor, int, Stats]:
         cfg, n = self.cfg.dpo, len(pairs)
-        policy, ref, counts = self.logps(_sequences(pairs), table, _table_ids(indices))
+        policy, ref, counts = self.logps([p.chosen for p in pairs] + [p.rejected for p in pairs], table,
+                                         self.sequence_ids(indices, 0) + self.sequence_ids(indices, 1))
         nll = -policy[:n] / counts[:n].clamp(min=1)  # mean token NLL of each chosen response
         if cfg.loss == "ipo":
             policy, ref = policy / counts.clamp(min=1), ref / counts.clamp(min=1)

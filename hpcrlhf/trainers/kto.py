@@ -26,9 +26,7 @@ class KTOTrainer(PolicyTrainer):
         self.setup(cfg)
         self.train, self.evals = load_unpaired(cfg.data, cfg.task, self.tokenizer)
         self.build_engine(len(self.train))
-        # Sequence tables laid out [sample 0, mismatched 0, sample 1, mismatched 1, ...].
-        self.build_reference({"train": [s for u in self.train for s in (u.sample, u.mismatched)],
-                              "eval": [s for u in self.evals for s in (u.sample, u.mismatched)]})
+        self.build_reference(lambda u: (u.sample, u.mismatched))
         self.pairs = task_pairs(self)
 
     @torch.no_grad()
@@ -37,7 +35,7 @@ class KTOTrainer(PolicyTrainer):
         total = 0.0
         for start in range(0, len(rows), self.plan.micro_batch_rows):
             part = slice(start, start + self.plan.micro_batch_rows)
-            policy, ref, _ = self.logps([u.mismatched for u in rows[part]], table, [2 * i + 1 for i in indices[part]])
+            policy, ref, _ = self.logps([u.mismatched for u in rows[part]], table, self.sequence_ids(indices[part], 1))
             total += float((policy - ref).sum())
         total, count = all_reduce_sum([total, len(rows)])
         return torch.tensor(total / count, device=self.engine.device)
@@ -45,7 +43,7 @@ class KTOTrainer(PolicyTrainer):
     def sample_loss(self, rows: list[UnpairedSample], table: str, indices: list[int], kl: torch.Tensor, prefix: str
                     ) -> tuple[torch.Tensor, int, Stats]:
         cfg = self.cfg.kto
-        policy, ref, counts = self.logps([u.sample for u in rows], table, [2 * i for i in indices])
+        policy, ref, counts = self.logps([u.sample for u in rows], table, self.sequence_ids(indices, 0))
         desirable = torch.tensor([u.desirable for u in rows], device=policy.device)
         out = kto_loss(policy, ref, desirable, kl, beta=cfg.beta, desirable_weight=cfg.desirable_weight,
                        undesirable_weight=cfg.undesirable_weight)

@@ -11,7 +11,7 @@ for correct answers.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -23,12 +23,24 @@ from hpcrlhf.trainers.sequences import response_logps
 
 
 class PolicyTrainer(Trainer):
-    def build_reference(self, tables: dict[str, list[TokenizedSample]]) -> None:
-        """Load the reference; with `reference.precompute`, score `tables` now and free it."""
+    """Each training/eval item holds SEQUENCES_PER_ITEM sequences (a pair's chosen and rejected
+    response; a KTO sample and its mismatched sequence). Reference tables lay them out item by
+    item, so sequence `part` of item i has id `SEQUENCES_PER_ITEM * i + part` (`sequence_ids`)."""
+
+    SEQUENCES_PER_ITEM = 2
+
+    def build_reference(self, sequences: Callable[[Any], tuple[TokenizedSample, ...]]) -> None:
+        """Load the reference; with `reference.precompute`, score every sequence of `self.train`
+        and `self.evals` (`sequences(item)` gives an item's) now and free the model."""
         ref = self.cfg.reference
         self.reference = Reference(self, ref.path or self.cfg.model.path, offload=ref.offload)
         if ref.precompute:
+            tables = {name: [s for item in items for s in sequences(item)]
+                      for name, items in (("train", self.train), ("eval", self.evals))}
             self.reference.precompute(tables, self.run.dir)
+
+    def sequence_ids(self, indices: Sequence[int], part: int) -> list[int]:
+        return [self.SEQUENCES_PER_ITEM * i + part for i in indices]
 
     def logps(self, samples: Sequence[TokenizedSample], table: str, ids: Sequence[int]
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -23,6 +23,7 @@ from hpcrlhf.trainers.sequences import model_batch
 
 STATS_SAMPLE = 1024
 """Training pairs used for the reward statistics when there is no held-out data."""
+_MEAN, _SQUARE = "moments/reward", "moments/reward_squared"
 
 
 class RMTrainer(Trainer):
@@ -42,7 +43,9 @@ class RMTrainer(Trainer):
         rewards = last_token_values(self.engine(**batch), batch["attention_mask"])
         return rewards[: len(pairs)], rewards[len(pairs) :], int(batch["attention_mask"].sum())
 
-    def pair_stats(self, pairs: list[PairSample], prefix: str) -> tuple[torch.Tensor, int, Stats]:
+    def pair_stats(self, pairs: list[PairSample], prefix: str, moments: bool = False) -> tuple[torch.Tensor, int, Stats]:
+        """Loss, tokens and statistics of a batch of pairs; with `moments`, also the first two
+        moments of all its rewards (for the normalisation statistics)."""
         chosen, rejected, tokens = self.rewards(pairs)
         c, r = chosen.detach(), rejected.detach()
         margin = torch.tensor([p.margin for p in pairs], device=chosen.device) if self.cfg.data.margin_key else None
@@ -54,6 +57,9 @@ class RMTrainer(Trainer):
                  f"{prefix}/reward_rejected": (float(r.sum()), n),
                  **{f"{prefix}/accuracy_{tag}": (sum(r for r, p in zip(right, pairs) if p.tag == tag),
                                                  sum(p.tag == tag for p in pairs)) for tag in self.tags}}
+        if moments:
+            both = torch.cat([c, r]).double()
+            stats[_MEAN], stats[_SQUARE] = (float(both.sum()), 2 * n), (float((both * both).sum()), 2 * n)
         return loss, tokens, stats
 
     def train_step(self, step: int) -> dict[str, float]:
@@ -62,30 +68,22 @@ class RMTrainer(Trainer):
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
+        """Held-out pair metrics and the reward mean/std, in one pass (the mean/std come from
+        training pairs when there is no held-out data)."""
         self.engine.eval()
 
         def stats(pairs: list[PairSample]) -> Stats:
-            loss, _, out = self.pair_stats(pairs, "eval")
+            loss, _, out = self.pair_stats(pairs, "eval", moments=True)
             return {"eval/loss": (float(loss) * len(pairs), len(pairs)), **out}
 
-        return {**self.eval_means(self.evals, stats), **self.reward_moments(self.evals or self.train[:STATS_SAMPLE])}
-
-    @torch.no_grad()
-    def reward_moments(self, pairs: list[PairSample]) -> dict[str, float]:
-        """Mean and standard deviation of the rewards of all responses in `pairs`."""
-        self.engine.eval()
-
-        def stats(batch: list[PairSample]) -> Stats:
-            chosen, rejected, _ = self.rewards(batch)
-            r = torch.cat([chosen, rejected]).double()
-            return {"mean": (float(r.sum()), len(r)), "square": (float((r * r).sum()), len(r))}
-
-        m = self.eval_means(pairs, stats)
-        return {"eval/reward_mean": m["mean"], "eval/reward_std": math.sqrt(max(m["square"] - m["mean"] ** 2, 0.0))}
+        metrics = self.eval_means(self.evals or self.train[:STATS_SAMPLE], stats)
+        mean, square = metrics.pop(_MEAN), metrics.pop(_SQUARE)
+        self.moments = {"eval/reward_mean": mean, "eval/reward_std": math.sqrt(max(square - mean**2, 0.0))}
+        return {**(metrics if self.evals else {}), **self.moments}
 
     def exported_config(self) -> dict[str, float]:
-        m = self.reward_moments(self.evals or self.train[:STATS_SAMPLE])
-        return {REWARD_MEAN: m["eval/reward_mean"], REWARD_STD: m["eval/reward_std"]}
+        # `fit` evaluates the final model right before exporting it.
+        return {REWARD_MEAN: self.moments["eval/reward_mean"], REWARD_STD: self.moments["eval/reward_std"]}
 
 
 def run_rm(cfg: RMConfig) -> dict:
