@@ -41,14 +41,34 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_config(args: argparse.Namespace) -> int:
-    from hpcrlhf.config.loader import describe, to_yaml
-    from hpcrlhf.config.schema import JOB_CONFIGS
+    from hpcrlhf.config.loader import describe, load_config, to_yaml
+    from hpcrlhf.config.schema import JOB_CONFIGS, GenerateConfig
 
+    cls = GenerateConfig if args.kind == "generate" else JOB_CONFIGS[args.kind]
     if args.config or args.set:
-        print(to_yaml(build_config(args.kind, args.config, args.set, None)), end="")
+        print(to_yaml(load_config(cls, resolve_recipe(args.config), args.set)), end="")
     else:
-        print(describe(JOB_CONFIGS[args.kind]), end="")
+        print(describe(cls), end="")
     return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from hpcrlhf.config.loader import load_config
+    from hpcrlhf.config.schema import GenerateConfig
+    from hpcrlhf.inference import run_generate
+
+    overrides = list(args.set)
+    overrides += [f"model.path={args.model}"] if args.model else []
+    overrides += [f"output={args.output}"] if args.output else []
+    run_generate(load_config(GenerateConfig, resolve_recipe(args.config), overrides))
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    from hpcrlhf.inference import chat
+
+    return chat(args.model, backend=args.backend, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                greedy=args.greedy, system=args.system, history=not args.no_history, raw=args.raw, seed=args.seed)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -70,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     kinds = sorted(JOB_CONFIGS)
     parser = argparse.ArgumentParser(
         prog="hpcrlhf",
-        description="RLHF pipelines (SFT, RM, DPO, KTO, PPO) on shared HPC clusters.",
+        description="RLHF pipelines (SFT, RM, DPO, KTO, CSFT, PPO/GRPO/RLOO/REINFORCE++, rejection sampling) on shared HPC clusters.",
         epilog="Settings come from typed defaults, then --config RECIPE, then --set KEY=VALUE. "
                "`hpcrlhf config KIND` lists every setting with its documentation.",
     )
@@ -89,9 +109,34 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("config", help="print a job kind's settings with their documentation",
                        description="Print every setting of a job kind with its default and documentation, "
                                    "or, with --config/--set, the resolved config that `train` would use.")
-    p.add_argument("kind", choices=kinds, help="job kind")
+    p.add_argument("kind", choices=kinds + ["generate"], help="job kind")
     _add_config_args(p)
     p.set_defaults(func=cmd_config)
+
+    p = sub.add_parser("generate", help="batch generation over a dataset, optionally scored, to JSONL",
+                       description="Answer every prompt of a dataset (data.train_path, or the bundled task's held-out "
+                                   "prompts) and write one JSON line per response; with a `reward` section each "
+                                   "response is also scored. `hpcrlhf config generate` lists the settings.")
+    _add_config_args(p)
+    p.add_argument("--model", "-m", metavar="PATH", help="model folder (same as --set model.path=PATH)")
+    p.add_argument("--output", "-o", metavar="FILE", help="JSONL file to write (same as --set output=FILE)")
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("chat", help="chat with a model interactively (reads stdin)",
+                       description="Type a message, get the model's answer. /reset forgets the conversation, /quit "
+                                   "(or Ctrl-D) leaves. Models with a chat template see the whole conversation.")
+    p.add_argument("--model", "-m", required=True, metavar="PATH", help="model folder (e.g. runs/ppo/model)")
+    p.add_argument("--backend", choices=["hf", "vllm"], default="hf", help="generation engine (default: hf)")
+    p.add_argument("--max-new-tokens", type=int, default=128, metavar="N", help="longest answer (default: 128)")
+    p.add_argument("--temperature", type=float, default=0.7, metavar="T", help="sampling temperature (default: 0.7)")
+    p.add_argument("--greedy", action="store_true", help="greedy decoding instead of sampling")
+    p.add_argument("--system", metavar="TEXT", help="system message (models with a chat template)")
+    p.add_argument("--no-history", action="store_true", help="answer each message on its own")
+    p.add_argument("--raw", action="store_true",
+                   help="send each message as a plain prompt, without the chat template (models fine-tuned "
+                        "without one, such as those trained on the bundled task)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
+    p.set_defaults(func=cmd_chat)
 
     p = sub.add_parser("demo", help="the main job on the embedded defaults (tiny bundled model and task)",
                        description="Fine-tune the bundled tiny model on the bundled arithmetic task and "

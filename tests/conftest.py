@@ -30,3 +30,15 @@ def sft_model(tmp_path_factory) -> str:
     run_cli(["train", "sft", "-o", str(out), "--set", "train.max_steps=600", "--set", "eval.every_steps=0",
              "--set", "log.tensorboard=false", "--set", "task.train_size=38400"])
     return str(out / "model")
+
+
+@pytest.fixture(scope="session")
+def policy_model(tmp_path_factory) -> str:
+    """A half-trained SFT model (task score ~0.5) for online RL: it answers about half the held-out
+    problems, so sampled groups contain both right and wrong answers to learn from."""
+    from tests.launch_helpers import run_cli
+
+    out = tmp_path_factory.mktemp("policy_base") / "run"
+    run_cli(["train", "sft", "-o", str(out), "--set", "train.max_steps=900", "--set", "eval.every_steps=0",
+             "--set", "log.tensorboard=false", "--set", "task.train_size=57600"])
+    return str(out / "model")

@@ -427,5 +427,303 @@ class CSFTConfig(TrainJobConfig):
     """Run folder; `model/csft.json` records the template and buckets for generation."""
 
 
-JOB_CONFIGS: dict[str, type] = {"sft": SFTConfig, "rm": RMConfig, "dpo": DPOConfig, "kto": KTOConfig, "csft": CSFTConfig}
+@dataclass(frozen=True)
+class PromptDataConfig(DataSourceConfig):
+    """Prompts for online training (PPO, rejection sampling) and batch generation: only
+    `prompt_key` is read; a row's other fields reach rule-based reward functions."""
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    backend: Literal["hf", "vllm"] = "hf"
+    """Generation engine: `hf` (transformers generate on the trained weights; no extra memory) or
+    `vllm` (a vLLM engine, much faster, weights synced from the actor after every update)."""
+    prompts_per_step: int = 32
+    """Prompts per rollout (one PPO step), over all ranks."""
+    samples_per_prompt: int = 4
+    """Responses generated per prompt (GRPO/RLOO groups; best-of-n for rejection sampling)."""
+    temperature: float = 1.0
+    """Sampling temperature (log-probs for the PPO ratio are always recomputed at temperature 1)."""
+    top_p: float = 1.0
+    """Nucleus sampling: keep the smallest token set with this much probability (1.0: off)."""
+    top_k: int = 0
+    """Sample among the k most likely tokens (0: off)."""
+    max_new_tokens: int = 8
+    """Longest response; responses cut here have no EOS (see reward.missing_eos_penalty)."""
+    vllm_kv_cache_gb: float = 1.0
+    """vllm only: KV-cache memory of the engine, in GiB."""
+    vllm_enforce_eager: bool = True
+    """vllm only: skip graph capture / compilation (fast start; compiled is faster for long runs)."""
+
+    def __post_init__(self) -> None:
+        _require(self.prompts_per_step >= 1, "rollout.prompts_per_step", self.prompts_per_step, "use at least 1")
+        _require(self.samples_per_prompt >= 1, "rollout.samples_per_prompt", self.samples_per_prompt, "use at least 1")
+        _require(self.temperature > 0, "rollout.temperature", self.temperature,
+                 "use a positive temperature (sampling is what makes on-policy RL explore)")
+        _require(0 < self.top_p <= 1, "rollout.top_p", self.top_p, "use a value in (0, 1]")
+        _require(self.top_k >= 0, "rollout.top_k", self.top_k, "use 0 (off) or a positive k")
+        _require(self.max_new_tokens >= 1, "rollout.max_new_tokens", self.max_new_tokens, "use at least 1")
+        _require(self.vllm_kv_cache_gb > 0, "rollout.vllm_kv_cache_gb", self.vllm_kv_cache_gb, "use a positive size")
+
+
+@dataclass(frozen=True)
+class RewardSourceConfig:
+    model: Optional[str] = None
+    """A reward model folder (from `hpcrlhf train rm`, or any one-label sequence classifier)."""
+    rule: Optional[str] = None
+    """A rule-based reward instead: `task` (the bundled task's exact score, 1 or 0),
+    `task_partial` (share of digits right), or `package.module:function` taking
+    (prompt, response, row) and returning a float."""
+    weight: float = 1.0
+    """This source's weight in the weighted sum of all sources."""
+    normalize: bool = True
+    """model only: standardise with the reward mean/std stored in the model's config.json."""
+
+    def __post_init__(self) -> None:
+        if (self.model is None) == (self.rule is None):
+            raise ConfigError(f"reward.sources: each source sets exactly one of `model` (a reward model folder) "
+                              f"or `rule` (task, task_partial or module:function); got model={self.model!r}, "
+                              f"rule={self.rule!r}")
+
+
+@dataclass(frozen=True)
+class RewardConfig:
+    sources: tuple[RewardSourceConfig, ...] = (RewardSourceConfig(rule="task"),)
+    """Reward models and rule-based rewards; a response's score is their weighted sum, e.g.
+    `[{model: runs/rm/model, weight: 1.0}, {rule: task, weight: 0.5}]`."""
+    clip: Optional[float] = None
+    """Clip each combined score to [-clip, clip] (null: no clipping)."""
+    running_norm: bool = False
+    """Standardise scores with their running mean and std over all rollouts so far."""
+    missing_eos_penalty: Optional[float] = None
+    """Added to the score of a response cut at rollout.max_new_tokens (e.g. -1.0); null: none."""
+    length_penalty: float = 0.0
+    """Subtracted from the score per response token (discourages long answers)."""
+    batch_size: int = 128
+    """Sequences per reward-model forward pass."""
+
+    def __post_init__(self) -> None:
+        _require(len(self.sources) >= 1, "reward.sources", list(self.sources), "give at least one reward model or rule")
+        _require(self.clip is None or self.clip > 0, "reward.clip", self.clip, "use a positive bound, or null")
+        _require(self.length_penalty >= 0, "reward.length_penalty", self.length_penalty, "use >= 0")
+        _require(self.batch_size >= 1, "reward.batch_size", self.batch_size, "use at least 1")
+
+
+@dataclass(frozen=True)
+class CriticConfig:
+    path: Optional[str] = None
+    """Model the critic starts from. Unset: the first reward model in reward.sources (head kept),
+    else the actor's model.path (a new value head)."""
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-3, scheduler="constant", warmup_ratio=0.0))
+    """The critic's optimizer and schedule."""
+
+
+@dataclass(frozen=True)
+class PPOSectionConfig:
+    advantage_estimator: Literal["gae", "grpo", "rloo", "reinforce++"] = "gae"
+    """gae: a critic and GAE (PPO); grpo: group-normalised scores (Shao et al. 2024); rloo: leave-
+    one-out baseline (Ahmadian et al. 2024); reinforce++: globally whitened returns (Hu 2025).
+    The last three need no critic; grpo and rloo need rollout.samples_per_prompt >= 2."""
+    epochs: int = 1
+    """Passes over each rollout's experience (mini-batches of train.global_batch_size sequences)."""
+    clip_eps: float = 0.2
+    """Clip the probability ratio to [1 - clip_eps, 1 + clip_eps_high]."""
+    clip_eps_high: Optional[float] = None
+    """Upper clip range (null: clip_eps); a larger value lets rare good tokens grow (DAPO)."""
+    dual_clip: Optional[float] = None
+    """Dual-clip constant c > 1 bounding the loss of negative-advantage tokens (Ye et al. 2020)."""
+    value_clip: Optional[float] = 0.2
+    """Clip the critic's new values to old +- value_clip in the value loss (null: no clipping)."""
+    gamma: float = 1.0
+    """Discount factor over response tokens."""
+    lam: float = 0.95
+    """GAE lambda (bias/variance trade-off of the advantages)."""
+    whiten_advantages: bool = True
+    """Standardise advantages over the rollout (gae, rloo; reinforce++ always does)."""
+    entropy_coef: float = 0.0
+    """Bonus on the policy's token entropy (0: none)."""
+    loss_aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "token-mean"
+    """How token losses become the batch loss: mean over all tokens, mean over sequences of their
+    token mean, or sum over each sequence's tokens divided by the number of sequences."""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k1"
+    """Per-token KL(actor || reference) estimate: k1 log-ratio, k2 half squared log-ratio, k3
+    exp(-r) - 1 + r (non-negative, unbiased)."""
+    init_kl_coef: float = 0.05
+    """Coefficient of the KL penalty subtracted from the per-token rewards (0: none)."""
+    kl_target: Optional[float] = None
+    """Adaptive KL controller target per sequence (Ziegler et al. 2019); null: fixed coefficient."""
+    kl_horizon: int = 10000
+    """Adaptive KL controller horizon, in sequences."""
+    kl_loss_coef: float = 0.0
+    """Coefficient of a KL term added to the policy loss instead (GRPO style, with kl_estimator)."""
+    buffer_limit: int = 0
+    """Replay buffer size in sequences: 0 keeps only the latest rollout; more also replays older
+    experience (its importance ratio uses the log-probs it was generated with)."""
+    freeze_actor_steps: int = 0
+    """Train only the critic for the first N steps (warms the value estimates up)."""
+
+    def __post_init__(self) -> None:
+        _require(self.epochs >= 1, "ppo.epochs", self.epochs, "use at least 1")
+        _require(0 < self.clip_eps < 1, "ppo.clip_eps", self.clip_eps, "use a value in (0, 1), typically 0.2")
+        _require(self.clip_eps_high is None or self.clip_eps_high > 0, "ppo.clip_eps_high", self.clip_eps_high,
+                 "use a positive value, or null")
+        _require(self.dual_clip is None or self.dual_clip > 1, "ppo.dual_clip", self.dual_clip, "use c > 1 (e.g. 3), or null")
+        _require(self.value_clip is None or self.value_clip > 0, "ppo.value_clip", self.value_clip, "use > 0, or null")
+        _require(0 <= self.gamma <= 1, "ppo.gamma", self.gamma, "use a value in [0, 1]")
+        _require(0 <= self.lam <= 1, "ppo.lam", self.lam, "use a value in [0, 1]")
+        _require(self.init_kl_coef >= 0, "ppo.init_kl_coef", self.init_kl_coef, "use >= 0")
+        _require(self.kl_loss_coef >= 0, "ppo.kl_loss_coef", self.kl_loss_coef, "use >= 0")
+        _require(self.kl_target is None or self.kl_target > 0, "ppo.kl_target", self.kl_target, "use > 0, or null")
+        _require(self.kl_horizon >= 1, "ppo.kl_horizon", self.kl_horizon, "use at least 1")
+        _require(self.entropy_coef >= 0, "ppo.entropy_coef", self.entropy_coef, "use >= 0")
+        _require(self.buffer_limit >= 0, "ppo.buffer_limit", self.buffer_limit, "use 0 (latest rollout only) or more")
+        _require(self.freeze_actor_steps >= 0, "ppo.freeze_actor_steps", self.freeze_actor_steps, "use >= 0")
+
+    @property
+    def uses_critic(self) -> bool:
+        return self.advantage_estimator == "gae"
+
+
+@dataclass(frozen=True)
+class OnlineJobConfig(TrainJobConfig):
+    """Jobs that generate their own training data from prompts (PPO, rejection sampling)."""
+
+    data: PromptDataConfig = field(default_factory=PromptDataConfig)
+    """Prompts for rollouts and evaluation."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """How responses are generated."""
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    """How responses are scored."""
+    reference: ReferenceConfig = field(default_factory=ReferenceConfig)
+    """The frozen reference model (KL penalty, iterative DPO)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.reference.offload and self.engine.zero_stage != 3:
+            raise ConfigError("reference.offload: true keeps reference weights in CPU memory through ZeRO-3: "
+                              "set engine.zero_stage=3")
+        if self.reference.precompute:
+            raise ConfigError("reference.precompute: true needs the training sequences in advance; online jobs "
+                              "generate them as they go: set reference.precompute=false")
+
+
+@dataclass(frozen=True)
+class PPOConfig(OnlineJobConfig):
+    """Online RL from rewards: PPO with a critic, or critic-free GRPO / RLOO / REINFORCE++."""
+
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=3e-5, scheduler="constant", warmup_ratio=0.0))
+    """The actor's optimizer and schedule (RL wants small steps: a fresh Adam moves every weight by
+    about lr at first, which at SFT learning rates undoes what SFT taught)."""
+    train: TrainConfig = field(default_factory=lambda: TrainConfig(max_steps=100, global_batch_size=64,
+                                                                   micro_batch_size=64))
+    """`max_steps`/`epochs` count rollouts (PPO steps) and passes over the prompts;
+    `global_batch_size` is the mini-batch (sequences per optimizer step)."""
+    ppo: PPOSectionConfig = field(default_factory=PPOSectionConfig)
+    """The PPO objective and its tricks."""
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    """The value model (advantage_estimator gae)."""
+    eval: EvalConfig = field(default_factory=lambda: EvalConfig(every_steps=20))
+    """Evaluation during and after training."""
+    log: LogConfig = field(default_factory=lambda: LogConfig(every_steps=1))
+    """Metrics, TensorBoard and progress output."""
+    output_dir: str = "runs/ppo"
+    """Run folder: config.yaml, metrics.jsonl, TensorBoard files, checkpoints/, model/ (the actor)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        est, n = self.ppo.advantage_estimator, self.rollout.samples_per_prompt
+        if est in ("grpo", "rloo") and n < 2:
+            raise ConfigError(f"rollout.samples_per_prompt: {n} gives {est} no group to compare within: "
+                              f"use at least 2 (e.g. 4), or ppo.advantage_estimator=gae")
+        sequences = self.rollout.prompts_per_step * n
+        if sequences % self.train.global_batch_size:
+            raise ConfigError(
+                f"train.global_batch_size: {self.train.global_batch_size} does not divide the {sequences} sequences "
+                f"of a rollout (rollout.prompts_per_step {self.rollout.prompts_per_step} x samples_per_prompt {n}); "
+                f"use a divisor of {sequences}")
+
+
+@dataclass(frozen=True)
+class RSSectionConfig:
+    mode: Literal["sft", "dpo"] = "sft"
+    """sft: rejection sampling (train on each prompt's best response, Touvron et al. 2023); dpo:
+    iterative DPO (pair each prompt's best and worst responses and train DPO on the pairs; it
+    wants a smaller optim.lr than sft, e.g. 1e-5 for the bundled model)."""
+    iterations: int = 3
+    """Generate -> score -> train rounds."""
+    prompts_per_iteration: int = 512
+    """Prompts sampled (best-of-n over rollout.samples_per_prompt) in each round."""
+    steps_per_iteration: int = 40
+    """Optimizer steps on each round's selected data."""
+    min_score: Optional[float] = None
+    """sft: keep a prompt's best response only if its score reaches this (e.g. 1.0 with the exact
+    task reward); null: only if it scores higher than the prompt's worst response."""
+    beta: float = 0.1
+    """dpo: DPO beta."""
+    nll_coef: float = 1.0
+    """dpo: weight of the chosen responses' NLL (keeps their likelihood up, Pang et al. 2024)."""
+
+    def __post_init__(self) -> None:
+        _require(self.iterations >= 1, "rs.iterations", self.iterations, "use at least 1")
+        _require(self.prompts_per_iteration >= 1, "rs.prompts_per_iteration", self.prompts_per_iteration, "use at least 1")
+        _require(self.steps_per_iteration >= 1, "rs.steps_per_iteration", self.steps_per_iteration, "use at least 1")
+        _require(self.beta > 0, "rs.beta", self.beta, "use a positive value such as 0.1")
+        _require(self.nll_coef >= 0, "rs.nll_coef", self.nll_coef, "use >= 0")
+
+
+@dataclass(frozen=True)
+class RSConfig(OnlineJobConfig):
+    """Rejection sampling / iterative DPO: best-of-n generations scored by the rewards, then
+    supervised (or DPO) training on the winners, repeated."""
+
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-4, scheduler="constant", warmup_ratio=0.0))
+    """Optimizer and learning-rate schedule."""
+    train: TrainConfig = field(default_factory=lambda: TrainConfig(global_batch_size=32, micro_batch_size=32))
+    """Batch sizes (responses or pairs per optimizer step); the length comes from the rs section."""
+    rollout: RolloutConfig = field(default_factory=lambda: RolloutConfig(samples_per_prompt=8))
+    """How candidate responses are generated."""
+    rs: RSSectionConfig = field(default_factory=RSSectionConfig)
+    """The rounds of generation and training."""
+    output_dir: str = "runs/rs"
+    """Run folder: config.yaml, metrics.jsonl, rounds/ (each round's selected data), checkpoints/, model/."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.train.max_steps is not None:
+            raise ConfigError("train.max_steps: rejection sampling runs rs.iterations x rs.steps_per_iteration steps; "
+                              "leave train.max_steps null and set those instead")
+        if self.rs.mode == "dpo" and self.rollout.samples_per_prompt < 2:
+            raise ConfigError("rollout.samples_per_prompt: iterative DPO pairs a prompt's best and worst responses: "
+                              "use at least 2")
+
+
+@dataclass(frozen=True)
+class GenerateConfig:
+    """Batch inference: responses (optionally scored) for every prompt of a dataset, as JSONL."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """The model that generates."""
+    task: TaskConfig = field(default_factory=TaskConfig)
+    """The bundled task: prompts when data.train_path is unset, and a `task_score` per response."""
+    data: PromptDataConfig = field(default_factory=PromptDataConfig)
+    """Prompts to answer (`train_path`, read with `split` and `max_samples`)."""
+    rollout: RolloutConfig = field(default_factory=lambda: RolloutConfig(samples_per_prompt=1))
+    """Generation settings (backend, samples per prompt, temperature, length)."""
+    greedy: bool = True
+    """Greedy decoding (rollout.temperature/top_p/top_k unused); false samples."""
+    reward: Optional[RewardConfig] = None
+    """Score each response with these reward models / rules (null: no scores)."""
+    batch_size: int = 64
+    """Prompts per generation batch."""
+    seed: int = 1234
+    """Seed for sampling."""
+    output: str = "generations.jsonl"
+    """JSONL file written: one line per response with prompt, response, sample index, finished, scores."""
+
+    def __post_init__(self) -> None:
+        _require(self.batch_size >= 1, "batch_size", self.batch_size, "use at least 1")
+
+
+JOB_CONFIGS: dict[str, type] = {"sft": SFTConfig, "rm": RMConfig, "dpo": DPOConfig, "kto": KTOConfig, "csft": CSFTConfig,
+                                "ppo": PPOConfig, "rs": RSConfig}
 """Job kind -> its config class (the CLI's `train KIND`)."""

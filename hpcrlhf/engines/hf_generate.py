@@ -22,6 +22,17 @@ def left_pad(prompts: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tenso
     return ids, mask
 
 
+def right_pad(sequences: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded ids and attention mask (for scoring whole sequences)."""
+    width = max(len(s) for s in sequences)
+    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(sequences), width), dtype=torch.long)
+    for i, s in enumerate(sequences):
+        ids[i, : len(s)] = torch.tensor(s, dtype=torch.long)
+        mask[i, : len(s)] = 1
+    return ids, mask
+
+
 @torch.no_grad()
 def generate_greedy(model, tokenizer, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
                     device: torch.device, synced_gpus: bool = False) -> list[str]:

@@ -5,7 +5,8 @@ Modules are imported when a job runs, so `hpcrlhf --help` stays fast."""
 from importlib import import_module
 
 _RUNNERS = {"sft": ("sft", "run_sft"), "rm": ("rm", "run_rm"), "dpo": ("dpo", "run_dpo"),
-            "kto": ("kto", "run_kto"), "csft": ("csft", "run_csft")}
+            "kto": ("kto", "run_kto"), "csft": ("csft", "run_csft"),
+            "ppo": ("ppo", "run_ppo"), "rs": ("rs", "run_rs")}
 
 
 def _runner(kind: str):

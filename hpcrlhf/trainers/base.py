@@ -34,6 +34,8 @@ Stats = dict[str, tuple[float, float]]
 
 class Trainer:
     kind = "train"
+    progress_key = "train/loss"
+    """The metric shown next to the progress bar."""
     value_head = False
     """True for trainers whose model is a value model (reward model), else a causal LM."""
 
@@ -48,44 +50,90 @@ class Trainer:
         self.tokenizer = load_tokenizer(cfg.model.path, trust_remote_code=cfg.model.trust_remote_code)
         self.pad_id = self.tokenizer.pad_token_id
 
-    def load_model(self, path: str) -> torch.nn.Module:
-        """A transformers model from `path`: a causal LM, or for value trainers a one-label
-        sequence-classification model (no LoRA, not yet in an engine)."""
+    def load_model(self, path: str, value_head: bool | None = None) -> torch.nn.Module:
+        """A transformers model from `path`: a causal LM, or (`value_head`, default: the trainer's)
+        a one-label sequence-classification model (no LoRA, not yet in an engine)."""
         from hpcrlhf.models.loading import load_causal_lm
         from hpcrlhf.models.lora import quantization_config
         from hpcrlhf.models.value import load_value_model
 
         kw = dict(attn_implementation=self.cfg.model.attn_implementation, dtype=self.cfg.engine.precision,
                   trust_remote_code=self.cfg.model.trust_remote_code, quantization_config=quantization_config(self.cfg.lora))
-        if self.value_head:
+        if self.value_head if value_head is None else value_head:
             return load_value_model(path, pad_token_id=self.pad_id, **kw)
         return load_causal_lm(path, **kw)
 
     def build_engine(self, num_rows: int) -> None:
         """The batch plan and the trained model under DeepSpeed (with LoRA when configured)."""
+        cfg = self.cfg
+        self.plan = BatchPlan.build(cfg.train, num_rows=num_rows, data_parallel_size=self.env.world_size)
+        self.engine = self.build_trained_model(cfg.model.path, value_head=self.value_head, optim=cfg.optim,
+                                               micro_batch_rows=self.plan.micro_batch_rows,
+                                               grad_accum_steps=self.plan.grad_accum_steps,
+                                               total_steps=self.plan.total_steps)
+        self.ds_config = self.engine.ds_config
+        log.info(f"{self.kind}: {num_rows} training rows, {self.plan.total_steps} steps, {self.env.world_size} rank(s) x "
+                 f"{self.plan.micro_batch_rows} rows x {self.plan.grad_accum_steps} accumulation, ZeRO-{cfg.engine.zero_stage}"
+                 + (f", LoRA rank {cfg.lora.rank} ({self.trainable_parameters(self.engine)} trainable parameters)"
+                    if cfg.lora.rank else ""))
+
+    def build_trained_model(self, path: str, *, value_head: bool, optim, micro_batch_rows: int, grad_accum_steps: int,
+                            total_steps: int):
+        """A model from `path` (causal LM or value model, LoRA when configured) in a DeepSpeed
+        training engine with its own optimizer and schedule."""
         from hpcrlhf.engines.deepspeed_engine import (TrainingEngine, build_deepspeed_config,
                                                       maybe_zero3_init_context, set_extension_cache)
         from hpcrlhf.models.lora import apply_lora
         from hpcrlhf.models.value import ValueModel
 
         cfg = self.cfg
-        self.plan = BatchPlan.build(cfg.train, num_rows=num_rows, data_parallel_size=self.env.world_size)
-        self.ds_config = build_deepspeed_config(cfg.engine, cfg.optim, micro_batch_size=self.plan.micro_batch_rows,
-                                                grad_accum_steps=self.plan.grad_accum_steps, world_size=self.env.world_size)
+        ds_config = build_deepspeed_config(cfg.engine, optim, micro_batch_size=micro_batch_rows,
+                                           grad_accum_steps=grad_accum_steps, world_size=self.env.world_size)
         set_extension_cache()
-        self._zero3_ctx = maybe_zero3_init_context(self.ds_config)  # alive while models load
-        model = self.load_model(cfg.model.path)
+        self._zero3_ctx = maybe_zero3_init_context(ds_config)  # alive while models load
+        model = self.load_model(path, value_head)
         if cfg.lora.rank:
-            model = apply_lora(model, cfg.lora, value_head=self.value_head,
+            model = apply_lora(model, cfg.lora, value_head=value_head,
                                gradient_checkpointing=cfg.engine.gradient_checkpointing)
-        if self.value_head:
+        if value_head:
             model = ValueModel(model)
-        self.engine = TrainingEngine(model, self.ds_config, optim=cfg.optim, total_steps=self.plan.total_steps,
-                                     gradient_checkpointing=cfg.engine.gradient_checkpointing)
-        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        log.info(f"{self.kind}: {num_rows} training rows, {self.plan.total_steps} steps, {self.env.world_size} rank(s) x "
-                 f"{self.plan.micro_batch_rows} rows x {self.plan.grad_accum_steps} accumulation, ZeRO-{cfg.engine.zero_stage}"
-                 + (f", LoRA rank {cfg.lora.rank} ({trainable} trainable parameters)" if cfg.lora.rank else ""))
+        return TrainingEngine(model, ds_config, optim=optim, total_steps=total_steps,
+                              gradient_checkpointing=cfg.engine.gradient_checkpointing)
+
+    @staticmethod
+    def trainable_parameters(engine) -> int:
+        return sum(p.numel() for p in engine.module.parameters() if p.requires_grad)
+
+    def build_frozen_model(self, path: str, *, value_head: bool, offload: bool = False, micro_batch_rows: int = 1):
+        """A model used for forward passes only (reference, reward model): replicated at ZeRO 0-2,
+        sharded like the trained model at ZeRO-3 (optionally with its weights kept on the CPU)."""
+        from hpcrlhf.engines.deepspeed_engine import (FrozenModel, build_frozen_deepspeed_config,
+                                                      maybe_zero3_init_context)
+        from hpcrlhf.models.value import ValueModel
+
+        ds_config = build_frozen_deepspeed_config(self.cfg.engine, offload=offload, micro_batch_size=micro_batch_rows,
+                                                  world_size=self.env.world_size)
+        ctx = maybe_zero3_init_context(ds_config) if ds_config else None  # shard while loading
+        model = self.load_model(path, value_head)
+        frozen = FrozenModel(ValueModel(model) if value_head else model, ds_config, self.device)
+        if ctx is not None and getattr(self, "_zero3_ctx", None) is not None:
+            # give transformers back the trained model's ZeRO-3 config
+            from transformers.integrations.deepspeed import set_hf_deepspeed_config
+
+            set_hf_deepspeed_config(self._zero3_ctx)
+        return frozen
+
+    @property
+    def device(self) -> torch.device:
+        from hpcrlhf.engines.distributed import device_for
+
+        return device_for(self.env.local_rank)
+
+    @property
+    def checkpointable(self):
+        """What a checkpoint saves and restores (`save_checkpoint(folder, client_state)`,
+        `load_checkpoint(folder)`): the trained engine, or a trainer's composite of several."""
+        return self.engine
 
     # -- what each trainer supplies -------------------------------------------------------------
     def train_step(self, step: int) -> dict[str, float]:
@@ -115,14 +163,17 @@ class Trainer:
 
     # -- shared shapes of a step and of an evaluation ------------------------------------------
     def sample_mean_step(self, step: int, num_rows: int,
-                         micro_loss: Callable[[list[int]], tuple[torch.Tensor, int, Stats]]) -> dict[str, float]:
+                         micro_loss: Callable[[list[int]], tuple[torch.Tensor, int, Stats]],
+                         indices: list[int] | None = None) -> dict[str, float]:
         """One optimizer step on a loss that is a mean over the samples of the global batch.
 
         `micro_loss(indices)` returns the mean loss over those samples, their token count and
         statistics. Each micro-batch's mean is weighted by its share of the global batch (every
         rank gets the same number of rows), so 1 rank and N ranks compute the same update.
+        `indices` overrides the plan's choice of this rank's rows.
         """
-        indices = self.plan.rows_for_step(num_rows, step, self.cfg.seed, self.env.rank)
+        if indices is None:
+            indices = self.plan.rows_for_step(num_rows, step, self.cfg.seed, self.env.rank)
         global_rows, world = self.plan.global_batch_rows, self.env.world_size
         self.engine.train()
         sums: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
@@ -134,7 +185,7 @@ class Trainer:
             self.engine.step()
             tokens += n_tokens
             _add(sums, {"train/loss": (float(loss.detach()) * len(part), len(part)), **stats})
-        means = _reduce_means(sums)
+        means = reduce_means(sums)
         means["train/tokens"] = all_reduce_sum([tokens])[0]
         return means
 
@@ -144,7 +195,7 @@ class Trainer:
         for batch, dummy in eval_shards(items, self.env, self.cfg.eval.batch_size):
             stats = batch_stats(batch)
             _add(sums, {k: (0.0, 0.0) for k in stats} if dummy else stats)
-        return _reduce_means(sums)
+        return reduce_means(sums)
 
     def task_prompts(self, template: Callable[[str], str] = str) -> list[tuple[list[int], str]]:
         """(token ids of template(prompt), prompt) for the task's held-out prompts (none without a task)."""
@@ -175,7 +226,7 @@ class Trainer:
 
     def fit(self) -> dict:
         run, plan = self.run, self.plan
-        step = run.resume(self.engine)["step"]
+        step = run.resume(self.checkpointable)["step"]
         done = run.dir / "summary.json"
         if step >= plan.total_steps and done.exists():
             log.info(f"{run.dir} is already complete ({step} steps); use a new --output-dir to train again")
@@ -196,7 +247,7 @@ class Trainer:
             step += 1
             for key, value in metrics.items():
                 window[key].append(value)
-            progress.update(1, loss=metrics["train/loss"])
+            progress.update(1, **{self.progress_key.split("/")[-1]: metrics[self.progress_key]})
             if step % self.cfg.log.every_steps == 0 or step == plan.total_steps:
                 self._log_window(step, window, time.perf_counter() - window_start)
                 window, window_start = defaultdict(list), time.perf_counter()
@@ -204,7 +255,7 @@ class Trainer:
             if every and step % every == 0 and step < plan.total_steps:
                 run.log(step, self.evaluate())
                 window_start = time.perf_counter()  # keep eval time out of the throughput window
-            run.maybe_checkpoint(self.engine, step)
+            run.maybe_checkpoint(self.checkpointable, step)
             if run.stop_requested():
                 self._checkpoint_once(step)
                 log.info(f"stop requested: checkpointed at step {step}; rerun the same command to resume")
@@ -233,7 +284,7 @@ class Trainer:
 
     def _checkpoint_once(self, step: int) -> None:
         if self.run.checkpoints.latest() != self.run.checkpoints.path_for(step):
-            self.run.save_checkpoint(self.engine, step)
+            self.run.save_checkpoint(self.checkpointable, step)
 
 
 def _add(sums: dict[str, list[float]], stats: Stats) -> None:
@@ -242,7 +293,7 @@ def _add(sums: dict[str, list[float]], stats: Stats) -> None:
         sums[key][1] += count
 
 
-def _reduce_means(sums: dict[str, list[float]]) -> dict[str, float]:
+def reduce_means(sums: dict[str, Sequence[float]]) -> dict[str, float]:
     """Sum (sum, count) pairs over ranks, then divide; a metric no rank had a sample for is left out."""
     keys = sorted(sums)
     flat = all_reduce_sum([x for k in keys for x in sums[k]])

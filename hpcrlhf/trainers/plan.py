@@ -34,15 +34,9 @@ class BatchPlan:
         return self.micro_batch_rows * self.grad_accum_steps
 
     def rows_for_step(self, num_rows: int, step: int, seed: int, rank: int) -> list[int]:
-        """Indices of the rows `rank` trains on at optimizer step `step` (0-based).
-
-        The order is a pure function of (seed, epoch), so the data position of a resumed run is
-        just its step: no sample is lost or repeated across a restart.
-        """
-        epoch, within = divmod(step, self.steps_per_epoch)
-        order = torch.randperm(num_rows, generator=torch.Generator().manual_seed(seed + epoch))
-        start = within * self.global_batch_rows + rank * self.rows_per_rank_per_step
-        return order[start : start + self.rows_per_rank_per_step].tolist()
+        """Indices of the rows `rank` trains on at optimizer step `step` (0-based)."""
+        return rows_for_step(num_rows, step, seed, rank, steps_per_epoch=self.steps_per_epoch,
+                             global_rows=self.global_batch_rows, rows_per_rank=self.rows_per_rank_per_step)
 
     @classmethod
     def build(cls, train: TrainConfig, *, num_rows: int, data_parallel_size: int) -> "BatchPlan":
@@ -62,6 +56,77 @@ class BatchPlan:
             )
         total = train.max_steps if train.max_steps is not None else steps_per_epoch * train.epochs
         return cls(w, g, m, g // (m * w), steps_per_epoch, total)
+
+
+def rows_for_step(num_rows: int, step: int, seed: int, rank: int, *, steps_per_epoch: int, global_rows: int,
+                  rows_per_rank: int) -> list[int]:
+    """Indices of the rows `rank` works on at step `step` (0-based), `global_rows` per step.
+
+    The order is a pure function of (seed, epoch), so the data position of a resumed run is
+    just its step: no sample is lost or repeated across a restart.
+    """
+    epoch, within = divmod(step, steps_per_epoch)
+    order = torch.randperm(num_rows, generator=torch.Generator().manual_seed(seed + epoch))
+    start = within * global_rows + rank * rows_per_rank
+    return order[start : start + rows_per_rank].tolist()
+
+
+@dataclass(frozen=True)
+class PPOPlan:
+    """Derived numbers of an online job: prompts per rollout, sequences per rollout and per
+    mini-batch on each rank, accumulation, optimizer steps per rollout, and the run length in
+    rollouts (PPO steps)."""
+
+    data_parallel_size: int
+    prompts_per_rank: int
+    """Prompts each rank generates for in one rollout."""
+    samples_per_prompt: int
+    minibatch_rows_per_rank: int
+    """Sequences per optimizer step on one rank."""
+    micro_batch_rows: int
+    grad_accum_steps: int
+    updates_per_step: int
+    """Optimizer steps per rollout (PPO epochs x mini-batches)."""
+    steps_per_epoch: int
+    """Rollouts per pass over the prompts."""
+    total_steps: int
+    """Rollouts in the run."""
+
+    @property
+    def sequences_per_rank(self) -> int:
+        return self.prompts_per_rank * self.samples_per_prompt
+
+    @property
+    def minibatches_per_epoch(self) -> int:
+        return self.sequences_per_rank // self.minibatch_rows_per_rank
+
+    def prompts_for_step(self, num_prompts: int, step: int, seed: int, rank: int) -> list[int]:
+        return rows_for_step(num_prompts, step, seed, rank, steps_per_epoch=self.steps_per_epoch,
+                             global_rows=self.prompts_per_rank * self.data_parallel_size,
+                             rows_per_rank=self.prompts_per_rank)
+
+    @classmethod
+    def build(cls, train: TrainConfig, *, prompts_per_step: int, samples_per_prompt: int, ppo_epochs: int,
+              num_prompts: int, data_parallel_size: int) -> "PPOPlan":
+        w, g, m = data_parallel_size, train.global_batch_size, train.micro_batch_size
+        if prompts_per_step % w:
+            raise ConfigError(f"rollout.prompts_per_step: {prompts_per_step} does not split over {w} ranks; "
+                              f"use a multiple of {w}")
+        if g % (m * w):
+            raise ConfigError(f"train.global_batch_size: {g} sequences per optimizer step is not a multiple of "
+                              f"train.micro_batch_size ({m}) x ranks ({w}) = {m * w}; use a multiple of {m * w}, or a "
+                              f"smaller micro_batch_size")
+        sequences = prompts_per_step * samples_per_prompt
+        if sequences % g:
+            raise ConfigError(f"train.global_batch_size: {g} does not divide the {sequences} sequences of a rollout "
+                              f"(rollout.prompts_per_step x samples_per_prompt); use a divisor of {sequences}")
+        steps_per_epoch = num_prompts // prompts_per_step
+        if steps_per_epoch == 0:
+            raise ConfigError(f"rollout.prompts_per_step: {prompts_per_step} is more than the {num_prompts} prompts "
+                              f"available; use at most {num_prompts}, or more prompts")
+        total = train.max_steps if train.max_steps is not None else steps_per_epoch * train.epochs
+        return cls(w, prompts_per_step // w, samples_per_prompt, g // w, m, g // (m * w), ppo_epochs * (sequences // g),
+                   steps_per_epoch, total)
 
 
 def eval_shards(items: Sequence, env: DistEnv, batch_size: int) -> list[tuple[list, bool]]:

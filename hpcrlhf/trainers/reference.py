@@ -29,19 +29,9 @@ CACHE = "reference_logps.pt"
 
 class Reference:
     def __init__(self, trainer, path: str, *, offload: bool):
-        from hpcrlhf.engines.deepspeed_engine import (FrozenModel, build_frozen_deepspeed_config,
-                                                      maybe_zero3_init_context)
-
         self.trainer, self.path = trainer, path
-        ds_config = build_frozen_deepspeed_config(trainer.cfg.engine, offload=offload,
-                                                  micro_batch_size=trainer.plan.micro_batch_rows,
-                                                  world_size=trainer.env.world_size)
-        ctx = maybe_zero3_init_context(ds_config) if ds_config else None  # shard while loading
-        self.model: FrozenModel | None = FrozenModel(trainer.load_model(path), ds_config, trainer.engine.device)
-        if ctx is not None:  # give transformers back the trained model's ZeRO-3 config
-            from transformers.integrations.deepspeed import set_hf_deepspeed_config
-
-            set_hf_deepspeed_config(trainer._zero3_ctx)
+        self.model = trainer.build_frozen_model(path, value_head=False, offload=offload,
+                                                micro_batch_rows=trainer.plan.micro_batch_rows)
         self.tables: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def logps(self, samples: Sequence[TokenizedSample], table: str, ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:

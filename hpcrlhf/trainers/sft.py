@@ -75,21 +75,7 @@ class SFTTrainer(Trainer):
     # -- one optimizer step -------------------------------------------------------------------
     def train_step(self, step: int) -> dict[str, float]:
         rows = [self.data.train_rows[i] for i in self.plan.rows_for_step(len(self.data.train_rows), step, self.cfg.seed, self.env.rank)]
-        micro = [collate(rows[i : i + self.plan.micro_batch_rows], self.pad_id, self.cfg.data.packing)
-                 for i in range(0, len(rows), self.plan.micro_batch_rows)]
-        local_tokens = sum(int((b["labels"] != -100).sum()) for b in micro)
-        (global_tokens,) = all_reduce_sum([local_tokens])
-        self.engine.train()
-        loss_sum = 0.0
-        for batch in micro:
-            batch = {k: v.to(self.engine.device) for k, v in batch.items()}
-            labels = batch.pop("labels")
-            nll, _ = nll_sum(self.engine(**batch).logits, labels)
-            self.engine.backward(nll * self.env.world_size / global_tokens)
-            self.engine.step()
-            loss_sum += float(nll.detach())
-        (total_loss,) = all_reduce_sum([loss_sum])
-        return {"train/loss": total_loss / global_tokens, "train/tokens": global_tokens}
+        return nll_step(self, rows, self.cfg.data.packing)
 
     # -- evaluation -------------------------------------------------------------------------------
     @torch.no_grad()
@@ -103,6 +89,26 @@ class SFTTrainer(Trainer):
         labels = batch.pop("labels")
         nll, n = nll_sum(self.engine(**batch).logits, labels)
         return {"eval/loss": (float(nll), n)}
+
+
+def nll_step(trainer: Trainer, rows: list[list[TokenizedSample]], packed: bool) -> dict[str, float]:
+    """One optimizer step of `trainer.engine` on the mean token NLL of this rank's `rows` and
+    every other rank's (normalised by the global token count)."""
+    engine, micro_rows = trainer.engine, trainer.plan.micro_batch_rows
+    micro = [collate(rows[i : i + micro_rows], trainer.pad_id, packed) for i in range(0, len(rows), micro_rows)]
+    local_tokens = sum(int((b["labels"] != -100).sum()) for b in micro)
+    (global_tokens,) = all_reduce_sum([local_tokens])
+    engine.train()
+    loss_sum = 0.0
+    for batch in micro:
+        batch = {k: v.to(engine.device) for k, v in batch.items()}
+        labels = batch.pop("labels")
+        nll, _ = nll_sum(engine(**batch).logits, labels)
+        engine.backward(nll * trainer.env.world_size / global_tokens)
+        engine.step()
+        loss_sum += float(nll.detach())
+    (total_loss,) = all_reduce_sum([loss_sum])
+    return {"train/loss": total_loss / global_tokens, "train/tokens": global_tokens}
 
 
 def run_sft(cfg: SFTConfig) -> dict:

@@ -11,8 +11,12 @@ from hpcrlhf.errors import ConfigError
 
 @pytest.mark.parametrize("kind", sorted(JOB_CONFIGS))
 def test_every_kind_loads_and_documents_every_field(kind):
-    cfg = load_config(JOB_CONFIGS[kind], overrides=["train.max_steps=3"])
-    assert cfg.train.max_steps == 3 and cfg.output_dir == f"runs/{kind}"
+    if kind == "rs":  # its length is rounds x steps per round
+        cfg = load_config(JOB_CONFIGS[kind], overrides=["rs.iterations=3"])
+        assert cfg.rs.iterations == 3 and cfg.output_dir == "runs/rs"
+    else:
+        cfg = load_config(JOB_CONFIGS[kind], overrides=["train.max_steps=3"])
+        assert cfg.train.max_steps == 3 and cfg.output_dir == f"runs/{kind}"
     text = describe(JOB_CONFIGS[kind])
     assert "lora:" in text and "  # LoRA rank" in text
 

@@ -1,0 +1,165 @@
+"""Using a trained model: batch generation over a dataset (`hpcrlhf generate`) and an
+interactive chat (`hpcrlhf chat`).
+
+`generate` answers every prompt of a dataset (or the bundled task's held-out prompts) with the
+rollout engine of PPO (HF generate or vLLM), optionally scores each response with reward models
+and rules (the same `reward` section as PPO), and writes one JSON line per response. It prints a
+summary (mean scores, and the task score on the bundled task).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import TextIO
+
+import torch
+
+from hpcrlhf.config.schema import GenerateConfig
+from hpcrlhf.engines.rollout import SamplingParams
+from hpcrlhf.logs import Progress, get_logger
+
+log = get_logger()
+
+
+def load_generator(path: str, backend: str, *, max_model_len: int, kv_cache_gb: float = 1.0, seed: int = 0,
+                   trust_remote_code: bool = False, attn_implementation: str = "auto"):
+    """(rollout engine, tokenizer) for a model folder."""
+    from hpcrlhf.engines.distributed import device_for
+    from hpcrlhf.engines.rollout import HFRollout, VLLMRollout
+    from hpcrlhf.models.loading import load_causal_lm, load_tokenizer, resolve_model_path
+
+    tokenizer = load_tokenizer(path, trust_remote_code=trust_remote_code)
+    if backend == "vllm":
+        from transformers import AutoConfig
+
+        positions = getattr(AutoConfig.from_pretrained(resolve_model_path(path), trust_remote_code=trust_remote_code),
+                            "max_position_embeddings", max_model_len)
+        return VLLMRollout(resolve_model_path(path), seed=seed, max_model_len=min(max_model_len, positions),
+                           kv_cache_bytes=int(kv_cache_gb * (1 << 30))), tokenizer
+    device = device_for(0)
+    model = load_causal_lm(path, attn_implementation=attn_implementation, trust_remote_code=trust_remote_code).to(device)
+    return HFRollout(model.eval(), pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+                     device=device), tokenizer
+
+
+def run_generate(cfg: GenerateConfig) -> dict:
+    from hpcrlhf.data.loading import load_rows
+    from hpcrlhf.data.tasks import build_task
+    from hpcrlhf.engines.deepspeed_engine import FrozenModel
+    from hpcrlhf.engines.distributed import device_for
+    from hpcrlhf.models.value import ValueModel, load_value_model
+    from hpcrlhf.rewards import RewardSet
+    from hpcrlhf.trainers.online import encode_prompt_rows
+
+    torch.manual_seed(cfg.seed)
+    r = cfg.rollout
+    engine, tokenizer = load_generator(cfg.model.path, r.backend, max_model_len=cfg.data.max_length + r.max_new_tokens,
+                                       kv_cache_gb=r.vllm_kv_cache_gb, seed=cfg.seed,
+                                       trust_remote_code=cfg.model.trust_remote_code,
+                                       attn_implementation=cfg.model.attn_implementation)
+    task = build_task(cfg.task)
+    # Only the held-out split of the bundled task is answered (never its training prompts).
+    train_rows, eval_rows = load_rows(cfg.data, cfg.task,
+                                      lambda t, split, n: t.prompt_rows(split, n) if split == "eval" else [])
+    prompts = encode_prompt_rows(train_rows if cfg.data.train_path else eval_rows, cfg.data, tokenizer)
+    device = device_for(0)
+    rewards = None
+    if cfg.reward is not None:
+        def load_rm(path: str) -> FrozenModel:
+            return FrozenModel(ValueModel(load_value_model(path, pad_token_id=tokenizer.pad_token_id,
+                                                           trust_remote_code=cfg.model.trust_remote_code)), None, device)
+
+        rewards = RewardSet(cfg.reward, load_rm, tokenizer, task, device, cfg.model.trust_remote_code)
+    params = SamplingParams(n=r.samples_per_prompt, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+                            max_new_tokens=r.max_new_tokens, greedy=cfg.greedy, seed=None if cfg.greedy else cfg.seed)
+    out = Path(cfg.output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    totals: dict[str, float] = {}
+    count = 0
+    progress = Progress(len(prompts), desc="generate")
+    with out.open("w") as f:
+        for start in range(0, len(prompts), cfg.batch_size):
+            batch = prompts[start : start + cfg.batch_size]
+            gens = engine.generate([list(p.ids) for p in batch], params)
+            records = _records(batch, gens, tokenizer, task, rewards)
+            for rec in records:
+                f.write(json.dumps(rec) + "\n")
+                for key in ("score", "task_score"):
+                    if key in rec:
+                        totals[key] = totals.get(key, 0.0) + rec[key]
+            count += len(records)
+            progress.update(len(batch))
+    progress.close()
+    engine.close()
+    summary = {"responses": count, "output": str(out), **{f"mean_{k}": v / max(count, 1) for k, v in totals.items()}}
+    log.info("generate: " + ", ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in summary.items()))
+    return summary
+
+
+def _records(batch, gens, tokenizer, task, rewards) -> list[dict]:
+    from hpcrlhf.rewards import Response
+
+    flat = [(p, j, g) for p, samples in zip(batch, gens) for j, g in enumerate(samples)]
+    texts = tokenizer.batch_decode([g.response_ids for _, _, g in flat], skip_special_tokens=True)
+    records = [{"prompt": p.text, "response": t, "sample": j, "finished": g.finished,
+                "num_tokens": len(g.response_ids), "logprob": float(sum(g.logprobs))}
+               for (p, j, g), t in zip(flat, texts)]
+    if task is not None:
+        for rec in records:
+            rec["task_score"] = task.score(rec["prompt"], rec["response"])
+    if rewards is not None:
+        responses = [Response(p.text, t, tuple(p.ids) + tuple(g.response_ids), p.row) for (p, _, g), t in zip(flat, texts)]
+        total, parts = rewards.score(responses)
+        for i, rec in enumerate(records):
+            rec["score"] = float(total[i])
+            rec["scores"] = {name: float(v[i]) for name, v in parts.items()}
+    return records
+
+
+def chat(model_path: str, *, backend: str = "hf", max_new_tokens: int = 128, temperature: float = 0.7,
+         greedy: bool = False, system: str | None = None, history: bool = True, raw: bool = False, seed: int = 0,
+         stdin: TextIO = sys.stdin, stdout: TextIO = sys.stdout) -> int:
+    """Read user turns from `stdin`, answer each with the model. `/reset` forgets the
+    conversation, `/quit` (or end of input) leaves. Models with a chat template see the whole
+    conversation through it; others (or with `raw`) see the latest message as a plain prompt."""
+    from hpcrlhf.data.sft import encode_prompt
+
+    engine, tokenizer = load_generator(model_path, backend, max_model_len=4096, seed=seed)
+    templated = tokenizer.chat_template is not None and not raw
+    messages: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
+    interactive = stdin.isatty()
+    turn = 0
+    try:
+        while True:
+            if interactive:
+                stdout.write("you> ")
+                stdout.flush()
+            line = stdin.readline()
+            if not line or line.strip() in ("/quit", "/exit"):
+                return 0
+            text = line.rstrip("\n")
+            if text.strip() == "/reset":
+                messages = messages[:1] if system else []
+                stdout.write("(conversation reset)\n")
+                continue
+            if not text.strip():
+                continue
+            messages.append({"role": "user", "content": text})
+            if templated:
+                text_in = tokenizer.apply_chat_template(messages if history else messages[-1:], tokenize=False,
+                                                        add_generation_prompt=True)
+                ids = tokenizer(text_in, add_special_tokens=False)["input_ids"]  # the template has the specials
+            else:
+                ids = encode_prompt(tokenizer, text)
+            params = SamplingParams(n=1, temperature=temperature, max_new_tokens=max_new_tokens, greedy=greedy,
+                                    seed=None if greedy else seed + turn)
+            gen = engine.generate([ids], params)[0][0]
+            reply = tokenizer.decode(gen.response_ids, skip_special_tokens=True).strip()
+            messages.append({"role": "assistant", "content": reply})
+            stdout.write(("model> " if interactive else "") + reply + "\n")
+            stdout.flush()
+            turn += 1
+    finally:
+        engine.close()

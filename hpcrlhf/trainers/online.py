@@ -1,0 +1,219 @@
+"""What PPO and rejection sampling share: prompts, a rollout engine, rewards, and evaluation by
+greedy generation.
+
+`OnlineTrainer.rollout_step(step, params)` is the generate-and-score half of an online step:
+this rank's prompts for the step, `n` responses each from the rollout engine, and their scores
+from the reward set. With the vLLM backend on several training ranks, rank 0 runs the engine
+for everyone (`Rank0Rollout`); the Ray launcher replaces that with engine actors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from hpcrlhf.engines.rollout import Generation, SamplingParams
+from hpcrlhf.errors import ConfigError, DataError
+from hpcrlhf.logs import get_logger
+from hpcrlhf.rewards import Response, RewardSet, adjust_scores
+from hpcrlhf.trainers.base import Stats, Trainer
+
+log = get_logger()
+
+
+@dataclass(frozen=True)
+class Prompt:
+    ids: tuple[int, ...]
+    text: str
+    row: Mapping[str, Any]
+
+
+def load_prompts(cfg, tokenizer, eval_limit: int | None = None) -> tuple[list[Prompt], list[Prompt]]:
+    """(train prompts, eval prompts) from `data` files or the bundled task's prompt rows."""
+    from hpcrlhf.data.loading import load_rows
+
+    train_rows, eval_rows = load_rows(cfg.data, cfg.task, lambda task, split, n: task.prompt_rows(split, n))
+    return encode_prompt_rows(train_rows, cfg.data, tokenizer), encode_prompt_rows(eval_rows[:eval_limit], cfg.data, tokenizer)
+
+
+def encode_prompt_rows(rows, data, tokenizer) -> list[Prompt]:
+    """Checked, tokenised prompts of dataset rows (`data.prompt_key`, chat template, max length)."""
+    from hpcrlhf.data.sft import encode_prompts
+    from hpcrlhf.data.sources import require_text
+
+    if not rows:
+        return []
+    require_text(rows, (data.prompt_key,), key_option={data.prompt_key: "data.prompt_key"})
+    texts = [r.data[data.prompt_key] for r in rows]
+    ids = encode_prompts(tokenizer, texts, data.apply_chat_template)
+    for row, p in zip(rows, ids):
+        if len(p) > data.max_length:
+            raise DataError(f"{row.origin}: prompt has {len(p)} tokens > data.max_length {data.max_length}; "
+                            "raise data.max_length or shorten the prompt")
+    return [Prompt(tuple(p), t, r.data) for p, t, r in zip(ids, texts, rows)]
+
+
+class Rank0Rollout:
+    """One rollout engine on rank 0 generating for every training rank of this machine: prompts
+    are gathered to rank 0 and the generations scattered back."""
+
+    def __init__(self, engine, env):
+        self.engine, self.env = engine, env
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[list[Generation]]:
+        import torch.distributed as dist
+
+        gathered: list = [None] * self.env.world_size
+        dist.all_gather_object(gathered, [list(p) for p in prompts])
+        parts: list = [None]
+        if self.env.is_main:
+            flat = [p for part in gathered for p in part]
+            out = self.engine.generate(flat, params)
+            bounds = [0]
+            for part in gathered:
+                bounds.append(bounds[-1] + len(part))
+            parts = [[out[a:b] for a, b in zip(bounds, bounds[1:])]]
+        dist.broadcast_object_list(parts, src=0)
+        return parts[0][self.env.rank]
+
+    def load_weights(self, state) -> None:
+        if self.env.is_main:
+            self.engine.load_weights(state)
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+
+
+@dataclass
+class Rollout:
+    """One step's generations on this rank, flattened prompt-major (the n samples of a prompt
+    are consecutive), with their scores."""
+
+    prompts: list[Prompt]
+    generations: list[Generation]
+    responses: list[Response]
+    scores: torch.Tensor
+    """Combined score after penalties (B,)."""
+    parts: dict[str, torch.Tensor]
+    """Each reward source's values (B,)."""
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        return torch.tensor([len(g.response_ids) for g in self.generations])
+
+    @property
+    def finished(self) -> torch.Tensor:
+        return torch.tensor([g.finished for g in self.generations])
+
+
+class OnlineTrainer(Trainer):
+    """Base of trainers that learn from their own generations."""
+
+    def setup_online(self) -> None:
+        """Prompts and the task; call after `setup`."""
+        from hpcrlhf.data.tasks import build_task
+
+        self.task = build_task(self.cfg.task)
+        self.prompts, self.eval_prompts = load_prompts(self.cfg, self.tokenizer, self.cfg.eval.score_prompts)
+        if self.cfg.rollout.backend == "vllm" and self.cfg.lora.rank:
+            raise ConfigError("rollout.backend: vllm with lora.rank > 0 is not supported yet (the engine needs merged "
+                              "weights after every update); use rollout.backend=hf with LoRA")
+
+    def build_rollout(self) -> None:
+        """The rollout engine (after the actor engine exists) and the greedy evaluator."""
+        from hpcrlhf.engines.rollout import HFRollout
+
+        synced = self.engine.zero_stage == 3 and self.env.world_size > 1
+        self.hf_rollout = HFRollout(self.engine.module, pad_token_id=self.pad_id, eos_token_id=self.tokenizer.eos_token_id,
+                                    device=self.engine.device, synced_gpus=synced)
+        self.rollout_synced = True
+        if self.cfg.rollout.backend == "hf":
+            self.rollout = self.hf_rollout
+            return
+        engine = self._build_vllm() if self.env.is_main else None
+        self.rollout = engine if self.env.world_size == 1 else Rank0Rollout(engine, self.env)
+        self.rollout_synced = False  # the engine starts from model.path; push the actor's weights once
+
+    def _build_vllm(self):
+        from hpcrlhf.engines.rollout import VLLMRollout
+        from hpcrlhf.models.loading import resolve_model_path
+
+        r = self.cfg.rollout
+        max_len = self.cfg.data.max_length + r.max_new_tokens
+        log.info(f"starting vLLM rollout engine (KV cache {r.vllm_kv_cache_gb} GiB, eager={r.vllm_enforce_eager})")
+        return VLLMRollout(resolve_model_path(self.cfg.model.path), seed=self.cfg.seed, max_model_len=max_len,
+                           kv_cache_bytes=int(r.vllm_kv_cache_gb * (1 << 30)), enforce_eager=r.vllm_enforce_eager,
+                           dtype="bfloat16" if self.cfg.engine.precision == "bf16" else "float32")
+
+    def build_rewards(self) -> None:
+        self.rewards = RewardSet(self.cfg.reward, lambda path: self.build_frozen_model(path, value_head=True),
+                                 self.tokenizer, self.task, self.device, self.cfg.model.trust_remote_code)
+
+    def sync_rollout(self) -> None:
+        """Push the actor's weights into the rollout engine (nothing to do for the HF backend,
+        which generates with the trained module itself)."""
+        if self.rollout is self.hf_rollout:
+            return
+        state = self.engine.full_state_dict()  # every rank takes part (ZeRO-3 gathers)
+        self.rollout.load_weights(state)
+        self.rollout_synced = True
+
+    def sampling(self, step: int, n: int) -> SamplingParams:
+        r = self.cfg.rollout
+        # A seed per (step, rank) makes a resumed run generate exactly what the first run would have.
+        return SamplingParams(n=n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+                              max_new_tokens=r.max_new_tokens, seed=self.cfg.seed * 1_000_003 + step * 7919 + self.env.rank)
+
+    def responses(self, prompts: Sequence[Prompt], generations: list[list[Generation]]) -> tuple[list[Prompt], list[Generation], list[Response]]:
+        flat_prompts = [p for p, gens in zip(prompts, generations) for _ in gens]
+        flat = [g for gens in generations for g in gens]
+        texts = self.tokenizer.batch_decode([g.response_ids for g in flat], skip_special_tokens=True)
+        responses = [Response(p.text, t, tuple(p.ids) + tuple(g.response_ids), p.row)
+                     for p, g, t in zip(flat_prompts, flat, texts)]
+        return flat_prompts, flat, responses
+
+    def rollout_step(self, prompts: Sequence[Prompt], params: SamplingParams) -> Rollout:
+        """Generate `params.n` responses per prompt and score them."""
+        if not self.rollout_synced:
+            self.sync_rollout()
+        with self.run.timed("generate"):
+            generations = self.rollout.generate([list(p.ids) for p in prompts], params)
+        with self.run.timed("reward"):
+            flat_prompts, flat, responses = self.responses(prompts, generations)
+            total, parts = self.rewards.score(responses)
+            lengths = torch.tensor([len(g.response_ids) for g in flat])
+            finished = torch.tensor([g.finished for g in flat])
+            scores = adjust_scores(total, lengths, finished, self.cfg.reward)
+        return Rollout(flat_prompts, flat, responses, scores, parts)
+
+    def rollout_stats(self, rollout: Rollout) -> Stats:
+        n = len(rollout.generations)
+        stats: Stats = {"rollout/score": (float(rollout.scores.sum()), n),
+                        "rollout/response_length": (float(rollout.lengths.sum()), n),
+                        "rollout/finished": (float(rollout.finished.sum()), n)}
+        for name, values in rollout.parts.items():
+            stats[f"reward/{name}"] = (float(values.sum()), n)
+        if self.task is not None:
+            stats["rollout/task_score"] = (sum(self.task.score(r.prompt, r.text) for r in rollout.responses), n)
+        return stats
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        """Greedy responses to the held-out prompts: task score, reward and length."""
+        params = SamplingParams(n=1, greedy=True, max_new_tokens=self.cfg.eval.max_new_tokens)
+
+        def stats(batch: list[Prompt]) -> Stats:
+            gens = self.hf_rollout.generate([list(p.ids) for p in batch], params)
+            _, flat, responses = self.responses(batch, gens)
+            total, _ = self.rewards.score(responses)
+            n = len(batch)
+            out: Stats = {"eval/reward": (float(total.sum()), n),
+                          "eval/response_length": (float(sum(len(g.response_ids) for g in flat)), n)}
+            if self.task is not None:
+                out["eval/task_score"] = (sum(self.task.score(r.prompt, r.text) for r in responses), n)
+            return out
+
+        return self.eval_means(self.eval_prompts, stats) if self.eval_prompts else {}

@@ -1,0 +1,77 @@
+"""`hpcrlhf generate` and `hpcrlhf chat` through the real CLI."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from hpcrlhf.data.tasks import ArithmeticTask
+from tests.launch_helpers import ROOT, cli_command, cli_env, run_cli
+
+
+def _rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_generate_scores_every_response_and_matches_the_training_evaluation(policy_model, tmp_path):
+    greedy = tmp_path / "greedy.jsonl"
+    run_cli(["generate", "-m", policy_model, "-o", str(greedy), "--set", "reward={sources: [{rule: task}, "
+             "{rule: task_partial, weight: 0.5}]}"])
+    rows = _rows(greedy)
+    task = ArithmeticTask()
+    assert len(rows) == 256 and {r["sample"] for r in rows} == {0}
+    for r in rows:
+        exact, partial = task.score(r["prompt"], r["response"]), task.partial_score(r["prompt"], r["response"])
+        assert r["task_score"] == exact and r["scores"] == pytest.approx({"rule_task": exact, "rule_task_partial": partial})
+        assert r["score"] == pytest.approx(exact + 0.5 * partial)
+        assert r["finished"] and r["num_tokens"] >= 2
+    # the same greedy answers as the SFT run's own evaluation of this model
+    sft_summary = json.loads((Path(policy_model).parent / "summary.json").read_text())
+    mean = sum(r["task_score"] for r in rows) / len(rows)
+    assert mean == pytest.approx(sft_summary["after"]["eval/task_score"])
+
+    sampled = tmp_path / "sampled.jsonl"
+    run_cli(["generate", "-m", policy_model, "-o", str(sampled), "--set", "greedy=false",
+             "--set", "rollout.samples_per_prompt=4", "--set", "task.eval_size=16"])
+    rows = _rows(sampled)
+    assert [r["sample"] for r in rows[:8]] == [0, 1, 2, 3, 0, 1, 2, 3] and len(rows) == 64
+    assert len({r["response"] for r in rows[:4]}) > 1 or len({r["logprob"] for r in rows[:4]}) == 1
+
+
+@pytest.mark.slow
+def test_generate_with_vllm_gives_the_same_greedy_answers(policy_model, tmp_path):
+    hf, vllm = tmp_path / "hf.jsonl", tmp_path / "vllm.jsonl"
+    common = ["-m", policy_model, "--set", "task.eval_size=64"]
+    run_cli(["generate", *common, "-o", str(hf)])
+    run_cli(["generate", *common, "-o", str(vllm), "--set", "rollout.backend=vllm", "--set", "rollout.vllm_kv_cache_gb=0.25"])
+    a, b = _rows(hf), _rows(vllm)
+    assert [r["response"] for r in a] == [r["response"] for r in b]
+    assert [r["logprob"] for r in a] == pytest.approx([r["logprob"] for r in b], abs=1e-4)
+
+
+def test_generate_reads_a_prompt_file_and_names_a_missing_field(tiny_llama, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"question": "1+2="}) + "\n" + json.dumps({"question": "3+4="}) + "\n")
+    out = tmp_path / "out.jsonl"
+    run_cli(["generate", "-m", tiny_llama, "-o", str(out), "--set", f"data.train_path={prompts}",
+             "--set", "data.prompt_key=question", "--set", "task.name=null"])
+    assert [r["prompt"] for r in _rows(out)] == ["1+2=", "3+4="] and "task_score" not in _rows(out)[0]
+    proc = run_cli(["generate", "-m", tiny_llama, "-o", str(out), "--set", f"data.train_path={prompts}"], check=False)
+    assert proc.returncode == 2 and "field 'prompt' is missing" in proc.stderr and "data.prompt_key" in proc.stderr
+
+
+@pytest.mark.slow
+def test_chat_answers_each_line_and_resets(policy_model, tmp_path):
+    generated = tmp_path / "g.jsonl"
+    run_cli(["generate", "-m", policy_model, "-o", str(generated), "--set", "task.eval_size=2"])
+    expected = [r["response"] for r in _rows(generated)]
+    prompts = [r["prompt"] for r in _rows(generated)]
+    proc = subprocess.run(cli_command(["chat", "-m", policy_model, "--raw", "--greedy", "--max-new-tokens", "8"]), cwd=ROOT,
+                          env=cli_env(), input=f"{prompts[0]}\n/reset\n\n{prompts[1]}\n/quit\nignored\n",
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == [expected[0], "(conversation reset)", expected[1]]

@@ -1,0 +1,61 @@
+"""Online-job settings are checked before anything starts: each mistake names the field, the
+value and the fix. Also the derived numbers of a PPO plan."""
+
+from __future__ import annotations
+
+import pytest
+
+from hpcrlhf.config.loader import load_config
+from hpcrlhf.config.schema import PPOConfig, RSConfig, TrainConfig
+from hpcrlhf.errors import ConfigError
+from hpcrlhf.trainers.plan import PPOPlan
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["ppo.advantage_estimator=grpo", "rollout.samples_per_prompt=1"], "rollout.samples_per_prompt: 1 gives grpo no group"),
+    (["train.global_batch_size=48"], "train.global_batch_size: 48 does not divide the 128 sequences"),
+    (["reference.precompute=true"], "reference.precompute: true needs the training sequences in advance"),
+    (["reference.offload=true"], "set engine.zero_stage=3"),
+    (["ppo.dual_clip=0.5"], "ppo.dual_clip: 0.5 is invalid: use c > 1"),
+    (["ppo.clip_eps=1.5"], "ppo.clip_eps"),
+    (["rollout.temperature=0"], "rollout.temperature: 0"),
+    (["ppo.advantage_estimator=ppo"], "'ppo' is not one of 'gae', 'grpo', 'rloo', 'reinforce++'"),
+    (["reward.sources=[]"], "reward.sources: [] is invalid: give at least one"),
+    (["reward.sources=[{model: a, rule: task}]"], "exactly one of `model`"),
+])
+def test_bad_ppo_settings_fail_with_the_field_and_the_fix(overrides, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace("[", r"\[").replace("+", r"\+")):
+        load_config(PPOConfig, None, overrides)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["train.max_steps=10"], "rs.iterations x rs.steps_per_iteration"),
+    (["rs.mode=dpo", "rollout.samples_per_prompt=1"], "pairs a prompt's best and worst"),
+    (["rs.iterations=0"], "rs.iterations: 0 is invalid"),
+])
+def test_bad_rs_settings(overrides, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
+        load_config(RSConfig, None, overrides)
+
+
+def test_ppo_plan_numbers():
+    plan = PPOPlan.build(TrainConfig(max_steps=10, global_batch_size=64, micro_batch_size=16), prompts_per_step=32,
+                         samples_per_prompt=4, ppo_epochs=2, num_prompts=1000, data_parallel_size=2)
+    assert (plan.prompts_per_rank, plan.sequences_per_rank, plan.minibatch_rows_per_rank) == (16, 64, 32)
+    assert (plan.micro_batch_rows, plan.grad_accum_steps, plan.minibatches_per_epoch) == (16, 2, 2)
+    assert (plan.updates_per_step, plan.steps_per_epoch, plan.total_steps) == (4, 31, 10)
+    # every rank gets its own prompts; together they are one global batch without repeats
+    rows = [plan.prompts_for_step(1000, 3, 0, r) for r in (0, 1)]
+    assert len(set(rows[0]) | set(rows[1])) == 32
+    assert plan.prompts_for_step(1000, 3, 0, 0) == rows[0]  # a pure function of the step
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(prompts_per_step=3, data_parallel_size=2), "rollout.prompts_per_step: 3 does not split over 2 ranks"),
+    (dict(num_prompts=16), "rollout.prompts_per_step: 32 is more than the 16 prompts"),
+    (dict(data_parallel_size=8), "train.global_batch_size: 64 sequences per optimizer step is not a multiple"),
+])
+def test_ppo_plan_rejects_impossible_shapes(kwargs, message):
+    args = dict(prompts_per_step=32, samples_per_prompt=4, ppo_epochs=1, num_prompts=1000, data_parallel_size=1) | kwargs
+    with pytest.raises(ConfigError, match=message):
+        PPOPlan.build(TrainConfig(global_batch_size=64, micro_batch_size=16), **args)
