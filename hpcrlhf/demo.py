@@ -69,7 +69,7 @@ def run_demo(out: Path, *, fresh: bool = False) -> int:
                            title="hpcrlhf demo: SFT of the tiny llama on arithmetic")
     rm_png = plot_metrics(out / "rm", ["train/loss", "eval/accuracy", "eval/accuracy_hard"], out / "rm_curves.png",
                           title="hpcrlhf demo: reward model from the SFT model")
-    ppo_png = plot_metrics(out / "ppo", ["rollout/score", "eval/task_score", "train/value_loss"], out / "ppo_curves.png",
+    ppo_png = plot_metrics(out / "ppo", ["rollout/task_score", "eval/task_score", "train/value_loss"], out / "ppo_curves.png",
                            title="hpcrlhf demo: PPO from the SFT model")
     report.append(f"  run folders: {out / 'sft'}, {out / 'rm'}, {out / 'ppo'} (metrics.jsonl, tensorboard/, model/)")
     report.append(f"  curves: {sft_png}, {rm_png}, {ppo_png}")
