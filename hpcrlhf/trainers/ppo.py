@@ -125,12 +125,16 @@ class PPOTrainer(OnlineTrainer):
         prompt_lens = [len(p.ids) for p in rollout.prompts]
         batch = _sequence_batch(seqs, prompt_lens, self.pad_id)
         mask = batch["labels"] != IGNORE
+        self.engine.eval()
         old = self._forward_logps(self.engine, batch)
         rollout_logps = torch.zeros_like(old)
         for i, (g, start) in enumerate(zip(rollout.generations, prompt_lens)):
             rollout_logps[i, start - 1 : start - 1 + len(g.logprobs)] = torch.tensor(g.logprobs)
         ref = self._forward_logps(self.reference, batch) if self.reference is not None else None
-        values = self._forward_values(self.critic, batch) * mask if self.critic is not None else None
+        values = None
+        if self.critic is not None:
+            self.critic.eval()
+            values = self._forward_values(self.critic, batch) * mask
 
         scores = rollout.scores.clone()
         if cfg.reward.running_norm:
@@ -233,13 +237,11 @@ class PPOTrainer(OnlineTrainer):
             yield {k: v[start : start + size].to(device) for k, v in batch.items()}
 
     def _forward_logps(self, model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        model.eval() if hasattr(model, "eval") else None
         out = [token_logprobs(model(input_ids=c["input_ids"], attention_mask=c["attention_mask"]).logits, c["labels"]).cpu()
                for c in self._chunks(batch)]
         return torch.cat(out)
 
     def _forward_values(self, model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        model.eval()
         return torch.cat([model(input_ids=c["input_ids"], attention_mask=c["attention_mask"]).float().cpu()
                           for c in self._chunks(batch)])
 
