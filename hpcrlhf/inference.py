@@ -51,7 +51,7 @@ def run_generate(cfg: GenerateConfig) -> dict:
     from hpcrlhf.engines.distributed import device_for
     from hpcrlhf.models.value import ValueModel, load_value_model
     from hpcrlhf.rewards import RewardSet
-    from hpcrlhf.trainers.online import encode_prompt_rows
+    from hpcrlhf.trainers.online import encode_prompt_rows, sampling_params
 
     torch.manual_seed(cfg.seed)
     r = cfg.rollout
@@ -72,8 +72,7 @@ def run_generate(cfg: GenerateConfig) -> dict:
                                                            trust_remote_code=cfg.model.trust_remote_code)), None, device)
 
         rewards = RewardSet(cfg.reward, load_rm, tokenizer, task, device, cfg.model.trust_remote_code)
-    params = SamplingParams(n=r.samples_per_prompt, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-                            max_new_tokens=r.max_new_tokens, greedy=cfg.greedy, seed=None if cfg.greedy else cfg.seed)
+    params = sampling_params(r, n=r.samples_per_prompt, greedy=cfg.greedy, seed=None if cfg.greedy else cfg.seed)
     out = Path(cfg.output)
     out.parent.mkdir(parents=True, exist_ok=True)
     totals: dict[str, float] = {}
@@ -99,18 +98,17 @@ def run_generate(cfg: GenerateConfig) -> dict:
 
 
 def _records(batch, gens, tokenizer, task, rewards) -> list[dict]:
-    from hpcrlhf.rewards import Response
+    from hpcrlhf.trainers.online import flatten_generations
 
-    flat = [(p, j, g) for p, samples in zip(batch, gens) for j, g in enumerate(samples)]
-    texts = tokenizer.batch_decode([g.response_ids for _, _, g in flat], skip_special_tokens=True)
-    records = [{"prompt": p.text, "response": t, "sample": j, "finished": g.finished,
+    _, flat, responses = flatten_generations(batch, gens, tokenizer)
+    samples = [j for g in gens for j in range(len(g))]
+    records = [{"prompt": r.prompt, "response": r.text, "sample": j, "finished": g.finished,
                 "num_tokens": len(g.response_ids), "logprob": float(sum(g.logprobs))}
-               for (p, j, g), t in zip(flat, texts)]
+               for r, g, j in zip(responses, flat, samples)]
     if task is not None:
         for rec in records:
             rec["task_score"] = task.score(rec["prompt"], rec["response"])
     if rewards is not None:
-        responses = [Response(p.text, t, tuple(p.ids) + tuple(g.response_ids), p.row) for (p, _, g), t in zip(flat, texts)]
         total, parts = rewards.score(responses)
         for i, rec in enumerate(records):
             rec["score"] = float(total[i])

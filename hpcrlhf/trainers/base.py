@@ -71,7 +71,6 @@ class Trainer:
                                                micro_batch_rows=self.plan.micro_batch_rows,
                                                grad_accum_steps=self.plan.grad_accum_steps,
                                                total_steps=self.plan.total_steps)
-        self.ds_config = self.engine.ds_config
         log.info(f"{self.kind}: {num_rows} training rows, {self.plan.total_steps} steps, {self.env.world_size} rank(s) x "
                  f"{self.plan.micro_batch_rows} rows x {self.plan.grad_accum_steps} accumulation, ZeRO-{cfg.engine.zero_stage}"
                  + (f", LoRA rank {cfg.lora.rank} ({self.trainable_parameters(self.engine)} trainable parameters)"
@@ -293,11 +292,18 @@ def _add(sums: dict[str, list[float]], stats: Stats) -> None:
         sums[key][1] += count
 
 
-def reduce_means(sums: dict[str, Sequence[float]]) -> dict[str, float]:
-    """Sum (sum, count) pairs over ranks, then divide; a metric no rank had a sample for is left out."""
+def reduce_means(sums: dict[str, Sequence[float]], sum_divisor: int | None = None) -> dict[str, float]:
+    """Sum (sum, count) pairs over ranks, then divide. A count of 0 marks a plain sum: divided by
+    `sum_divisor` when given (e.g. mini-batch losses whose parts over micro-batches and ranks add
+    up to one mini-batch's mean, averaged over the updates), else the metric is left out."""
     keys = sorted(sums)
     flat = all_reduce_sum([x for k in keys for x in sums[k]])
-    return {k: flat[2 * i] / flat[2 * i + 1] for i, k in enumerate(keys) if flat[2 * i + 1] > 0}
+    out = {}
+    for i, k in enumerate(keys):
+        total, count = flat[2 * i], flat[2 * i + 1]
+        if count > 0 or sum_divisor:
+            out[k] = total / (count or sum_divisor)
+    return out
 
 
 def format_metrics(metrics: dict[str, float]) -> str:

@@ -55,6 +55,23 @@ def encode_prompt_rows(rows, data, tokenizer) -> list[Prompt]:
     return [Prompt(tuple(p), t, r.data) for p, t, r in zip(ids, texts, rows)]
 
 
+def sampling_params(r, *, n: int, seed: int | None, greedy: bool = False) -> SamplingParams:
+    """The engine's sampling settings from a `rollout` config section."""
+    return SamplingParams(n=n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_new_tokens,
+                          greedy=greedy, seed=seed)
+
+
+def flatten_generations(prompts: Sequence[Prompt], generations: list[list[Generation]], tokenizer
+                        ) -> tuple[list[Prompt], list[Generation], list[Response]]:
+    """Prompt-major flat lists (a prompt's samples consecutive) of prompts, generations and the
+    decoded responses the reward sources score."""
+    flat_prompts = [p for p, gens in zip(prompts, generations) for _ in gens]
+    flat = [g for gens in generations for g in gens]
+    texts = tokenizer.batch_decode([g.response_ids for g in flat], skip_special_tokens=True)
+    responses = [Response(p.text, t, tuple(p.ids) + tuple(g.response_ids), p.row) for p, g, t in zip(flat_prompts, flat, texts)]
+    return flat_prompts, flat, responses
+
+
 class Rank0Rollout:
     """One rollout engine on rank 0 generating for every training rank of this machine: prompts
     are gathered to rank 0 and the generations scattered back."""
@@ -95,7 +112,7 @@ class Rollout:
     prompts: list[Prompt]
     generations: list[Generation]
     responses: list[Response]
-    scores: torch.Tensor
+    scores: torch.Tensor | None
     """Combined score after penalties (B,)."""
     parts: dict[str, torch.Tensor]
     """Each reward source's values (B,)."""
@@ -162,18 +179,8 @@ class OnlineTrainer(Trainer):
         self.rollout_synced = True
 
     def sampling(self, step: int, n: int) -> SamplingParams:
-        r = self.cfg.rollout
         # A seed per (step, rank) makes a resumed run generate exactly what the first run would have.
-        return SamplingParams(n=n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-                              max_new_tokens=r.max_new_tokens, seed=self.cfg.seed * 1_000_003 + step * 7919 + self.env.rank)
-
-    def responses(self, prompts: Sequence[Prompt], generations: list[list[Generation]]) -> tuple[list[Prompt], list[Generation], list[Response]]:
-        flat_prompts = [p for p, gens in zip(prompts, generations) for _ in gens]
-        flat = [g for gens in generations for g in gens]
-        texts = self.tokenizer.batch_decode([g.response_ids for g in flat], skip_special_tokens=True)
-        responses = [Response(p.text, t, tuple(p.ids) + tuple(g.response_ids), p.row)
-                     for p, g, t in zip(flat_prompts, flat, texts)]
-        return flat_prompts, flat, responses
+        return sampling_params(self.cfg.rollout, n=n, seed=self.cfg.seed * 1_000_003 + step * 7919 + self.env.rank)
 
     def rollout_step(self, prompts: Sequence[Prompt], params: SamplingParams) -> Rollout:
         """Generate `params.n` responses per prompt and score them."""
@@ -182,12 +189,10 @@ class OnlineTrainer(Trainer):
         with self.run.timed("generate"):
             generations = self.rollout.generate([list(p.ids) for p in prompts], params)
         with self.run.timed("reward"):
-            flat_prompts, flat, responses = self.responses(prompts, generations)
-            total, parts = self.rewards.score(responses)
-            lengths = torch.tensor([len(g.response_ids) for g in flat])
-            finished = torch.tensor([g.finished for g in flat])
-            scores = adjust_scores(total, lengths, finished, self.cfg.reward)
-        return Rollout(flat_prompts, flat, responses, scores, parts)
+            rollout = Rollout(*flatten_generations(prompts, generations, self.tokenizer), None, {})
+            total, rollout.parts = self.rewards.score(rollout.responses)
+            rollout.scores = adjust_scores(total, rollout.lengths, rollout.finished, self.cfg.reward)
+        return rollout
 
     def rollout_stats(self, rollout: Rollout) -> Stats:
         n = len(rollout.generations)
@@ -207,7 +212,7 @@ class OnlineTrainer(Trainer):
 
         def stats(batch: list[Prompt]) -> Stats:
             gens = self.hf_rollout.generate([list(p.ids) for p in batch], params)
-            _, flat, responses = self.responses(batch, gens)
+            _, flat, responses = flatten_generations(batch, gens, self.tokenizer)
             total, _ = self.rewards.score(responses)
             n = len(batch)
             out: Stats = {"eval/reward": (float(total.sum()), n),

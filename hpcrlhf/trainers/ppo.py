@@ -36,12 +36,14 @@ from hpcrlhf.algos.logprobs import IGNORE, token_logprobs
 from hpcrlhf.algos.ppo import (RunningMoments, aggregate_loss, build_kl_controller, clip_rewards, entropy_from_logits,
                                kl_estimate, masked_sum, normalize_scores, policy_loss, shape_rewards, value_loss)
 from hpcrlhf.config.schema import PPOConfig
+from hpcrlhf.data.sft import TokenizedSample
 from hpcrlhf.engines.distributed import all_reduce_sum
 from hpcrlhf.logs import get_logger
 from hpcrlhf.trainers.base import reduce_means
 from hpcrlhf.trainers.experience import ReplayBuffer, collate_experience, split_rows
 from hpcrlhf.trainers.online import OnlineTrainer, Rollout
 from hpcrlhf.trainers.plan import PPOPlan
+from hpcrlhf.trainers.sequences import model_batch
 
 log = get_logger()
 
@@ -108,7 +110,7 @@ class PPOTrainer(OnlineTrainer):
                 self.update(self.critic, self.critic_loss, order_seed, sums)
         with self.run.timed("weight_sync"):
             self.sync_rollout()
-        metrics = reduce_means(stats) | _reduce(sums, self.plan.updates_per_step)
+        metrics = reduce_means(stats) | reduce_means(sums, sum_divisor=self.plan.updates_per_step)
         self.kl_ctl.update(metrics.get("rollout/kl", 0.0), n_steps=cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt)
         metrics["train/kl_coef"] = self.kl_ctl.value
         metrics["train/loss"] = metrics.get("train/policy_loss", 0.0)
@@ -121,9 +123,10 @@ class PPOTrainer(OnlineTrainer):
     def make_experience(self, rollout: Rollout) -> tuple[list, dict[str, tuple[float, float]]]:
         """Old log-probs, reference log-probs, values, rewards and advantages of a rollout."""
         cfg, ppo = self.cfg, self.cfg.ppo
-        seqs = [list(r.sequence_ids) for r in rollout.responses]
         prompt_lens = [len(p.ids) for p in rollout.prompts]
-        batch = _sequence_batch(seqs, prompt_lens, self.pad_id)
+        samples = [TokenizedSample(r.sequence_ids, (False,) * n + (True,) * (len(r.sequence_ids) - n), "rollout")
+                   for r, n in zip(rollout.responses, prompt_lens)]
+        batch = model_batch(samples, self.pad_id, torch.device("cpu"))
         mask = batch["labels"] != IGNORE
         self.engine.eval()
         old = self._forward_logps(self.engine, batch)
@@ -155,9 +158,9 @@ class PPOTrainer(OnlineTrainer):
             whiten=ppo.whiten_advantages, reduce=all_reduce_sum)
         items = split_rows({"input_ids": batch["input_ids"], "labels": batch["labels"], "old_logps": old,
                             "advantages": advantages, "returns": returns, "values": values,
-                            "ref_logps": ref if ppo.kl_loss_coef > 0 else None}, [len(s) for s in seqs])
+                            "ref_logps": ref if ppo.kl_loss_coef > 0 else None}, [len(s.input_ids) for s in samples])
 
-        n = len(seqs)
+        n = len(samples)
         stats = self.rollout_stats(rollout)
         stats["rollout/kl"] = (float(masked_sum(kl, mask)), n)
         stats["rollout/logprob_max_diff"] = (float(((rollout_logps - old).abs() * mask).amax(dim=-1).sum()), n)
@@ -244,25 +247,6 @@ class PPOTrainer(OnlineTrainer):
     def _forward_values(self, model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         return torch.cat([model(input_ids=c["input_ids"], attention_mask=c["attention_mask"]).float().cpu()
                           for c in self._chunks(batch)])
-
-
-def _sequence_batch(seqs: list[list[int]], prompt_lens: list[int], pad_id: int) -> dict[str, torch.Tensor]:
-    """Right-padded prompt + response rows with labels on the response tokens."""
-    from hpcrlhf.engines.hf_generate import right_pad
-
-    ids, mask = right_pad(seqs, pad_id)
-    labels = torch.full_like(ids, IGNORE)
-    for i, (s, p) in enumerate(zip(seqs, prompt_lens)):
-        labels[i, p - 1 : len(s) - 1] = ids[i, p : len(s)]
-    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
-
-
-def _reduce(sums, updates: int) -> dict[str, float]:
-    """Sum (total, count) pairs over ranks and divide. Count 0 marks a mini-batch loss (its
-    micro-batch parts over all ranks add up to the mini-batch mean): averaged over `updates`."""
-    keys = sorted(sums)
-    flat = all_reduce_sum([float(x) for k in keys for x in sums[k]])
-    return {k: flat[2 * i] / (flat[2 * i + 1] or updates) for i, k in enumerate(keys)}
 
 
 class PPOState:

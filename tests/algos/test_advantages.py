@@ -20,16 +20,7 @@ from hpcrlhf.algos.advantages import (
     rloo_advantages,
 )
 from hpcrlhf.algos.ppo import gae_advantages, masked_whiten
-
-DTYPES = [torch.float32, torch.float64]
-ATOL = {torch.float32: 1e-5, torch.float64: 1e-10}
-
-
-def close(got, want, dtype):
-    got = torch.as_tensor(got, dtype=torch.float64)
-    want = torch.as_tensor(want, dtype=torch.float64)
-    assert got.shape == want.shape, (got.shape, want.shape)
-    assert torch.allclose(got, want, atol=ATOL[dtype], rtol=0), (got, want)
+from tests.algos.fake_ranks import DTYPES, capture_sums, close, plus
 
 
 def response_mask(g, B, T=7):
@@ -41,22 +32,6 @@ def response_mask(g, B, T=7):
     mask[0] = torch.tensor([0, 1, 1, 0, 1, 1, 0], dtype=torch.bool)[:T]
     mask[-1] = False
     return mask
-
-
-def capture_sums(call):
-    seen = []
-
-    def cap(vals):
-        seen.append(list(vals))
-        return list(vals)
-
-    call(cap)
-    assert len(seen) == 1
-    return seen[0]
-
-
-def plus(other):
-    return lambda vals: [a + b for a, b in zip(vals, other)]
 
 
 # ---- references ------------------------------------------------------------------------------
