@@ -7,10 +7,10 @@
 3. PPO from the SFT model with a critic started from the reward model, rewarded by the reward
    model plus the task's exact-match rule (two reward sources, summed).
 
-The tiny reward model checks the number of digits reliably but verifies the digits themselves
-only a little better than chance on the policy's own mistakes (it would have to do the addition
-itself), which is why the exact-match rule joins it. Every stage resumes if the demo is
-interrupted and run again.
+The demo's short reward model (400 steps on the default pairs) checks the number of digits reliably
+but ranks the policy's own mistakes (off by 1-3 or by 10) only a little better than chance, which is
+why the exact-match rule joins it; an RM that PPO can use alone takes ~2 minutes more (README, "What
+the reward model must see"). Every stage resumes if the demo is interrupted and run again.
 """
 
 from __future__ import annotations

@@ -50,6 +50,10 @@ class TaskConfig:
     hard_pair_fraction: float = 0.5
     """Share of the task's preference pairs (rm, dpo) whose rejected answer is a near miss (off by
     one digit) rather than clearly wrong (wrong number of digits)."""
+    near_miss: Literal["digit", "offset"] = "digit"
+    """Kind of the hard pairs' rejected answer: `digit` (off by 1 or 10, or two digits swapped) or
+    `offset` (off by 1 to 3 or by 10: the mistakes a half-trained policy makes, which a reward
+    model for PPO on this task must tell apart)."""
 
     def __post_init__(self) -> None:
         _require(0 <= self.hard_pair_fraction <= 1, "task.hard_pair_fraction", self.hard_pair_fraction,

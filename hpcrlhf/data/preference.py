@@ -95,7 +95,7 @@ def splice(prompt_of: TokenizedSample, response_of: TokenizedSample, max_length:
 def load_pairs(data: PairDataConfig, task_cfg: TaskConfig, tokenizer) -> tuple[list[PairSample], list[PairSample]]:
     """Checked, tokenised train and eval pairs (the task's mixed easy/hard pairs by default)."""
     train, evals = load_rows(data, task_cfg, lambda task, split, n: task.mixed_preference_rows(
-        split, n, task_cfg.hard_pair_fraction))
+        split, n, task_cfg.hard_pair_fraction, task_cfg.near_miss))
     for rows in (train, evals):
         check_pair_rows(rows, data)
     (train, truncated), (evals, _) = tokenize_pairs(train, tokenizer, data), tokenize_pairs(evals, tokenizer, data)

@@ -35,7 +35,7 @@ import hashlib
 import itertools
 import random
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar
 
@@ -169,14 +169,18 @@ class ArithmeticTask:
             for p in self._problems(split, n)
         ]
 
-    def preference_rows(self, split: str, n: int, hard: bool = False) -> list[dict[str, str]]:
+    def preference_rows(self, split: str, n: int, hard: bool = False,
+                        near_miss: str = "digit") -> list[dict[str, str]]:
         """`n` pairs {"prompt", "chosen", "rejected"}: chosen is the sum, rejected is wrong.
 
         Easy pairs (default) reject an answer with the wrong number of digits; hard pairs
-        reject a near miss (off by 1 or 10, or two digits swapped).
+        reject a near miss of the kind `near_miss` names (see `NEAR_MISSES`).
         """
-        rng = _rng("preference", self.seed, split, hard)
-        wrong = _near_miss if hard else _far_miss
+        if near_miss not in NEAR_MISSES:
+            raise ConfigError(f"near_miss={near_miss!r} is unknown: valid kinds are {', '.join(NEAR_MISSES)}")
+        extra = () if near_miss == "digit" else (near_miss,)  # `digit` rows stay as they always were
+        rng = _rng("preference", self.seed, split, hard, *extra)
+        wrong = NEAR_MISSES[near_miss] if hard else _far_miss
         rows = []
         for p in self._problems(split, n):
             answer = sum(p)
@@ -189,10 +193,12 @@ class ArithmeticTask:
             )
         return rows
 
-    def mixed_preference_rows(self, split: str, n: int, hard_fraction: float) -> list[dict[str, str]]:
+    def mixed_preference_rows(self, split: str, n: int, hard_fraction: float,
+                              near_miss: str = "digit") -> list[dict[str, str]]:
         """`n` pairs like `preference_rows`, each hard with probability `hard_fraction` (a stable
         per-row draw), with a "difficulty" field ("easy" or "hard") for per-kind evaluation."""
-        easy, hard = self.preference_rows(split, n), self.preference_rows(split, n, hard=True)
+        easy = self.preference_rows(split, n)
+        hard = self.preference_rows(split, n, hard=True, near_miss=near_miss)
         rows = []
         for i, (e, h) in enumerate(zip(easy, hard)):  # same problem at the same index
             is_hard = _unit_hash("difficulty", self.seed, split, i) < hard_fraction
@@ -279,6 +285,16 @@ def _near_miss(answer: int, rng: random.Random) -> int:
     candidates.discard(answer)
     return rng.choice(sorted(candidates))
 
+
+def _offset_miss(answer: int, rng: random.Random) -> int:
+    """The wrong answers a partly trained small model gives: off by 1 to 3 or by 10."""
+    return rng.choice([answer + k for k in (-10, -3, -2, -1, 1, 2, 3, 10) if answer + k >= 0])
+
+
+NEAR_MISSES: dict[str, Callable[[int, random.Random], int]] = {"digit": _near_miss, "offset": _offset_miss}
+"""Kinds of hard rejected answers: `digit` (off by 1 or 10, or two adjacent digits swapped) and
+`offset` (off by 1 to 3 or by 10: what a partly trained policy gets wrong, so what a reward model
+for PPO on this task must tell apart)."""
 
 TASKS: dict[str, type] = {ArithmeticTask.name: ArithmeticTask}
 

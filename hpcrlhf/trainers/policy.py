@@ -77,7 +77,8 @@ def task_pairs(trainer: Trainer) -> list[PairSample]:
     task, cfg = build_task(trainer.cfg.task), trainer.cfg
     if task is None:
         return []
-    rows = rows_from_records(task.mixed_preference_rows("eval", cfg.task.eval_size, cfg.task.hard_pair_fraction),
+    rows = rows_from_records(task.mixed_preference_rows("eval", cfg.task.eval_size, cfg.task.hard_pair_fraction,
+                                                         cfg.task.near_miss),
                              f"task:{cfg.task.name}[eval]")
     data = PairDataConfig(max_length=cfg.data.max_length, apply_chat_template=cfg.data.apply_chat_template)
     return tokenize_pairs(rows, trainer.tokenizer, data)[0]

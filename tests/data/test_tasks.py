@@ -136,6 +136,20 @@ def test_preference_rows(hard):
             assert len(row["rejected"]) != len(row["chosen"])
 
 
+def test_offset_near_misses_are_the_policys_kind_of_mistake():
+    rows = TASK.preference_rows("train", 2000, hard=True, near_miss="offset")
+    gaps = [int(r["rejected"]) - int(r["chosen"]) for r in rows]
+    assert set(gaps) == {-10, -3, -2, -1, 1, 2, 3, 10}  # every offset occurs, nothing else
+    assert all(int(r["rejected"]) >= 0 for r in rows)
+    assert 0.15 < sum(abs(g) == 10 for g in gaps) / len(gaps) < 0.35  # tens errors: about 1 in 4
+    # the default kind's rows are unchanged by the new option
+    assert TASK.preference_rows("train", 50, hard=True) == TASK.preference_rows("train", 50, hard=True, near_miss="digit")
+    mixed = TASK.mixed_preference_rows("eval", 200, 1.0, near_miss="offset")
+    assert all(abs(int(r["rejected"]) - int(r["chosen"])) in (1, 2, 3, 10) for r in mixed)
+    with pytest.raises(ConfigError, match="near_miss='units'.*digit, offset"):
+        TASK.preference_rows("train", 5, hard=True, near_miss="units")
+
+
 def test_unpaired_rows_are_balanced_and_labelled_right():
     rows = TASK.unpaired_rows("train", 400)
     assert sum(r["label"] for r in rows) == 200
