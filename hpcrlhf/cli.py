@@ -71,6 +71,14 @@ def cmd_chat(args: argparse.Namespace) -> int:
                 greedy=args.greedy, system=args.system, history=not args.no_history, raw=args.raw, seed=args.seed)
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    from hpcrlhf.placement import build_node_map
+
+    node_map = build_node_map(build_config("ppo", args.recipe, args.set, None), args.nodes, args.gpus_per_node)
+    print(node_map.to_json() if args.json else node_map.render(), end="")
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from hpcrlhf.demo import run_demo
 
@@ -137,6 +145,20 @@ def build_parser() -> argparse.ArgumentParser:
                         "without one, such as those trained on the bundled task)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
     p.set_defaults(func=cmd_chat)
+
+    p = sub.add_parser("plan", help="print the node map of a PPO recipe on a cluster allocation (no GPUs needed)",
+                       description="Place a PPO job's roles (actor, critic, reference, reward models, vLLM engines) "
+                                   "on an allocation of nodes x GPUs as the recipe's `placement` section says, check "
+                                   "the layout (GPU counts, TP groups, batch splits, memory per GPU) and print it. "
+                                   "Exit status 2 lists every problem with its fix.")
+    p.add_argument("recipe", metavar="RECIPE", help="PPO recipe: a YAML path, or a shipped recipe name (ppo-7b)")
+    p.add_argument("--nodes", type=int, metavar="N", help="nodes of the allocation (default: placement.nodes)")
+    p.add_argument("--gpus-per-node", type=int, metavar="G",
+                   help="GPUs per node (default: placement.gpus_per_node)")
+    p.add_argument("--set", "-s", action="append", default=[], metavar="KEY=VALUE",
+                   help="override one setting, e.g. --set placement.vllm.engines=8 (repeatable)")
+    p.add_argument("--json", action="store_true", help="print the node map as JSON")
+    p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("demo", help="the main job on the embedded defaults (tiny bundled model and task)",
                        description="Fine-tune the bundled tiny model on the bundled arithmetic task and "

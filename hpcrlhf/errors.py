@@ -20,3 +20,12 @@ class DataError(HpcrlhfError):
 
 class ModelError(HpcrlhfError):
     """A model path, family or attention implementation cannot be used."""
+
+
+class PlacementError(ConfigError):
+    """A node map that cannot work on its allocation or for its config. The message lists every
+    problem found, each with its reason and fix; `problems` holds them one by one."""
+
+    def __init__(self, message: str, problems: tuple[str, ...] = ()):
+        super().__init__(message)
+        self.problems = problems

@@ -588,6 +588,120 @@ class PPOSectionConfig:
         return self.advantage_estimator == "gae"
 
 
+PlacementRole = Literal["actor", "critic", "ref", "reward", "vllm"]
+PLACEMENT_ROLES: tuple[str, ...] = ("actor", "critic", "ref", "reward", "vllm")
+"""Roles a node map places, in placement order (vLLM engines last)."""
+
+
+@dataclass(frozen=True)
+class RoleConfig:
+    """GPUs of one model role in the node map, and its DeepSpeed settings where they differ from
+    the job's `engine` section."""
+
+    nodes: int = 1
+    """Nodes the role spans; it takes `gpus_per_node` GPUs on each (0: the role gets no GPUs)."""
+    gpus_per_node: int = 1
+    """GPUs the role takes on each of its nodes; its data-parallel ranks are nodes x gpus_per_node
+    (0: the role gets no GPUs)."""
+    zero_stage: Optional[Literal[0, 1, 2, 3]] = None
+    """This role's ZeRO stage (null: engine.zero_stage)."""
+    offload_optimizer: Optional[bool] = None
+    """Keep this role's optimizer states in CPU memory (null: engine.offload_optimizer). Trained
+    roles (actor, critic) only."""
+    offload_params: Optional[bool] = None
+    """Keep this role's weights in CPU memory between uses, ZeRO-3 only (null: actor and critic
+    engine.offload_params, ref reference.offload, reward false)."""
+
+    @property
+    def num_gpus(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+
+@dataclass(frozen=True)
+class VLLMPlacementConfig:
+    engines: int = 0
+    """vLLM engines generating rollouts (rollout.backend=vllm needs at least one; hf none)."""
+    tensor_parallel_size: int = 1
+    """GPUs per engine, all on one node (tensor parallelism needs the fast links inside a node)."""
+    gpu_memory_utilization: float = 0.9
+    """Share of each of its GPUs' memory an engine claims for weights and KV cache. Colocated with
+    trained roles it must leave them room (e.g. 0.3-0.5)."""
+
+    def __post_init__(self) -> None:
+        _require(self.engines >= 0, "placement.vllm.engines", self.engines, "use 0 (no vLLM) or more engines")
+        _require(self.tensor_parallel_size >= 1, "placement.vllm.tensor_parallel_size", self.tensor_parallel_size,
+                 "use at least 1 GPU per engine")
+        _require(0 < self.gpu_memory_utilization <= 1, "placement.vllm.gpu_memory_utilization",
+                 self.gpu_memory_utilization, "use a share in (0, 1], e.g. 0.9 alone on its GPUs")
+
+
+@dataclass(frozen=True)
+class PlacementConfig:
+    """Where each role of a PPO job runs on the allocation (nodes x GPUs), for the Ray runtime.
+    `hpcrlhf plan RECIPE` prints the resulting node map and rejects layouts that cannot work.
+    The defaults fit one GPU: actor, critic and reference share it (reward models and vLLM
+    engines join it once given GPUs)."""
+
+    nodes: int = 1
+    """Nodes of the allocation the job asks for (`hpcrlhf plan --nodes` overrides)."""
+    gpus_per_node: int = 1
+    """GPUs per node of the allocation (`hpcrlhf plan --gpus-per-node` overrides)."""
+    gpu_memory_gb: float = 80.0
+    """Memory of one GPU in GiB, for the memory check."""
+    actor: RoleConfig = field(default_factory=RoleConfig)
+    """The trained policy."""
+    critic: RoleConfig = field(default_factory=RoleConfig)
+    """The value model (ppo.advantage_estimator gae; give it no GPUs otherwise)."""
+    ref: RoleConfig = field(default_factory=RoleConfig)
+    """The frozen reference model (ppo.init_kl_coef or kl_loss_coef > 0; no GPUs otherwise)."""
+    reward: RoleConfig = field(default_factory=lambda: RoleConfig(gpus_per_node=0))
+    """Every reward model of reward.sources, together (no GPUs when all sources are rules)."""
+    vllm: VLLMPlacementConfig = field(default_factory=VLLMPlacementConfig)
+    """The vLLM rollout engines."""
+    colocate: tuple[tuple[PlacementRole, ...], ...] = (("actor", "critic", "ref", "reward", "vllm"),)
+    """Groups of roles that share the same GPUs, e.g. [[actor, ref], [critic, reward]]. Roles in a
+    group need the same nodes and gpus_per_node (vLLM: engines x tensor_parallel_size equal to
+    the group's GPUs); a role with no GPUs in a group places nothing. Other roles get GPUs of
+    their own."""
+    allow_idle_gpus: bool = False
+    """Accept an allocation with GPUs no role uses (otherwise the plan is rejected)."""
+
+    def __post_init__(self) -> None:
+        _require(self.nodes >= 1, "placement.nodes", self.nodes, "use at least 1 node")
+        _require(self.gpus_per_node >= 1, "placement.gpus_per_node", self.gpus_per_node, "use at least 1 GPU")
+        _require(self.gpu_memory_gb > 0, "placement.gpu_memory_gb", self.gpu_memory_gb,
+                 "give the memory of one GPU in GiB, e.g. 80")
+        for name in ("actor", "critic", "ref", "reward"):
+            self._check_role(name, getattr(self, name))
+        seen: dict[str, int] = {}
+        for i, group in enumerate(self.colocate):
+            key = f"placement.colocate[{i}]"
+            unknown = [r for r in group if r not in PLACEMENT_ROLES]
+            _require(not unknown, key, list(group), f"roles are {', '.join(PLACEMENT_ROLES)}")
+            _require(len(set(group)) == len(group) >= 2, key, list(group),
+                     "a group names two or more different roles, e.g. [actor, ref]")
+            for role in group:
+                _require(role not in seen, key, list(group),
+                         f"{role} is already in placement.colocate[{seen.get(role)}]; a role shares GPUs with "
+                         f"one group only: merge the two groups")
+                seen[role] = i
+
+    @staticmethod
+    def _check_role(name: str, role: RoleConfig) -> None:
+        key = f"placement.{name}"
+        _require(role.nodes >= 0, f"{key}.nodes", role.nodes, "use 0 (no GPUs) or more nodes")
+        _require(role.gpus_per_node >= 0, f"{key}.gpus_per_node", role.gpus_per_node, "use 0 (no GPUs) or more")
+        _require(role.zero_stage in (None, 0, 1, 2, 3), f"{key}.zero_stage", role.zero_stage, "use 0-3, or null")
+        if name in ("ref", "reward"):
+            _require(role.offload_optimizer is None, f"{key}.offload_optimizer", role.offload_optimizer,
+                     f"{name} is frozen and has no optimizer: leave it null")
+        if role.zero_stage is not None:
+            _require(not (role.offload_optimizer and role.zero_stage == 0), f"{key}.offload_optimizer", True,
+                     f"optimizer offload needs ZeRO: set {key}.zero_stage to 1, 2 or 3")
+            _require(not (role.offload_params and role.zero_stage != 3), f"{key}.offload_params", True,
+                     f"parameter offload needs parameter sharding: set {key}.zero_stage=3")
+
+
 @dataclass(frozen=True)
 class OnlineJobConfig(TrainJobConfig):
     """Jobs that generate their own training data from prompts (PPO, rejection sampling)."""
@@ -626,6 +740,8 @@ class PPOConfig(OnlineJobConfig):
     """The PPO objective and its tricks."""
     critic: CriticConfig = field(default_factory=CriticConfig)
     """The value model (advantage_estimator gae)."""
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
+    """Roles on the nodes and GPUs of a cluster allocation (`hpcrlhf plan` checks and prints it)."""
     eval: EvalConfig = field(default_factory=lambda: EvalConfig(every_steps=20))
     """Evaluation during and after training."""
     log: LogConfig = field(default_factory=lambda: LogConfig(every_steps=1))

@@ -1,0 +1,235 @@
+"""Which GPUs each role gets: a deterministic first-fit over the allocation's nodes.
+
+Colocated roles form one unit placed once; every member gets exactly the unit's GPUs. Units are
+placed in role order (actor, critic, ref, reward: a group where its first member comes), then
+the vLLM engines one by one. A unit of k nodes x g GPUs takes the g lowest free GPUs on each of
+the first k nodes that still have g free; an engine of TP t takes the t lowest free GPUs of the
+first node with t free, as a TP group must not span nodes. Ranks are numbered node-major.
+Nothing is moved or shrunk to make a layout fit: what does not fit is a problem.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Mapping, Sequence
+
+from hpcrlhf.config.schema import PLACEMENT_ROLES
+from hpcrlhf.placement.problems import Problem
+
+MODEL_ROLES = tuple(r for r in PLACEMENT_ROLES if r != "vllm")
+"""The roles DeepSpeed runs (each a group of ranks), in placement order."""
+
+
+@dataclass(frozen=True, order=True)
+class Device:
+    """One GPU of the allocation: node index (0-based, in allocation order) and GPU on that node."""
+
+    node: int
+    gpu: int
+
+    def __str__(self) -> str:
+        return f"node {self.node} gpu {self.gpu}"
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Devices of each role (rank order), of each vLLM engine (TP rank order), and the
+    colocation groups that actually share GPUs (roles with GPUs only)."""
+
+    ranks: dict[str, tuple[Device, ...]]
+    engines: tuple[tuple[Device, ...], ...]
+    colocated: tuple[tuple[str, ...], ...]
+    idle: tuple[Device, ...]
+    """GPUs nothing runs on."""
+    complete: bool
+    """Everything asked for was placed."""
+
+
+@dataclass(frozen=True)
+class _Unit:
+    roles: tuple[str, ...]
+    """Roles (not vLLM) sharing these GPUs; the first names the unit in messages."""
+    nodes: int
+    gpus_per_node: int
+    with_vllm: bool
+
+    @property
+    def gpus(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+
+def describe_devices(devices: Iterable[Device]) -> str:
+    """`node 0 gpus 0-3, node 1 gpu 5`: devices grouped by node, consecutive GPUs as ranges."""
+    by_node: dict[int, list[int]] = {}
+    for d in sorted(devices):
+        by_node.setdefault(d.node, []).append(d.gpu)
+    parts = []
+    for node, gpus in by_node.items():
+        runs, start = [], gpus[0]
+        for prev, cur in zip(gpus, gpus[1:] + [None]):
+            if cur != prev + 1:
+                runs.append(f"{start}-{prev}" if prev > start else f"{start}")
+                start = cur
+        parts.append(f"node {node} gpu{'s' * (len(gpus) > 1)} {','.join(runs)}")
+    return ", ".join(parts)
+
+
+def plural(n: int, word: str) -> str:
+    """`1 node`, `2 nodes`."""
+    return f"{n} {word}{'s' * (n != 1)}"
+
+
+def shape_text(nodes: int, gpus_per_node: int) -> str:
+    """`2 nodes x 8 GPUs`."""
+    return f"{plural(nodes, 'node')} x {plural(gpus_per_node, 'GPU')}"
+
+
+def _units(shapes: Mapping[str, tuple[int, int]], engines: int, tp: int, groups: Sequence[tuple[str, ...]],
+           problems: list[Problem]) -> list[_Unit]:
+    """Placement units in order; an inconsistent colocation group is a problem and no unit."""
+    units, done = [], set()
+    for role in MODEL_ROLES:
+        if role in done or not shapes[role][0] * shapes[role][1]:
+            continue
+        group = next((g for g in groups if role in g), (role,))
+        done.update(group)
+        members = tuple(r for r in group if r != "vllm")
+        sizes = {r: shapes[r] for r in members}
+        if len(set(sizes.values())) > 1:
+            shown = ", ".join(f"{r} {shape_text(*s)}" for r, s in sizes.items())
+            problems.append(Problem("placement.colocate", list(group), f"colocated roles share the same GPUs, so "
+                                    f"they need the same shape, but: {shown}", "give them the same nodes and "
+                                    "gpus_per_node, or split the group"))
+            continue
+        nodes, per_node = shapes[role]
+        unit = _Unit(members, nodes, per_node, "vllm" in group)
+        if unit.with_vllm and engines * tp != unit.gpus:
+            fit = f"placement.vllm.engines={unit.gpus // tp}" if unit.gpus % tp == 0 else "a TP size dividing it"
+            problems.append(Problem("placement.vllm.engines", engines, f"vLLM is colocated with {role}, which has "
+                                    f"{unit.gpus} GPUs, but {engines} engines x TP {tp} take {engines * tp}; "
+                                    f"colocated engines cover exactly their group's GPUs",
+                                    f"use {fit}, or take vllm out of the group"))
+            continue
+        if unit.with_vllm and per_node % tp:
+            problems.append(Problem("placement.vllm.tensor_parallel_size", tp, f"vLLM is colocated with {role}, "
+                                    f"which has {per_node} GPUs per node, so TP groups of {tp} would span nodes",
+                                    f"use a tensor_parallel_size dividing {per_node}"))
+            continue
+        units.append(unit)
+    return units
+
+
+def _fits_shape(unit: _Unit, nodes: int, gpus_per_node: int, problems: list[Problem]) -> bool:
+    key, ok = f"placement.{unit.roles[0]}", True
+    if unit.gpus_per_node > gpus_per_node:
+        alt = (f"nodes: {unit.gpus // gpus_per_node}, gpus_per_node: {gpus_per_node} for the same {unit.gpus} GPUs"
+               if unit.gpus % gpus_per_node == 0 else f"at most {gpus_per_node} GPUs per node and more nodes")
+        problems.append(Problem(f"{key}.gpus_per_node", unit.gpus_per_node,
+                                f"more than the {gpus_per_node} GPUs of a node", f"use {alt}"))
+        ok = False
+    if unit.nodes > nodes:
+        problems.append(Problem(f"{key}.nodes", unit.nodes, f"more than the {nodes} nodes of the allocation",
+                                f"ask for {unit.nodes} nodes (--nodes {unit.nodes}), or give the role fewer nodes"))
+        ok = False
+    return ok
+
+
+def _take(free: dict[int, list[int]], nodes: int, per_node: int) -> list[Device] | None:
+    """First fit: `per_node` lowest free GPUs on each of the first `nodes` nodes with room."""
+    chosen = [n for n in sorted(free) if len(free[n]) >= per_node][:nodes]
+    if len(chosen) < nodes:
+        return None
+    devices = []
+    for n in chosen:
+        devices += [Device(n, g) for g in free[n][:per_node]]
+        del free[n][:per_node]
+    return devices
+
+
+def _demand_problem(units: list[_Unit], engines: int, tp: int, nodes: int, gpus_per_node: int) -> Problem:
+    asks = [f"{'+'.join(u.roles)}{'+vllm' * u.with_vllm} {u.gpus}" for u in units]
+    asks += [f"vllm {engines * tp} ({engines} engines x TP {tp})"] if engines else []
+    total = sum(u.gpus for u in units) + engines * tp
+    tips = []
+    for pair in (("actor", "ref"), ("critic", "reward")):
+        sizes = [u for u in units if u.roles == (pair[0],) or u.roles == (pair[1],)]
+        if len(sizes) == 2 and sizes[0].nodes == sizes[1].nodes and sizes[0].gpus_per_node == sizes[1].gpus_per_node:
+            tips.append(f"colocate [{', '.join(pair)}] (saves {sizes[0].gpus} GPUs)")
+    if not tips:
+        tips.append("colocate roles on the same GPUs (placement.colocate; roles in a group need the same shape, "
+                    "e.g. [[actor, ref], [critic, reward]])")
+    excess = total - nodes * gpus_per_node
+    if engines * tp > excess:
+        tips.append(f"fewer vLLM engines (placement.vllm.engines={engines - -(-excess // tp)})")
+    tips.append(f"more nodes (--nodes {-(-total // gpus_per_node)})")
+    return Problem("placement", shape_text(nodes, gpus_per_node),
+                   f"the roles ask for {total} GPUs ({', '.join(asks)}) but the allocation has {nodes * gpus_per_node}",
+                   "; ".join(tips))
+
+
+def assign(nodes: int, gpus_per_node: int, shapes: Mapping[str, tuple[int, int]], engines: int, tp: int,
+           colocate: Sequence[tuple[str, ...]], problems: list[Problem]) -> Layout:
+    """Place every role (shapes: role -> (nodes, gpus_per_node), 0 GPUs for none) and `engines`
+    vLLM engines of TP `tp`; add a problem for anything that cannot be placed."""
+    found_before = len(problems)
+    has = {r for r in MODEL_ROLES if shapes[r][0] * shapes[r][1]} | ({"vllm"} if engines else set())
+    groups = [g for g in (tuple(r for r in group if r in has) for group in colocate) if len(g) >= 2]
+    units = _units(shapes, engines, tp, groups, problems)
+    free_engines = engines if "vllm" in has and not any("vllm" in g for g in groups) else 0
+    if free_engines and tp > gpus_per_node:
+        problems.append(Problem("placement.vllm.tensor_parallel_size", tp, f"a TP group must sit on one node, "
+                                f"and a node has {gpus_per_node} GPUs", f"use a TP size of at most {gpus_per_node}"))
+        free_engines = 0
+    units = [u for u in units if _fits_shape(u, nodes, gpus_per_node, problems)]
+    over = sum(u.gpus for u in units) + free_engines * tp > nodes * gpus_per_node
+    if over:
+        problems.append(_demand_problem(units, free_engines, tp, nodes, gpus_per_node))
+    free = {n: list(range(gpus_per_node)) for n in range(nodes)}
+    ranks: dict[str, tuple[Device, ...]] = {}
+    engine_devices: list[tuple[Device, ...]] = []
+    for unit in units:
+        taken = _take(free, unit.nodes, unit.gpus_per_node)
+        if taken is None:
+            if not over:
+                left = ", ".join(f"node {n}: {len(g)}" for n, g in free.items())
+                problems.append(Problem(f"placement.{unit.roles[0]}", shape_text(unit.nodes, unit.gpus_per_node),
+                                        f"needs {unit.gpus_per_node} free GPUs on each of {unit.nodes} nodes, but "
+                                        f"after the roles before it the free GPUs are {left}",
+                                        "reshape the role to the free GPUs, colocate it, or add nodes"))
+            continue
+        for role in unit.roles:
+            ranks[role] = tuple(taken)
+        if unit.with_vllm:  # consecutive GPUs of a node form one TP group
+            engine_devices += [tuple(taken[i : i + tp]) for i in range(0, len(taken), tp)]
+    for e in range(free_engines):
+        taken = _take(free, 1, tp)
+        if taken is None:
+            if not over:
+                most = max(len(g) for g in free.values())
+                problems.append(Problem("placement.vllm.engines", engines, f"engines {e}-{engines - 1} need {tp} free "
+                                        f"GPUs on one node each (a TP group cannot span nodes), but at most {most} "
+                                        f"are free on any node", f"use {e} engines, a TP size of at most "
+                                        f"{max(most, 1)}, or reshape the roles so the free GPUs sit on one node"))
+            break
+        engine_devices.append(tuple(taken))
+    idle = tuple(Device(n, g) for n, gpus in free.items() for g in gpus)
+    return Layout(ranks, tuple(engine_devices), tuple(groups), idle, complete=len(problems) == found_before)
+
+
+def idle_problem(layout: Layout, nodes: int, gpus_per_node: int, engines: int, tp: int, sequences: int) -> Problem:
+    """GPUs of a complete layout left idle, with what could use them: more vLLM engines (as many
+    as fit and split the rollout's `sequences`), or fewer nodes."""
+    tips = []
+    free = {n: sum(d.node == n for d in layout.idle) for n in range(nodes)}
+    room = sum(count // tp for count in free.values())
+    can_add = not any("vllm" in group for group in layout.colocated)  # colocated engines tile their group
+    more = next((k for k in range(room, 0, -1) if sequences % (engines + k) == 0), 0) if can_add else 0
+    if more:
+        tips.append(f"give them to vLLM: placement.vllm.engines={engines + more} ({more} more engine(s) of TP {tp}"
+                    f"{'' if engines else ', with rollout.backend=vllm'})")
+    empty = sum(count == gpus_per_node for count in free.values())
+    if empty:
+        tips.append(f"ask for {plural(nodes - empty, 'node')} (--nodes {nodes - empty})")
+    tips += ["give them to a role (more ranks)", "or set placement.allow_idle_gpus=true"]
+    return Problem("placement", shape_text(nodes, gpus_per_node), f"{len(layout.idle)} of {nodes * gpus_per_node} "
+                   f"GPUs would idle ({describe_devices(layout.idle)})", "; ".join(tips))

@@ -1,0 +1,206 @@
+"""The static node map of a PPO job: which GPU of the allocation runs what, computed once.
+
+`build_node_map(cfg)` resolves the roles (models, effective DeepSpeed settings, memory per
+rank), places them on the allocation (`layout`), checks the result against the config and every
+GPU's memory, and returns a `NodeMap`, or raises one `PlacementError` listing every problem with
+its fix. Nothing is adjusted to make a layout fit. The runtime places its Ray actors exactly as
+the map says: `role_ranks(role)` gives rank r's device, `engines` each vLLM engine's TP group.
+`hpcrlhf plan` prints `render()` (or `to_json()`).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from hpcrlhf.config.schema import PPOConfig
+from hpcrlhf.placement.layout import MODEL_ROLES, Device, Layout, assign, idle_problem, shape_text
+from hpcrlhf.placement.memory import GIB, MemoryParts
+from hpcrlhf.placement.problems import Problem, raise_problems
+from hpcrlhf.placement.roles import EnginePlan, RolePlan, check_batches, check_roles, resolve_roles
+
+__all__ = ["Device", "NodeMap", "Occupant", "build_node_map"]
+
+
+@dataclass(frozen=True)
+class Occupant:
+    """A role rank (or one TP rank of a vLLM engine) on a GPU."""
+
+    role: str
+    """actor, critic, ref, reward or vllm."""
+    rank: int
+    """Rank within the role; for vllm the engine's index."""
+    tp_rank: Optional[int] = None
+    tp_size: Optional[int] = None
+
+    @property
+    def label(self) -> str:
+        """`actor[0]`, `vllm0 tp1/2`."""
+        if self.role == "vllm":
+            return f"vllm{self.rank} tp{self.tp_rank}/{self.tp_size}"
+        return f"{self.role}[{self.rank}]"
+
+
+@dataclass(frozen=True)
+class NodeMap:
+    """Roles on the GPUs of an allocation of `nodes` x `gpus_per_node`, and what each GPU holds."""
+
+    nodes: int
+    gpus_per_node: int
+    gpu_memory: int
+    """Bytes of one GPU."""
+    roles: dict[str, RolePlan]
+    """The DeepSpeed roles that have GPUs, with their effective settings and memory per rank."""
+    vllm: Optional[EnginePlan]
+    """The vLLM engines (None without engines)."""
+    ranks: dict[str, tuple[Device, ...]]
+    """Role -> the device of each rank, in rank order (node-major)."""
+    engines: tuple[tuple[Device, ...], ...]
+    """Each vLLM engine's devices, in TP-rank order (all on one node)."""
+    colocated: tuple[tuple[str, ...], ...]
+    """Groups of roles that share exactly the same GPUs."""
+    devices: dict[Device, tuple[Occupant, ...]]
+    """Every GPU of the allocation (node, then GPU order) -> what runs on it (empty: idle)."""
+
+    def role_ranks(self, role: str) -> list[Device]:
+        """The device of each rank of `role` (empty for a role without GPUs)."""
+        if role not in MODEL_ROLES:
+            raise ValueError(f"unknown role {role!r}; roles are {', '.join(MODEL_ROLES)} (vLLM: NodeMap.engines)")
+        return list(self.ranks.get(role, ()))
+
+    def occupant_memory(self, occupant: Occupant) -> Optional[MemoryParts]:
+        """What one occupant holds on its GPU (None when a model's shape is unknown)."""
+        if occupant.role == "vllm":
+            return self.vllm.memory.parts if self.vllm and self.vllm.memory else None
+        return self.roles[occupant.role].memory
+
+    def memory(self, device: Device) -> MemoryParts:
+        """What `device` holds, summed over its occupants, by part."""
+        return sum((self.occupant_memory(o) or MemoryParts() for o in self.devices[device]), MemoryParts())
+
+    def to_json(self) -> str:
+        """The map as JSON of plain types with sorted keys (stable for tools and golden files)."""
+        return json.dumps(_plain(self), indent=2, sort_keys=True) + "\n"
+
+    def render(self) -> str:
+        """The map as text: node by node, GPU by GPU, then one line per role and per engine."""
+        from hpcrlhf.placement.render import render_text
+
+        return render_text(self)
+
+
+def _device(d: Device) -> dict[str, int]:
+    return {"node": d.node, "gpu": d.gpu}
+
+
+def _plain(m: NodeMap) -> dict[str, Any]:
+    roles = {name: {"models": list(r.models), "params": r.params, "nodes": r.nodes, "gpus_per_node": r.gpus_per_node,
+                    "trainable": r.trainable, "zero_stage": r.zero_stage, "offload_optimizer": r.offload_optimizer,
+                    "offload_params": r.offload_params, "memory_per_rank": r.memory.as_dict() if r.memory else None,
+                    "ranks": [_device(d) for d in m.ranks.get(name, ())]} for name, r in m.roles.items()}
+    vllm = None
+    if m.vllm:
+        e = m.vllm
+        vllm = {"model": e.model, "params": e.params, "tensor_parallel_size": e.tensor_parallel_size,
+                "gpu_memory_utilization": e.gpu_memory_utilization,
+                "memory_per_gpu": e.memory.parts.as_dict() if e.memory else None,
+                "engines": [{"devices": [_device(d) for d in group],
+                             "kv_cache_tokens": e.memory.kv_cache_tokens if e.memory else None} for group in m.engines]}
+    devices = [{**_device(d), "occupants": [o.label for o in occ],
+                "memory": {**m.memory(d).as_dict(), "total": m.memory(d).total}} for d, occ in m.devices.items()]
+    return {"allocation": {"nodes": m.nodes, "gpus_per_node": m.gpus_per_node, "gpu_memory_bytes": m.gpu_memory},
+            "roles": roles, "vllm": vllm, "colocated": [list(g) for g in m.colocated], "devices": devices}
+
+
+def _occupants(layout: Layout, nodes: int, gpus_per_node: int, tp: int) -> dict[Device, tuple[Occupant, ...]]:
+    seats: dict[Device, list[Occupant]] = {Device(n, g): [] for n in range(nodes) for g in range(gpus_per_node)}
+    for role in MODEL_ROLES:
+        for rank, d in enumerate(layout.ranks.get(role, ())):
+            seats[d].append(Occupant(role, rank))
+    for e, group in enumerate(layout.engines):
+        for t, d in enumerate(group):
+            seats[d].append(Occupant("vllm", e, t, tp))
+    return {d: tuple(occ) for d, occ in seats.items()}
+
+
+def build_node_map(cfg: PPOConfig, nodes: Optional[int] = None, gpus_per_node: Optional[int] = None) -> NodeMap:
+    """Place `cfg`'s roles on its `placement` allocation, or on `nodes` x `gpus_per_node` when
+    given (`hpcrlhf plan --nodes/--gpus-per-node`). Raises PlacementError listing every problem."""
+    p = cfg.placement
+    nodes = p.nodes if nodes is None else nodes
+    gpus_per_node = p.gpus_per_node if gpus_per_node is None else gpus_per_node
+    where = shape_text(nodes, gpus_per_node)
+    bad = [Problem(f"placement.{key}", value, "an allocation needs at least one", "use 1 or more")
+           for key, value in (("nodes", nodes), ("gpus_per_node", gpus_per_node)) if value < 1]
+    raise_problems(bad, where)
+    gpu_memory = int(p.gpu_memory_gb * GIB)
+    problems: list[Problem] = []
+    check_roles(cfg, problems)
+    roles, engine = resolve_roles(cfg, gpu_memory, problems)
+    check_batches(cfg, roles, problems)
+    shapes = {r: (getattr(p, r).nodes, getattr(p, r).gpus_per_node) for r in MODEL_ROLES}
+    tp = p.vllm.tensor_parallel_size
+    layout = assign(nodes, gpus_per_node, shapes, p.vllm.engines, tp, p.colocate, problems)
+    if layout.complete and layout.idle and not p.allow_idle_gpus:
+        sequences = cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt
+        problems.append(idle_problem(layout, nodes, gpus_per_node, p.vllm.engines, tp, sequences))
+    node_map = NodeMap(nodes, gpus_per_node, gpu_memory, roles, engine, layout.ranks, layout.engines, layout.colocated,
+                       _occupants(layout, nodes, gpus_per_node, tp))
+    _check_memory(node_map, cfg.engine.gradient_checkpointing, problems)
+    raise_problems(problems, where)
+    return node_map
+
+
+# ---------------------------------------------------------------- the memory check
+def _check_memory(m: NodeMap, checkpointing: bool, problems: list[Problem]) -> None:
+    """Every GPU's occupants must fit its memory; GPUs over it with the same occupant roles are
+    reported once (the first, and how many more)."""
+    over: dict[tuple[str, ...], list[Device]] = {}
+    for device, occupants in m.devices.items():
+        if any(m.occupant_memory(o) is None for o in occupants):
+            continue  # a model of unknown shape: already a problem
+        if m.memory(device).total > m.gpu_memory:
+            over.setdefault(tuple(o.role for o in occupants), []).append(device)
+    for roles, devices in over.items():
+        first = devices[0]
+        detail = "; ".join(f"{o.label} {_parts_text(m.occupant_memory(o))}" for o in m.devices[first])
+        more = f" (and {len(devices) - 1} more GPUs with the same roles)" if len(devices) > 1 else ""
+        fixes = "; ".join(_memory_fixes(m, roles, checkpointing))
+        problems.append(Problem("placement.gpu_memory_gb", m.gpu_memory / GIB,
+                                f"{first}{more} needs {m.memory(first).total / GIB:.1f} GiB, more than its "
+                                f"{m.gpu_memory / GIB:.1f} GiB: {detail}", fixes))
+
+
+def _parts_text(parts: MemoryParts) -> str:
+    """`weights 12.6 + optimizer 18.8 GiB`."""
+    shown = [f"{name} {value / GIB:.1f}" for name, value in parts.as_dict().items() if value]
+    return (" + ".join(shown) or "0.0") + " GiB"
+
+
+def _memory_fixes(m: NodeMap, roles: tuple[str, ...], checkpointing: bool) -> list[str]:
+    """What would shrink these roles' share of a GPU, most effective first."""
+    tips = []
+    if "vllm" in roles and m.vllm and len(roles) > 1:  # vLLM's claim is usually the largest share
+        claim = f"{m.vllm.gpu_memory_utilization:g} x {m.gpu_memory / GIB:.1f} GiB"
+        tips.append(f"a lower placement.vllm.gpu_memory_utilization (vLLM claims {claim} here)")
+    for name in dict.fromkeys(r for r in roles if r != "vllm"):
+        plan, key = m.roles[name], f"placement.{name}"
+        if plan.zero_stage < 3:
+            tips.append(f"{key}.zero_stage=3 (shard its {'states' if plan.trainable else 'weights'} over its ranks)")
+        if plan.trainable and not plan.offload_optimizer and plan.zero_stage >= 1:
+            tips.append(f"{key}.offload_optimizer=true")
+        if plan.zero_stage == 3 and not plan.offload_params:
+            tips.append(f"{key}.offload_params=true")
+        if plan.trainable and plan.memory and plan.memory.activations and not checkpointing:
+            tips.append("engine.gradient_checkpointing=true (or a smaller train.micro_batch_size)")
+    # More ranks shrink only what ZeRO shards: a trained role's states from stage 1, weights at 3.
+    sharded = [r for r in dict.fromkeys(roles) if r != "vllm"
+               and (m.roles[r].zero_stage == 3 or (m.roles[r].trainable and m.roles[r].zero_stage >= 1))]
+    if sharded:
+        tips.append(f"more GPUs for {', '.join(sharded)} (placement.<role>.nodes / gpus_per_node)")
+    if len(roles) > 1:
+        tips.append("colocate fewer roles on these GPUs")
+    if roles == ("vllm",):
+        tips.append("a larger placement.vllm.tensor_parallel_size")
+    return list(dict.fromkeys(tips))

@@ -1,0 +1,69 @@
+"""The node map as text (`hpcrlhf plan`): node by node, GPU by GPU with its occupants and
+memory by part, then one summary line per role and the vLLM engines' KV-cache capacity."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from hpcrlhf.placement.layout import describe_devices, plural, shape_text
+from hpcrlhf.placement.memory import GIB
+from hpcrlhf.placement.roles import RolePlan
+
+if TYPE_CHECKING:
+    from hpcrlhf.placement.nodemap import NodeMap
+
+
+def _gib(n: int) -> str:
+    return f"{n / GIB:.1f}"
+
+
+def _count(n: int) -> str:
+    """Parameters as people say them, to three digits: 6.74B, 13.0B, 427K."""
+    for unit, scale in (("B", 10**9), ("M", 10**6), ("K", 10**3)):
+        if n >= scale:
+            value = n / scale
+            return f"{value:.{max(0, 3 - len(str(int(value))))}f}{unit}"
+    return str(n)
+
+
+def _columns(rows: list[list[str]]) -> list[str]:
+    """Rows of cells, each column padded to its widest cell (the last column is not padded)."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)] if rows else []
+    return ["  ".join([cell.ljust(w) for cell, w in zip(row, widths)] + [row[-1]]).rstrip() for row in rows]
+
+
+def _role_row(plan: RolePlan) -> list[str]:
+    offload = [name for name, on in (("optimizer", plan.offload_optimizer), ("params", plan.offload_params)) if on]
+    return [f"  {plan.name}", f"{plural(plan.ranks, 'rank')} ({shape_text(plan.nodes, plan.gpus_per_node)})",
+            f"ZeRO-{plan.zero_stage}", f"offload: {'+'.join(offload) or 'none'}", f"{_count(plan.params)} params",
+            ", ".join(plan.models) or "-"]
+
+
+def render_text(m: "NodeMap") -> str:
+    capacity = _gib(m.gpu_memory)
+    gpu_rows = []
+    for device, occupants in m.devices.items():
+        parts = m.memory(device)
+        shown = " + ".join(f"{name} {_gib(v)}" for name, v in parts.as_dict().items() if v)
+        gpu_rows.append([f"  gpu {device.gpu}", " + ".join(o.label for o in occupants) or "idle",
+                         f"{shown + ' = ' if shown else ''}{_gib(parts.total)} / {capacity} GiB"])
+    lines = [f"node map: {shape_text(m.nodes, m.gpus_per_node)} = {plural(m.nodes * m.gpus_per_node, 'GPU')} "
+             f"of {capacity} GiB"]
+    for i, row in enumerate(_columns(gpu_rows)):
+        if i % m.gpus_per_node == 0:
+            lines.append(f"node {i // m.gpus_per_node}")
+        lines.append(row)
+    role_rows = [_role_row(plan) for plan in m.roles.values()]
+    if m.vllm:
+        e = m.vllm
+        role_rows.append(["  vllm", f"{plural(e.engines, 'engine')} x TP {e.tensor_parallel_size}", "vLLM",
+                          f"gpu_memory_utilization {e.gpu_memory_utilization:g}", f"{_count(e.params)} params",
+                          e.model])
+    lines += ["roles"] + _columns(role_rows)
+    lines.append(f"colocated: {', '.join(' + '.join(g) for g in m.colocated) or 'none'}")
+    if m.vllm and m.vllm.memory:
+        tokens, kv = m.vllm.memory.kv_cache_tokens, _gib(m.vllm.memory.parts.kv_cache)
+        rows = [[f"  vllm{i}", describe_devices(group), f"{kv} GiB per GPU = {tokens:,} tokens"]
+                for i, group in enumerate(m.engines)]
+        lines += ["kv cache"] + _columns(rows)
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,47 @@
+"""`hpcrlhf plan`: the node map of a recipe, as text or JSON; exit status 2 with every problem."""
+
+from __future__ import annotations
+
+import json
+
+from hpcrlhf.cli import main
+
+from .helpers import RECIPES, plan
+
+
+def test_plan_prints_the_node_map(capsys):
+    assert main(["plan", "ppo-7b", "--nodes", "2", "--gpus-per-node", "8"]) == 0
+    out = capsys.readouterr().out
+    assert out == plan("ppo-7b", nodes=2, gpus=8).render()
+    assert out.startswith("node map: 2 nodes x 8 GPUs = 16 GPUs of 80.0 GiB\nnode 0\n")
+    assert "  gpu 4  vllm0 tp0/1  weights 12.6 + kv_cache 59.4 = 72.0 / 80.0 GiB" in out
+
+
+def test_plan_json_parses(capsys):
+    assert main(["plan", str(RECIPES / "ppo-70b.yaml"), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["allocation"] == {"nodes": 4, "gpus_per_node": 8, "gpu_memory_bytes": 80 << 30}
+    assert len(data["vllm"]["engines"]) == 4
+
+
+def test_plan_applies_set_overrides(capsys):
+    # the fix suggested for the idle GPUs of 3 nodes (8 engines split the rollout's 1024 sequences)
+    assert main(["plan", "ppo-7b", "--nodes", "3", "--set", "placement.vllm.engines=8", "-s",
+                 "placement.allow_idle_gpus=true"]) == 0
+    assert "  vllm    8 engines x TP 1 " in capsys.readouterr().out
+
+
+def test_impossible_shape_exits_2_with_every_problem(capsys):
+    assert main(["plan", "ppo-7b", "--nodes", "1", "--gpus-per-node", "4", "--set", "train.micro_batch_size=3"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    err = captured.err
+    assert err.startswith("hpcrlhf: error: the node map for 1 node x 4 GPUs cannot work (")
+    assert "placement.actor.gpus_per_node = 4" not in err  # 4 GPUs per node fit
+    assert "the roles ask for 16 GPUs" in err and "fix: " in err
+    assert "train.global_batch_size = 128" in err
+
+
+def test_unknown_recipe_exits_2(capsys):
+    assert main(["plan", "ppo-1t"]) == 2
+    assert "shipped recipes: " in capsys.readouterr().err

@@ -1,0 +1,41 @@
+"""Node maps of representative layouts pinned as golden text and JSON (tests/placement/golden/).
+
+Run with HPCRLHF_UPDATE_GOLDEN=1 to rewrite the files after an intended change, then review the
+diff: it shows exactly how placements and memory estimates moved.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from .helpers import plan
+from .test_nodemap import HYBRID_1X8
+
+GOLDEN = Path(__file__).parent / "golden"
+SCALE_70B_16X8 = ["placement.actor.nodes=4", "placement.critic.nodes=4", "placement.ref.nodes=4",
+                  "placement.reward.nodes=4", "placement.vllm.engines=16"]
+
+CASES = {  # name: (recipe, overrides, nodes, gpus per node)
+    "1x8-7b-hybrid": ("ppo-7b", HYBRID_1X8, 1, 8),  # everything colocated on one node
+    "2x2-tiny-ray": ("ppo-tiny-ray", [], 2, 2),
+    "2x8-7b": ("ppo-7b", [], 2, 8),
+    "4x8-13b": ("ppo-13b", [], 4, 8),
+    "4x8-34b": ("ppo-34b", [], 4, 8),
+    "4x8-70b": ("ppo-70b", [], 4, 8),
+    "16x8-70b": ("ppo-70b", SCALE_70B_16X8, 16, 8),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_node_map_matches_golden(name):
+    recipe, overrides, nodes, gpus = CASES[name]
+    node_map = plan(recipe, *overrides, nodes=nodes, gpus=gpus)
+    for suffix, text in (("txt", node_map.render()), ("json", node_map.to_json())):
+        path = GOLDEN / f"{name}.{suffix}"
+        if os.environ.get("HPCRLHF_UPDATE_GOLDEN") == "1":
+            path.write_text(text)
+        assert path.exists(), f"{path} is missing: run with HPCRLHF_UPDATE_GOLDEN=1 to write it"
+        assert text == path.read_text(), f"{path} differs: review, then HPCRLHF_UPDATE_GOLDEN=1 to accept"
