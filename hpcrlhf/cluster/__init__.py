@@ -1,0 +1,1 @@
+"""Ray clusters and the worker groups placed on them by the node map (hpcrlhf.placement)."""

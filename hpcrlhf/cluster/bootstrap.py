@@ -1,0 +1,97 @@
+"""Starting Ray nodes by hand, as a Slurm job (or a test) does: the `ray start` command lines,
+the ports each node uses, and waiting until every expected node has joined.
+
+Pure functions render the commands, so the sbatch renderer and the local test cluster share
+them. Every port is given explicitly: two Ray nodes on one host (a test cluster, or two jobs
+sharing a Slurm node) would otherwise collide on Ray's defaults.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, fields
+from typing import Callable, Optional, Sequence
+
+from hpcrlhf.errors import HpcrlhfError
+
+PORTS_PER_NODE = 120
+"""Ports one Ray node takes from its base: 9 service ports, then its worker port range."""
+
+
+@dataclass(frozen=True)
+class RayPorts:
+    """The ports of one Ray node (`gcs` is used by the head only)."""
+
+    gcs: int
+    node_manager: int
+    object_manager: int
+    dashboard_agent_grpc: int
+    dashboard_agent_listen: int
+    runtime_env_agent: int
+    metrics_export: int
+    client_server: int
+    min_worker: int
+    max_worker: int
+
+    @classmethod
+    def from_base(cls, base: int) -> "RayPorts":
+        """Consecutive ports from `base`: 8 service ports, then 100 worker ports (one per worker
+        process; Ray needs one per actor/task worker alive at the same time)."""
+        if not 1024 <= base <= 65535 - PORTS_PER_NODE:
+            raise HpcrlhfError(f"Ray base port {base} is out of range: use 1024..{65535 - PORTS_PER_NODE}")
+        names = [f.name for f in fields(cls)][:8]
+        return cls(**{n: base + i for i, n in enumerate(names)}, min_worker=base + 10, max_worker=base + 109)
+
+
+def ray_start_args(*, node_ip: str, ports: RayPorts, head_address: Optional[str], num_cpus: int, num_gpus: int,
+                   temp_dir: Optional[str] = None, resources: Optional[dict[str, float]] = None,
+                   block: bool = False) -> list[str]:
+    """`ray start` for a head (`head_address` None) or a worker joining `head_address` (ip:port).
+
+    The dashboard is off (on shared nodes it would be reachable by other users); usage stats are
+    off (compute nodes are offline)."""
+    args = ["ray", "start", f"--node-ip-address={node_ip}", f"--num-cpus={num_cpus}", f"--num-gpus={num_gpus}",
+            f"--node-manager-port={ports.node_manager}", f"--object-manager-port={ports.object_manager}",
+            f"--dashboard-agent-grpc-port={ports.dashboard_agent_grpc}",
+            f"--dashboard-agent-listen-port={ports.dashboard_agent_listen}",
+            f"--runtime-env-agent-port={ports.runtime_env_agent}", f"--metrics-export-port={ports.metrics_export}",
+            f"--min-worker-port={ports.min_worker}", f"--max-worker-port={ports.max_worker}",
+            "--disable-usage-stats"]
+    if head_address is None:
+        args += ["--head", f"--port={ports.gcs}", f"--ray-client-server-port={ports.client_server}",
+                 "--include-dashboard=false"]
+    else:
+        args += [f"--address={head_address}"]
+    if temp_dir:
+        args.append(f"--temp-dir={temp_dir}")
+    if resources:
+        args.append(f"--resources={json.dumps(resources, sort_keys=True)}")
+    if block:
+        args.append("--block")
+    return args
+
+
+def alive_node_ips() -> list[str]:
+    """Addresses of the live nodes of the Ray cluster this process is connected to."""
+    import ray
+
+    return [n["NodeManagerAddress"] for n in ray.nodes() if n.get("Alive")]
+
+
+def wait_for_nodes(expected_ips: Sequence[str], timeout_s: float = 120.0, *,
+                   alive: Callable[[], list[str]] = alive_node_ips, poll_s: float = 0.5) -> None:
+    """Block until every node in `expected_ips` has joined; on timeout, fail naming the missing ones.
+
+    Polling, never a fixed sleep: a slow node delays the start, a missing one ends it clearly."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        missing = sorted(set(expected_ips) - set(alive()))
+        if not missing:
+            return
+        if time.monotonic() >= deadline:
+            raise HpcrlhfError(
+                f"{len(missing)} of {len(expected_ips)} Ray node(s) did not join within {timeout_s:.0f} s: "
+                f"{', '.join(missing)}; check their `ray start` logs (the node's /tmp/ray/session_latest/logs, "
+                f"or the job's srun output) and that they can reach the head")
+        time.sleep(poll_s)

@@ -1,0 +1,125 @@
+"""The node map made real on a Ray cluster: node i of the map is a named Ray node, and GPU g of
+node i is bundle g of that node's placement group.
+
+One placement group per node, each bundle pinned to its node by the node's `node:<ip>` resource,
+so Ray can never hand out bundles in an order that splits a TP group or swaps two nodes: the map
+stays the single source of truth. Ray's GPU accounting still reserves the devices (other jobs
+cannot take them), but Ray does not choose device numbers: a worker sees exactly the GPUs the map
+gives it through CUDA_VISIBLE_DEVICES (Ray's own setting of it is switched off).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+from hpcrlhf.errors import PlacementError
+from hpcrlhf.placement import Device, NodeMap
+
+NODE_PIN = 0.001
+"""Amount of a node's `node:<ip>` resource a bundle asks for: pins the bundle to that node."""
+
+
+@dataclass(frozen=True)
+class RayNode:
+    node_id: str
+    ip: str
+    gpus: float
+    is_head: bool
+
+
+def live_nodes() -> list[RayNode]:
+    import ray
+
+    return [RayNode(n["NodeID"], n["NodeManagerAddress"], n["Resources"].get("GPU", 0.0),
+                    "node:__internal_head__" in n["Resources"]) for n in ray.nodes() if n.get("Alive")]
+
+
+def order_nodes(nodes: Sequence[RayNode], node_ips: Optional[Sequence[str]] = None) -> list[RayNode]:
+    """Ray nodes in node-map order: as `node_ips` lists them (the allocation's host order), else the
+    head first and then by address."""
+    if node_ips is None:
+        return sorted(nodes, key=lambda n: (not n.is_head, ipaddress.ip_address(n.ip)))
+    by_ip = {n.ip: n for n in nodes}
+    return [by_ip[ip] for ip in node_ips if ip in by_ip]
+
+
+def check_cluster(node_map: NodeMap, nodes: Sequence[RayNode], node_ips: Optional[Sequence[str]] = None) -> None:
+    """The Ray cluster must have the map's node count, each node at least the map's GPUs."""
+    problems = []
+    if node_ips is not None:
+        missing = [ip for ip in node_ips if ip not in {n.ip for n in nodes}]
+        if missing:
+            problems.append(f"Ray nodes expected but not in the cluster: {', '.join(missing)}")
+    if len(nodes) < node_map.nodes:
+        problems.append(f"the node map needs {node_map.nodes} nodes but the Ray cluster has {len(nodes)} "
+                        f"({', '.join(n.ip for n in nodes) or 'none'}): start the missing nodes or plan with "
+                        f"--nodes {len(nodes)}")
+    for i, n in enumerate(nodes[:node_map.nodes]):
+        if n.gpus < node_map.gpus_per_node:
+            problems.append(f"node {i} ({n.ip}) has {n.gpus:g} GPUs but the node map puts {node_map.gpus_per_node} "
+                            f"on every node: plan with --gpus-per-node {int(n.gpus)}")
+    if problems:
+        raise PlacementError("the Ray cluster does not match the node map:\n" + "\n".join(f"- {p}" for p in problems))
+
+
+@dataclass
+class Reservation:
+    """The devices of a node map held on a Ray cluster; `actor_options` places a worker on one."""
+
+    node_map: NodeMap
+    nodes: list[RayNode]
+    """Ray node of each map node."""
+    groups: list[Any]
+    """One placement group per map node; bundle g is GPU g."""
+
+    def actor_options(self, devices: Sequence[Device], *, env: Optional[dict[str, str]] = None) -> dict[str, Any]:
+        """`.options(...)` for a Ray actor on `devices` (one GPU, or a vLLM engine's TP group): it
+        runs in the first device's bundle with that device's share (1 / occupants), and sees
+        exactly `devices` as its GPUs."""
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        first = devices[0]
+        if any(d.node != first.node for d in devices):
+            raise PlacementError(f"devices {list(devices)} span several nodes; one worker runs on one node")
+        share = 1.0 / len(self.node_map.devices[first])
+        visible = ",".join(str(d.gpu) for d in devices)
+        return {
+            "num_cpus": 0,
+            "num_gpus": share,
+            "scheduling_strategy": PlacementGroupSchedulingStrategy(self.groups[first.node], first.gpu),
+            "runtime_env": {"env_vars": {**(env or {}), "CUDA_VISIBLE_DEVICES": visible,
+                                         "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}},
+        }
+
+    def ip_of(self, device: Device) -> str:
+        return self.nodes[device.node].ip
+
+    def release(self) -> None:
+        from ray.util.placement_group import remove_placement_group
+
+        for group in self.groups:
+            remove_placement_group(group)
+        self.groups = []
+
+
+def reserve(node_map: NodeMap, node_ips: Optional[Sequence[str]] = None, timeout_s: float = 60.0) -> Reservation:
+    """Hold every GPU of `node_map` on the connected Ray cluster (all nodes or none)."""
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    nodes = order_nodes(live_nodes(), node_ips)
+    check_cluster(node_map, nodes, node_ips)
+    nodes = nodes[:node_map.nodes]
+    groups = [placement_group([{"GPU": 1.0, f"node:{n.ip}": NODE_PIN} for _ in range(node_map.gpus_per_node)],
+                              strategy="STRICT_PACK", name=f"hpcrlhf-node{i}") for i, n in enumerate(nodes)]
+    refs = [g.ready() for g in groups]
+    _, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+    if pending:
+        stuck = [f"node {i} ({nodes[i].ip})" for i, ref in enumerate(refs) if ref in pending]
+        for g in groups:
+            remove_placement_group(g)
+        raise PlacementError(f"could not reserve the node map's GPUs within {timeout_s:.0f} s on "
+                             f"{', '.join(stuck) or 'some nodes'}: are other jobs holding GPUs there?")
+    return Reservation(node_map, nodes, groups)

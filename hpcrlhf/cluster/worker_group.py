@@ -1,0 +1,114 @@
+"""One Ray actor per rank of a role, each on the device the node map gives it, the ranks of a
+role joined in their own torch.distributed group (gloo on CPU, NCCL on GPU).
+
+The controller calls a group as if it were local: `group.call("method", *args)` runs the method
+on every rank and returns their results in rank order.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+from hpcrlhf.cluster.reservation import Reservation
+from hpcrlhf.placement import Device
+
+
+@dataclass(frozen=True)
+class Whereabouts:
+    """Where a worker really runs, as it sees it (compared with the map in tests and at start)."""
+
+    role: str
+    rank: int
+    node_ip: str
+    visible_devices: str
+    pid: int
+
+
+class RoleWorker:
+    """Base of every role's Ray actor: knows its role and rank, joins its role's process group."""
+
+    def __init__(self, role: str, rank: int, world_size: int) -> None:
+        self.role, self.rank, self.world_size = role, rank, world_size
+
+    def free_port(self) -> int:
+        with socket.socket() as s:
+            s.bind(("", 0))
+            return s.getsockname()[1]
+
+    def node_ip(self) -> str:
+        import ray
+
+        return ray.util.get_node_ip_address()
+
+    def init_process_group(self, master_addr: str, master_port: int, timeout_s: float = 120.0) -> None:
+        """Join this role's process group (ranks of other roles are not in it)."""
+        import datetime
+
+        import torch
+        import torch.distributed as dist
+
+        os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(self.rank),
+                          WORLD_SIZE=str(self.world_size), LOCAL_RANK="0")
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(backend, rank=self.rank, world_size=self.world_size,
+                                timeout=datetime.timedelta(seconds=timeout_s))
+
+    def check_group(self) -> int:
+        """All-reduce a one from every rank of the role's group: returns the group's size (a start-up
+        check that the group is wired, and that it holds only this role's ranks)."""
+        import torch
+        import torch.distributed as dist
+
+        one = torch.ones(1)
+        dist.all_reduce(one)
+        return int(one.item())
+
+    def whereabouts(self) -> Whereabouts:
+        return Whereabouts(self.role, self.rank, self.node_ip(), os.environ.get("CUDA_VISIBLE_DEVICES", ""),
+                           os.getpid())
+
+
+class WorkerGroup:
+    """The Ray actors of one role (or of the vLLM engines: one actor per TP group)."""
+
+    def __init__(self, role: str, worker_cls: type, reservation: Reservation, placements: Sequence[Sequence[Device]],
+                 *args: Any, env: Optional[dict[str, str]] = None, join: bool = True, **kwargs: Any) -> None:
+        import ray
+
+        self.role, self.placements = role, [tuple(p) for p in placements]
+        remote_cls = ray.remote(worker_cls)
+        world = len(self.placements)
+        self.workers = [remote_cls.options(name=None, **reservation.actor_options(devs, env=env)).remote(
+            role, rank, world, *args, **kwargs) for rank, devs in enumerate(self.placements)]
+        if join and world > 0:
+            addr, port = ray.get([self.workers[0].node_ip.remote(), self.workers[0].free_port.remote()])
+            ray.get([w.init_process_group.remote(addr, port) for w in self.workers])
+
+    @classmethod
+    def for_role(cls, role: str, worker_cls: type, reservation: Reservation, *args: Any, **kwargs: Any) -> "WorkerGroup":
+        """The group of `role`'s ranks, each on its device in the node map."""
+        return cls(role, worker_cls, reservation, [[d] for d in reservation.node_map.role_ranks(role)],
+                   *args, **kwargs)
+
+    @classmethod
+    def for_engines(cls, worker_cls: type, reservation: Reservation, *args: Any, **kwargs: Any) -> "WorkerGroup":
+        """One actor per vLLM engine, on its TP group's devices (no process group between engines)."""
+        return cls("vllm", worker_cls, reservation, reservation.node_map.engines, *args, join=False, **kwargs)
+
+    def call_async(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        return [getattr(w, method).remote(*args, **kwargs) for w in self.workers]
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        import ray
+
+        return ray.get(self.call_async(method, *args, **kwargs))
+
+    def kill(self) -> None:
+        import ray
+
+        for w in self.workers:
+            ray.kill(w)
+        self.workers = []

@@ -1,0 +1,86 @@
+"""The node map made real on a two-node Ray cluster: every worker runs on the node and sees the
+GPUs the map gives it, each role's ranks form their own process group, and a cluster that does
+not match the map is refused before anything starts."""
+
+from __future__ import annotations
+
+import pytest
+
+from hpcrlhf.cluster.bootstrap import RayPorts, ray_start_args, wait_for_nodes
+from hpcrlhf.cluster.reservation import RayNode, check_cluster, order_nodes, reserve
+from hpcrlhf.cluster.worker_group import RoleWorker, WorkerGroup
+from hpcrlhf.config.loader import load_config
+from hpcrlhf.config.schema import PPOConfig
+from hpcrlhf.errors import HpcrlhfError, PlacementError
+from hpcrlhf.placement import build_node_map
+from hpcrlhf.cli import resolve_recipe
+
+
+def tiny_map(*overrides: str):
+    return build_node_map(load_config(PPOConfig, resolve_recipe("ppo-tiny-ray"), list(overrides)))
+
+
+@pytest.mark.slow
+def test_workers_run_where_the_node_map_says(ray_cluster):
+    node_map = tiny_map()
+    reservation = reserve(node_map)
+    try:
+        assert [n.ip for n in reservation.nodes] == ray_cluster.node_ips  # map node i = i-th started node
+        groups = [WorkerGroup.for_role(role, RoleWorker, reservation) for role in ("actor", "critic", "ref")]
+        groups.append(WorkerGroup.for_engines(RoleWorker, reservation))
+        for group in groups:
+            seen = group.call("whereabouts")
+            assert len(seen) == len(group.placements) > 0
+            for rank, (where, devices) in enumerate(zip(seen, group.placements)):
+                assert (where.role, where.rank) == (group.role, rank)
+                assert where.node_ip == ray_cluster.node_ips[devices[0].node], (group.role, rank)
+                assert where.visible_devices == ",".join(str(d.gpu) for d in devices), (group.role, rank)
+            if group.role != "vllm":
+                # the role's own group: both ranks (one per node), no rank of another role
+                assert group.call("check_group") == [len(group.placements)] * len(group.placements)
+        # spread as planned: every role on both nodes, engines as TP-2 groups on GPUs 2-3 of each node
+        assert {w.node_ip for g in groups for w in g.call("whereabouts")} == set(ray_cluster.node_ips)
+        assert [(e[0].node, [d.gpu for d in e]) for e in node_map.engines] == [(0, [2, 3]), (1, [2, 3])]
+        for group in groups:
+            group.kill()
+    finally:
+        reservation.release()
+
+
+def test_cluster_that_does_not_match_the_map_is_refused():
+    node_map = tiny_map()
+    one = [RayNode("a", "10.0.0.1", 4, True)]
+    with pytest.raises(PlacementError, match="needs 2 nodes but the Ray cluster has 1 .*--nodes 1"):
+        check_cluster(node_map, one)
+    small = [RayNode("a", "10.0.0.1", 4, True), RayNode("b", "10.0.0.2", 2, False)]
+    with pytest.raises(PlacementError, match=r"node 1 \(10.0.0.2\) has 2 GPUs .*--gpus-per-node 2"):
+        check_cluster(node_map, small)
+    with pytest.raises(PlacementError, match="expected but not in the cluster: 10.0.0.9"):
+        check_cluster(node_map, small, ["10.0.0.1", "10.0.0.9"])
+
+
+def test_node_order_is_the_allocations_or_head_first():
+    nodes = [RayNode("b", "10.0.0.10", 4, False), RayNode("c", "10.0.0.9", 4, False), RayNode("h", "10.0.0.200", 4, True)]
+    assert [n.node_id for n in order_nodes(nodes)] == ["h", "c", "b"]  # numeric, not string order
+    assert [n.node_id for n in order_nodes(nodes, ["10.0.0.10", "10.0.0.200"])] == ["b", "h"]
+
+
+def test_waiting_for_nodes_names_the_missing_ones():
+    calls = []
+    wait_for_nodes(["a", "b"], 5, alive=lambda: calls.append(1) or (["a"] if len(calls) < 3 else ["a", "b"]), poll_s=0)
+    assert len(calls) == 3
+    with pytest.raises(HpcrlhfError, match="1 of 2 Ray node.*did not join within 0 s: b"):
+        wait_for_nodes(["a", "b"], 0, alive=lambda: ["a"])
+
+
+def test_ray_start_commands_use_explicit_ports():
+    ports = RayPorts.from_base(30000)
+    head = ray_start_args(node_ip="10.0.0.1", ports=ports, head_address=None, num_cpus=8, num_gpus=4)
+    worker = ray_start_args(node_ip="10.0.0.2", ports=RayPorts.from_base(30120), head_address="10.0.0.1:30000",
+                            num_cpus=8, num_gpus=4)
+    assert "--head" in head and "--port=30000" in head and "--include-dashboard=false" in head
+    assert "--address=10.0.0.1:30000" in worker and "--head" not in worker
+    used = [int(a.split("=")[1]) for a in head + worker if a.split("=")[0].endswith("port")]
+    assert len(used) == len(set(used))  # no two services share a port
+    with pytest.raises(HpcrlhfError, match="out of range"):
+        RayPorts.from_base(65500)
