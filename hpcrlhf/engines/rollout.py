@@ -294,6 +294,8 @@ class VLLMRollout:
     - `seed`: the engine's own random stream (used when `SamplingParams.seed` is None).
     - `enforce_eager=True` skips torch.compile/graph capture: the engine starts in ~15 s here
       instead of 1-2 minutes.
+    - `distributed_executor_backend`: how TP workers start; "mp" inside a Ray actor (vLLM would
+      otherwise pick Ray, which its CPU build does not support, and which would escape the node map).
 
     The engine runs in separate (spawned) processes; see the module docstring for why that is
     the right mode inside a trainer, and for the weight-sync path. Call `close()` when done.
@@ -301,8 +303,10 @@ class VLLMRollout:
 
     def __init__(self, model_dir: str, *, seed: int = 0, max_model_len: int = 256, kv_cache_bytes: int | None = 1 << 30,
                  enforce_eager: bool = True, dtype: str = "float32", tensor_parallel_size: int = 1,
-                 gpu_memory_utilization: float = 0.5):
+                 gpu_memory_utilization: float = 0.5, distributed_executor_backend: str | None = None):
         kwargs: dict[str, Any] = {}
+        if distributed_executor_backend is not None:
+            kwargs["distributed_executor_backend"] = distributed_executor_backend
         if kv_cache_bytes is not None:
             kwargs["kv_cache_memory_bytes"] = int(kv_cache_bytes)
         with _environ_restored():

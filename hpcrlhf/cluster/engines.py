@@ -1,0 +1,42 @@
+"""vLLM engines as Ray actors, one per tensor-parallel group of the node map.
+
+An engine actor runs on its group's node and sees exactly the group's GPUs; vLLM starts its TP
+workers itself with multiprocessing (never Ray: that would escape the map, and vLLM's CPU build
+does not support it). Weights arrive as a full state dict after every actor update.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Mapping, Sequence
+
+from hpcrlhf.cluster.worker_group import RoleWorker
+
+
+class EngineWorker(RoleWorker):
+    """A VLLMRollout on one TP group: `generate`, `load_weights`, `close`."""
+
+    def __init__(self, role: str, rank: int, world_size: int, model_dir: str, *, tensor_parallel_size: int,
+                 seed: int = 0, **engine_kwargs: Any) -> None:
+        super().__init__(role, rank, world_size)
+        from hpcrlhf.engines.rollout import VLLMRollout
+
+        if tensor_parallel_size > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+            import torch
+
+            if not torch.cuda.is_available():  # CPU build: one OpenMP thread group per TP rank
+                cores = max(1, (os.cpu_count() or 1) // tensor_parallel_size)
+                os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(
+                    f"{i * cores}-{(i + 1) * cores - 1}" if cores > 1 else str(i % (os.cpu_count() or 1))
+                    for i in range(tensor_parallel_size))
+        self.engine = VLLMRollout(model_dir, seed=seed + rank, tensor_parallel_size=tensor_parallel_size,
+                                  distributed_executor_backend="mp", **engine_kwargs)
+
+    def generate(self, prompts: Sequence[Sequence[int]], params) -> list:
+        return self.engine.generate(prompts, params)
+
+    def load_weights(self, state: Mapping[str, Any]) -> None:
+        self.engine.load_weights(state)
+
+    def close(self) -> None:
+        self.engine.close()
