@@ -10,9 +10,11 @@ stop` would kill every Ray process on the machine, other users' included.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -80,6 +82,15 @@ def _group_alive(pgid: int) -> bool:
         return False
 
 
+def ray_executable() -> str:
+    """The `ray` command of this Python environment (its bin folder first, then PATH): the nodes
+    must run the same Ray, and their workers the same Python, as this process."""
+    found = shutil.which("ray", path=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]))
+    if found is None:
+        raise HpcrlhfError(f"no `ray` command next to {sys.executable} or on PATH: install ray[default]")
+    return found
+
+
 def start_local_cluster(num_nodes: int, gpus_per_node: int, *, cpus_per_node: int = 2, root: Path,
                         timeout_s: float = 120.0) -> LocalRayCluster:
     """Start `num_nodes` Ray nodes on 127.0.0.2.. with `gpus_per_node` declared GPUs each, and wait
@@ -97,6 +108,7 @@ def start_local_cluster(num_nodes: int, gpus_per_node: int, *, cpus_per_node: in
             args = ray_start_args(node_ip=ip, ports=p, head_address=None if i == 0 else address,
                                   num_cpus=cpus_per_node, num_gpus=gpus_per_node,
                                   temp_dir=str(root) if i == 0 else None)
+            args[0] = ray_executable()
             log = open(root / f"ray_start_{i}.log", "w")
             proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
             cluster.groups.append(proc.pid)

@@ -1,4 +1,5 @@
-"""One local two-node Ray cluster (127.0.0.2 and 127.0.0.3, 4 declared GPUs each) per test session."""
+"""One local two-node Ray cluster (127.0.0.2 and 127.0.0.3, 4 declared GPUs each) for the tests of
+this package; stopped (and the driver disconnected) before the rest of the suite runs."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from pathlib import Path
 import pytest
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def ray_cluster():
     import ray
 
