@@ -13,6 +13,14 @@ from typing import Any, Mapping, Sequence
 from hpcrlhf.cluster.worker_group import RoleWorker
 
 
+def omp_binding(tp: int, cpus: int) -> str:
+    """vLLM CPU's per-TP-rank core sets, "0-3|4-7"; ranks share cores when there are fewer than tp."""
+    per = cpus // tp
+    if per <= 1:
+        return "|".join(str(i % cpus) for i in range(tp))
+    return "|".join(f"{i * per}-{(i + 1) * per - 1}" for i in range(tp))
+
+
 class EngineWorker(RoleWorker):
     """A VLLMRollout on one TP group: `generate`, `load_weights`, `close`."""
 
@@ -24,11 +32,8 @@ class EngineWorker(RoleWorker):
         if tensor_parallel_size > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
             import torch
 
-            if not torch.cuda.is_available():  # CPU build: one OpenMP thread group per TP rank
-                cores = max(1, (os.cpu_count() or 1) // tensor_parallel_size)
-                os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(
-                    f"{i * cores}-{(i + 1) * cores - 1}" if cores > 1 else str(i % (os.cpu_count() or 1))
-                    for i in range(tensor_parallel_size))
+            if not torch.cuda.is_available():  # CPU build: one OpenMP core set per TP rank
+                os.environ["VLLM_CPU_OMP_THREADS_BIND"] = omp_binding(tensor_parallel_size, os.cpu_count() or 1)
         self.engine = VLLMRollout(model_dir, seed=seed + rank, tensor_parallel_size=tensor_parallel_size,
                                   distributed_executor_backend="mp", **engine_kwargs)
 

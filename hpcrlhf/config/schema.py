@@ -587,6 +587,11 @@ class PPOSectionConfig:
     def uses_critic(self) -> bool:
         return self.advantage_estimator == "gae"
 
+    @property
+    def uses_reference(self) -> bool:
+        """A KL term (reward penalty or loss) needs the reference's log-probs."""
+        return self.init_kl_coef > 0 or self.kl_loss_coef > 0
+
 
 PlacementRole = Literal["actor", "critic", "ref", "reward", "vllm"]
 PLACEMENT_ROLES: tuple[str, ...] = ("actor", "critic", "ref", "reward", "vllm")
@@ -715,6 +720,14 @@ class OnlineJobConfig(TrainJobConfig):
     reference: ReferenceConfig = field(default_factory=ReferenceConfig)
     """The frozen reference model (KL penalty, iterative DPO)."""
 
+    def reward_models(self) -> list[tuple[str, str]]:
+        """(config field, path) of each reward model in `reward.sources` (rules load nothing)."""
+        return [(f"reward.sources[{i}].model", src.model) for i, src in enumerate(self.reward.sources) if src.model]
+
+    def reference_source(self) -> tuple[str, str]:
+        """(config field, path) of the frozen reference: `reference.path`, else `model.path`."""
+        return ("reference.path", self.reference.path) if self.reference.path else ("model.path", self.model.path)
+
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.reference.offload and self.engine.zero_stage != 3:
@@ -748,6 +761,14 @@ class PPOConfig(OnlineJobConfig):
     """Metrics, TensorBoard and progress output."""
     output_dir: str = "runs/ppo"
     """Run folder: config.yaml, metrics.jsonl, TensorBoard files, checkpoints/, model/ (the actor)."""
+
+    def critic_source(self) -> tuple[str, str]:
+        """(config field, path) of the model the critic starts from: `critic.path`, else the first
+        reward model, else the policy (`model.path`)."""
+        if self.critic.path:
+            return "critic.path", self.critic.path
+        rewards = self.reward_models()
+        return rewards[0] if rewards else ("model.path", self.model.path)
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -63,11 +63,8 @@ def sequence_tokens(cfg: PPOConfig) -> int:
 
 def role_models(cfg: PPOConfig) -> dict[str, list[tuple[str, str]]]:
     """Role -> (config field, model path) of each model it loads (the trainer's choices)."""
-    rewards = [(f"reward.sources[{i}].model", s.model) for i, s in enumerate(cfg.reward.sources) if s.model]
-    critic = [("critic.path", cfg.critic.path)] if cfg.critic.path else rewards[:1] or [("model.path", cfg.model.path)]
-    ref = [("reference.path", cfg.reference.path)] if cfg.reference.path else [("model.path", cfg.model.path)]
-    return {"actor": [("model.path", cfg.model.path)], "critic": critic, "ref": ref, "reward": rewards,
-            "vllm": [("model.path", cfg.model.path)]}
+    return {"actor": [("model.path", cfg.model.path)], "critic": [cfg.critic_source()], "ref": [cfg.reference_source()],
+            "reward": cfg.reward_models(), "vllm": [("model.path", cfg.model.path)]}
 
 
 def uses(cfg: PPOConfig) -> dict[str, tuple[bool, str]]:
@@ -76,7 +73,7 @@ def uses(cfg: PPOConfig) -> dict[str, tuple[bool, str]]:
     return {
         "actor": (True, "the policy is always trained"),
         "critic": (ppo.uses_critic, f"ppo.advantage_estimator is {ppo.advantage_estimator!r}"),
-        "ref": (ppo.init_kl_coef > 0 or ppo.kl_loss_coef > 0,
+        "ref": (ppo.uses_reference,
                 f"ppo.init_kl_coef is {ppo.init_kl_coef} and ppo.kl_loss_coef {ppo.kl_loss_coef}"),
         "reward": (bool(models), f"reward.sources has {len(models)} reward model(s)"),
         "vllm": (cfg.rollout.backend == "vllm", f"rollout.backend is {cfg.rollout.backend!r}"),

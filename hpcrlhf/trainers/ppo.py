@@ -65,11 +65,11 @@ class PPOTrainer(OnlineTrainer):
         self.engine = self.build_trained_model(cfg.model.path, value_head=False, optim=cfg.optim, **engine_args)
         self.critic = None
         if ppo.uses_critic:
-            self.critic = self.build_trained_model(self.critic_path(), value_head=True, optim=cfg.critic.optim,
+            self.critic = self.build_trained_model(cfg.critic_source()[1], value_head=True, optim=cfg.critic.optim,
                                                    **engine_args)
         self.reference = None
-        if ppo.init_kl_coef > 0 or ppo.kl_loss_coef > 0:
-            self.reference = self.build_frozen_model(cfg.reference.path or cfg.model.path, value_head=False,
+        if ppo.uses_reference:
+            self.reference = self.build_frozen_model(cfg.reference_source()[1], value_head=False,
                                                      offload=cfg.reference.offload, micro_batch_rows=plan.micro_batch_rows)
         self.build_rewards()
         self.build_rollout()
@@ -80,12 +80,6 @@ class PPOTrainer(OnlineTrainer):
                  f"{cfg.rollout.prompts_per_step} prompts x {cfg.rollout.samples_per_prompt} samples, "
                  f"{plan.updates_per_step} optimizer step(s) per rollout, {self.env.world_size} rank(s), "
                  f"rollout backend {cfg.rollout.backend}, rewards: {', '.join(self.rewards.names)}")
-
-    def critic_path(self) -> str:
-        if self.cfg.critic.path:
-            return self.cfg.critic.path
-        models = [s.model for s in self.cfg.reward.sources if s.model is not None]
-        return models[0] if models else self.cfg.model.path
 
     @property
     def checkpointable(self):
