@@ -25,8 +25,10 @@ def cli_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def run_cli(args: list[str], *, nproc: int = 1, timeout: float = 600, check: bool = True) -> subprocess.CompletedProcess:
-    proc = subprocess.run(cli_command(args, nproc), cwd=ROOT, env=cli_env(), capture_output=True, text=True, timeout=timeout)
+def run_cli(args: list[str], *, nproc: int = 1, timeout: float = 600, check: bool = True,
+            env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    proc = subprocess.run(cli_command(args, nproc), cwd=ROOT, env=cli_env(**(env or {})), capture_output=True, text=True,
+                          timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"hpcrlhf {' '.join(args)} exited {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
     return proc

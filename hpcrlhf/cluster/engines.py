@@ -7,10 +7,11 @@ does not support it). Weights arrive as a full state dict after every actor upda
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any, Mapping, Sequence
 
-from hpcrlhf.cluster.worker_group import RoleWorker
+from hpcrlhf.cluster.worker_group import RoleWorker, WorkerGroup, even_bounds
 
 
 def omp_binding(tp: int, cpus: int) -> str:
@@ -45,3 +46,31 @@ class EngineWorker(RoleWorker):
 
     def close(self) -> None:
         self.engine.close()
+
+
+class EngineFleet:
+    """The engine actors as one rollout engine: a batch of prompts is split into contiguous
+    parts, one per engine, generated concurrently and joined in order. Each part's sampling
+    seeds follow its prompts' positions in the whole batch, so the samples do not depend on how
+    many engines there are."""
+
+    def __init__(self, group: WorkerGroup) -> None:
+        self.group = group
+
+    @property
+    def handles(self) -> list[Any]:
+        return list(self.group.workers)
+
+    def generate(self, prompts: Sequence[Sequence[int]], params) -> list:
+        import ray
+
+        refs = [w.generate.remote(prompts[a:b], dataclasses.replace(params, first_index=params.first_index + a))
+                for w, (a, b) in zip(self.group.workers, even_bounds(len(prompts), len(self.group))) if b > a]
+        return [g for part in ray.get(refs) for g in part]
+
+    def close(self) -> None:
+        import ray
+
+        if self.group.workers:
+            ray.get(self.group.call_async("close"))
+            self.group.kill()

@@ -98,6 +98,15 @@ class WorkerGroup:
         """One actor per vLLM engine, on its TP group's devices (no process group between engines)."""
         return cls("vllm", worker_cls, reservation, reservation.node_map.engines, *args, join=False, **kwargs)
 
+    def __len__(self) -> int:
+        return len(self.workers)
+
+    def scatter_async(self, method: str, shards: Sequence[Any], *args: Any) -> list[Any]:
+        """`method(shards[i], *args)` on worker i (one shard per worker)."""
+        if len(shards) != len(self.workers):
+            raise ValueError(f"{len(shards)} shards for the {len(self.workers)} {self.role} workers")
+        return [getattr(w, method).remote(shard, *args) for w, shard in zip(self.workers, shards)]
+
     def call_async(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
         return [getattr(w, method).remote(*args, **kwargs) for w in self.workers]
 
@@ -112,3 +121,14 @@ class WorkerGroup:
         for w in self.workers:
             ray.kill(w)
         self.workers = []
+
+
+def even_bounds(n: int, parts: int) -> list[tuple[int, int]]:
+    """Contiguous [start, stop) ranges splitting n items into `parts` sizes that differ by at most one."""
+    size, extra = divmod(n, parts)
+    bounds, start = [], 0
+    for i in range(parts):
+        stop = start + size + (i < extra)
+        bounds.append((start, stop))
+        start = stop
+    return bounds

@@ -670,6 +670,11 @@ class PlacementConfig:
     their own."""
     allow_idle_gpus: bool = False
     """Accept an allocation with GPUs no role uses (otherwise the plan is rejected)."""
+    runtime: Literal["local", "ray"] = "local"
+    """local: every role inside the training process (or each torchrun rank); the layout above is
+    only planned. ray: every role on its own Ray workers, placed as the node map says, on the
+    Ray cluster at RAY_ADDRESS, else on a local one of `nodes` x `gpus_per_node` started for the
+    job (GPUs declared, nodes on loopback addresses)."""
 
     def __post_init__(self) -> None:
         _require(self.nodes >= 1, "placement.nodes", self.nodes, "use at least 1 node")
@@ -782,6 +787,13 @@ class PPOConfig(OnlineJobConfig):
                 f"train.global_batch_size: {self.train.global_batch_size} does not divide the {sequences} sequences "
                 f"of a rollout (rollout.prompts_per_step {self.rollout.prompts_per_step} x samples_per_prompt {n}); "
                 f"use a divisor of {sequences}")
+        if self.placement.runtime == "ray":
+            _require(self.rollout.backend == "vllm", "rollout.backend", self.rollout.backend,
+                     "the Ray runtime generates with vLLM engines on their own workers: set rollout.backend=vllm "
+                     "and placement.vllm.engines, or placement.runtime=local to generate with the actor")
+            _require(not self.lora.rank, "lora.rank", self.lora.rank,
+                     "the Ray runtime pushes full weights into vLLM after each update: use lora.rank=0, or "
+                     "placement.runtime=local")
 
 
 @dataclass(frozen=True)

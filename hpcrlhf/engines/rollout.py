@@ -84,6 +84,10 @@ class SamplingParams:
     seed: int | None = None
     """Makes sampling reproducible: same seed, weights, prompts and params give the same
     responses. None draws from the engine's own random stream."""
+    first_index: int = 0
+    """Position of this call's first prompt in the caller's whole batch. vLLM seeds prompt i by
+    (seed, first_index + i), so a batch split over several engines samples exactly as one
+    engine given the whole batch would."""
 
     def __post_init__(self) -> None:
         problems = []
@@ -346,7 +350,7 @@ class VLLMRollout:
             if params.seed is None:
                 per_prompt = [sampling(None)] * len(prompts)
             else:
-                per_prompt = [sampling(_prompt_seed(params.seed, i)) for i in range(len(prompts))]
+                per_prompt = [sampling(_prompt_seed(params.seed, params.first_index + i)) for i in range(len(prompts))]
         requests = [{"prompt_token_ids": [int(t) for t in p]} for p in prompts]
         outputs = self.llm.generate(requests, per_prompt, use_tqdm=False)
         result: list[list[Generation]] = []

@@ -41,12 +41,17 @@ class Trainer:
 
     # -- construction ---------------------------------------------------------------------------
     def setup(self, cfg) -> None:
+        self.setup_process(cfg)
+        self.run = Run(cfg, self.env)
+
+    def setup_process(self, cfg) -> None:
+        """This process's rank in its group, seed and tokenizer (no run folder: Ray role workers
+        stop here, their driver owns the run)."""
         from hpcrlhf.models.loading import load_tokenizer
 
         self.cfg = cfg
         self.env = init_distributed()
         torch.manual_seed(cfg.seed)
-        self.run = Run(cfg, self.env)
         self.tokenizer = load_tokenizer(cfg.model.path, trust_remote_code=cfg.model.trust_remote_code)
         self.pad_id = self.tokenizer.pad_token_id
 
@@ -186,6 +191,7 @@ class Trainer:
             _add(sums, {"train/loss": (float(loss.detach()) * len(part), len(part)), **stats})
         means = reduce_means(sums)
         means["train/tokens"] = all_reduce_sum([tokens])[0]
+        means["train/samples"] = float(global_rows)
         return means
 
     def eval_means(self, items: Sequence, batch_stats: Callable[[list], Stats]) -> dict[str, float]:
@@ -274,12 +280,17 @@ class Trainer:
     def _log_window(self, step: int, window: dict[str, list[float]], elapsed_s: float) -> None:
         """Mean of each train metric since the last log, plus lr, grad norm, epoch and throughput."""
         tokens = sum(window.pop("train/tokens", [0.0]))
+        samples = sum(window.pop("train/samples", [0.0]))
         n = len(window["train/loss"])
-        self.run.log(step, {**{k: sum(v) / len(v) for k, v in window.items()},
-                            "train/lr": self.engine.lr(), "train/grad_norm": self.engine.grad_norm(),
+        self.run.log(step, {**{k: sum(v) / len(v) for k, v in window.items()}, **self.optimizer_stats(),
                             "train/epoch": step / self.plan.steps_per_epoch,
                             "throughput/tokens_per_sec": tokens / elapsed_s,
+                            "throughput/samples_per_sec": samples / elapsed_s,
                             **{k: v / n for k, v in self.run.pop_timings().items()}})
+
+    def optimizer_stats(self) -> dict[str, float | None]:
+        """The trained model's learning rate and last gradient norm."""
+        return {"train/lr": self.engine.lr(), "train/grad_norm": self.engine.grad_norm()}
 
     def _checkpoint_once(self, step: int) -> None:
         if self.run.checkpoints.latest() != self.run.checkpoints.path_for(step):

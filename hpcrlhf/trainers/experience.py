@@ -35,11 +35,30 @@ class Experience:
     """Reference log-probs (a KL term in the loss)."""
 
 
-def split_rows(batch: dict[str, Optional[torch.Tensor]], lengths: list[int]) -> list[Experience]:
-    """Padded (B, T) tensors -> one Experience per row, trimmed to its length."""
-    names = {f.name for f in fields(Experience)}
-    return [Experience(**{k: (v[i, :n].clone() if v is not None else None) for k, v in batch.items() if k in names})
-            for i, n in enumerate(lengths)]
+@dataclass
+class ExperienceBatch:
+    """Experiences as right-padded (B, T) tensors, one per `Experience` field, plus each row's
+    length: how a rollout's experience is made and how it crosses between processes (a handful of
+    tensors, not one object per sequence)."""
+
+    tensors: dict[str, Optional[torch.Tensor]]
+    lengths: list[int]
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def rows(self) -> list[Experience]:
+        """One Experience per row, trimmed to its length."""
+        names = {f.name for f in fields(Experience)}
+        return [Experience(**{k: (v[i, :n].clone() if v is not None else None) for k, v in self.tensors.items()
+                              if k in names}) for i, n in enumerate(self.lengths)]
+
+    def shard(self, start: int, stop: int) -> "ExperienceBatch":
+        """Rows [start, stop), padding cut to their longest row."""
+        lengths = self.lengths[start:stop]
+        width = max(lengths, default=0)
+        return ExperienceBatch({k: (v[start:stop, :width].clone() if v is not None else None)
+                                for k, v in self.tensors.items()}, lengths)
 
 
 def collate_experience(items: list[Experience], pad_id: int, device: torch.device) -> dict[str, torch.Tensor]:

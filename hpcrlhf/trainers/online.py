@@ -72,6 +72,18 @@ def flatten_generations(prompts: Sequence[Prompt], generations: list[list[Genera
     return flat_prompts, flat, responses
 
 
+def vllm_engine_args(cfg) -> dict[str, Any]:
+    """`VLLMRollout`'s settings for a job: model folder, seed, longest sequence (prompt + rollout
+    or evaluation response), KV cache and precision."""
+    from hpcrlhf.models.loading import resolve_model_path
+
+    r = cfg.rollout
+    return dict(model_dir=resolve_model_path(cfg.model.path), seed=cfg.seed,
+                max_model_len=cfg.data.max_length + max(r.max_new_tokens, cfg.eval.max_new_tokens),
+                kv_cache_bytes=int(r.vllm_kv_cache_gb * (1 << 30)), enforce_eager=r.vllm_enforce_eager,
+                dtype="bfloat16" if cfg.engine.precision == "bf16" else "float32")
+
+
 class Rank0Rollout:
     """One rollout engine on rank 0 generating for every training rank of this machine: prompts
     are gathered to rank 0 and the generations scattered back."""
@@ -156,14 +168,10 @@ class OnlineTrainer(Trainer):
 
     def _build_vllm(self):
         from hpcrlhf.engines.rollout import VLLMRollout
-        from hpcrlhf.models.loading import resolve_model_path
 
         r = self.cfg.rollout
-        max_len = self.cfg.data.max_length + r.max_new_tokens
         log.info(f"starting vLLM rollout engine (KV cache {r.vllm_kv_cache_gb} GiB, eager={r.vllm_enforce_eager})")
-        return VLLMRollout(resolve_model_path(self.cfg.model.path), seed=self.cfg.seed, max_model_len=max_len,
-                           kv_cache_bytes=int(r.vllm_kv_cache_gb * (1 << 30)), enforce_eager=r.vllm_enforce_eager,
-                           dtype="bfloat16" if self.cfg.engine.precision == "bf16" else "float32")
+        return VLLMRollout(**vllm_engine_args(self.cfg))
 
     def build_rewards(self) -> None:
         self.rewards = RewardSet(self.cfg.reward, lambda path: self.build_frozen_model(path, value_head=True),
@@ -205,13 +213,18 @@ class OnlineTrainer(Trainer):
             stats["rollout/task_score"] = (sum(self.task.score(r.prompt, r.text) for r in rollout.responses), n)
         return stats
 
+    def greedy_rollout(self):
+        """The engine evaluation generates with: the trained module itself (always in sync)."""
+        return self.hf_rollout
+
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
         """Greedy responses to the held-out prompts: task score, reward and length."""
         params = SamplingParams(n=1, greedy=True, max_new_tokens=self.cfg.eval.max_new_tokens)
+        engine = self.greedy_rollout()
 
         def stats(batch: list[Prompt]) -> Stats:
-            gens = self.hf_rollout.generate([list(p.ids) for p in batch], params)
+            gens = engine.generate([list(p.ids) for p in batch], params)
             _, flat, responses = flatten_generations(batch, gens, self.tokenizer)
             total, _ = self.rewards.score(responses)
             n = len(batch)

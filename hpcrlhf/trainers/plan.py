@@ -100,6 +100,11 @@ class PPOPlan:
     def minibatches_per_epoch(self) -> int:
         return self.sequences_per_rank // self.minibatch_rows_per_rank
 
+    def engine_args(self) -> dict[str, int]:
+        """Batch shape and schedule length of a trained role's engine under this plan."""
+        return dict(micro_batch_rows=self.micro_batch_rows, grad_accum_steps=self.grad_accum_steps,
+                    total_steps=self.total_steps * self.updates_per_step)
+
     def prompts_for_step(self, num_prompts: int, step: int, seed: int, rank: int) -> list[int]:
         return rows_for_step(num_prompts, step, seed, rank, steps_per_epoch=self.steps_per_epoch,
                              global_rows=self.prompts_per_rank * self.data_parallel_size,

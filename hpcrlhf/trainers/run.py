@@ -83,8 +83,11 @@ class Run:
         try:
             yield
         finally:
-            key = f"timing/{name}"
-            self.timings[key] = self.timings.get(key, 0.0) + time.perf_counter() - t0
+            self.add_timing(name, time.perf_counter() - t0)
+
+    def add_timing(self, name: str, seconds: float) -> None:
+        key = f"timing/{name}"
+        self.timings[key] = self.timings.get(key, 0.0) + seconds
 
     def pop_timings(self) -> dict[str, float]:
         out, self.timings = self.timings, {}

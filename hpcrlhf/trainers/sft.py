@@ -97,7 +97,7 @@ def nll_step(trainer: Trainer, rows: list[list[TokenizedSample]], packed: bool) 
     engine, micro_rows = trainer.engine, trainer.plan.micro_batch_rows
     micro = [collate(rows[i : i + micro_rows], trainer.pad_id, packed) for i in range(0, len(rows), micro_rows)]
     local_tokens = sum(int((b["labels"] != -100).sum()) for b in micro)
-    (global_tokens,) = all_reduce_sum([local_tokens])
+    global_tokens, global_samples = all_reduce_sum([local_tokens, sum(len(r) for r in rows)])
     engine.train()
     loss_sum = 0.0
     for batch in micro:
@@ -108,7 +108,7 @@ def nll_step(trainer: Trainer, rows: list[list[TokenizedSample]], packed: bool) 
         engine.step()
         loss_sum += float(nll.detach())
     (total_loss,) = all_reduce_sum([loss_sum])
-    return {"train/loss": total_loss / global_tokens, "train/tokens": global_tokens}
+    return {"train/loss": total_loss / global_tokens, "train/tokens": global_tokens, "train/samples": global_samples}
 
 
 def run_sft(cfg: SFTConfig) -> dict:

@@ -304,6 +304,18 @@ def test_vllm_seed_reproduces_and_differs_per_prompt(vllm_rollout, rollout_promp
     assert tokens(twice)[0] != tokens(twice)[1]
 
 
+def test_vllm_batch_split_with_first_index_samples_as_the_whole_batch(vllm_rollout, rollout_prompts):
+    """What lets several engines share a rollout: each part, told where it starts, draws the
+    samples one engine would have drawn for those prompts in the whole batch."""
+    params = SamplingParams(n=2, max_new_tokens=10, seed=5)
+    whole = tokens(vllm_rollout.generate(rollout_prompts, params))
+    cut = len(rollout_prompts) // 2
+    parts = (tokens(vllm_rollout.generate(rollout_prompts[:cut], params))
+             + tokens(vllm_rollout.generate(rollout_prompts[cut:], replace(params, first_index=cut))))
+    assert parts == whole
+    assert tokens(vllm_rollout.generate(rollout_prompts[cut:], params)) != whole[cut:]  # the index matters
+
+
 def test_vllm_follows_load_weights(vllm_rollout, hf_model, tokenizer, rollout_prompts):
     eos = tokenizer.eos_token_id
     greedy = SamplingParams(greedy=True, max_new_tokens=12)

@@ -45,6 +45,9 @@ def test_recipe_style_mappings_load():
     (["placement.critic.zero_stage=0", "placement.critic.offload_optimizer=true"],
      ["placement.critic.offload_optimizer", "needs ZeRO"]),
     (["placement.ref.offload_optimizer=true"], ["placement.ref.offload_optimizer: True", "frozen", "leave it null"]),
+    (["placement.runtime=ray"], ["rollout.backend: 'hf'", "set rollout.backend=vllm", "placement.runtime=local"]),
+    (["placement.runtime=ray", "rollout.backend=vllm", "lora.rank=8"], ["lora.rank: 8", "use lora.rank=0"]),
+    (["placement.runtime=slurm"], ["placement.runtime", "'slurm' is not one of"]),
 ])
 def test_invalid_values_name_field_value_and_fix(overrides, needles):
     with pytest.raises(ConfigError) as info:

@@ -21,6 +21,7 @@ SCALE_70B_16X8 = ["placement.actor.nodes=4", "placement.critic.nodes=4", "placem
 CASES = {  # name: (recipe, overrides, nodes, gpus per node)
     "1x8-7b-hybrid": ("ppo-7b", HYBRID_1X8, 1, 8),  # everything colocated on one node
     "2x4-tiny-ray": ("ppo-tiny-ray", [], 2, 4),
+    "1x2-tiny-ray-colocated": ("ppo-tiny-ray-colocated", [], 1, 2),
     "2x8-7b": ("ppo-7b", [], 2, 8),
     "4x8-13b": ("ppo-13b", [], 4, 8),
     "4x8-34b": ("ppo-34b", [], 4, 8),

@@ -1,0 +1,163 @@
+"""PPO's model roles as Ray actors, one actor per rank, each on its device of the node map.
+
+A rank builds its model exactly as the single-machine trainer does (`Trainer.build_trained_model`
+/ `build_frozen_model`, with its role's ZeRO settings from the map) and runs the same per-role
+code (`trainers.ppo_learner`): the only difference is that its process group holds its role's
+ranks alone. The driver (`trainers.ppo_ray`) moves one typed batch between the roles.
+
+Weight sync: every actor rank takes part in gathering the full state dict (ZeRO-3), rank 0 puts
+it in Ray's object store once and every vLLM engine loads it from there. (On GPU clusters a
+direct NCCL broadcast from actor rank 0 to the engines' workers would avoid the copy through host
+memory; it needs a GPU to test and is not built yet.)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from hpcrlhf.cluster.worker_group import RoleWorker
+from hpcrlhf.trainers.base import Trainer
+from hpcrlhf.trainers.experience import ExperienceBatch, ReplayBuffer
+from hpcrlhf.trainers.plan import PPOPlan
+from hpcrlhf.trainers.ppo_learner import PPOLearner, Sums, forward_logps, forward_values
+
+
+class _Models(Trainer):
+    """What a role worker uses of a trainer: process setup and model building; the driver owns
+    the run folder, metrics and progress."""
+
+    kind = "ppo"
+
+    def __init__(self, cfg) -> None:
+        self.setup_process(cfg)
+
+
+class PPOWorker(RoleWorker):
+    """One rank of a PPO model role. `setup()` (after the role's process group is joined) builds
+    its model; the role's methods then serve the driver."""
+
+    def __init__(self, role: str, rank: int, world_size: int, cfg, plan: PPOPlan) -> None:
+        super().__init__(role, rank, world_size)
+        self.cfg, self.plan = cfg, plan
+
+    def setup(self) -> None:
+        self.models = _Models(self.cfg)
+        self.build()
+
+    def build(self) -> None:
+        raise NotImplementedError
+
+    def _logps(self, model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return forward_logps(model, batch, self.cfg.eval.batch_size, self.models.device)
+
+
+class TrainedWorker(PPOWorker):
+    """A rank of a trained role (actor, critic): its engine, replay buffer and PPO updates."""
+
+    value_head = False
+
+    def build(self) -> None:
+        cfg, plan = self.cfg, self.plan
+        path, optim = (cfg.model.path, cfg.optim) if self.role == "actor" else (cfg.critic_source()[1], cfg.critic.optim)
+        self.engine = self.models.build_trained_model(path, value_head=self.value_head, optim=optim,
+                                                      **plan.engine_args())
+        self.models.engine = self.engine
+        self.buffer = ReplayBuffer(cfg.ppo.buffer_limit)
+        self.learner = PPOLearner(self.role, self.engine, cfg, plan, self.models.pad_id, self.buffer)
+
+    def learn(self, experience: ExperienceBatch, step: int) -> Sums:
+        """This rank's share of a rollout's experience -> PPO epochs on it; returns metric sums."""
+        self.buffer.add(experience.rows())
+        return self.learner.update(step, self.rank)
+
+    def save_checkpoint(self, folder: str, client_state: dict[str, Any]) -> None:
+        folder = Path(folder)
+        self.engine.save_checkpoint(folder, client_state)
+        if self.cfg.ppo.buffer_limit:
+            torch.save(self.buffer.state_dict(), folder / f"replay_rank{self.rank}.pt")
+
+    def load_checkpoint(self, folder: str) -> dict[str, Any]:
+        folder = Path(folder)
+        state = self.engine.load_checkpoint(folder)
+        replay = folder / f"replay_rank{self.rank}.pt"
+        if self.cfg.ppo.buffer_limit and replay.exists():
+            self.buffer.load_state_dict(torch.load(replay, weights_only=False))
+        return state
+
+
+class ActorWorker(TrainedWorker):
+    def logps(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        self.engine.eval()
+        return self._logps(self.engine, batch)
+
+    def push_weights(self, engines: Sequence[Any]) -> None:
+        """The actor's full weights into every vLLM engine (all actor ranks call: ZeRO-3 gathers)."""
+        import ray
+
+        state = self.engine.full_state_dict()
+        if self.rank == 0:
+            ref = ray.put({k: v.detach().cpu() for k, v in state.items()})
+            ray.get([engine.load_weights.remote(ref) for engine in engines])
+
+    def optimizer_stats(self) -> dict[str, float | None]:
+        return self.models.optimizer_stats()
+
+    def save_model(self) -> None:
+        """The trained policy as a Hugging Face folder in `model/` of the run (all ranks call)."""
+        self.models.save_outputs()
+
+
+class CriticWorker(TrainedWorker):
+    value_head = True
+
+    def values(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        self.engine.eval()
+        return forward_values(self.engine, batch, self.cfg.eval.batch_size, self.models.device)
+
+
+class ReferenceWorker(PPOWorker):
+    def build(self) -> None:
+        cfg = self.cfg
+        self.model = self.models.build_frozen_model(cfg.reference_source()[1], value_head=False,
+                                                    offload=cfg.reference.offload,
+                                                    micro_batch_rows=self.plan.micro_batch_rows)
+
+    def logps(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self._logps(self.model, batch)
+
+
+class RewardWorker(PPOWorker):
+    """The reward sources (every reward model and rule) on one rank."""
+
+    def build(self) -> None:
+        from hpcrlhf.data.tasks import build_task
+        from hpcrlhf.rewards import RewardSet
+
+        cfg, m = self.cfg, self.models
+        self.rewards = RewardSet(cfg.reward, lambda path: m.build_frozen_model(path, value_head=True), m.tokenizer,
+                                 build_task(cfg.task), m.device, cfg.model.trust_remote_code)
+
+    def names(self) -> list[str]:
+        return list(self.rewards.names)
+
+    def score(self, responses: list) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        return self.rewards.score(responses)
+
+
+ROLE_WORKERS: dict[str, type[PPOWorker]] = {"actor": ActorWorker, "critic": CriticWorker, "ref": ReferenceWorker,
+                                            "reward": RewardWorker}
+
+
+def role_config(cfg, zero_stage: int, offload_optimizer: bool, offload_params: bool, role: str):
+    """The job config as one role's ranks run it: the role's effective DeepSpeed settings (from
+    the node map) in `engine` (and `reference.offload` for the reference)."""
+    engine = dataclasses.replace(cfg.engine, zero_stage=zero_stage, offload_optimizer=offload_optimizer,
+                                 offload_params=offload_params if role in ("actor", "critic") else False)
+    out = dataclasses.replace(cfg, engine=engine)
+    if role == "ref":
+        out = dataclasses.replace(out, reference=dataclasses.replace(cfg.reference, offload=offload_params))
+    return out

@@ -1,0 +1,127 @@
+"""The per-role halves of a PPO step, shared by the single-machine trainer and the Ray role workers:
+
+- forward passes over a rollout batch: token log-probs (actor, reference) and values (critic);
+- `PPOLearner`: a trained role's PPO epochs over its replay buffer (actor: clipped policy loss,
+  entropy bonus, KL loss; critic: clipped value loss).
+
+Every batch statistic inside an update (the loss normaliser) is summed over the process group
+this runs in: all ranks on one machine, or one role's ranks on Ray. So N ranks train like one
+rank with N times the batch, wherever they run.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Callable, Literal
+
+import torch
+
+from hpcrlhf.algos.logprobs import IGNORE, token_logprobs
+from hpcrlhf.algos.ppo import aggregate_loss, entropy_from_logits, kl_estimate, masked_sum, policy_loss, value_loss
+from hpcrlhf.engines.distributed import all_reduce_sum
+from hpcrlhf.trainers.experience import ReplayBuffer, collate_experience
+from hpcrlhf.trainers.plan import PPOPlan
+
+Sums = dict[str, list[float]]
+"""Metric -> [sum, count] over micro-batches (count 0: a plain sum, see `reduce_means`)."""
+
+
+def _chunks(batch: dict[str, torch.Tensor], size: int, device: torch.device):
+    for start in range(0, batch["input_ids"].shape[0], size):
+        yield {k: v[start : start + size].to(device) for k, v in batch.items()}
+
+
+@torch.no_grad()
+def forward_logps(model, batch: dict[str, torch.Tensor], chunk_rows: int, device: torch.device) -> torch.Tensor:
+    """Log-prob of every label token (B, T) on the CPU, in chunks of `chunk_rows` sequences."""
+    return torch.cat([token_logprobs(model(input_ids=c["input_ids"], attention_mask=c["attention_mask"]).logits,
+                                     c["labels"]).cpu() for c in _chunks(batch, chunk_rows, device)])
+
+
+@torch.no_grad()
+def forward_values(model, batch: dict[str, torch.Tensor], chunk_rows: int, device: torch.device) -> torch.Tensor:
+    """A value model's estimate at every position (B, T) on the CPU."""
+    return torch.cat([model(input_ids=c["input_ids"], attention_mask=c["attention_mask"]).float().cpu()
+                      for c in _chunks(batch, chunk_rows, device)])
+
+
+def minibatch_seed(seed: int, step: int, rank: int) -> int:
+    """Seed of a rank's mini-batch order at a step: actor and critic see the same mini-batches."""
+    return seed * 1_000_003 + step * 31 + rank
+
+
+def merge_sums(into: Sums, more: Sums) -> Sums:
+    for key, (total, count) in more.items():
+        into[key][0] += total
+        into[key][1] += count
+    return into
+
+
+class PPOLearner:
+    """The actor's or the critic's updates: PPO epochs x mini-batches of optimizer steps on its
+    engine, drawn from a replay buffer. Each mini-batch's loss is normalised by its global token
+    (or sequence) count, so accumulation over micro-batches and ranks gives the exact mini-batch
+    mean."""
+
+    def __init__(self, role: Literal["actor", "critic"], engine, cfg, plan: PPOPlan, pad_id: int, buffer: ReplayBuffer):
+        self.role, self.engine, self.cfg, self.plan, self.pad_id, self.buffer = role, engine, cfg, plan, pad_id, buffer
+        self.micro_loss: Callable = self.actor_loss if role == "actor" else self.critic_loss
+
+    def update(self, step: int, rank: int) -> Sums:
+        plan, ppo, engine = self.plan, self.cfg.ppo, self.engine
+        world = plan.data_parallel_size
+        sums: Sums = defaultdict(lambda: [0.0, 0.0])
+        engine.train()
+        generator = torch.Generator().manual_seed(minibatch_seed(self.cfg.seed, step, rank))
+        for _ in range(ppo.epochs):
+            for minibatch in self.buffer.minibatches(plan.minibatches_per_epoch, plan.minibatch_rows_per_rank, generator):
+                normalizer = self._normalizer(minibatch)
+                for start in range(0, len(minibatch), plan.micro_batch_rows):
+                    batch = collate_experience(minibatch[start : start + plan.micro_batch_rows], self.pad_id, engine.device)
+                    loss, stats = self.micro_loss(batch, normalizer)
+                    engine.backward(loss * world)
+                    engine.step()
+                    merge_sums(sums, {k: list(v) for k, v in stats.items()})
+        norm = engine.grad_norm()  # the same on every rank: the mean over ranks is the norm
+        if norm is not None:
+            sums[f"train/{self.role}_grad_norm"] = [norm, 1.0]
+        sums[f"train/{self.role}_lr"] = [engine.lr(), 1.0]
+        return dict(sums)
+
+    def _normalizer(self, minibatch) -> float:
+        """The global mini-batch's count for the loss aggregation mode."""
+        if self.cfg.ppo.loss_aggregation == "token-mean":
+            local = sum(int((e.labels != IGNORE).sum()) for e in minibatch)
+        else:
+            local = len(minibatch)
+        return max(all_reduce_sum([float(local)])[0], 1.0)
+
+    def actor_loss(self, batch: dict[str, torch.Tensor], normalizer: float):
+        ppo, mask = self.cfg.ppo, batch["action_mask"]
+        logits = self.engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        logp = token_logprobs(logits, batch["labels"])
+        loss, st = policy_loss(logp, batch["old_logps"], batch["advantages"], mask, clip_eps_low=ppo.clip_eps,
+                               clip_eps_high=ppo.clip_eps_high, dual_clip=ppo.dual_clip,
+                               aggregation=ppo.loss_aggregation, normalizer=normalizer)
+        stats = {"train/policy_loss": (float(loss.detach()), 0.0),
+                 "train/clipfrac": (float(st["clipfrac_sum"]), float(st["tokens"])),
+                 "train/approx_kl": (float(st["approx_kl_sum"]), float(st["tokens"])),
+                 "train/ratio": (float(st["ratio_sum"]), float(st["tokens"]))}
+        entropy = entropy_from_logits(logits.detach() if not ppo.entropy_coef else logits)
+        stats["train/entropy"] = (float(masked_sum(entropy.detach(), mask)), float(mask.sum()))
+        if ppo.entropy_coef:
+            loss = loss - ppo.entropy_coef * aggregate_loss(entropy, mask, ppo.loss_aggregation, normalizer)
+        if ppo.kl_loss_coef:
+            kl = kl_estimate(logp, batch["ref_logps"], ppo.kl_estimator, mask)
+            kl_loss = aggregate_loss(kl, mask, ppo.loss_aggregation, normalizer)
+            loss = loss + ppo.kl_loss_coef * kl_loss
+            stats["train/kl_loss"] = (float(kl_loss.detach()), 0.0)
+        return loss, stats
+
+    def critic_loss(self, batch: dict[str, torch.Tensor], normalizer: float):
+        values = self.engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+        loss, st = value_loss(values, batch["values"], batch["returns"], batch["action_mask"],
+                              clip_eps=self.cfg.ppo.value_clip, aggregation=self.cfg.ppo.loss_aggregation,
+                              normalizer=normalizer)
+        return loss, {"train/value_loss": (float(loss.detach()), 0.0),
+                      "train/value_clipfrac": (float(st["clipfrac_sum"]), float(st["tokens"]))}

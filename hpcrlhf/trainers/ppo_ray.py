@@ -1,0 +1,263 @@
+"""PPO on Ray: every role on its own workers, placed by the static node map.
+
+The driver is `PPOTrainer` itself (same loop, same step, same maths: rewards, KL shaping,
+advantages, metrics, the KL controller, checkpoints), with the role hooks pointed at Ray workers:
+
+    generate        the vLLM engine actors (`EngineFleet`), prompts split over engines
+    reward          the rules here; reward models on the reward role's workers
+    score_tokens    actor / reference log-probs and critic values, all roles at once, each
+                    role's ranks on equal row shards
+    learn           actor and critic updates at once, rank r on the experiences of its prompts
+                    (as rank r of a single-machine run); timed per role from the same start
+    sync_rollout    actor ranks gather the weights, rank 0 hands them to every engine
+
+Data crosses between the driver and the roles as typed batches: padded tensors for forward
+passes, `ExperienceBatch` shards for updates, `Response`s for reward models.
+
+Before the first step the driver reads back where every worker runs and fails unless it is the
+map (`placement.json` in the run folder records both).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import defaultdict
+from typing import Any
+
+import torch
+
+from hpcrlhf.cluster.engines import EngineFleet, EngineWorker
+from hpcrlhf.cluster.ppo_workers import ROLE_WORKERS, role_config
+from hpcrlhf.cluster.reservation import Reservation
+from hpcrlhf.cluster.worker_group import WorkerGroup, even_bounds
+from hpcrlhf.config.schema import PPOConfig
+from hpcrlhf.errors import PlacementError
+from hpcrlhf.logs import get_logger
+from hpcrlhf.trainers.experience import ExperienceBatch
+from hpcrlhf.trainers.online import Prompt, vllm_engine_args
+from hpcrlhf.trainers.ppo import PPOTrainer
+from hpcrlhf.trainers.ppo_learner import Sums, merge_sums
+
+log = get_logger()
+
+TRAINED = ("actor", "critic")
+
+
+def pad_rows(batch: dict[str, torch.Tensor], parts: int) -> tuple[list[dict[str, torch.Tensor]], int]:
+    """Equal row shards of a batch for `parts` ranks (the last row repeated to fill), and the real
+    row count. Every rank of a ZeRO-3 role must run the same number of forward passes."""
+    n = batch["input_ids"].shape[0]
+    size = -(-n // parts)
+    fill = size * parts - n
+    padded = {k: torch.cat([v, v[-1:].expand(fill, *v.shape[1:])]) if fill else v for k, v in batch.items()}
+    return [{k: v[i * size : (i + 1) * size] for k, v in padded.items()} for i in range(parts)], n
+
+
+class RemoteRewards:
+    """The reward role's workers as a `RewardSet`: responses split evenly over its ranks."""
+
+    def __init__(self, group: WorkerGroup) -> None:
+        import ray
+
+        self.group = group
+        self.names = ray.get(group.workers[0].names.remote())
+
+    def score(self, responses: list) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        import ray
+
+        n, parts = len(responses), len(self.group)
+        size = -(-n // parts)
+        padded = list(responses) + [responses[-1]] * (size * parts - n)
+        results = ray.get(self.group.scatter_async("score", [padded[i * size : (i + 1) * size] for i in range(parts)]))
+        total = torch.cat([t for t, _ in results])[:n]
+        return total, {name: torch.cat([p[name] for _, p in results])[:n] for name in self.names}
+
+
+class RayPPOTrainer(PPOTrainer):
+    """The PPO driver: holds the prompts, the run folder and the step's maths; the models live on
+    the workers of `reservation`'s node map."""
+
+    def __init__(self, cfg: PPOConfig, reservation: Reservation):
+        import ray
+
+        self.setup(cfg)
+        self.setup_online()
+        self.reservation, node_map = reservation, reservation.node_map
+        self.plan = self.build_plan(len(node_map.role_ranks("actor")))
+        self.groups: dict[str, WorkerGroup] = {}
+        for role, worker in ROLE_WORKERS.items():
+            if not node_map.role_ranks(role):
+                continue
+            r = node_map.roles[role]
+            plan = self.build_plan(r.ranks) if role in TRAINED else self.plan
+            self.groups[role] = WorkerGroup.for_role(
+                role, worker, reservation, role_config(cfg, r.zero_stage, r.offload_optimizer, r.offload_params, role),
+                plan)
+        engines = WorkerGroup.for_engines(EngineWorker, reservation, tensor_parallel_size=node_map.vllm.tensor_parallel_size,
+                                          **vllm_engine_args(cfg))
+        self.rollout = EngineFleet(engines)  # evaluation generates with the engines too
+        ray.get([ref for g in self.groups.values() for ref in g.call_async("setup")])
+        self.rollout_synced = False  # engines start from model.path; the actor's weights go in before use
+        if "reward" in self.groups:
+            self.rewards = RemoteRewards(self.groups["reward"])
+        else:  # rules only (the plan gives the reward role GPUs whenever there is a reward model)
+            self.build_rewards()
+        self.setup_ppo_state()
+        self.check_placement()
+        self.log_start(f"on Ray: {', '.join(f'{r} {len(g)} rank(s)' for r, g in self.groups.items())}, "
+                       f"{len(engines)} vLLM engine(s) x TP {node_map.vllm.tensor_parallel_size}")
+
+    # -- placement ---------------------------------------------------------------------------
+    def check_placement(self) -> None:
+        """Every worker's node and visible GPUs, read back from the worker, must be the map's."""
+        import ray
+
+        groups = [*self.groups.values(), self.rollout.group]
+        found = [w for g in groups for w in ray.get(g.call_async("whereabouts"))]
+        expected = {}
+        for g in groups:
+            for rank, devices in enumerate(g.placements):
+                expected[(g.role, rank)] = (self.reservation.ip_of(devices[0]), ",".join(str(d.gpu) for d in devices))
+        rows, wrong = [], []
+        for w in found:
+            want = expected[(w.role, w.rank)]
+            rows.append({"role": w.role, "rank": w.rank, "node_ip": w.node_ip, "visible_devices": w.visible_devices,
+                         "pid": w.pid, "map_node_ip": want[0], "map_devices": want[1]})
+            if (w.node_ip, w.visible_devices) != want:
+                wrong.append(f"{w.role}[{w.rank}] runs on {w.node_ip} GPUs {w.visible_devices!r}, the map says "
+                             f"{want[0]} GPUs {want[1]!r}")
+        if self.env.is_main:
+            (self.run.dir / "placement.json").write_text(json.dumps(
+                {"node_map": json.loads(self.reservation.node_map.to_json()), "workers": rows}, indent=2) + "\n")
+        if wrong:
+            raise PlacementError("workers are not where the node map puts them:\n" + "\n".join(f"- {x}" for x in wrong))
+
+    # -- the role hooks ------------------------------------------------------------------------
+    def step_prompts(self, step: int) -> list[Prompt]:
+        """The prompts every actor rank of a single-machine run would take, in rank order."""
+        ranks = self.plan.data_parallel_size
+        return [self.prompts[i] for rank in range(ranks)
+                for i in self.plan.prompts_for_step(len(self.prompts), step, self.cfg.seed, rank)]
+
+    def score_tokens(self, batch: dict[str, torch.Tensor]):
+        import ray
+
+        wanted = {"actor": "logps", "ref": "logps", "critic": "values"}
+        pending = {}
+        for role, method in wanted.items():
+            if role in self.groups:
+                shards, n = pad_rows(batch, len(self.groups[role]))
+                pending[role] = (self.groups[role].scatter_async(method, shards), n)
+        out = {role: torch.cat(ray.get(refs))[:n] for role, (refs, n) in pending.items()}
+        return out["actor"], out.get("ref"), out.get("critic")
+
+    def learn(self, experience: ExperienceBatch, step: int) -> Sums:
+        import ray
+
+        pending: dict[str, list[Any]] = {}
+        for role in TRAINED:
+            if role not in self.groups or (role == "actor" and step < self.cfg.ppo.freeze_actor_steps):
+                continue
+            group = self.groups[role]
+            shards = [experience.shard(a, b) for a, b in even_bounds(len(experience), len(group))]
+            pending[role] = group.scatter_async("learn", shards, step)
+        start, left = time.perf_counter(), {role: set(refs) for role, refs in pending.items()}
+        waiting = [ref for refs in pending.values() for ref in refs]
+        while waiting:  # each role's time from the common start to its last rank's end
+            (ready,), waiting = ray.wait(waiting, num_returns=1)
+            for role, refs in left.items():
+                if ready in refs:
+                    refs.discard(ready)
+                    if not refs:
+                        self.run.add_timing(f"train_{role}", time.perf_counter() - start)
+        sums: Sums = defaultdict(lambda: [0.0, 0.0])
+        for refs in pending.values():
+            for part in ray.get(refs):
+                merge_sums(sums, part)
+        return sums
+
+    def sync_rollout(self) -> None:
+        import ray
+
+        ray.get(self.groups["actor"].call_async("push_weights", self.rollout.handles))
+        self.rollout_synced = True
+
+    def greedy_rollout(self):
+        if not self.rollout_synced:
+            self.sync_rollout()
+        return self.rollout
+
+    def optimizer_stats(self) -> dict[str, float | None]:
+        import ray
+
+        return ray.get(self.groups["actor"].workers[0].optimizer_stats.remote())
+
+    @property
+    def checkpointable(self):
+        return RayPPOState(self)
+
+    def save_outputs(self) -> None:
+        self.groups["actor"].call("save_model")
+
+    def close(self) -> None:
+        """Stop the engines and every worker."""
+        self.rollout.close()
+        for group in self.groups.values():
+            group.kill()
+
+
+class RayPPOState:
+    """A Ray PPO checkpoint: the actor's and the critic's engines and replay buffers (written by
+    their ranks into the same folders as a single-machine run's) plus the driver's KL controller
+    and reward moments. The workers' random states are not saved: PPO's randomness (sampling,
+    mini-batch order) is seeded per step."""
+
+    def __init__(self, trainer: RayPPOTrainer):
+        self.t = trainer
+
+    def _trained(self):
+        """(group, its checkpoint folder under the step's) of the trained roles, actor first."""
+        return [(self.t.groups[role], sub) for role, sub in (("actor", ""), ("critic", "critic")) if role in self.t.groups]
+
+    def save_checkpoint(self, folder, client_state: dict[str, Any]) -> None:
+        import ray
+
+        t = self.t
+        state = {**client_state, "kl_controller": t.kl_ctl.state_dict(), "reward_moments": t.moments.state_dict()}
+        ray.get([ref for group, sub in self._trained()
+                 for ref in group.call_async("save_checkpoint", str(folder / sub),
+                                             {"step": client_state["step"]} if sub else state)])
+
+    def load_checkpoint(self, folder) -> dict[str, Any]:
+        import ray
+
+        t = self.t
+        refs = [group.call_async("load_checkpoint", str(folder / sub)) for group, sub in self._trained()]
+        state = ray.get(refs[0])[0]
+        ray.get([ref for more in refs[1:] for ref in more])
+        t.kl_ctl.load_state_dict(state["kl_controller"])
+        t.moments.load_state_dict(state["reward_moments"])
+        t.rollout_synced = False  # push the resumed weights before generating
+        return state
+
+
+def run_ray_ppo(cfg: PPOConfig) -> dict:
+    """Plan, connect to (or start) the Ray cluster, reserve the map's GPUs, train, clean up.
+    A plan that cannot work fails here, before Ray starts."""
+    from hpcrlhf.cluster.reservation import reserve
+    from hpcrlhf.cluster.session import ray_session
+    from hpcrlhf.placement import build_node_map
+
+    node_map = build_node_map(cfg)
+    log.info("node map:\n" + node_map.render())
+    with ray_session(node_map.nodes, node_map.gpus_per_node) as node_ips:
+        reservation = reserve(node_map, node_ips)
+        trainer = None
+        try:
+            trainer = RayPPOTrainer(cfg, reservation)
+            return trainer.fit()
+        finally:
+            if trainer is not None:
+                trainer.close()
+            reservation.release()
