@@ -40,6 +40,7 @@ demo: install
 	$(BIN)/hpcrlhf demo --output-dir $(DEMO_OUT)
 
 test: install-dev
+	bash slurm/install-test-deps.sh
 	$(BIN)/python -m pytest $(TESTS) $(PYTEST_ARGS)
 
 clean:

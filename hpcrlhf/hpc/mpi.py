@@ -1,0 +1,79 @@
+"""Start hpcrlhf's torch.distributed ranks with MPI instead of torchrun.
+
+    mpirun -n 8 python -m hpcrlhf.hpc.mpi train sft --config recipe.yaml
+    srun --mpi=pmix python -m hpcrlhf.hpc.mpi train dpo --config recipe.yaml     (under Slurm)
+
+Every MPI rank runs this module: mpi4py gives its rank and the world size; ranks are grouped
+into nodes by host name (local rank, ranks per node, node rank); rank 0 picks the rendezvous
+(MASTER_ADDR: $MASTER_ADDR if set, else its host's address; a free port) and broadcasts it. Then
+the `hpcrlhf` command runs with the variables torchrun would have set. MPI only discovers;
+training talks gloo (CPU) or NCCL (GPU) as under torchrun.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    node_rank: int
+    master_addr: str
+    master_port: int
+
+    def torch_env(self) -> dict[str, str]:
+        """The environment torchrun gives a rank."""
+        return {"RANK": str(self.rank), "WORLD_SIZE": str(self.world_size), "LOCAL_RANK": str(self.local_rank),
+                "LOCAL_WORLD_SIZE": str(self.local_world_size), "GROUP_RANK": str(self.node_rank),
+                "MASTER_ADDR": self.master_addr, "MASTER_PORT": str(self.master_port)}
+
+
+def node_layout(hosts: Sequence[str], rank: int) -> tuple[int, int, int]:
+    """(local rank, ranks on its node, node rank) of `rank` from every rank's host name; nodes are
+    numbered in order of their first rank."""
+    nodes = list(dict.fromkeys(hosts))
+    same = [r for r, h in enumerate(hosts) if h == hosts[rank]]
+    return same.index(rank), len(same), nodes.index(hosts[rank])
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def discover(comm=None) -> RankInfo:
+    """This rank's place in the MPI job (collective: every rank must call)."""
+    if comm is None:
+        from mpi4py import MPI
+
+        comm = MPI.COMM_WORLD
+    rank, size = comm.Get_rank(), comm.Get_size()
+    host = socket.gethostname()
+    hosts = comm.allgather(host)
+    rendezvous: Optional[tuple[str, int]] = None
+    if rank == 0:
+        rendezvous = (os.environ.get("MASTER_ADDR") or socket.gethostbyname(host), _free_port())
+    addr, port = comm.bcast(rendezvous, root=0)
+    local_rank, local_size, node_rank = node_layout(hosts, rank)
+    return RankInfo(rank, size, local_rank, local_size, node_rank, addr, port)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    from hpcrlhf.cli import main as cli_main
+
+    info = discover()
+    os.environ.update(info.torch_env())
+    return cli_main(list(sys.argv[1:] if argv is None else argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

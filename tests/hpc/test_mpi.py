@@ -1,0 +1,54 @@
+"""The MPI launcher: rank discovery by host name, and a real `mpirun` of two SFT ranks that trains
+exactly like torchrun's two ranks would (the same numbers as one rank with the whole batch)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from hpcrlhf.hpc.mpi import RankInfo, node_layout
+from hpcrlhf.metrics import read_metrics
+from tests.launch_helpers import ROOT, cli_env, run_cli
+
+SHORT = ["--set", "train.max_steps=12", "--set", "train.global_batch_size=32", "--set", "train.micro_batch_size=16",
+         "--set", "log.every_steps=1", "--set", "eval.every_steps=0", "--set", "eval.score_prompts=32",
+         "--set", "task.eval_size=64", "--set", "task.train_size=2000", "--set", "log.tensorboard=false"]
+
+
+@pytest.mark.parametrize("hosts, expected", [
+    (["n1", "n1", "n2", "n2"], [(0, 2, 0), (1, 2, 0), (0, 2, 1), (1, 2, 1)]),
+    (["b", "a", "b", "a", "b"], [(0, 3, 0), (0, 2, 1), (1, 3, 0), (1, 2, 1), (2, 3, 0)]),  # round-robin ranks
+    (["solo"], [(0, 1, 0)]),
+])
+def test_node_layout_groups_ranks_by_host(hosts, expected):
+    assert [node_layout(hosts, r) for r in range(len(hosts))] == expected
+
+
+def test_torch_env_is_what_torchrun_sets():
+    env = RankInfo(3, 4, 1, 2, 1, "10.0.0.1", 29500).torch_env()
+    assert env == {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "1",
+                   "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"}
+
+
+def losses(run_dir) -> dict[int, float]:
+    return {m["step"]: m["train/loss"] for m in read_metrics(run_dir) if "train/loss" in m}
+
+
+@pytest.mark.distributed
+@pytest.mark.skipif(shutil.which("mpirun") is None, reason="Open MPI is not installed (slurm/install-test-deps.sh)")
+def test_mpirun_ranks_train_like_one_rank(tmp_path):
+    one = tmp_path / "one"
+    run_cli(["train", "sft", "-o", str(one), *SHORT])
+    two = tmp_path / "mpi"
+    cmd = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-n", "2", sys.executable, "-m", "hpcrlhf.hpc.mpi",
+           "train", "sft", "-o", str(two), *SHORT]
+    proc = subprocess.run(cmd, cwd=ROOT, env=cli_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert "2 rank(s) x 16 rows" in proc.stdout + proc.stderr  # two ranks, half the batch each
+    a, b = losses(one), losses(two)
+    assert sorted(a) == sorted(b) == list(range(1, 13))
+    for step in a:
+        assert b[step] == pytest.approx(a[step], rel=2e-3, abs=2e-3), step
