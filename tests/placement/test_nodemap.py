@@ -213,7 +213,7 @@ def test_vllm_claim_too_small_for_its_weights_or_one_sequence():
     (["ppo.init_kl_coef=0"], "placement.ref", ["kl_loss_coef 0.0, so the ref role is never used"]),
     (["placement.vllm.engines=0", "placement.allow_idle_gpus=true"], "placement.vllm.engines = 0",
      ["rollout.backend is 'vllm'", "set placement.vllm.engines", "or rollout.backend=hf"]),
-    (["rollout.backend=hf"], "placement.vllm.engines = 4",
+    (["rollout.backend=hf", "placement.runtime=local"], "placement.vllm.engines = 4",
      ["rollout.backend is 'hf', so the vllm role is never used", "placement.vllm.engines=0, or rollout.backend=vllm"]),
 ])
 def test_roles_needed_without_gpus_and_gpus_for_unused_roles(overrides, start, needles):
