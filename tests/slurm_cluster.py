@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
+
+from hpcrlhf.cluster.local import stop_process_groups
 
 DAEMONS = ("munged", "mariadbd", "slurmdbd", "slurmctld", "slurmd")
 NODE_TMP = "/var/tmp/hpcrlhf-slurm-nodetmp"
@@ -84,28 +85,8 @@ class SlurmCluster:
         raise TimeoutError(f"Slurm job {job_id} still {self.state(job_id)} after {timeout:.0f} s")
 
     def stop(self) -> None:
-        for pid in reversed(self.pids):
-            try:
-                os.killpg(pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and any(_alive(p) for p in self.pids):
-            time.sleep(0.2)
-        for pid in self.pids:
-            try:
-                os.killpg(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        stop_process_groups(self.pids, timeout_s=10)
         self.pids = []
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.killpg(pid, 0)
-        return True
-    except ProcessLookupError:
-        return False
 
 
 def _spawn(args: list[str], log: Path, env: dict[str, str]) -> int:

@@ -55,17 +55,7 @@ class LocalRayCluster:
     """Process group of each node's `ray start` (the node's daemons inherit it)."""
 
     def stop(self, timeout_s: float = 5.0) -> None:
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            for pgid in self.groups:
-                try:
-                    os.killpg(pgid, sig)
-                except ProcessLookupError:
-                    pass
-            deadline = time.monotonic() + timeout_s
-            while time.monotonic() < deadline and any(_group_alive(g) for g in self.groups):
-                time.sleep(0.2)
-            if not any(_group_alive(g) for g in self.groups):
-                return
+        stop_process_groups(self.groups, timeout_s)
 
     def __enter__(self) -> "LocalRayCluster":
         return self
@@ -80,6 +70,22 @@ def _group_alive(pgid: int) -> bool:
         return True
     except ProcessLookupError:
         return False
+
+
+def stop_process_groups(groups: list[int], timeout_s: float = 5.0) -> None:
+    """SIGTERM every process group, SIGKILL what is left after `timeout_s` (daemons started in their
+    own sessions: only what this process started is touched)."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pgid in groups:
+            try:
+                os.killpg(pgid, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and any(_group_alive(g) for g in groups):
+            time.sleep(0.2)
+        if not any(_group_alive(g) for g in groups):
+            return
 
 
 def ray_executable() -> str:

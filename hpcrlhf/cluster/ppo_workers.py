@@ -75,17 +75,12 @@ class TrainedWorker(PPOWorker):
         return self.learner.update(step, self.rank)
 
     def save_checkpoint(self, folder: str, client_state: dict[str, Any]) -> None:
-        folder = Path(folder)
-        self.engine.save_checkpoint(folder, client_state)
-        if self.cfg.ppo.buffer_limit:
-            torch.save(self.buffer.state_dict(), folder / f"replay_rank{self.rank}.pt")
+        self.engine.save_checkpoint(Path(folder), client_state)
+        self.buffer.save(Path(folder), self.rank)
 
     def load_checkpoint(self, folder: str) -> dict[str, Any]:
-        folder = Path(folder)
-        state = self.engine.load_checkpoint(folder)
-        replay = folder / f"replay_rank{self.rank}.pt"
-        if self.cfg.ppo.buffer_limit and replay.exists():
-            self.buffer.load_state_dict(torch.load(replay, weights_only=False))
+        state = self.engine.load_checkpoint(Path(folder))
+        self.buffer.load(Path(folder), self.rank)
         return state
 
 

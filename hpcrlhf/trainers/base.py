@@ -188,7 +188,7 @@ class Trainer:
             self.engine.backward(loss * (len(part) * world / global_rows))
             self.engine.step()
             tokens += n_tokens
-            _add(sums, {"train/loss": (float(loss.detach()) * len(part), len(part)), **stats})
+            add_stats(sums, {"train/loss": (float(loss.detach()) * len(part), len(part)), **stats})
         means = reduce_means(sums)
         means["train/tokens"] = all_reduce_sum([tokens])[0]
         means["train/samples"] = float(global_rows)
@@ -199,7 +199,7 @@ class Trainer:
         sums: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
         for batch, dummy in eval_shards(items, self.env, self.cfg.eval.batch_size):
             stats = batch_stats(batch)
-            _add(sums, {k: (0.0, 0.0) for k in stats} if dummy else stats)
+            add_stats(sums, {k: (0.0, 0.0) for k in stats} if dummy else stats)
         return reduce_means(sums)
 
     def task_prompts(self, template: Callable[[str], str] = str) -> list[tuple[list[int], str]]:
@@ -297,10 +297,12 @@ class Trainer:
             self.run.save_checkpoint(self.checkpointable, step)
 
 
-def _add(sums: dict[str, list[float]], stats: Stats) -> None:
+def add_stats(sums: dict[str, list[float]], stats: Stats) -> dict[str, list[float]]:
+    """Add (sum, count) pairs into running [sum, count] lists (`sums` is a defaultdict)."""
     for key, (total, count) in stats.items():
         sums[key][0] += total
         sums[key][1] += count
+    return sums
 
 
 def reduce_means(sums: dict[str, Sequence[float]], sum_divisor: int | None = None) -> dict[str, float]:

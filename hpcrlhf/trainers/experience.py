@@ -11,6 +11,7 @@ is taken from.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from pathlib import Path
 from typing import Iterator, Optional
 
 import torch
@@ -101,6 +102,16 @@ class ReplayBuffer:
         order = torch.randperm(len(self.items), generator=generator).tolist()
         for b in range(num_batches):
             yield [self.items[i] for i in order[b * batch_rows : (b + 1) * batch_rows]]
+
+    def save(self, folder: Path, rank: int) -> None:
+        """Into a checkpoint folder (kept only when the buffer outlives a rollout, limit > 0)."""
+        if self.limit:
+            torch.save(self.state_dict(), folder / f"replay_rank{rank}.pt")
+
+    def load(self, folder: Path, rank: int) -> None:
+        path = folder / f"replay_rank{rank}.pt"
+        if self.limit and path.exists():
+            self.load_state_dict(torch.load(path, weights_only=False))
 
     def state_dict(self) -> dict:
         return {"limit": self.limit, "items": [vars(e) for e in self.items]}

@@ -41,11 +41,11 @@ from hpcrlhf.config.schema import PPOConfig
 from hpcrlhf.data.sft import TokenizedSample
 from hpcrlhf.engines.distributed import all_reduce_sum
 from hpcrlhf.logs import get_logger
-from hpcrlhf.trainers.base import Stats, reduce_means
+from hpcrlhf.trainers.base import Stats, add_stats, reduce_means
 from hpcrlhf.trainers.experience import ExperienceBatch, ReplayBuffer
 from hpcrlhf.trainers.online import OnlineTrainer, Prompt, Rollout
 from hpcrlhf.trainers.plan import PPOPlan
-from hpcrlhf.trainers.ppo_learner import PPOLearner, Sums, forward_logps, forward_values, merge_sums
+from hpcrlhf.trainers.ppo_learner import PPOLearner, Sums, forward_logps, forward_values
 from hpcrlhf.trainers.sequences import model_batch
 
 log = get_logger()
@@ -91,6 +91,14 @@ class PPOTrainer(OnlineTrainer):
         self.kl_ctl = build_kl_controller(ppo.init_kl_coef, ppo.kl_target, ppo.kl_horizon)
         self.moments = RunningMoments()
         self.buffer = ReplayBuffer(ppo.buffer_limit)
+
+    def controller_state(self) -> dict[str, Any]:
+        """What the driver itself must checkpoint: the KL controller and the running reward moments."""
+        return {"kl_controller": self.kl_ctl.state_dict(), "reward_moments": self.moments.state_dict()}
+
+    def load_controller_state(self, state: dict[str, Any]) -> None:
+        self.kl_ctl.load_state_dict(state["kl_controller"])
+        self.moments.load_state_dict(state["reward_moments"])
 
     def log_start(self, where: str) -> None:
         cfg, plan = self.cfg, self.plan
@@ -191,7 +199,7 @@ class PPOTrainer(OnlineTrainer):
             if role == "actor" and step < self.cfg.ppo.freeze_actor_steps:
                 continue
             with self.run.timed(f"train_{role}"):
-                merge_sums(sums, learner.update(step, self.env.rank))
+                add_stats(sums, learner.update(step, self.env.rank))
         return sums
 
     def step_metrics(self, rollout: Rollout, stats: Stats, sums: Sums) -> dict[str, float]:
@@ -224,23 +232,18 @@ class PPOState:
 
     def save_checkpoint(self, folder: Path, client_state: dict[str, Any]) -> None:
         t = self.t
-        state = {**client_state, "kl_controller": t.kl_ctl.state_dict(), "reward_moments": t.moments.state_dict()}
-        t.engine.save_checkpoint(folder, state)
+        t.engine.save_checkpoint(folder, {**client_state, **t.controller_state()})
         if t.critic is not None:
             t.critic.save_checkpoint(folder / "critic", {"step": client_state["step"]})
-        if t.cfg.ppo.buffer_limit:
-            torch.save(t.buffer.state_dict(), folder / f"replay_rank{t.env.rank}.pt")
+        t.buffer.save(folder, t.env.rank)
 
     def load_checkpoint(self, folder: Path) -> dict[str, Any]:
         t = self.t
         state = t.engine.load_checkpoint(folder)
         if t.critic is not None:
             t.critic.load_checkpoint(folder / "critic")
-        t.kl_ctl.load_state_dict(state["kl_controller"])
-        t.moments.load_state_dict(state["reward_moments"])
-        replay = folder / f"replay_rank{t.env.rank}.pt"
-        if t.cfg.ppo.buffer_limit and replay.exists():
-            t.buffer.load_state_dict(torch.load(replay, weights_only=False))
+        t.load_controller_state(state)
+        t.buffer.load(folder, t.env.rank)
         t.rollout_synced = t.rollout is t.hf_rollout  # push the resumed weights before generating
         return state
 

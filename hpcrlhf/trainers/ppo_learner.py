@@ -19,6 +19,7 @@ import torch
 from hpcrlhf.algos.logprobs import IGNORE, token_logprobs
 from hpcrlhf.algos.ppo import aggregate_loss, entropy_from_logits, kl_estimate, masked_sum, policy_loss, value_loss
 from hpcrlhf.engines.distributed import all_reduce_sum
+from hpcrlhf.trainers.base import add_stats
 from hpcrlhf.trainers.experience import ReplayBuffer, collate_experience
 from hpcrlhf.trainers.plan import PPOPlan
 
@@ -50,13 +51,6 @@ def minibatch_seed(seed: int, step: int, rank: int) -> int:
     return seed * 1_000_003 + step * 31 + rank
 
 
-def merge_sums(into: Sums, more: Sums) -> Sums:
-    for key, (total, count) in more.items():
-        into[key][0] += total
-        into[key][1] += count
-    return into
-
-
 class PPOLearner:
     """The actor's or the critic's updates: PPO epochs x mini-batches of optimizer steps on its
     engine, drawn from a replay buffer. Each mini-batch's loss is normalised by its global token
@@ -81,7 +75,7 @@ class PPOLearner:
                     loss, stats = self.micro_loss(batch, normalizer)
                     engine.backward(loss * world)
                     engine.step()
-                    merge_sums(sums, {k: list(v) for k, v in stats.items()})
+                    add_stats(sums, stats)
         norm = engine.grad_norm()  # the same on every rank: the mean over ranks is the norm
         if norm is not None:
             sums[f"train/{self.role}_grad_norm"] = [norm, 1.0]

@@ -37,21 +37,26 @@ from hpcrlhf.logs import get_logger
 from hpcrlhf.trainers.experience import ExperienceBatch
 from hpcrlhf.trainers.online import Prompt, vllm_engine_args
 from hpcrlhf.trainers.ppo import PPOTrainer
-from hpcrlhf.trainers.ppo_learner import Sums, merge_sums
+from hpcrlhf.trainers.base import add_stats
+from hpcrlhf.trainers.ppo_learner import Sums
 
 log = get_logger()
 
 TRAINED = ("actor", "critic")
 
 
-def pad_rows(batch: dict[str, torch.Tensor], parts: int) -> tuple[list[dict[str, torch.Tensor]], int]:
-    """Equal row shards of a batch for `parts` ranks (the last row repeated to fill), and the real
-    row count. Every rank of a ZeRO-3 role must run the same number of forward passes."""
-    n = batch["input_ids"].shape[0]
+def equal_shards(n: int, parts: int) -> list[list[int]]:
+    """Row indices of `parts` equal shards of n rows, the last row repeated to fill: every rank of
+    a ZeRO-3 role must run the same number of forward passes."""
     size = -(-n // parts)
-    fill = size * parts - n
-    padded = {k: torch.cat([v, v[-1:].expand(fill, *v.shape[1:])]) if fill else v for k, v in batch.items()}
-    return [{k: v[i * size : (i + 1) * size] for k, v in padded.items()} for i in range(parts)], n
+    rows = list(range(n)) + [n - 1] * (size * parts - n)
+    return [rows[i * size : (i + 1) * size] for i in range(parts)]
+
+
+def pad_rows(batch: dict[str, torch.Tensor], parts: int) -> tuple[list[dict[str, torch.Tensor]], int]:
+    """Equal row shards of a batch for `parts` ranks, and the real row count."""
+    n = batch["input_ids"].shape[0]
+    return [{k: v[rows] for k, v in batch.items()} for rows in equal_shards(n, parts)], n
 
 
 class RemoteRewards:
@@ -66,10 +71,9 @@ class RemoteRewards:
     def score(self, responses: list) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         import ray
 
-        n, parts = len(responses), len(self.group)
-        size = -(-n // parts)
-        padded = list(responses) + [responses[-1]] * (size * parts - n)
-        results = ray.get(self.group.scatter_async("score", [padded[i * size : (i + 1) * size] for i in range(parts)]))
+        n = len(responses)
+        shards = [[responses[i] for i in rows] for rows in equal_shards(n, len(self.group))]
+        results = ray.get(self.group.scatter_async("score", shards))
         total = torch.cat([t for t, _ in results])[:n]
         return total, {name: torch.cat([p[name] for _, p in results])[:n] for name in self.names}
 
@@ -174,7 +178,7 @@ class RayPPOTrainer(PPOTrainer):
         sums: Sums = defaultdict(lambda: [0.0, 0.0])
         for refs in pending.values():
             for part in ray.get(refs):
-                merge_sums(sums, part)
+                add_stats(sums, part)
         return sums
 
     def sync_rollout(self) -> None:
@@ -224,7 +228,7 @@ class RayPPOState:
         import ray
 
         t = self.t
-        state = {**client_state, "kl_controller": t.kl_ctl.state_dict(), "reward_moments": t.moments.state_dict()}
+        state = {**client_state, **t.controller_state()}
         ray.get([ref for group, sub in self._trained()
                  for ref in group.call_async("save_checkpoint", str(folder / sub),
                                              {"step": client_state["step"]} if sub else state)])
@@ -236,8 +240,7 @@ class RayPPOState:
         refs = [group.call_async("load_checkpoint", str(folder / sub)) for group, sub in self._trained()]
         state = ray.get(refs[0])[0]
         ray.get([ref for more in refs[1:] for ref in more])
-        t.kl_ctl.load_state_dict(state["kl_controller"])
-        t.moments.load_state_dict(state["reward_moments"])
+        t.load_controller_state(state)
         t.rollout_synced = False  # push the resumed weights before generating
         return state
 
