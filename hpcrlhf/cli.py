@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import Sequence
 
 from hpcrlhf import __version__
 from hpcrlhf.errors import ConfigError, HpcrlhfError
@@ -29,6 +30,17 @@ def build_config(kind: str, recipe: str | None, overrides: list[str], output_dir
 
     overrides = list(overrides) + ([f"output_dir={output_dir}"] if output_dir else [])
     return load_config(JOB_CONFIGS[kind], resolve_recipe(recipe), overrides)
+
+
+def job_config(argv: Sequence[str]):
+    """(kind, config) of the job `hpcrlhf <argv>` (a `train` command line), as `train` would build it."""
+    try:
+        args = build_parser().parse_args(list(argv))
+    except SystemExit:
+        raise ConfigError(f"not a valid `hpcrlhf train` command line: hpcrlhf {' '.join(argv)}") from None
+    if args.command != "train":
+        raise ConfigError(f"cluster jobs run `hpcrlhf train KIND ...`, not `hpcrlhf {args.command}`")
+    return args.kind, build_config(args.kind, args.config, args.set, args.output_dir)
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -85,6 +97,72 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(Path(args.output_dir), fresh=args.fresh)
 
 
+SLURM_ARGS = ("nodes", "gpus_per_node", "launcher", "partition", "account", "qos", "time", "job_name", "cpus_per_gpu",
+              "container", "cache_dir", "python", "signal_lead_s", "max_requeues")
+
+
+def _cluster_job(args: argparse.Namespace):
+    from hpcrlhf.hpc.job import cluster_job
+
+    job = cluster_job(args.kind, args.recipe, args.set, args.output_dir,
+                      **{k: getattr(args, k) for k in SLURM_ARGS})
+    for note in job.notes:
+        print(f"hpcrlhf: note: {note}", file=sys.stderr)
+    return job
+
+
+def cmd_sbatch(args: argparse.Namespace) -> int:
+    from hpcrlhf.hpc.sbatch import render_sbatch
+
+    job = _cluster_job(args)
+    text = render_sbatch(job.argv, job.options)
+    if args.print:
+        print(text, end="")
+        return 0
+    script = Path(args.script or Path(job.options.run_dir) / f"{args.kind}.sbatch")
+    script.parent.mkdir(parents=True, exist_ok=True)
+    script.write_text(text)
+    print(f"wrote {script}\nsubmit it with: sbatch {script}")
+    return 0
+
+
+def cmd_submit(args: argparse.Namespace) -> int:
+    from hpcrlhf.hpc.submit import follow, submit
+
+    job = _cluster_job(args)
+    handle = submit(job.argv, job.options)
+    print(f"submitted job {handle.job_id} (run folder {job.options.run_dir}; Slurm log in its submitit/ folder)")
+    return follow(handle, job.options.run_dir, poll_s=args.poll_s) if args.follow else 0
+
+
+def _add_slurm_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("recipe", metavar="RECIPE", nargs="?", help="recipe: a YAML path or a shipped recipe name")
+    p.add_argument("--kind", "-k", default="ppo", help="job kind (default: ppo)")
+    p.add_argument("--set", "-s", action="append", default=[], metavar="KEY=VALUE",
+                   help="override one setting of the job (repeatable)")
+    p.add_argument("--output-dir", "-o", metavar="DIR",
+                   help="run folder on shared storage (default: runs/KIND-RECIPE, made absolute)")
+    p.add_argument("--nodes", "-N", type=int, metavar="N",
+                   help="nodes (default: the recipe's placement.nodes for Ray jobs, else 1)")
+    p.add_argument("--gpus-per-node", type=int, metavar="G",
+                   help="GPUs per node (default: the recipe's placement.gpus_per_node for Ray jobs, else 1)")
+    p.add_argument("--launcher", choices=["ray", "mpi"],
+                   help="ray (PPO with placement.runtime=ray; the default for it) or mpi (one rank per GPU)")
+    p.add_argument("--partition", "-p", help="Slurm partition")
+    p.add_argument("--account", "-A", help="Slurm account")
+    p.add_argument("--qos", help="Slurm QOS")
+    p.add_argument("--time", "-t", help="time limit in Slurm's format (default: 24:00:00)")
+    p.add_argument("--job-name", "-J", help="Slurm job name (default: hpcrlhf-KIND)")
+    p.add_argument("--cpus-per-gpu", type=int, metavar="C", help="CPUs per GPU")
+    p.add_argument("--container", metavar="IMAGE.sif", help="run every step inside this Apptainer image")
+    p.add_argument("--cache-dir", metavar="DIR", help="shared cache folder (HF_HOME, HPCRLHF_CACHE)")
+    p.add_argument("--python", metavar="PATH", help="Python on the nodes (default: this one; 'python' in a container)")
+    p.add_argument("--signal-lead-s", type=int, metavar="S",
+                   help="seconds between the time-limit signal and the kill (default: 300)")
+    p.add_argument("--max-requeues", type=int, metavar="N",
+                   help="requeue from the last checkpoint at most N times (default: 3)")
+
+
 def _add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", "-c", metavar="RECIPE",
                    help="YAML recipe overriding the defaults (a path, or a shipped recipe name)")
@@ -108,7 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="run a training job on this machine (or under torchrun/srun/mpirun)",
                        description="Run a training job. Launch under torchrun, the deepspeed launcher, srun "
                                    "or mpirun for several ranks. Exit status 3 means the job stopped on a "
-                                   "signal (SIGUSR1/SIGTERM) after checkpointing: run it again to resume.")
+                                   "signal (SIGUSR1/SIGUSR2/SIGTERM) after checkpointing: run it again to resume.")
     p.add_argument("kind", choices=kinds, help="job kind")
     _add_config_args(p)
     p.add_argument("--output-dir", "-o", metavar="DIR", help="run folder (same as --set output_dir=DIR)")
@@ -160,6 +238,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the node map as JSON")
     p.set_defaults(func=cmd_plan)
 
+    p = sub.add_parser("sbatch", help="write the sbatch script of a cluster job (Ray PPO, or MPI ranks)",
+                       description="Write a complete sbatch script: #SBATCH header, offline environment, a check "
+                                   "that the job fits the allocation, the Ray bootstrap and driver (or MPI ranks), "
+                                   "teardown, and requeue from the last checkpoint on a time limit. The job is "
+                                   "checked against --nodes/--gpus-per-node before anything is written.")
+    _add_slurm_args(p)
+    p.add_argument("--script", metavar="FILE", help="where to write the script (default: RUN_DIR/KIND.sbatch)")
+    p.add_argument("--print", action="store_true", help="print the script instead of writing it")
+    p.set_defaults(func=cmd_sbatch)
+
+    p = sub.add_parser("submit", help="submit a cluster job through submitit and follow it",
+                       description="Submit the job `hpcrlhf sbatch` would write through submitit, show its latest "
+                                   "metrics line while it runs, and requeue it from its last checkpoint on a time "
+                                   "limit or preemption (up to --max-requeues times).")
+    _add_slurm_args(p)
+    p.add_argument("--no-follow", dest="follow", action="store_false", help="return once the job is queued")
+    p.add_argument("--poll-s", type=float, default=10.0, metavar="S",
+                   help="seconds between checks of the job's state and latest metrics (default: 10)")
+    p.set_defaults(func=cmd_submit)
+
     p = sub.add_parser("demo", help="the main job on the embedded defaults (tiny bundled model and task)",
                        description="Fine-tune the bundled tiny model on the bundled arithmetic task and "
                                    "print its task score before and after. Needs no network, GPU or cluster.")
@@ -170,12 +268,30 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        if args.command in ("sbatch", "submit"):
+            return _unknown_options(parser, args.command, unknown)
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         return args.func(args)
     except HpcrlhfError as e:
         print(f"hpcrlhf: error: {e}", file=sys.stderr)
         return 2
+
+
+def _unknown_options(parser: argparse.ArgumentParser, command: str, unknown: list[str]) -> int:
+    import difflib
+
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[command]
+    valid = sorted(o for a in sub._actions for o in a.option_strings if o.startswith("--"))
+    for opt in [u for u in unknown if u.startswith("-")] or unknown:
+        close = difflib.get_close_matches(opt.split("=")[0], valid, n=1, cutoff=0.75)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        print(f"hpcrlhf {command}: error: unknown argument {opt}{hint}", file=sys.stderr)
+    print(f"valid options: {' '.join(valid)}", file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":

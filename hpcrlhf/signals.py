@@ -1,6 +1,7 @@
 """Graceful stop on a scheduler's signal: finish the step, checkpoint, exit for requeue.
 
-Slurm sends SIGUSR1 (via `--signal`) before a time limit and SIGTERM on preemption. The handler
+Slurm sends SIGUSR1 (hpcrlhf's sbatch scripts, `--signal=B:USR1@lead`) or SIGUSR2 (submitit's
+`--signal=USR2@lead`) before a time limit, and SIGTERM on preemption. The handler
 only sets a flag; the trainer checks it between steps (ranks agree through an all-reduce), so a
 checkpoint is never written mid-step.
 """
@@ -9,9 +10,20 @@ from __future__ import annotations
 
 import signal
 
-STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
+STOP_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM)
 EXIT_REQUEUE = 3
 """Exit status of a run that stopped on request after checkpointing (so launchers can requeue)."""
+
+
+_early: list[int] = []
+"""Stop signals received before any StopFlag was installed (see `catch_early_stop_signals`)."""
+
+
+def catch_early_stop_signals() -> None:
+    """Remember stop signals until the trainer installs its StopFlag (launchers call this first:
+    a time-limit signal during start-up would otherwise kill the process instead of stopping it)."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, lambda signum, frame: _early.append(signum))
 
 
 class StopFlag:
@@ -19,6 +31,9 @@ class StopFlag:
         self.signal: int | None = None
 
     def install(self) -> "StopFlag":
+        if _early:
+            self.signal = _early.pop()
+            _early.clear()
         for sig in STOP_SIGNALS:
             signal.signal(sig, self._handle)
         return self

@@ -42,3 +42,26 @@ def policy_model(tmp_path_factory) -> str:
     run_cli(["train", "sft", "-o", str(out), "--set", "train.max_steps=900", "--set", "eval.every_steps=0",
              "--set", "log.tensorboard=false", "--set", "task.train_size=57600"])
     return str(out / "model")
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster():
+    """One local Slurm cluster (2 nodes x 4 fake GPUs, tests/slurm_cluster.py). Without root or the
+    Slurm packages the tests asking for it skip and say why; under CI (CI=true) they fail instead,
+    so the Slurm tests can never silently stop running there."""
+    import tempfile
+    from pathlib import Path
+
+    from tests.slurm_cluster import start_slurm_cluster, unavailable_reason
+
+    reason = unavailable_reason()
+    if reason:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"CI must run the Slurm tests, but {reason}")
+        pytest.skip(reason)
+    base = Path(tempfile.mkdtemp(prefix="slurm", dir="/tmp"))
+    cluster = start_slurm_cluster(base, num_nodes=2, gpus_per_node=4)
+    try:
+        yield cluster
+    finally:
+        cluster.stop()

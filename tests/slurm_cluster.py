@@ -84,6 +84,21 @@ class SlurmCluster:
         self.run("scancel", str(job_id))
         raise TimeoutError(f"Slurm job {job_id} still {self.state(job_id)} after {timeout:.0f} s")
 
+    def start_now(self, job_id: int, timeout: float = 120) -> None:
+        """Once a requeued job is pending again and its nodes are idle (its previous steps gone: a
+        step of the new run reuses their names), let it start now instead of after Slurm's delay."""
+        deadline = time.monotonic() + timeout
+        while self.state(job_id) != "PENDING" or self._steps_left(job_id):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"Slurm job {job_id} was not requeued (nodes idle) within {timeout:.0f} s")
+            time.sleep(0.5)
+        self.run("scontrol", "update", f"JobId={job_id}", "StartTime=now")
+
+    def _steps_left(self, job_id: int) -> bool:
+        """Whether a step daemon of the job, or its PMIx socket, is still there."""
+        stepds = subprocess.run(["pgrep", "-f", rf"slurmstepd: \[{job_id}\."], capture_output=True).returncode == 0
+        return stepds or any(self.base.glob(f"spool/*/stepd.slurm.pmix.{job_id}.*"))
+
     def stop(self) -> None:
         stop_process_groups(self.pids, timeout_s=10)
         self.pids = []

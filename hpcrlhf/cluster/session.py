@@ -16,16 +16,18 @@ log = get_logger()
 
 @contextmanager
 def ray_session(nodes: int, gpus_per_node: int) -> Iterator[Optional[list[str]]]:
-    """Connect this process to Ray for the block. Yields the node addresses in node-map order
-    when the cluster was started here (None: Ray's own order, head first)."""
+    """Connect this process to Ray for the block. Yields the node addresses in node-map order: the
+    local cluster's, or HPCRLHF_NODE_IPS (a Slurm job's allocation order); None: Ray's own order
+    (head first)."""
     import ray
 
     address = os.environ.get("RAY_ADDRESS")
     if address:
         log.info(f"connecting to the Ray cluster at {address} (RAY_ADDRESS)")
         ray.init(address=address, log_to_driver=False)
+        order = os.environ.get("HPCRLHF_NODE_IPS")
         try:
-            yield None
+            yield order.split(",") if order else None
         finally:
             ray.shutdown()
         return

@@ -1,19 +1,25 @@
-"""PPO on the two-node local Ray cluster, every role on its own Ray workers as the node map says.
+"""PPO on Ray, every role on its own Ray workers as the node map says.
 
 Two runs from the same half-trained policy and seed (module fixture, ~4 min each):
-`ppo-tiny-ray` spreads the roles over both nodes (actor + reference on GPU 0 of each node, the
-critic on GPU 1, two vLLM engines of TP 2 on GPUs 2-3); `ppo-tiny-ray-colocated` puts every role
-and one TP-2 engine on the same two GPUs of one node. Both have 2 ranks per role.
+`ppo-tiny-ray-colocated` puts every role and one TP-2 engine on the same two GPUs of one node of
+the local Ray cluster; `ppo-tiny-ray` spreads the roles over two nodes (actor + reference on GPU 0
+of each node, the critic on GPU 1, two vLLM engines of TP 2 on GPUs 2-3) and is submitted with
+`hpcrlhf submit` to the local two-node Slurm cluster, where it is stopped by the time-limit signal,
+requeued and resumed. Both have 2 ranks per role, so they sample and learn alike.
 """
 
 from __future__ import annotations
 
 import json
+import re
+import subprocess
+import time
 
 import pytest
 
 from hpcrlhf.metrics import read_metrics
-from tests.launch_helpers import run_cli
+from tests.launch_helpers import ROOT, cli_command, cli_env, run_cli
+from tests.slurm_cluster import node_address
 
 STEPS = 60
 RUN = ["--set", "log.tensorboard=false", "--set", "eval.every_steps=0", "--set", "log.every_steps=1",
@@ -25,14 +31,54 @@ PHASES = ("timing/generate", "timing/reward", "timing/make_experience", "timing/
 
 
 @pytest.fixture(scope="module")
-def runs(ray_cluster, policy_model, tmp_path_factory) -> dict:
-    out = {}
-    for recipe in (SEPARATED, COLOCATED):
-        folder = tmp_path_factory.mktemp(recipe) / "run"
-        run_cli(["train", "ppo", "--config", recipe, "-o", str(folder), "--set", f"model.path={policy_model}", *RUN],
+def runs(ray_cluster, policy_model, tmp_path_factory, request) -> dict:
+    """The colocated run on the local Ray cluster; the separated run submitted with `hpcrlhf submit`
+    to the local Slurm cluster (2 nodes x 4 GPUs) and interrupted by the time-limit signal after
+    step 20 -- or, where Slurm cannot run (no root, outside CI), straight through on the local Ray
+    cluster."""
+    args = ["--set", f"model.path={policy_model}", *RUN]
+    out: dict = {}
+    folder = tmp_path_factory.mktemp(COLOCATED) / "run"
+    run_cli(["train", "ppo", "--config", COLOCATED, "-o", str(folder), *args],
+            env={"RAY_ADDRESS": ray_cluster.address}, timeout=1200)
+    out[COLOCATED] = folder
+    folder = tmp_path_factory.mktemp(SEPARATED) / "run"
+    out[SEPARATED] = folder
+    try:
+        slurm = request.getfixturevalue("slurm_cluster")
+    except pytest.skip.Exception:
+        run_cli(["train", "ppo", "--config", SEPARATED, "-o", str(folder), *args],
                 env={"RAY_ADDRESS": ray_cluster.address}, timeout=1200)
-        out[recipe] = folder
+        out["node_ips"] = ray_cluster.node_ips
+        return out
+    out["node_ips"] = [node_address(1), node_address(2)]
+    out["submit"] = submit_interrupted(slurm, folder, ["--set", f"model.path={policy_model}", *RUN])
     return out
+
+
+def submit_interrupted(slurm, folder, args) -> dict:
+    """`hpcrlhf submit` (following the job), the time-limit signal submitit asks Slurm for sent
+    after step 20, and the requeued job let start at once. Returns the follower's output and status."""
+    console = folder.parent / "submit.out"
+    cmd = cli_command(["submit", SEPARATED, "-o", str(folder), "--time", "30", "--poll-s", "2", *args])
+    with open(console, "w") as sink:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=cli_env(SLURM_CONF=str(slurm.conf)), stdout=sink, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        while not (m := re.search(r"submitted job (\d+)", console.read_text())):
+            assert proc.poll() is None and time.monotonic() < deadline, console.read_text()
+            time.sleep(0.5)
+        job = int(m.group(1))
+        while len(train_rows(folder) if (folder / "metrics.jsonl").exists() else []) < 20:
+            assert proc.poll() is None, console.read_text()
+            time.sleep(1)
+        slurm.run("scancel", "--signal=USR2", str(job))  # what --signal=USR2@lead delivers at the time limit
+        slurm.start_now(job)
+        status = proc.wait(timeout=1500)
+    finally:
+        proc.kill()
+    return {"job": job, "status": status, "console": console.read_text(),
+            "log": (folder / "submitit" / f"{job}_0_log.out").read_text()}
 
 
 def summary(folder) -> dict:
@@ -59,10 +105,11 @@ def test_ppo_on_ray_learns_the_task_like_single_machine_ppo(runs):
 
 
 @pytest.mark.slow
-def test_every_worker_runs_where_the_plan_puts_it(runs, ray_cluster, policy_model):
-    """Placement read back from the workers (node address, visible GPUs) == `hpcrlhf plan --json`."""
+def test_every_worker_runs_where_the_plan_puts_it(runs, policy_model):
+    """Placement read back from the workers (node address, visible GPUs) == `hpcrlhf plan --json`:
+    on the Slurm nodes n1, n2 when the run was submitted there."""
     plan = json.loads(run_cli(["plan", SEPARATED, "--json", "--set", f"model.path={policy_model}"]).stdout)
-    ips = ray_cluster.node_ips
+    ips = runs["node_ips"]
     expected = {(role, rank): (ips[d["node"]], str(d["gpu"]))
                 for role, r in plan["roles"].items() for rank, d in enumerate(r["ranks"])}
     for i, engine in enumerate(plan["vllm"]["engines"]):
@@ -85,3 +132,21 @@ def test_colocated_and_separated_layouts_learn_alike(runs):
         assert sum(diffs) / STEPS < tol, (key, diffs)
     a, b = summary(runs[SEPARATED])["after"], summary(runs[COLOCATED])["after"]
     assert abs(a["eval/task_score"] - b["eval/task_score"]) < 0.04, (a, b)
+
+
+@pytest.mark.slow
+def test_submitted_job_requeued_at_its_time_limit_resumes_without_losing_a_sample(runs):
+    """`hpcrlhf submit`: the job checkpointed on the signal, was requeued, resumed from the checkpoint,
+    and every step 1..60 ran exactly once with the samples an uninterrupted run drew (the colocated
+    run: same ranks per role, same per-prompt seeds; tests above show the layouts agree)."""
+    if "submit" not in runs:
+        pytest.skip("the separated run was not submitted to Slurm (no local Slurm cluster here)")
+    sub = runs["submit"]
+    assert sub["status"] == 0, sub["console"][-3000:]
+    assert f"submitted job {sub['job']}" in sub["console"] and f"job {sub['job']}: COMPLETED" in sub["console"]
+    assert re.search(r"  step \d+: ", sub["console"])  # the follower showed metrics lines
+    assert "checkpointed; requeueing (requeue 1 of at most 3)" in sub["log"] and "(attempt 2)" in sub["log"]
+    sep, col = train_rows(runs[SEPARATED]), train_rows(runs[COLOCATED])
+    assert [r["step"] for r in sep] == list(range(1, STEPS + 1))
+    assert [r["rollout/score"] for r in sep] == pytest.approx([r["rollout/score"] for r in col], abs=1e-6)
+    assert summary(runs[SEPARATED])["after"] == pytest.approx(summary(runs[COLOCATED])["after"], abs=1e-6)

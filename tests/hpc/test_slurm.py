@@ -1,18 +1,21 @@
-"""Jobs on the real local Slurm cluster (tests/slurm_cluster.py): the cluster itself, and hpcrlhf's
-MPI launcher across its two nodes."""
+"""Jobs on the real local Slurm cluster (tests/slurm_cluster.py): the cluster itself, and jobs from
+scripts rendered by `hpcrlhf sbatch` -- MPI SFT across two nodes, its requeue on the time-limit
+signal, and a job too big for its allocation. (`hpcrlhf submit` of Ray PPO: tests/cluster/test_ppo.py.)"""
 
 from __future__ import annotations
 
-import sys
+import re
+import time
+from pathlib import Path
 
 import pytest
 
 from hpcrlhf.metrics import read_metrics
-from tests.launch_helpers import ROOT
+from tests.launch_helpers import run_cli
 from tests.slurm_cluster import node_address
 
 SFT = ["--set", "train.max_steps=60", "--set", "train.global_batch_size=32", "--set", "train.micro_batch_size=16",
-       "--set", "log.every_steps=10", "--set", "eval.every_steps=0", "--set", "eval.score_prompts=32",
+       "--set", "log.every_steps=5", "--set", "eval.every_steps=0", "--set", "eval.score_prompts=32",
        "--set", "task.eval_size=64", "--set", "task.train_size=4000", "--set", "log.tensorboard=false",
        "--set", "log.progress=false"]
 
@@ -27,20 +30,84 @@ def test_two_nodes_with_their_own_names_addresses_and_gpus(slurm_cluster, tmp_pa
     assert lines == [f"0: n1 {node_address(1)} 0,1 0", f"1: n2 {node_address(2)} 0,1 1"]
 
 
+def render(run: Path, *args: str) -> Path:
+    out = run_cli(["sbatch", *args, "-o", str(run), "--time", "30"]).stdout
+    script = run / f"{args[args.index('--kind') + 1] if '--kind' in args else 'ppo'}.sbatch"
+    assert f"wrote {script}" in out
+    return script
+
+
+def wait_for_step(run: Path, step: int, timeout: float = 600) -> None:
+    deadline = time.monotonic() + timeout
+    while not any(m.get("step", 0) >= step for m in (read_metrics(run) if (run / "metrics.jsonl").exists() else [])):
+        assert time.monotonic() < deadline, f"{run} did not reach step {step} within {timeout:.0f} s"
+        time.sleep(0.5)
+
+
+def losses(run: Path) -> dict[int, float]:
+    return {m["step"]: m["train/loss"] for m in read_metrics(run) if "train/loss" in m}
+
+
+@pytest.fixture(scope="module")
+def sft_runs(slurm_cluster, tmp_path_factory):
+    """The rendered 2-node MPI SFT script run twice: straight through, and stopped by the
+    time-limit signal after step 20 (requeued by the script itself, resumed from its checkpoint)."""
+    runs = {}
+    for name in ("straight", "requeued"):
+        run = tmp_path_factory.mktemp(f"sft-{name}") / "run"
+        script = render(run, "--kind", "sft", "--launcher", "mpi", "--nodes", "2", "--gpus-per-node", "1", *SFT)
+        job = slurm_cluster.sbatch(script)
+        if name == "requeued":
+            wait_for_step(run, 20)
+            slurm_cluster.run("scancel", "--batch", "--signal=USR1", str(job))  # what --signal=B:USR1@lead sends
+            slurm_cluster.start_now(job)
+        runs[name] = (run, slurm_cluster.wait(job, 900), job)
+    return runs
+
+
+def slurm_log(run: Path, job: int) -> str:
+    return (run / f"slurm-{job}.out").read_text()
+
+
 @pytest.mark.distributed
-def test_mpi_sft_across_two_nodes_learns(slurm_cluster, tmp_path):
-    """`srun --mpi=pmix python -m hpcrlhf.hpc.mpi train sft`: one rank per node, rendezvous found by
-    MPI, training over gloo between the nodes."""
-    out = tmp_path / "sft"
-    script = tmp_path / "sft.sh"
-    script.write_text("\n".join([
-        "#!/bin/bash", f"#SBATCH -N2 --ntasks-per-node=1 -o {tmp_path}/sft.log", "set -euo pipefail",
-        "export OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false", f"cd {ROOT}",
-        f"srun --mpi=pmix {sys.executable} -m hpcrlhf.hpc.mpi train sft -o {out} {' '.join(SFT)}", ""]))
-    job = slurm_cluster.sbatch(script)
-    state = slurm_cluster.wait(job, 600)
-    log = (tmp_path / "sft.log").read_text()
+def test_rendered_mpi_sft_job_across_two_nodes_learns(sft_runs):
+    run, state, job = sft_runs["straight"]
+    log = slurm_log(run, job)
     assert state == "COMPLETED", log[-4000:]
-    assert "2 rank(s) x 16 rows" in log
-    losses = [m["train/loss"] for m in read_metrics(out) if "train/loss" in m]
-    assert len(losses) == 6 and losses[-1] < 0.5 * losses[0], losses
+    assert "the job fits the allocation (2 node(s) x 1 GPU(s))" in log and "2 rank(s) x 16 rows" in log
+    loss = losses(run)
+    assert sorted(loss) == list(range(5, 61, 5)) and loss[60] < 0.5 * loss[5], loss
+
+
+@pytest.mark.distributed
+def test_time_limit_signal_checkpoints_requeues_and_resumes_like_an_uninterrupted_run(sft_runs):
+    (straight, _, _), (run, state, job) = sft_runs["straight"], sft_runs["requeued"]
+    log = slurm_log(run, job)
+    assert state == "COMPLETED", log[-4000:]
+    assert "checkpointed on request (status" in log
+    assert f"requeueing job {job}" in log and log.count("the job fits the allocation") == 2  # two attempts, one log (--open-mode=append)
+    rows = [m["step"] for m in read_metrics(run) if "train/loss" in m]
+    assert len(rows) == len(set(rows)), "a step was logged twice: the resumed run repeated samples"
+    # every logged step trains on the uninterrupted run's samples; the one logging window the stop
+    # split averages only its steps after the resume (the step it checkpointed at is in the log)
+    stop = int(re.search(r"checkpointed at step (\d+)", log).group(1))
+    split = {-(-stop // 5) * 5} if stop % 5 else set()
+    same = {k: v for k, v in losses(run).items() if k not in split}
+    assert sorted(losses(run)) == sorted(losses(straight)) and len(same) >= 11
+    assert same == pytest.approx({k: losses(straight)[k] for k in same}, rel=1e-5)
+    final = {k: v for k, v in read_metrics(run)[-1].items() if k.startswith("eval/")}
+    assert final and final == pytest.approx({k: read_metrics(straight)[-1][k] for k in final}, rel=1e-5)
+
+
+def test_a_job_bigger_than_its_allocation_fails_before_the_driver_starts(slurm_cluster, tmp_path):
+    """The script asks for 2 x 4 GPUs (what ppo-tiny-ray's node map needs); submitted with 2 GPUs per
+    node instead (sbatch's command line overrides #SBATCH lines), it must stop at the fit check."""
+    run = tmp_path / "run"
+    script = render(run, "ppo-tiny-ray")
+    job = slurm_cluster.sbatch(script, "--gpus-per-node=2")
+    state = slurm_cluster.wait(job, 180)
+    log = slurm_log(run, job)
+    assert state == "FAILED", log
+    assert f"the node map needs 2 node(s) x 4 GPU(s) (placement.nodes / placement.gpus_per_node) but the allocation " \
+           f"of job {job} has 2 node(s) x 2 GPU(s)" in log
+    assert "Ray head" not in log and "Ray worker" not in log and not (run / "metrics.jsonl").exists()

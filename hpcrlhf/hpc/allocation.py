@@ -1,0 +1,118 @@
+"""The Slurm allocation a job runs in, and the check that a job fits it before anything starts.
+
+    python -m hpcrlhf.hpc.allocation {ray|mpi} <hpcrlhf args>   # first line of every job script
+
+`Allocation.from_env()` reads what Slurm gives every job (its id, hosts in allocation order, GPUs
+and CPUs per node, how many times it was requeued). `check_fits` compares a job with it: a PPO
+job's node map must fit the allocation's nodes x GPUs, an MPI job must not run more ranks on a
+node than it has GPUs. The same check runs before submission against the requested shape
+(`hpcrlhf sbatch/submit`) and inside the job against the real allocation, before the Ray nodes or
+the driver start, so a wrong shape costs seconds and says why in the job log.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass
+from typing import Mapping, Optional, Sequence
+
+from hpcrlhf.errors import ConfigError, PlacementError
+
+
+@dataclass(frozen=True)
+class Allocation:
+    job_id: int
+    hosts: tuple[str, ...]
+    """Host names in allocation order (`scontrol show hostnames`): node 0 of the node map is hosts[0]."""
+    gpus_per_node: int
+    cpus_per_node: int
+    tasks_per_node: int = 1
+    restart_count: int = 0
+
+    @property
+    def nodes(self) -> int:
+        return len(self.hosts)
+
+    def shape(self) -> str:
+        return f"{self.nodes} node(s) x {self.gpus_per_node} GPU(s)"
+
+    @classmethod
+    def from_env(cls, env: Optional[Mapping[str, str]] = None,
+                 hostnames: Optional[Sequence[str]] = None) -> "Allocation":
+        """The allocation of the Slurm job this process runs in (raises ConfigError outside one)."""
+        env = os.environ if env is None else env
+        if "SLURM_JOB_ID" not in env:
+            raise ConfigError("not inside a Slurm job (no SLURM_JOB_ID): submit the script with sbatch, "
+                              "or run `hpcrlhf train` directly on this machine")
+        if hostnames is None:
+            hostnames = expand_hostnames(env.get("SLURM_JOB_NODELIST", socket.gethostname()))
+        gpus = env.get("SLURM_GPUS_ON_NODE")
+        if gpus is None:
+            visible = env.get("CUDA_VISIBLE_DEVICES", "")
+            gpus = str(len([d for d in visible.split(",") if d.strip()]))
+        tasks = env.get("SLURM_NTASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE", "1").split("(")[0]
+        return cls(job_id=int(env["SLURM_JOB_ID"]), hosts=tuple(hostnames), gpus_per_node=int(gpus),
+                   cpus_per_node=int(env.get("SLURM_CPUS_ON_NODE", os.cpu_count() or 1)),
+                   tasks_per_node=int(tasks), restart_count=int(env.get("SLURM_RESTART_COUNT", "0")))
+
+
+def expand_hostnames(nodelist: str) -> list[str]:
+    """Slurm's compressed node list (n[1-3,7]) as host names, by `scontrol show hostnames`."""
+    out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, timeout=60)
+    if out.returncode != 0:
+        raise ConfigError(f"`scontrol show hostnames {nodelist}` failed: {out.stderr.strip()}")
+    return out.stdout.split()
+
+
+def node_addresses(hosts: Sequence[str]) -> list[str]:
+    """The address each host resolves to (what its Ray node and torch.distributed bind to)."""
+    return [socket.gethostbyname(h) for h in hosts]
+
+
+def check_fits(args: Sequence[str], nodes: int, gpus_per_node: int, *, launcher: str, where: str) -> None:
+    """Raise unless the job `hpcrlhf <args>` fits `nodes` x `gpus_per_node` under `launcher`.
+
+    `where` names what is checked against ("the allocation of job 42", "--nodes/--gpus-per-node")."""
+    from hpcrlhf.cli import job_config
+
+    kind, cfg = job_config(args)
+    if launcher == "ray":
+        from hpcrlhf.placement import build_node_map
+
+        node_map = build_node_map(cfg)  # the map the driver will use: a bad recipe fails here
+        if node_map.nodes > nodes or node_map.gpus_per_node > gpus_per_node:
+            raise PlacementError(
+                f"the node map needs {node_map.nodes} node(s) x {node_map.gpus_per_node} GPU(s) "
+                f"(placement.nodes / placement.gpus_per_node) but {where} has {nodes} node(s) x "
+                f"{gpus_per_node} GPU(s): ask for --nodes {node_map.nodes} --gpus-per-node "
+                f"{node_map.gpus_per_node}, or re-plan the recipe with `hpcrlhf plan RECIPE --nodes {nodes} "
+                f"--gpus-per-node {gpus_per_node}`")
+    elif kind == "ppo" and cfg.placement.runtime == "ray":
+        raise ConfigError("launcher mpi: this PPO recipe says placement.runtime=ray; use --launcher ray "
+                          "(or --set placement.runtime=local for single-process-group PPO)")
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Exit 0 when `hpcrlhf <args>` fits this job's allocation under the launcher, else 2 with why."""
+    from hpcrlhf.errors import HpcrlhfError
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] not in ("ray", "mpi"):
+        print("usage: python -m hpcrlhf.hpc.allocation {ray|mpi} HPCRLHF_ARGS", file=sys.stderr)
+        return 2
+    try:
+        alloc = Allocation.from_env()
+        check_fits(argv[1:], alloc.nodes, alloc.gpus_per_node, launcher=argv[0],
+                   where=f"the allocation of job {alloc.job_id}")
+    except HpcrlhfError as e:
+        print(f"hpcrlhf: error: {e}", file=sys.stderr, flush=True)
+        return 2
+    print(f"hpcrlhf: the job fits the allocation ({alloc.shape()})", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,57 @@
+"""From `hpcrlhf sbatch/submit` arguments to a cluster job: the `hpcrlhf train` command line the
+nodes run and the Slurm options, checked against each other before anything is written or queued."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Sequence
+
+from hpcrlhf.hpc.allocation import check_fits
+from hpcrlhf.hpc.sbatch import SlurmOptions
+
+
+@dataclass(frozen=True)
+class ClusterJob:
+    argv: list[str]
+    """`hpcrlhf <argv>` is what the job runs (a `train` command line with absolute paths)."""
+    options: SlurmOptions
+    notes: tuple[str, ...] = ()
+    """Things the user should know about the shape (printed, never acted on silently)."""
+
+
+def cluster_job(kind: str, recipe: Optional[str], overrides: Sequence[str], output_dir: Optional[str],
+                **slurm: object) -> ClusterJob:
+    """The job `hpcrlhf train KIND --config RECIPE --set ...` on Slurm, with options `slurm` (None:
+    the default; nodes/GPUs default to the recipe's placement for Ray, 1 x 1 for MPI)."""
+    from hpcrlhf.cli import build_config, resolve_recipe
+
+    recipe_path = resolve_recipe(recipe)
+    if recipe_path is not None and Path(recipe_path).exists() and recipe == recipe_path:
+        recipe = str(Path(recipe_path).resolve())  # the job runs elsewhere: a user's file by absolute path
+    run_dir = str(Path(output_dir or f"runs/{kind}-{Path(recipe or 'defaults').stem}").resolve())
+    argv = ["train", kind] + (["--config", recipe] if recipe else [])
+    argv += [a for o in overrides for a in ("--set", o)] + ["--output-dir", run_dir]
+    cfg = build_config(kind, recipe, list(overrides), run_dir)
+    ray = kind == "ppo" and cfg.placement.runtime == "ray"
+    given = {k: v for k, v in slurm.items() if v is not None}
+    given.setdefault("launcher", "ray" if ray else "mpi")
+    notes = []
+    if given["launcher"] == "ray":
+        shape = (cfg.placement.nodes, cfg.placement.gpus_per_node) if kind == "ppo" else (1, 1)
+        given.setdefault("nodes", shape[0])
+        given.setdefault("gpus_per_node", shape[1])
+        if (given["nodes"], given["gpus_per_node"]) != shape:
+            notes.append(f"the recipe's node map uses {shape[0]} x {shape[1]} of the {given['nodes']} x "
+                         f"{given['gpus_per_node']} asked for; to re-plan it for the whole allocation, add --set "
+                         f"placement.nodes={given['nodes']} --set placement.gpus_per_node={given['gpus_per_node']}")
+    else:
+        given.setdefault("nodes", 1)
+        given.setdefault("gpus_per_node", 1)
+    given.setdefault("job_name", f"hpcrlhf-{kind}")
+    given.setdefault("python", "python" if given.get("container") else sys.executable)
+    options = SlurmOptions(run_dir=run_dir, **given)  # type: ignore[arg-type]
+    check_fits(argv, options.nodes, options.gpus_per_node, launcher=options.launcher,
+               where="the requested --nodes/--gpus-per-node")
+    return ClusterJob(argv, options, tuple(notes))

@@ -1,0 +1,178 @@
+"""`hpcrlhf sbatch`: one complete, readable sbatch script for an hpcrlhf job.
+
+`render_sbatch(args, options)` is a pure function of the job's `hpcrlhf` arguments and the Slurm
+options (golden files pin its output). The script:
+
+1. asks for the allocation (#SBATCH: nodes, GPUs per node, time, partition/account/qos, output
+   into the run folder, `--signal=B:USR1@<lead>` so a time limit warns the batch shell first,
+   `--requeue`);
+2. sets the environment of offline compute nodes (HF offline, caches on shared storage; nothing
+   is installed at job time);
+3. checks that the job fits the allocation it got (node map vs nodes x GPUs) before anything
+   starts: a wrong shape ends the job in seconds with the reason in its log;
+4. launches: `ray` -- one Ray node per allocated node (`srun`; head on the first, ports from the
+   job id, token authentication, dashboard off) and the driver on the first node, which waits
+   until every node has joined (naming missing ones) and trains; `mpi` -- one rank per GPU with
+   `srun --mpi=pmix python -m hpcrlhf.hpc.mpi`;
+5. forwards USR1/TERM to the driver (it checkpoints after its current step and exits 3), tears Ray
+   down, and requeues itself when stopped on request while `SLURM_RESTART_COUNT` < max_requeues.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from dataclasses import dataclass, fields
+from typing import Literal, Optional, Sequence
+
+from hpcrlhf.errors import ConfigError
+
+LAUNCHERS = ("ray", "mpi")
+
+
+@dataclass(frozen=True)
+class SlurmOptions:
+    """How a job is asked of Slurm (`hpcrlhf sbatch` and `hpcrlhf submit` share these)."""
+
+    nodes: int
+    gpus_per_node: int
+    run_dir: str
+    """The job's run folder (Slurm log, metrics, checkpoints): an absolute path on shared storage."""
+    launcher: Literal["ray", "mpi"] = "ray"
+    time: str = "24:00:00"
+    partition: Optional[str] = None
+    account: Optional[str] = None
+    qos: Optional[str] = None
+    job_name: str = "hpcrlhf"
+    cpus_per_gpu: Optional[int] = None
+    container: Optional[str] = None
+    """An Apptainer image (.sif) every step runs in."""
+    cache_dir: Optional[str] = None
+    """Shared folder for HF_HOME and HPCRLHF_CACHE (default: $HOME/.cache)."""
+    python: str = "python"
+    """The Python (with hpcrlhf installed) on the compute nodes, or inside the container."""
+    signal_lead_s: int = 300
+    """Seconds between the time-limit signal and the kill: room to finish a step and checkpoint."""
+    max_requeues: int = 3
+
+    def __post_init__(self) -> None:
+        def require(ok: bool, name: str, value: object, fix: str) -> None:
+            if not ok:
+                raise ConfigError(f"--{name.replace('_', '-')}: {value!r} is invalid: {fix}")
+
+        require(self.nodes >= 1, "nodes", self.nodes, "use 1 or more")
+        require(self.gpus_per_node >= 1, "gpus_per_node", self.gpus_per_node, "use 1 or more")
+        require(self.run_dir.startswith("/"), "output_dir", self.run_dir, "give an absolute path on shared storage")
+        require(self.launcher in LAUNCHERS, "launcher", self.launcher, f"use one of {', '.join(LAUNCHERS)}")
+        require(bool(re.fullmatch(r"(\d+-)?\d{1,2}(:\d{2}){0,2}", self.time)), "time", self.time,
+                "use Slurm's format, e.g. 24:00:00, 2-00:00:00 or 90 (minutes)")
+        require(30 <= self.signal_lead_s <= 3600, "signal_lead_s", self.signal_lead_s,
+                "give the job 30-3600 s between the signal and the time limit to checkpoint")
+        require(self.max_requeues >= 0, "max_requeues", self.max_requeues, "use 0 (never) or more")
+        require(self.cpus_per_gpu is None or self.cpus_per_gpu >= 1, "cpus_per_gpu", self.cpus_per_gpu, "use 1 or more")
+
+    @property
+    def tasks_per_node(self) -> int:
+        return 1 if self.launcher == "ray" else self.gpus_per_node
+
+    @property
+    def time_minutes(self) -> int:
+        """`time` in minutes (Slurm's formats: M, M:S, H:M:S, D-H, D-H:M, D-H:M:S)."""
+        days, _, rest = self.time.rpartition("-")
+        parts = [int(p) for p in rest.split(":")]
+        if days:
+            h, m, s = (parts + [0, 0])[:3]
+            return int(days) * 1440 + h * 60 + m + (s > 0)
+        if len(parts) == 3:
+            return parts[0] * 60 + parts[1] + (parts[2] > 0)
+        return parts[0] + (len(parts) == 2 and parts[1] > 0)
+
+
+def option_names() -> list[str]:
+    return [f.name for f in fields(SlurmOptions)]
+
+
+def _q(text: str) -> str:
+    return shlex.quote(text)
+
+
+def _header(o: SlurmOptions) -> list[str]:
+    lines = [f"--job-name={o.job_name}", f"--nodes={o.nodes}", f"--ntasks-per-node={o.tasks_per_node}",
+             f"--gpus-per-node={o.gpus_per_node}", f"--time={o.time}", f"--output={o.run_dir}/slurm-%j.out",
+             "--open-mode=append", f"--signal=B:USR1@{o.signal_lead_s}", "--requeue"]
+    if o.cpus_per_gpu:
+        lines.append(f"--cpus-per-gpu={o.cpus_per_gpu}")
+    lines += [f"--{k}={v}" for k, v in (("partition", o.partition), ("account", o.account), ("qos", o.qos)) if v]
+    return [f"#SBATCH {line}" for line in lines]
+
+
+def exec_prefix(o: SlurmOptions) -> str:
+    """How each step starts Python: directly, or inside the Apptainer image."""
+    if not o.container:
+        return o.python
+    binds = ",".join([o.run_dir, "$HF_HOME", "$HPCRLHF_CACHE"])
+    return f"apptainer exec --nv --bind {binds} {_q(o.container)} {o.python}"
+
+
+def offline_env(o: SlurmOptions) -> list[str]:
+    """Shell lines: the environment of offline compute nodes."""
+    cache = o.cache_dir or "$HOME/.cache"
+    return ["# Offline compute nodes: models, data and caches come from shared storage; nothing is installed here.",
+            "export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1",
+            f"export HF_HOME=${{HF_HOME:-{cache}/huggingface}} HPCRLHF_CACHE=${{HPCRLHF_CACHE:-{cache}/hpcrlhf}}",
+            "export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false"]
+
+
+def ray_token_env(o: SlurmOptions) -> list[str]:
+    """Shell lines: Ray token authentication; the token is $RAY_AUTH_TOKEN when the user exported one,
+    else a fresh random one in a file only the user can read (removed at the end of the job)."""
+    return ["export RAY_AUTH_MODE=token",
+            "if [ -z \"${RAY_AUTH_TOKEN:-}\" ]; then",
+            f"  export RAY_AUTH_TOKEN_PATH={_q(o.run_dir)}/.ray-token-$SLURM_JOB_ID",
+            "  (umask 077 && head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \\n' > \"$RAY_AUTH_TOKEN_PATH\")",
+            "fi"]
+
+
+def render_sbatch(args: Sequence[str], o: SlurmOptions) -> str:
+    """The sbatch script running `hpcrlhf <args>` with options `o`."""
+    from hpcrlhf import __version__
+
+    py = exec_prefix(o)
+    job = " ".join(_q(a) for a in args)
+    out = ["#!/bin/bash", f"# Written by hpcrlhf {__version__}: hpcrlhf {job}", *_header(o), "",
+           "set -uo pipefail", "",
+           *offline_env(o), "",
+           "# The job must fit the allocation Slurm gave it (node map vs nodes x GPUs): fail now, not mid-start.",
+           f"{py} -m hpcrlhf.hpc.allocation {o.launcher} {job} || exit 2", ""]
+    if o.launcher == "ray":
+        out += ["# Ray over the allocation: a node per host (head on the first; ports from the job id, so jobs",
+                "# sharing a host never collide), token authentication, dashboard off.",
+                *ray_token_env(o),
+                f"srun --overlap --ntasks-per-node=1 --kill-on-bad-exit=1 {py} -m hpcrlhf.hpc.ray_slurm node &",
+                "nodes_pid=$!", "",
+                "# The driver, on this (the first) node: waits until every node has joined, then trains.",
+                f"{py} -m hpcrlhf.hpc.ray_slurm driver {job} &"]
+    else:
+        out += ["# One MPI rank per GPU; ranks find each other through PMIx and train over NCCL (gloo on CPU).",
+                f"srun --mpi=pmix --kill-on-bad-exit=1 {py} -m hpcrlhf.hpc.mpi {job} &"]
+    out += ["driver_pid=$!", "",
+            "# Time limit (USR1, from --signal) or preemption (TERM): the driver finishes its step, checkpoints and",
+            "# exits 3.",
+            "stop_requested=0",
+            "trap 'stop_requested=1; kill -USR1 $driver_pid 2>/dev/null' USR1 TERM",
+            "wait $driver_pid; status=$?",
+            "while kill -0 $driver_pid 2>/dev/null; do wait $driver_pid; status=$?; done", ""]
+    if o.launcher == "ray":
+        out += ["kill $nodes_pid 2>/dev/null; wait $nodes_pid 2>/dev/null",
+                "[ -n \"${RAY_AUTH_TOKEN_PATH:-}\" ] && rm -f \"$RAY_AUTH_TOKEN_PATH\"", ""]
+    out += ["# Exit 3: stopped on request after checkpointing. After a stop request any failure also requeues (srun",
+            "# may report a rank it ended after another exited 3): the job resumes from its last checkpoint.",
+            "stopped=$(( status == 3 || (stop_requested == 1 && status != 0) ))",
+            f"if [ $stopped -eq 1 ] && [ \"${{SLURM_RESTART_COUNT:-0}}\" -lt {o.max_requeues} ]; then",
+            "  echo \"hpcrlhf: checkpointed on request (status $status); requeueing job $SLURM_JOB_ID\"",
+            "  scontrol requeue $SLURM_JOB_ID",
+            "elif [ $stopped -eq 1 ]; then",
+            f"  echo \"hpcrlhf: checkpointed on request; not requeued: already requeued {o.max_requeues} time(s)\"",
+            "fi",
+            "exit $status", ""]
+    return "\n".join(out)

@@ -1,0 +1,190 @@
+"""`hpcrlhf submit`: the job `hpcrlhf sbatch` writes, submitted through submitit and followed.
+
+Every Slurm task runs one `ClusterTask`. Ray jobs: task 0 checks the job against the allocation,
+starts the Ray head and runs the driver (`ray_slurm driver`) as a child process; the other tasks
+each run a Ray worker node until the head has gone. Other jobs: each task runs one
+`hpcrlhf train` rank with the torchrun variables taken from submitit's job environment.
+
+Requeue: submitit's `--signal=USR2@lead` reaches every process of the job. The training children
+treat USR2 as a stop request (finish the step, checkpoint, exit 3); Ray's processes ignore it; task
+0's submitit handler calls `ClusterTask.checkpoint`, which waits for the driver to have
+checkpointed and hands submitit the same task to requeue -- at most `max_requeues` times. The
+requeued job resumes from the run folder's last checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+from hpcrlhf.errors import HpcrlhfError
+from hpcrlhf.hpc.sbatch import SlurmOptions
+
+OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+               "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def rendezvous_port(job_id: int) -> int:
+    """torch.distributed's port for a non-Ray job (from the job id, below Ray's port blocks)."""
+    return 15000 + job_id % 5000
+
+
+@dataclass
+class ClusterTask:
+    argv: list[str]
+    launcher: str
+    max_requeues: int
+    python: str = sys.executable
+    requeues: int = 0
+
+    def __post_init__(self) -> None:
+        self._child: Optional[subprocess.Popen] = None
+
+    def __getstate__(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k != "_child"}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._child = None
+
+    def __call__(self) -> Any:
+        import submitit
+
+        from hpcrlhf.hpc.allocation import Allocation, check_fits
+
+        env = submitit.JobEnvironment()
+        os.environ.update(OFFLINE_ENV)
+        alloc = Allocation.from_env(hostnames=env.hostnames)
+        print(f"hpcrlhf: task {env.global_rank}/{env.num_tasks} on {env.hostname} (attempt {self.requeues + 1})",
+              flush=True)
+        if self.launcher == "ray":
+            from hpcrlhf.hpc.ray_slurm import run_node, start_node, stop_node
+
+            if env.global_rank != 0:
+                return run_node(alloc)
+            check_fits(self.argv, alloc.nodes, alloc.gpus_per_node, launcher="ray",
+                       where=f"the allocation of job {alloc.job_id}")
+            head = start_node(alloc, 0)
+            try:
+                status = self._run([self.python, "-m", "hpcrlhf.hpc.ray_slurm", "driver", *self.argv], {})
+            finally:
+                stop_node(head)
+        else:
+            from hpcrlhf.hpc.allocation import node_addresses
+
+            check_fits(self.argv, alloc.nodes, alloc.gpus_per_node, launcher="mpi",
+                       where=f"the allocation of job {alloc.job_id}")
+            ranks = {"RANK": env.global_rank, "WORLD_SIZE": env.num_tasks, "LOCAL_RANK": env.local_rank,
+                     "LOCAL_WORLD_SIZE": env.num_tasks // env.num_nodes, "GROUP_RANK": env.node,
+                     "MASTER_ADDR": node_addresses(alloc.hosts[:1])[0], "MASTER_PORT": rendezvous_port(alloc.job_id)}
+            status = self._run([self.python, "-m", "hpcrlhf", *self.argv], {k: str(v) for k, v in ranks.items()})
+        return self._result(status, env.global_rank)
+
+    def _run(self, cmd: Sequence[str], env: dict[str, str]) -> int:
+        self._child = subprocess.Popen(list(cmd), env={**os.environ, **env}, stdin=subprocess.DEVNULL)
+        while self._child.poll() is None:  # poll, not wait(): the signal handler polls it too
+            time.sleep(0.5)
+        return self._child.returncode
+
+    def _result(self, status: int, rank: int) -> Any:
+        from hpcrlhf.signals import EXIT_REQUEUE
+
+        run_dir = Path(self.argv[self.argv.index("--output-dir") + 1])
+        if status == EXIT_REQUEUE:
+            return {"status": "stopped", "run_dir": str(run_dir)}
+        if status != 0:
+            raise HpcrlhfError(f"rank {rank}: `hpcrlhf {' '.join(self.argv)}` exited {status}; its output is above")
+        summary = run_dir / "summary.json"
+        return json.loads(summary.read_text()) if rank == 0 and summary.exists() else {"status": "done"}
+
+    def checkpoint(self, *args: Any, **kwargs: Any) -> Any:
+        """submitit's time-limit/preemption hook (task 0): let the driver checkpoint, then requeue."""
+        import submitit
+
+        child = self._child
+        if child is not None and child.poll() is None:
+            child.send_signal(signal.SIGUSR1)
+            print("hpcrlhf: stop requested; waiting for the current step to end and checkpoint", flush=True)
+            while child.poll() is None:
+                time.sleep(0.5)
+        if self.requeues >= self.max_requeues:
+            print(f"hpcrlhf: not requeued: already requeued {self.requeues} time(s) (--max-requeues)", flush=True)
+            return None
+        print(f"hpcrlhf: checkpointed; requeueing (requeue {self.requeues + 1} of at most {self.max_requeues})",
+              flush=True)
+        return submitit.helpers.DelayedSubmission(replace(self, requeues=self.requeues + 1))
+
+
+def executor(o: SlurmOptions):
+    import submitit
+
+    ex = submitit.AutoExecutor(folder=Path(o.run_dir) / "submitit", cluster="slurm",
+                               slurm_max_num_timeout=o.max_requeues, slurm_python=o.python)
+    params: dict[str, Any] = dict(
+        nodes=o.nodes, tasks_per_node=o.tasks_per_node, gpus_per_node=o.gpus_per_node, timeout_min=o.time_minutes,
+        name=o.job_name, slurm_signal_delay_s=o.signal_lead_s,
+        slurm_srun_args=["--kill-on-bad-exit=1"], slurm_additional_parameters={"requeue": True})
+    params.update({f"slurm_{k}": v for k in ("partition", "account", "qos") if (v := getattr(o, k))})
+    if o.cpus_per_gpu:
+        params["slurm_cpus_per_gpu"] = o.cpus_per_gpu
+    if o.launcher == "ray":
+        from hpcrlhf.hpc.sbatch import ray_token_env
+
+        params["slurm_setup"] = ray_token_env(o)
+    ex.update_parameters(**params)
+    return ex
+
+
+def submit(argv: Sequence[str], o: SlurmOptions):
+    """Queue `hpcrlhf <argv>` with options `o`; returns submitit's job handle."""
+    if o.container:
+        raise HpcrlhfError("--container with `hpcrlhf submit` is not supported yet: render the job with "
+                           "`hpcrlhf sbatch --container` instead")
+    Path(o.run_dir).mkdir(parents=True, exist_ok=True)
+    task = ClusterTask(list(argv), o.launcher, o.max_requeues, python=o.python)
+    return executor(o).submit(task)
+
+
+def latest_metrics(run_dir: Path, keys: int = 6) -> Optional[str]:
+    """The run's latest metrics line, shortened to its step and first `keys` values."""
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return None
+    lines = path.read_text().strip().splitlines()
+    if not lines:
+        return None
+    try:
+        row = json.loads(lines[-1])
+    except json.JSONDecodeError:  # a line being written
+        row = json.loads(lines[-2]) if len(lines) > 1 else {}
+    values = [f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items() if k != "step"][:keys]
+    return f"step {row.get('step', '?')}: " + " ".join(values)
+
+
+def follow(job, run_dir: str, *, poll_s: float = 10.0, out=sys.stdout) -> int:
+    """Print the job's state changes and latest metrics line until it ends; 0 when it completed."""
+    last_state, last_line = None, None
+    while True:
+        state = job.watcher.get_state(job.job_id, mode="force")
+        line = latest_metrics(Path(run_dir))
+        if state != last_state:
+            print(f"job {job.job_id}: {state}", file=out, flush=True)
+            last_state = state
+        if line and line != last_line:
+            print(f"  {line}", file=out, flush=True)
+            last_line = line
+        if state in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "BOOT_FAIL",
+                     "DEADLINE") or state.startswith("CANCELLED"):
+            break
+        time.sleep(poll_s)
+    if state == "COMPLETED":
+        return 0
+    print(f"job {job.job_id} ended {state}; its log: {job.paths.stdout}", file=out, flush=True)
+    return 1

@@ -1,0 +1,117 @@
+"""`hpcrlhf sbatch`: rendered scripts pinned as golden files (slurm/examples/, which double as the
+reference scripts users read), and the checks made before anything is written.
+
+Run with HPCRLHF_UPDATE_GOLDEN=1 to rewrite the golden files after an intended change, then review
+the diff.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from hpcrlhf.cli import main
+from hpcrlhf.errors import ConfigError, PlacementError
+from hpcrlhf.hpc.job import cluster_job
+from hpcrlhf.hpc.ray_slurm import job_ports
+from hpcrlhf.hpc.sbatch import SlurmOptions, render_sbatch
+from tests.placement.test_golden import SCALE_70B_16X8
+from tests.placement.test_nodemap import HYBRID_1X8
+
+GOLDEN = Path(__file__).resolve().parents[2] / "slurm" / "examples"
+CONTAINER = {"container": "/shared/images/hpcrlhf-gpu.sif", "cache_dir": "/shared/cache"}
+SITE = {"partition": "gpu", "account": "alignment", "qos": "high", "time": "2-00:00:00", "cpus_per_gpu": 12}
+ONE_NODE = ["placement.nodes=1", "placement.gpus_per_node=8"]
+CASES = {  # name: (kind, recipe, overrides, slurm options)
+    "1x8-mpi-sft": ("sft", None, ["model.path=/shared/models/llama-7b"], {"nodes": 1, "gpus_per_node": 8}),
+    "1x8-ray-ppo-7b-hybrid": ("ppo", "ppo-7b", HYBRID_1X8 + ONE_NODE[1:], {}),
+    "2x8-ray-ppo-7b": ("ppo", "ppo-7b", [], {}),
+    "2x8-ray-ppo-7b-container": ("ppo", "ppo-7b", [], CONTAINER),
+    "4x8-mpi-dpo-container": ("dpo", None, ["model.path=/shared/models/llama-13b"],
+                              {"nodes": 4, "gpus_per_node": 8, **CONTAINER, **SITE}),
+    "4x8-ray-ppo-13b": ("ppo", "ppo-13b", [], SITE),
+    "16x8-ray-ppo-70b-container": ("ppo", "ppo-70b", ["placement.nodes=16"] + SCALE_70B_16X8,
+                                   {**CONTAINER, **SITE, "max_requeues": 10}),
+    "16x8-mpi-kto": ("kto", None, ["model.path=/shared/models/llama-70b"], {"nodes": 16, "gpus_per_node": 8}),
+}
+
+
+def render(name: str) -> str:
+    kind, recipe, overrides, slurm = CASES[name]
+    job = cluster_job(kind, recipe, overrides, f"/shared/runs/{name}", python="python", **slurm)
+    return render_sbatch(job.argv, job.options)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_rendered_script_matches_golden(name):
+    text = render(name)
+    path = GOLDEN / f"{name}.sbatch"
+    if os.environ.get("HPCRLHF_UPDATE_GOLDEN") == "1":
+        path.write_text(text)
+    assert text == path.read_text(), f"{name}: rendered script changed (HPCRLHF_UPDATE_GOLDEN=1 rewrites it)"
+
+
+def test_scripts_ask_for_the_shape_and_launch_what_the_launcher_needs():
+    ray, mpi = render("16x8-ray-ppo-70b-container"), render("4x8-mpi-dpo-container")
+    assert "#SBATCH --nodes=16\n#SBATCH --ntasks-per-node=1\n#SBATCH --gpus-per-node=8" in ray
+    assert "#SBATCH --nodes=4\n#SBATCH --ntasks-per-node=8\n#SBATCH --gpus-per-node=8" in mpi
+    for text in (ray, mpi):
+        assert "#SBATCH --signal=B:USR1@300" in text and "#SBATCH --requeue" in text
+        assert "export HF_HUB_OFFLINE=1" in text and "pip install" not in text
+        assert "apptainer exec --nv --bind /shared/runs/" in text
+        assert text.index("hpcrlhf.hpc.allocation") < text.index("&\n")  # the fit check runs before anything starts
+    assert "RAY_AUTH_MODE=token" in ray and "umask 077" in ray and "hpcrlhf.hpc.ray_slurm driver train ppo" in ray
+    assert "srun --mpi=pmix" in mpi and "RAY" not in mpi
+    assert "SLURM_RESTART_COUNT:-0}\" -lt 10" in ray
+
+
+def test_a_shape_too_small_for_the_node_map_is_refused_before_writing(tmp_path, capsys):
+    script = tmp_path / "job.sbatch"
+    status = main(["sbatch", "ppo-7b", "--gpus-per-node", "4", "-o", str(tmp_path / "run"), "--script", str(script)])
+    err = capsys.readouterr().err
+    assert status == 2 and not script.exists()
+    assert "needs 2 node(s) x 8 GPU(s)" in err and "--gpus-per-node 8" in err
+
+
+def test_unknown_options_list_the_valid_ones(capsys):
+    assert main(["sbatch", "ppo-7b", "--gpu-per-node", "8", "--partiton=gpu"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown argument --gpu-per-node (did you mean --gpus-per-node?)" in err
+    assert "unknown argument --partiton=gpu (did you mean --partition?)" in err
+    assert "valid options:" in err and "--max-requeues" in err and "--container" in err
+
+
+@pytest.mark.parametrize("field, value, named", [
+    ("time", "tomorrow", "--time"), ("nodes", 0, "--nodes"), ("run_dir", "runs/x", "--output-dir"),
+    ("signal_lead_s", 5, "--signal-lead-s"), ("max_requeues", -1, "--max-requeues"), ("launcher", "torchrun", "--launcher"),
+])
+def test_bad_options_name_the_option_and_the_fix(field, value, named):
+    args = {"nodes": 1, "gpus_per_node": 8, "run_dir": "/shared/runs/x", field: value}
+    with pytest.raises(ConfigError, match=named):
+        SlurmOptions(**args)
+
+
+@pytest.mark.parametrize("time, minutes", [("90", 90), ("1:30", 2), ("24:00:00", 1440), ("2-00:00:00", 2880),
+                                           ("1-12", 2160), ("0:10:30", 11)])
+def test_time_limits_in_minutes(time, minutes):
+    assert SlurmOptions(1, 1, "/r", time=time).time_minutes == minutes
+
+
+def test_mpi_launcher_refuses_a_ray_ppo_recipe():
+    with pytest.raises(ConfigError, match="--launcher ray"):
+        cluster_job("ppo", "ppo-7b", [], "/shared/runs/x", launcher="mpi", python="python")
+
+
+def test_the_node_map_must_fit_the_requested_shape():
+    with pytest.raises(PlacementError, match="needs 4 node"):
+        cluster_job("ppo", "ppo-13b", [], "/shared/runs/x", nodes=2, python="python")
+
+
+def test_ray_ports_differ_between_nodes_and_neighbouring_jobs():
+    blocks = [job_ports(job, node).gcs for job in (41, 42) for node in range(2)]
+    assert job_ports(42).gcs == job_ports(42 + 80).gcs  # 80 slots: the check at start-up names a clash
+    ranges = sorted((b, b + 119) for b in {job_ports(41).gcs, job_ports(41, 1).gcs})
+    assert ranges[0][1] < ranges[1][0] and len(set(blocks)) == 3  # job 41 node 1 == job 42 node 0
+    assert all(20000 <= job_ports(j, 15).max_worker < 32768 for j in range(80))
