@@ -23,6 +23,9 @@ from hpcrlhf.cluster.bootstrap import PORTS_PER_NODE, RayPorts, ray_start_args, 
 from hpcrlhf.errors import HpcrlhfError
 
 
+LOCAL_PORT_BASE = 30000
+
+
 def free_port_block(size: int, start: int = 20000, end: int = 60000, host: str = "127.0.0.1") -> int:
     """The first port of `size` consecutive ports from `start` that are all free on `host` right now."""
     for base in range(start, end - size, size):
@@ -104,7 +107,7 @@ def start_local_cluster(num_nodes: int, gpus_per_node: int, *, cpus_per_node: in
     paths must fit in 107 bytes)."""
     root.mkdir(parents=True, exist_ok=True)
     ips = [f"127.0.0.{2 + i}" for i in range(num_nodes)]
-    base = free_port_block(PORTS_PER_NODE * num_nodes)
+    base = free_port_block(PORTS_PER_NODE * num_nodes, start=LOCAL_PORT_BASE)  # Slurm jobs' blocks lie below
     ports = [RayPorts.from_base(base + i * PORTS_PER_NODE) for i in range(num_nodes)]
     address = f"{ips[0]}:{ports[0].gcs}"
     cluster = LocalRayCluster(address=address, node_ips=ips, temp_dir=root)

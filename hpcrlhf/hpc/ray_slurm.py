@@ -27,8 +27,9 @@ from hpcrlhf.errors import HpcrlhfError
 from hpcrlhf.hpc.allocation import Allocation, check_fits, node_addresses
 
 PORT_BASE = 20000
-PORT_SLOTS = 80
-"""Job-derived port blocks: 20000 + (job id % 80) x 120, below Linux's ephemeral ports (32768+)."""
+PORT_SLOTS = 60
+"""Job-derived port blocks: 20000 + (job id % 60) x 120 (+120 per node): below the local clusters'
+ports (30000+, hpcrlhf.cluster.local) and Linux's ephemeral ports (32768+)."""
 JOIN_TIMEOUT_S = float(os.environ.get("HPCRLHF_RAY_JOIN_TIMEOUT_S", "300"))
 """How long the driver waits for every node to join (and a worker for the head to come up)."""
 RAY_IGNORED = (signal.SIGUSR1, signal.SIGUSR2)
@@ -67,9 +68,11 @@ def node_ports(alloc: Allocation, node_index: int, node_ip: str) -> RayPorts:
     ports = job_ports(alloc.job_id, node_index)
     first = ports.gcs
     if node_index == 0:
-        if free_port_block(PORTS_PER_NODE, first, first + PORTS_PER_NODE + 1, host=node_ip) != first:
+        try:
+            free_port_block(PORTS_PER_NODE, first, first + PORTS_PER_NODE + 1, host=node_ip)
+        except HpcrlhfError:
             raise HpcrlhfError(f"ports {first}-{first + PORTS_PER_NODE - 1} on {alloc.hosts[0]} are in use (another "
-                               f"job with id = {alloc.job_id} mod {PORT_SLOTS}?): resubmit the job")
+                               f"job with id = {alloc.job_id} mod {PORT_SLOTS}?): resubmit the job") from None
         return ports
     return RayPorts.from_base(free_port_block(PORTS_PER_NODE, first, 65535 - PORTS_PER_NODE, host=node_ip))
 

@@ -62,7 +62,8 @@ def submit_interrupted(slurm, folder, args) -> dict:
     console = folder.parent / "submit.out"
     cmd = cli_command(["submit", SEPARATED, "-o", str(folder), "--time", "30", "--poll-s", "2", *args])
     with open(console, "w") as sink:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=cli_env(SLURM_CONF=str(slurm.conf)), stdout=sink, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=cli_env(SLURM_CONF=str(slurm.conf)), stdout=sink,
+                                stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 120
         while not (m := re.search(r"submitted job (\d+)", console.read_text())):

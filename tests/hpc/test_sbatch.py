@@ -15,7 +15,8 @@ import pytest
 from hpcrlhf.cli import main
 from hpcrlhf.errors import ConfigError, PlacementError
 from hpcrlhf.hpc.job import cluster_job
-from hpcrlhf.hpc.ray_slurm import job_ports
+from hpcrlhf.cluster.local import LOCAL_PORT_BASE
+from hpcrlhf.hpc.ray_slurm import PORT_SLOTS, job_ports
 from hpcrlhf.hpc.sbatch import SlurmOptions, render_sbatch
 from tests.placement.test_golden import SCALE_70B_16X8
 from tests.placement.test_nodemap import HYBRID_1X8
@@ -111,7 +112,7 @@ def test_the_node_map_must_fit_the_requested_shape():
 
 def test_ray_ports_differ_between_nodes_and_neighbouring_jobs():
     blocks = [job_ports(job, node).gcs for job in (41, 42) for node in range(2)]
-    assert job_ports(42).gcs == job_ports(42 + 80).gcs  # 80 slots: the check at start-up names a clash
+    assert job_ports(42).gcs == job_ports(42 + PORT_SLOTS).gcs  # the check at start-up names a clash
     ranges = sorted((b, b + 119) for b in {job_ports(41).gcs, job_ports(41, 1).gcs})
     assert ranges[0][1] < ranges[1][0] and len(set(blocks)) == 3  # job 41 node 1 == job 42 node 0
-    assert all(20000 <= job_ports(j, 15).max_worker < 32768 for j in range(80))
+    assert all(20000 <= job_ports(j, 15).max_worker < LOCAL_PORT_BASE for j in range(PORT_SLOTS))
