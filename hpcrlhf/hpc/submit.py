@@ -64,13 +64,15 @@ class ClusterTask:
         alloc = Allocation.from_env(hostnames=env.hostnames)
         print(f"hpcrlhf: task {env.global_rank}/{env.num_tasks} on {env.hostname} (attempt {self.requeues + 1})",
               flush=True)
-        if self.launcher == "ray":
-            from hpcrlhf.hpc.ray_slurm import run_node, start_node, stop_node
+        if self.launcher == "ray" and env.global_rank != 0:
+            from hpcrlhf.hpc.ray_slurm import run_node
 
-            if env.global_rank != 0:
-                return run_node(alloc)
-            check_fits(self.argv, alloc.nodes, alloc.gpus_per_node, launcher="ray",
-                       where=f"the allocation of job {alloc.job_id}")
+            return run_node(alloc)
+        check_fits(self.argv, alloc.nodes, alloc.gpus_per_node, launcher=self.launcher,
+                   where=f"the allocation of job {alloc.job_id}")
+        if self.launcher == "ray":
+            from hpcrlhf.hpc.ray_slurm import start_node, stop_node
+
             head = start_node(alloc, 0)
             try:
                 status = self._run([self.python, "-m", "hpcrlhf.hpc.ray_slurm", "driver", *self.argv], {})
@@ -79,8 +81,6 @@ class ClusterTask:
         else:
             from hpcrlhf.hpc.allocation import node_addresses
 
-            check_fits(self.argv, alloc.nodes, alloc.gpus_per_node, launcher="mpi",
-                       where=f"the allocation of job {alloc.job_id}")
             ranks = {"RANK": env.global_rank, "WORLD_SIZE": env.num_tasks, "LOCAL_RANK": env.local_rank,
                      "LOCAL_WORLD_SIZE": env.num_tasks // env.num_nodes, "GROUP_RANK": env.node,
                      "MASTER_ADDR": node_addresses(alloc.hosts[:1])[0], "MASTER_PORT": rendezvous_port(alloc.job_id)}
