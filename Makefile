@@ -41,6 +41,7 @@ demo: install
 
 test: install-dev
 	bash slurm/install-test-deps.sh
+	bash apptainer/install-apptainer.sh
 	$(BIN)/python -m pytest $(TESTS) $(PYTEST_ARGS)
 
 clean:

@@ -98,7 +98,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 SLURM_ARGS = ("nodes", "gpus_per_node", "launcher", "partition", "account", "qos", "time", "job_name", "cpus_per_gpu",
-              "container", "cache_dir", "python", "signal_lead_s", "max_requeues")
+              "container", "binds", "cache_dir", "python", "signal_lead_s", "max_requeues")
 
 
 def _cluster_job(args: argparse.Namespace):
@@ -135,6 +135,21 @@ def cmd_submit(args: argparse.Namespace) -> int:
     return follow(handle, job.options.run_dir, poll_s=args.poll_s) if args.follow else 0
 
 
+def cmd_image(args: argparse.Namespace) -> int:
+    import shutil
+    import subprocess
+
+    from hpcrlhf.hpc.image import check_image
+
+    if shutil.which("apptainer") is None:
+        raise ConfigError("image check: apptainer is not on this host's PATH: run the check where Apptainer is "
+                          "installed (a login or compute node)")
+    for note in check_image(str(Path(args.image).resolve()), args.python):
+        print(f"hpcrlhf: note: {note}", file=sys.stderr)
+    print(f"{args.image}: a readable SIF image with hpcrlhf; running its smoke test (apptainer test)", flush=True)
+    return subprocess.run(["apptainer", "test", *(["--nv"] if args.nv else []), args.image]).returncode
+
+
 def _add_slurm_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("recipe", metavar="RECIPE", nargs="?", help="recipe: a YAML path or a shipped recipe name")
     p.add_argument("--kind", "-k", default="ppo", help="job kind (default: ppo)")
@@ -154,7 +169,11 @@ def _add_slurm_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--time", "-t", help="time limit in Slurm's format (default: 24:00:00)")
     p.add_argument("--job-name", "-J", help="Slurm job name (default: hpcrlhf-KIND)")
     p.add_argument("--cpus-per-gpu", type=int, metavar="C", help="CPUs per GPU")
-    p.add_argument("--container", metavar="IMAGE.sif", help="run every step inside this Apptainer image")
+    p.add_argument("--container", metavar="IMAGE.sif",
+                   help="run every step inside this Apptainer image (apptainer/build.sh builds one)")
+    p.add_argument("--bind", dest="binds", action="append", metavar="SRC[:DST]",
+                   help="also bind this folder into the container (repeatable; the run folder, caches and the "
+                        "recipe's local model/data folders are bound already)")
     p.add_argument("--cache-dir", metavar="DIR", help="shared cache folder (HF_HOME, HPCRLHF_CACHE)")
     p.add_argument("--python", metavar="PATH", help="Python on the nodes (default: this one; 'python' in a container)")
     p.add_argument("--signal-lead-s", type=int, metavar="S",
@@ -257,6 +276,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--poll-s", type=float, default=10.0, metavar="S",
                    help="seconds between checks of the job's state and latest metrics (default: 10)")
     p.set_defaults(func=cmd_submit)
+
+    p = sub.add_parser("image", help="check an Apptainer image before using it with --container",
+                       description="Check that IMAGE is a readable SIF file whose Python imports hpcrlhf, then run "
+                                   "its smoke test (`apptainer test`: the stack imports, a tiny model generates).")
+    p.add_argument("action", choices=["check"], help="what to do with the image")
+    p.add_argument("image", metavar="IMAGE.sif", help="the image file")
+    p.add_argument("--python", default="python", metavar="PATH", help="the image's Python (default: python)")
+    p.add_argument("--nv", action="store_true", help="test with the host's NVIDIA GPUs (apptainer --nv)")
+    p.set_defaults(func=cmd_image)
 
     p = sub.add_parser("demo", help="the main job on the embedded defaults (tiny bundled model and task)",
                        description="Fine-tune the bundled tiny model on the bundled arithmetic task and "

@@ -65,3 +65,19 @@ def slurm_cluster():
         yield cluster
     finally:
         cluster.stop()
+
+
+@pytest.fixture(scope="session")
+def cpu_image() -> str:
+    """hpcrlhf's CPU Apptainer image, built from apptainer/hpcrlhf-cpu.def by apptainer/build.sh
+    (~5 min) and kept, keyed by the digest of everything that goes into it, in
+    ~/.cache/hpcrlhf-tests/ (a rerun with the same sources reuses it). Without apptainer the
+    tests asking for it skip; under CI they fail."""
+    from tests.images import build_cpu_image, unavailable_reason
+
+    reason = unavailable_reason()
+    if reason:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"CI must run the container tests, but {reason}")
+        pytest.skip(reason)
+    return str(build_cpu_image())

@@ -12,9 +12,10 @@ the driver start, so a wrong shape costs seconds and says why in the job log.
 
 from __future__ import annotations
 
+import itertools
 import os
+import re
 import socket
-import subprocess
 import sys
 from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence
@@ -60,11 +61,40 @@ class Allocation:
 
 
 def expand_hostnames(nodelist: str) -> list[str]:
-    """Slurm's compressed node list (n[1-3,7]) as host names, by `scontrol show hostnames`."""
-    out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, timeout=60)
-    if out.returncode != 0:
-        raise ConfigError(f"`scontrol show hostnames {nodelist}` failed: {out.stderr.strip()}")
-    return out.stdout.split()
+    """Slurm's compressed node list as host names, in order: `n[1-3,07]` -> n1 n2 n3 n07,
+    `a[1-2]b[3-4]` -> a1b3 a1b4 a2b3 a2b4 (zero padding from the lower bound). What `scontrol show hostnames` prints, computed here because the job's steps may
+    run inside a container without Slurm's tools."""
+    def bad(why: str) -> ConfigError:
+        return ConfigError(f"SLURM_JOB_NODELIST {nodelist!r} cannot be read: {why}")
+
+    entries, depth, start = [], 0, 0
+    for i, ch in enumerate(nodelist + ","):
+        depth += {"[": 1, "]": -1}.get(ch, 0)
+        if depth not in (0, 1):
+            raise bad("unbalanced brackets")
+        if ch == "," and depth == 0:
+            entries.append(nodelist[start:i].strip())
+            start = i + 1
+    if depth:
+        raise bad("unbalanced brackets")
+    hosts: list[str] = []
+    for entry in filter(None, entries):
+        choices = []
+        for part in filter(None, re.split(r"(\[[^\]]*\])", entry)):
+            if not part.startswith("["):
+                choices.append([part])
+                continue
+            values = []
+            for item in part[1:-1].split(","):
+                lo, _, hi = item.strip().partition("-")
+                if not lo.isdigit() or (hi and not hi.isdigit()) or (hi and int(hi) < int(lo)):
+                    raise bad(f"range {item!r} is not N or N-M")
+                values += [str(n).zfill(len(lo)) for n in range(int(lo), int(hi or lo) + 1)]
+            choices.append(values)
+        hosts += ["".join(c) for c in itertools.product(*choices)]
+    if not hosts:
+        raise bad("no host names")
+    return hosts
 
 
 def node_addresses(hosts: Sequence[str]) -> list[str]:

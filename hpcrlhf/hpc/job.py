@@ -3,8 +3,9 @@ nodes run and the Slurm options, checked against each other before anything is w
 
 from __future__ import annotations
 
+import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, is_dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -19,6 +20,48 @@ class ClusterJob:
     options: SlurmOptions
     notes: tuple[str, ...] = ()
     """Things the user should know about the shape (printed, never acted on silently)."""
+
+
+def config_paths(cfg: object) -> list[str]:
+    """Every absolute path a job config names (model folders, data files), in config order."""
+    found: list[str] = []
+
+    def walk(value: object) -> None:
+        if is_dataclass(value):
+            for f in fields(value):
+                walk(getattr(value, f.name))
+        elif isinstance(value, (list, tuple)):
+            for item in value:
+                walk(item)
+        elif isinstance(value, dict):
+            for item in value.values():
+                walk(item)
+        elif isinstance(value, str) and value.startswith("/"):
+            found.append(value)
+
+    walk(cfg)
+    return list(dict.fromkeys(found))
+
+
+def container_binds(paths: Sequence[str], run_dir: str) -> tuple[list[str], list[str]]:
+    """(folders to bind, notes): each path's folder -- the path itself when it is a folder here, else
+    its parent (a file, or a path only the compute nodes have) -- unless the run folder (always bound)
+    or another bound folder holds it."""
+    def within(path: str, folders: Sequence[str]) -> bool:
+        return any(path == p or path.startswith(p.rstrip("/") + "/") for p in folders)
+
+    folders, notes = [], []
+    for path in (p for p in paths if not within(p, [run_dir])):
+        folder = path if os.path.isdir(path) else os.path.dirname(path)
+        if not os.path.exists(path):
+            notes.append(f"{path} (named by the recipe) is not on this host; its folder {folder} is bound into the "
+                         "container: the compute nodes must have it")
+        folders.append(os.path.realpath(folder) if os.path.exists(folder) else folder)
+    keep: list[str] = []
+    for folder in sorted(set(folders)):
+        if not within(folder, [run_dir, *keep]):
+            keep.append(folder)
+    return keep, notes
 
 
 def cluster_job(kind: str, recipe: Optional[str], overrides: Sequence[str], output_dir: Optional[str],
@@ -51,6 +94,15 @@ def cluster_job(kind: str, recipe: Optional[str], overrides: Sequence[str], outp
         given.setdefault("gpus_per_node", 1)
     given.setdefault("job_name", f"hpcrlhf-{kind}")
     given.setdefault("python", "python" if given.get("container") else sys.executable)
+    if given.get("container"):
+        from hpcrlhf.hpc.image import check_image
+
+        notes += check_image(str(given["container"]), str(given["python"]))
+        binds, missing = container_binds(config_paths(cfg), run_dir)
+        given["binds"] = tuple(binds) + tuple(given.get("binds") or ())
+        notes += missing
+    if "binds" in given:
+        given["binds"] = tuple(given["binds"])
     options = SlurmOptions(run_dir=run_dir, **given)  # type: ignore[arg-type]
     check_fits(argv, options.nodes, options.gpus_per_node, launcher=options.launcher,
                where="the requested --nodes/--gpus-per-node")

@@ -47,6 +47,9 @@ class SlurmOptions:
     cpus_per_gpu: Optional[int] = None
     container: Optional[str] = None
     """An Apptainer image (.sif) every step runs in."""
+    binds: tuple[str, ...] = ()
+    """Folders bound into the container besides the run folder and caches (`SRC` or `SRC:DST`):
+    the recipe's local model/data folders (added by `cluster_job`) and `--bind` ones."""
     cache_dir: Optional[str] = None
     """Shared folder for HF_HOME and HPCRLHF_CACHE (default: $HOME/.cache)."""
     python: str = "python"
@@ -70,6 +73,11 @@ class SlurmOptions:
                 "give the job 30-3600 s between the signal and the time limit to checkpoint")
         require(self.max_requeues >= 0, "max_requeues", self.max_requeues, "use 0 (never) or more")
         require(self.cpus_per_gpu is None or self.cpus_per_gpu >= 1, "cpus_per_gpu", self.cpus_per_gpu, "use 1 or more")
+        require(not self.binds or bool(self.container), "bind", list(self.binds),
+                "bind folders only together with --container IMAGE.sif")
+        for bind in self.binds:
+            require(all(part.startswith("/") for part in bind.split(":")[:2]) and bind.count(":") <= 2, "bind", bind,
+                    "use SRC or SRC:DST (absolute paths), optionally with :ro")
 
     @property
     def tasks_per_node(self) -> int:
@@ -106,12 +114,42 @@ def _header(o: SlurmOptions) -> list[str]:
     return [f"#SBATCH {line}" for line in lines]
 
 
+CONTAINER_ENV = {"PYTHONNOUSERSITE": "1", "PYTHONPATH": "", "PYTHONSAFEPATH": "1"}
+"""Set inside the container: the host's user site-packages, PYTHONPATH and the submission folder
+(Apptainer binds it as the working directory; `python -m` would import a checkout there first)
+must not shadow the image's packages. Everything else is inherited (Slurm's and PMIx's per-task variables, CUDA's
+device list, HF_*/HPCRLHF_* settings, Ray's token)."""
+
+
 def exec_prefix(o: SlurmOptions) -> str:
-    """How each step starts Python: directly, or inside the Apptainer image."""
+    """How each step starts Python: directly, or inside the Apptainer image (`container_setup`)."""
+    return f'"${{container[@]}}" {o.python}' if o.container else o.python
+
+
+def container_setup(o: SlurmOptions) -> list[str]:
+    """Shell lines (after `offline_env`): the image checked on the node, then `container`, the
+    command prefix every step runs under."""
     if not o.container:
-        return o.python
-    binds = ",".join([o.run_dir, "$HF_HOME", "$HPCRLHF_CACHE"])
-    return f"apptainer exec --nv --bind {binds} {_q(o.container)} {o.python}"
+        return []
+    binds = ",".join([_q(o.run_dir), '"$HF_HOME"', '"$HPCRLHF_CACHE"', *(_q(b) for b in o.binds)])
+    env = ",".join(f"{k}={v}" for k, v in CONTAINER_ENV.items())
+    probe = "import hpcrlhf"
+    return ["# Every step runs inside the Apptainer image: --nv where the node has NVIDIA GPUs; bound: the run folder,",
+            "# the caches and the recipe's local model/data folders; the host's Python settings are kept out.",
+            f"image={_q(o.container)}",
+            'if [ ! -r "$image" ]; then',
+            '  echo "hpcrlhf: container image $image is missing or unreadable on $(hostname): put it on shared storage" \\',
+            '       "readable by the job, or build one with apptainer/build.sh" >&2',
+            "  exit 2",
+            "fi",
+            'mkdir -p "$HF_HOME" "$HPCRLHF_CACHE"',
+            "nv=(); [ -e /dev/nvidiactl ] && nv=(--nv)",
+            f'container=(apptainer exec "${{nv[@]}}" --bind {binds} --env {env} "$image")',
+            f'if ! "${{container[@]}}" {o.python} -c {_q(probe)}; then',
+            f'  echo "hpcrlhf: $image cannot run {o.python} -c \'{probe}\': the image has no hpcrlhf; build it with" \\',
+            '       "apptainer/build.sh, or name the image\'s Python with --python" >&2',
+            "  exit 2",
+            "fi"]
 
 
 def offline_env(o: SlurmOptions) -> list[str]:
@@ -142,6 +180,7 @@ def render_sbatch(args: Sequence[str], o: SlurmOptions) -> str:
     out = ["#!/bin/bash", f"# Written by hpcrlhf {__version__}: hpcrlhf {job}", *_header(o), "",
            "set -uo pipefail", "",
            *offline_env(o), "",
+           *(container_setup(o) + [""] if o.container else []),
            "# The job must fit the allocation Slurm gave it (node map vs nodes x GPUs): fail now, not mid-start.",
            f"{py} -m hpcrlhf.hpc.allocation {o.launcher} {job} || exit 2", ""]
     if o.launcher == "ray":

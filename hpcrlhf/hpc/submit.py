@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -26,10 +27,6 @@ from typing import Any, Optional, Sequence
 
 from hpcrlhf.errors import HpcrlhfError
 from hpcrlhf.hpc.sbatch import SlurmOptions
-
-OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-               "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
-
 
 def rendezvous_port(job_id: int) -> int:
     """torch.distributed's port for a non-Ray job (from the job id, below Ray's port blocks)."""
@@ -60,7 +57,6 @@ class ClusterTask:
         from hpcrlhf.hpc.allocation import Allocation, check_fits
 
         env = submitit.JobEnvironment()
-        os.environ.update(OFFLINE_ENV)
         alloc = Allocation.from_env(hostnames=env.hostnames)
         print(f"hpcrlhf: task {env.global_rank}/{env.num_tasks} on {env.hostname} (attempt {self.requeues + 1})",
               flush=True)
@@ -117,6 +113,11 @@ class ClusterTask:
         if self.requeues >= self.max_requeues:
             print(f"hpcrlhf: not requeued: already requeued {self.requeues} time(s) (--max-requeues)", flush=True)
             return None
+        if shutil.which("scontrol") is None:  # submitit requeues with `scontrol requeue` from this task
+            print("hpcrlhf: checkpointed, but not requeued: `scontrol` is not available here (inside a container "
+                  "image without Slurm's client tools?); resubmit the same command to resume from the checkpoint, "
+                  "or use `hpcrlhf sbatch --container`, whose script requeues from the host", flush=True)
+            return None
         print(f"hpcrlhf: checkpointed; requeueing (requeue {self.requeues + 1} of at most {self.max_requeues})",
               flush=True)
         return submitit.helpers.DelayedSubmission(replace(self, requeues=self.requeues + 1))
@@ -125,8 +126,12 @@ class ClusterTask:
 def executor(o: SlurmOptions):
     import submitit
 
+    from hpcrlhf.hpc.sbatch import container_setup, exec_prefix, offline_env, ray_token_env
+
+    # submitit's script: the same environment (offline, caches, the image and its checks, Ray's token)
+    # as `hpcrlhf sbatch` writes, then `srun <python> -m submitit.core._submit`, inside the image if any.
     ex = submitit.AutoExecutor(folder=Path(o.run_dir) / "submitit", cluster="slurm",
-                               slurm_max_num_timeout=o.max_requeues, slurm_python=o.python)
+                               slurm_max_num_timeout=o.max_requeues, slurm_python=exec_prefix(o))
     params: dict[str, Any] = dict(
         nodes=o.nodes, tasks_per_node=o.tasks_per_node, gpus_per_node=o.gpus_per_node, timeout_min=o.time_minutes,
         name=o.job_name, slurm_signal_delay_s=o.signal_lead_s,
@@ -134,19 +139,13 @@ def executor(o: SlurmOptions):
     params.update({f"slurm_{k}": v for k in ("partition", "account", "qos") if (v := getattr(o, k))})
     if o.cpus_per_gpu:
         params["slurm_cpus_per_gpu"] = o.cpus_per_gpu
-    if o.launcher == "ray":
-        from hpcrlhf.hpc.sbatch import ray_token_env
-
-        params["slurm_setup"] = ray_token_env(o)
+    params["slurm_setup"] = offline_env(o) + container_setup(o) + (ray_token_env(o) if o.launcher == "ray" else [])
     ex.update_parameters(**params)
     return ex
 
 
 def submit(argv: Sequence[str], o: SlurmOptions):
     """Queue `hpcrlhf <argv>` with options `o`; returns submitit's job handle."""
-    if o.container:
-        raise HpcrlhfError("--container with `hpcrlhf submit` is not supported yet: render the job with "
-                           "`hpcrlhf sbatch --container` instead")
     Path(o.run_dir).mkdir(parents=True, exist_ok=True)
     task = ClusterTask(list(argv), o.launcher, o.max_requeues, python=o.python)
     return executor(o).submit(task)

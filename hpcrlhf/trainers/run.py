@@ -8,6 +8,9 @@ as it goes, and `finish` at the end.
 from __future__ import annotations
 
 import json
+import os
+import socket
+import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -24,6 +27,18 @@ from hpcrlhf.signals import StopFlag
 log = get_logger()
 
 
+def environment_record(env: DistEnv) -> dict[str, Any]:
+    """Where and with what this attempt of the run started (one line of environment.jsonl)."""
+    import torch
+
+    from hpcrlhf import __version__
+
+    return {"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "host": socket.gethostname(), "hpcrlhf": __version__,
+            "python": sys.executable, "torch": torch.__version__, "world_size": env.world_size,
+            "container": os.environ.get("APPTAINER_CONTAINER"), "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
+            "slurm_restart_count": int(os.environ.get("SLURM_RESTART_COUNT", 0))}
+
+
 class Run:
     def __init__(self, cfg, env: DistEnv):
         self.cfg, self.env = cfg, env
@@ -32,6 +47,8 @@ class Run:
         if env.is_main:
             self.dir.mkdir(parents=True, exist_ok=True)
             (self.dir / "config.yaml").write_text(to_yaml(cfg))
+            with open(self.dir / "environment.jsonl", "a") as f:  # one line per start: requeues add lines
+                f.write(json.dumps(environment_record(env)) + "\n")
         barrier()
         self.resume_from = self._checkpoint_to_resume()
         self.metrics = MetricsWriter(self.dir, enabled=env.is_main, tensorboard=cfg.log.tensorboard)

@@ -5,7 +5,9 @@ Two runs from the same half-trained policy and seed (module fixture, ~4 min each
 the local Ray cluster; `ppo-tiny-ray` spreads the roles over two nodes (actor + reference on GPU 0
 of each node, the critic on GPU 1, two vLLM engines of TP 2 on GPUs 2-3) and is submitted with
 `hpcrlhf submit` to the local two-node Slurm cluster, where it is stopped by the time-limit signal,
-requeued and resumed. Both have 2 ranks per role, so they sample and learn alike.
+requeued and resumed. Both have 2 ranks per role, so they sample and learn alike. A third run, the
+separated layout's first steps inside hpcrlhf's CPU Apptainer image (started by the script
+`hpcrlhf sbatch --container` renders), samples exactly like the colocated run.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import time
 import pytest
 
 from hpcrlhf.metrics import read_metrics
+from tests.hpc.slurm_jobs import render, slurm_log
 from tests.launch_helpers import ROOT, cli_command, cli_env, run_cli
 from tests.slurm_cluster import node_address
 
@@ -105,22 +108,27 @@ def test_ppo_on_ray_learns_the_task_like_single_machine_ppo(runs):
     assert max(r["rollout/logprob_max_diff"] for r in rows) < 1e-4
 
 
-@pytest.mark.slow
-def test_every_worker_runs_where_the_plan_puts_it(runs, policy_model):
-    """Placement read back from the workers (node address, visible GPUs) == `hpcrlhf plan --json`:
-    on the Slurm nodes n1, n2 when the run was submitted there."""
+def placement(folder, policy_model, ips) -> tuple[dict, dict]:
+    """(where `hpcrlhf plan --json` puts each rank and engine, where the workers say they ran):
+    {(role, rank): (node address, visible GPUs)}."""
     plan = json.loads(run_cli(["plan", SEPARATED, "--json", "--set", f"model.path={policy_model}"]).stdout)
-    ips = runs["node_ips"]
     expected = {(role, rank): (ips[d["node"]], str(d["gpu"]))
                 for role, r in plan["roles"].items() for rank, d in enumerate(r["ranks"])}
     for i, engine in enumerate(plan["vllm"]["engines"]):
         (node,) = {d["node"] for d in engine["devices"]}
         expected[("vllm", i)] = (ips[node], ",".join(str(d["gpu"]) for d in engine["devices"]))
-    workers = json.loads((runs[SEPARATED] / "placement.json").read_text())["workers"]
-    found = {(w["role"], w["rank"]): (w["node_ip"], w["visible_devices"]) for w in workers}
-    assert found == expected
-    assert {ip for ip, _ in found.values()} == set(ips)  # both nodes hold ranks of every role
+    workers = json.loads((folder / "placement.json").read_text())["workers"]
     assert len({w["pid"] for w in workers}) == len(workers)  # one process per rank and engine
+    return expected, {(w["role"], w["rank"]): (w["node_ip"], w["visible_devices"]) for w in workers}
+
+
+@pytest.mark.slow
+def test_every_worker_runs_where_the_plan_puts_it(runs, policy_model):
+    """Placement read back from the workers (node address, visible GPUs) == `hpcrlhf plan --json`:
+    on the Slurm nodes n1, n2 when the run was submitted there."""
+    expected, found = placement(runs[SEPARATED], policy_model, runs["node_ips"])
+    assert found == expected
+    assert {ip for ip, _ in found.values()} == set(runs["node_ips"])  # both nodes hold ranks of every role
 
 
 @pytest.mark.slow
@@ -151,3 +159,34 @@ def test_submitted_job_requeued_at_its_time_limit_resumes_without_losing_a_sampl
     assert [r["step"] for r in sep] == list(range(1, STEPS + 1))
     assert [r["rollout/score"] for r in sep] == pytest.approx([r["rollout/score"] for r in col], abs=1e-6)
     assert summary(runs[SEPARATED])["after"] == pytest.approx(summary(runs[COLOCATED])["after"], abs=1e-6)
+
+
+IMAGE_STEPS = 8
+
+
+@pytest.fixture(scope="module")
+def ppo_in_image(slurm_cluster, cpu_image, policy_model, tmp_path_factory):
+    """The separated layout's first steps inside hpcrlhf's CPU image: the script `hpcrlhf sbatch
+    --container` renders (Ray head and workers, vLLM engines and every role inside the image)."""
+    run = tmp_path_factory.mktemp("ppo-in-image") / "run"
+    script = render(run, SEPARATED, "--container", cpu_image, "--set", f"model.path={policy_model}", *RUN,
+                    "--set", f"train.max_steps={IMAGE_STEPS}")
+    job = slurm_cluster.sbatch(script)
+    return run, slurm_cluster.wait(job, 900), job
+
+
+@pytest.mark.slow
+def test_ray_ppo_inside_the_image_places_and_samples_like_the_host_run(ppo_in_image, runs, cpu_image, policy_model):
+    run, state, job = ppo_in_image
+    log = slurm_log(run, job)
+    assert state == "COMPLETED", log[-4000:]
+    (inside,) = [json.loads(line) for line in (run / "environment.jsonl").read_text().splitlines()]
+    assert inside["container"] == cpu_image and inside["python"] == "/opt/venv/bin/python", inside
+    ips = [node_address(1), node_address(2)]
+    expected, found = placement(run, policy_model, ips)
+    assert found == expected and {ip for ip, _ in found.values()} == set(ips)
+    rows, host = train_rows(run), train_rows(runs[COLOCATED])[:IMAGE_STEPS]
+    assert [r["step"] for r in rows] == list(range(1, IMAGE_STEPS + 1))
+    # the same prompts, seeds and updates as on the host: the same scores, step by step
+    assert [r["rollout/score"] for r in rows] == pytest.approx([r["rollout/score"] for r in host], abs=1e-6)
+    assert max(r["rollout/logprob_max_diff"] for r in rows) < 1e-4  # weight sync into the engines works

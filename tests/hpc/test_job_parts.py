@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import json
 import pickle
+import re
 
 import pytest
 
 from hpcrlhf.errors import ConfigError
-from hpcrlhf.hpc.allocation import Allocation
+from hpcrlhf.hpc.allocation import Allocation, expand_hostnames
 from hpcrlhf.hpc.submit import ClusterTask, latest_metrics
 
 
@@ -24,19 +25,53 @@ def test_allocation_from_slurm_variables():
     assert b.gpus_per_node == 3
 
 
+NODELISTS = {  # Slurm's compressed node lists, expanded by hand
+    "n1": ["n1"],
+    "n[1-3,07]": ["n1", "n2", "n3", "n07"],
+    "gpu[008-011]": ["gpu008", "gpu009", "gpu010", "gpu011"],
+    "login1,n[9-11],x": ["login1", "n9", "n10", "n11", "x"],
+    "r[1-2]n[3-4]": ["r1n3", "r1n4", "r2n3", "r2n4"],
+}
+
+
+@pytest.mark.parametrize("nodelist", sorted(NODELISTS))
+def test_node_lists_expand_like_slurm(nodelist):
+    assert expand_hostnames(nodelist) == NODELISTS[nodelist]
+
+
+@pytest.mark.parametrize("nodelist", sorted(NODELISTS))
+def test_node_lists_expand_like_scontrol(nodelist, slurm_cluster):
+    assert expand_hostnames(nodelist) == slurm_cluster.run("scontrol", "show", "hostnames", nodelist).split()
+
+
+@pytest.mark.parametrize("nodelist, why", [("n[1-", "unbalanced"), ("n[a-b]", "'a-b' is not N or N-M"),
+                                           ("n[3-1]", "'3-1' is not"), ("", "no host names")])
+def test_unreadable_node_lists_are_named(nodelist, why):
+    with pytest.raises(ConfigError, match=re.escape(f"SLURM_JOB_NODELIST {nodelist!r} cannot be read: ") + ".*" + re.escape(why)):
+        expand_hostnames(nodelist)
+
+
 def test_outside_a_job_the_allocation_says_so():
     with pytest.raises(ConfigError, match="SLURM_JOB_ID"):
         Allocation.from_env({}, hostnames=["n1"])
 
 
-def test_checkpoint_requeues_the_same_task_until_the_limit():
+def test_checkpoint_requeues_the_same_task_until_the_limit(monkeypatch):
     pytest.importorskip("submitit")
+    monkeypatch.setattr("hpcrlhf.hpc.submit.shutil.which", lambda name: f"/usr/bin/{name}")
     task = ClusterTask(["train", "sft", "--output-dir", "/r"], "mpi", max_requeues=2)
     again = task.checkpoint()
     assert again.function.requeues == 1 and again.function.argv == task.argv
     last = again.function.checkpoint().function
     assert last.requeues == 2 and last.checkpoint() is None  # --max-requeues reached: not requeued
     assert pickle.loads(pickle.dumps(last)).requeues == 2  # submitit pickles it (without its child process)
+
+
+def test_without_scontrol_the_task_says_it_cannot_requeue(monkeypatch, capsys):
+    pytest.importorskip("submitit")
+    monkeypatch.setattr("hpcrlhf.hpc.submit.shutil.which", lambda name: None)  # an image without Slurm's tools
+    assert ClusterTask(["train", "sft", "--output-dir", "/r"], "mpi", max_requeues=2).checkpoint() is None
+    assert "not requeued: `scontrol` is not available here" in capsys.readouterr().out
 
 
 def test_latest_metrics_line(tmp_path):

@@ -5,19 +5,12 @@ signal, and a job too big for its allocation. (`hpcrlhf submit` of Ray PPO: test
 from __future__ import annotations
 
 import re
-import time
-from pathlib import Path
 
 import pytest
 
 from hpcrlhf.metrics import read_metrics
-from tests.launch_helpers import run_cli
+from tests.hpc.slurm_jobs import SFT, losses, render, slurm_log, wait_for_step
 from tests.slurm_cluster import node_address
-
-SFT = ["--set", "train.max_steps=60", "--set", "train.global_batch_size=32", "--set", "train.micro_batch_size=16",
-       "--set", "log.every_steps=5", "--set", "eval.every_steps=0", "--set", "eval.score_prompts=32",
-       "--set", "task.eval_size=64", "--set", "task.train_size=4000", "--set", "log.tensorboard=false",
-       "--set", "log.progress=false"]
 
 
 def test_two_nodes_with_their_own_names_addresses_and_gpus(slurm_cluster, tmp_path):
@@ -30,48 +23,22 @@ def test_two_nodes_with_their_own_names_addresses_and_gpus(slurm_cluster, tmp_pa
     assert lines == [f"0: n1 {node_address(1)} 0,1 0", f"1: n2 {node_address(2)} 0,1 1"]
 
 
-def render(run: Path, *args: str) -> Path:
-    out = run_cli(["sbatch", *args, "-o", str(run), "--time", "30"]).stdout
-    script = run / f"{args[args.index('--kind') + 1] if '--kind' in args else 'ppo'}.sbatch"
-    assert f"wrote {script}" in out
-    return script
-
-
-def wait_for_step(run: Path, step: int, timeout: float = 600) -> None:
-    deadline = time.monotonic() + timeout
-    while not any(m.get("step", 0) >= step for m in (read_metrics(run) if (run / "metrics.jsonl").exists() else [])):
-        assert time.monotonic() < deadline, f"{run} did not reach step {step} within {timeout:.0f} s"
-        time.sleep(0.5)
-
-
-def losses(run: Path) -> dict[int, float]:
-    return {m["step"]: m["train/loss"] for m in read_metrics(run) if "train/loss" in m}
-
-
 @pytest.fixture(scope="module")
-def sft_runs(slurm_cluster, tmp_path_factory):
-    """The rendered 2-node MPI SFT script run twice: straight through, and stopped by the
-    time-limit signal after step 20 (requeued by the script itself, resumed from its checkpoint)."""
-    runs = {}
-    for name in ("straight", "requeued"):
-        run = tmp_path_factory.mktemp(f"sft-{name}") / "run"
-        script = render(run, "--kind", "sft", "--launcher", "mpi", "--nodes", "2", "--gpus-per-node", "1", *SFT)
-        job = slurm_cluster.sbatch(script)
-        if name == "requeued":
-            wait_for_step(run, 20)
-            slurm_cluster.run("scancel", "--batch", "--signal=USR1", str(job))  # what --signal=B:USR1@lead sends
-            slurm_cluster.start_now(job)
-        runs[name] = (run, slurm_cluster.wait(job, 900), job)
-    return runs
-
-
-def slurm_log(run: Path, job: int) -> str:
-    return (run / f"slurm-{job}.out").read_text()
+def sft_requeued(slurm_cluster, tmp_path_factory):
+    """The rendered 2-node MPI SFT script stopped by the time-limit signal after step 20 (requeued by
+    the script itself, resumed from its checkpoint)."""
+    run = tmp_path_factory.mktemp("sft-requeued") / "run"
+    script = render(run, "--kind", "sft", "--launcher", "mpi", "--nodes", "2", "--gpus-per-node", "1", *SFT)
+    job = slurm_cluster.sbatch(script)
+    wait_for_step(run, 20)
+    slurm_cluster.run("scancel", "--batch", "--signal=USR1", str(job))  # what --signal=B:USR1@lead sends
+    slurm_cluster.start_now(job)
+    return run, slurm_cluster.wait(job, 900), job
 
 
 @pytest.mark.distributed
-def test_rendered_mpi_sft_job_across_two_nodes_learns(sft_runs):
-    run, state, job = sft_runs["straight"]
+def test_rendered_mpi_sft_job_across_two_nodes_learns(sft_straight):
+    run, state, job = sft_straight
     log = slurm_log(run, job)
     assert state == "COMPLETED", log[-4000:]
     assert "the job fits the allocation (2 node(s) x 1 GPU(s))" in log and "2 rank(s) x 16 rows" in log
@@ -80,8 +47,8 @@ def test_rendered_mpi_sft_job_across_two_nodes_learns(sft_runs):
 
 
 @pytest.mark.distributed
-def test_time_limit_signal_checkpoints_requeues_and_resumes_like_an_uninterrupted_run(sft_runs):
-    (straight, _, _), (run, state, job) = sft_runs["straight"], sft_runs["requeued"]
+def test_time_limit_signal_checkpoints_requeues_and_resumes_like_an_uninterrupted_run(sft_straight, sft_requeued):
+    (straight, _, _), (run, state, job) = sft_straight, sft_requeued
     log = slurm_log(run, job)
     assert state == "COMPLETED", log[-4000:]
     assert "checkpointed on request (status" in log

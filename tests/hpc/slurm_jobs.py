@@ -1,0 +1,36 @@
+"""Jobs rendered by `hpcrlhf sbatch` for the local Slurm cluster, and reading their results."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from hpcrlhf.metrics import read_metrics
+from tests.launch_helpers import run_cli
+
+SFT = ["--set", "train.max_steps=60", "--set", "train.global_batch_size=32", "--set", "train.micro_batch_size=16",
+       "--set", "log.every_steps=5", "--set", "eval.every_steps=0", "--set", "eval.score_prompts=32",
+       "--set", "task.eval_size=64", "--set", "task.train_size=4000", "--set", "log.tensorboard=false",
+       "--set", "log.progress=false"]
+
+
+def render(run: Path, *args: str) -> Path:
+    out = run_cli(["sbatch", *args, "-o", str(run), "--time", "30"]).stdout
+    script = run / f"{args[args.index('--kind') + 1] if '--kind' in args else 'ppo'}.sbatch"
+    assert f"wrote {script}" in out
+    return script
+
+
+def wait_for_step(run: Path, step: int, timeout: float = 600) -> None:
+    deadline = time.monotonic() + timeout
+    while not any(m.get("step", 0) >= step for m in (read_metrics(run) if (run / "metrics.jsonl").exists() else [])):
+        assert time.monotonic() < deadline, f"{run} did not reach step {step} within {timeout:.0f} s"
+        time.sleep(0.5)
+
+
+def losses(run: Path) -> dict[int, float]:
+    return {m["step"]: m["train/loss"] for m in read_metrics(run) if "train/loss" in m}
+
+
+def slurm_log(run: Path, job: int) -> str:
+    return (run / f"slurm-{job}.out").read_text()
