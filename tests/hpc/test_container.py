@@ -113,3 +113,14 @@ def test_submitted_sft_inside_the_image_learns_exactly_like_the_host_run(sft_sub
     assert losses(run) == pytest.approx(losses(host), rel=1e-5)
     final = {k: v for k, v in read_metrics(run)[-1].items() if k.startswith("eval/")}
     assert final and final == pytest.approx({k: read_metrics(host)[-1][k] for k in final}, rel=1e-5)
+
+
+def test_an_image_the_user_cannot_read_is_refused(tmp_path, monkeypatch, capsys):
+    """(Root reads every file, so the permission is denied through os.access.)"""
+    image = tmp_path / "hpcrlhf.sif"
+    image.write_bytes(b"\0" * 32 + b"SIF_MAGIC" + b"\0" * 64)
+    monkeypatch.setattr("hpcrlhf.hpc.image.os.access", lambda path, mode: False)
+    assert main(["sbatch", *MPI_SFT, "-o", str(tmp_path / "run"), "--container", str(image)]) == 2
+    err = capsys.readouterr().err
+    assert f"--container: {str(image)!r} cannot be used: it is not readable by you: `chmod a+r` it" in err
+    assert not (tmp_path / "run").exists()
