@@ -62,8 +62,9 @@ class Allocation:
 
 def expand_hostnames(nodelist: str) -> list[str]:
     """Slurm's compressed node list as host names, in order: `n[1-3,07]` -> n1 n2 n3 n07,
-    `a[1-2]b[3-4]` -> a1b3 a1b4 a2b3 a2b4 (zero padding from the lower bound). What `scontrol show hostnames` prints, computed here because the job's steps may
-    run inside a container without Slurm's tools."""
+    `a[1-2]b[3-4]` -> a1b3 a1b4 a2b3 a2b4 (zero padding from the lower bound). What `scontrol show
+    hostnames` prints, computed here because the job's steps may run inside a container without
+    Slurm's tools."""
     def bad(why: str) -> ConfigError:
         return ConfigError(f"SLURM_JOB_NODELIST {nodelist!r} cannot be read: {why}")
 
@@ -79,22 +80,23 @@ def expand_hostnames(nodelist: str) -> list[str]:
         raise bad("unbalanced brackets")
     hosts: list[str] = []
     for entry in filter(None, entries):
-        choices = []
-        for part in filter(None, re.split(r"(\[[^\]]*\])", entry)):
-            if not part.startswith("["):
-                choices.append([part])
-                continue
-            values = []
-            for item in part[1:-1].split(","):
-                lo, _, hi = item.strip().partition("-")
-                if not lo.isdigit() or (hi and not hi.isdigit()) or (hi and int(hi) < int(lo)):
-                    raise bad(f"range {item!r} is not N or N-M")
-                values += [str(n).zfill(len(lo)) for n in range(int(lo), int(hi or lo) + 1)]
-            choices.append(values)
+        choices = [_bracket_values(part[1:-1], bad) if part.startswith("[") else [part]
+                   for part in filter(None, re.split(r"(\[[^\]]*\])", entry))]
         hosts += ["".join(c) for c in itertools.product(*choices)]
     if not hosts:
         raise bad("no host names")
     return hosts
+
+
+def _bracket_values(ranges: str, bad) -> list[str]:
+    """`1-3,07` -> 1 2 3 07: the values of one bracket of a Slurm node list."""
+    values = []
+    for item in ranges.split(","):
+        lo, _, hi = item.strip().partition("-")
+        if not lo.isdigit() or (hi and not hi.isdigit()) or (hi and int(hi) < int(lo)):
+            raise bad(f"range {item!r} is not N or N-M")
+        values += [str(n).zfill(len(lo)) for n in range(int(lo), int(hi or lo) + 1)]
+    return values
 
 
 def node_addresses(hosts: Sequence[str]) -> list[str]:

@@ -27,6 +27,10 @@ STACK = ("torch", "transformers", "datasets", "deepspeed", "ray", "vllm", "submi
 BUILD_HINT = "build one with `apptainer/build.sh cpu|gpu OUT.sif` (apptainer/README.md)"
 
 
+def unusable(path: str, why: str) -> ConfigError:
+    return ConfigError(f"--container: {path!r} cannot be used: {why}")
+
+
 def image_problem(path: str) -> Optional[str]:
     """Why `path` cannot be a job's image (None: it is a readable SIF file)."""
     p = Path(path)
@@ -51,8 +55,8 @@ def probe_hpcrlhf(path: str, python: str = "python", apptainer: str = "apptainer
     proc = subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL)
     if proc.returncode != 0:
         last = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
-        raise ConfigError(f"--container: {path!r} cannot be used: its `{python}` cannot import hpcrlhf ({last}): "
-                          f"{BUILD_HINT}, or name the image's Python with --python")
+        raise unusable(path, f"its `{python}` cannot import hpcrlhf ({last}): {BUILD_HINT}, or name the image's "
+                             "Python with --python")
     return proc.stdout.strip().splitlines()[-1]
 
 
@@ -62,7 +66,7 @@ def check_image(path: str, python: str = "python") -> list[str]:
 
     problem = image_problem(path)
     if problem:
-        raise ConfigError(f"--container: {path!r} cannot be used: {problem}")
+        raise unusable(path, problem)
     if shutil.which("apptainer") is None:
         return [f"apptainer is not on this host: the job checks that {path} holds hpcrlhf when it starts"]
     inside = probe_hpcrlhf(path, python)

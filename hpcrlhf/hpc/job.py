@@ -94,15 +94,14 @@ def cluster_job(kind: str, recipe: Optional[str], overrides: Sequence[str], outp
         given.setdefault("gpus_per_node", 1)
     given.setdefault("job_name", f"hpcrlhf-{kind}")
     given.setdefault("python", "python" if given.get("container") else sys.executable)
+    given["binds"] = tuple(given.get("binds") or ())
     if given.get("container"):
         from hpcrlhf.hpc.image import check_image
 
         notes += check_image(str(given["container"]), str(given["python"]))
         binds, missing = container_binds(config_paths(cfg), run_dir)
-        given["binds"] = tuple(binds) + tuple(given.get("binds") or ())
+        given["binds"] = tuple(binds) + given["binds"]
         notes += missing
-    if "binds" in given:
-        given["binds"] = tuple(given["binds"])
     options = SlurmOptions(run_dir=run_dir, **given)  # type: ignore[arg-type]
     check_fits(argv, options.nodes, options.gpus_per_node, launcher=options.launcher,
                where="the requested --nodes/--gpus-per-node")

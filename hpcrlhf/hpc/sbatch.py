@@ -117,8 +117,8 @@ def _header(o: SlurmOptions) -> list[str]:
 CONTAINER_ENV = {"PYTHONNOUSERSITE": "1", "PYTHONPATH": "", "PYTHONSAFEPATH": "1"}
 """Set inside the container: the host's user site-packages, PYTHONPATH and the submission folder
 (Apptainer binds it as the working directory; `python -m` would import a checkout there first)
-must not shadow the image's packages. Everything else is inherited (Slurm's and PMIx's per-task variables, CUDA's
-device list, HF_*/HPCRLHF_* settings, Ray's token)."""
+must not shadow the image's packages. Everything else is inherited (Slurm's and PMIx's per-task
+variables, CUDA's device list, HF_*/HPCRLHF_* settings, Ray's token)."""
 
 
 def exec_prefix(o: SlurmOptions) -> str:

@@ -20,7 +20,7 @@ import time
 import pytest
 
 from hpcrlhf.metrics import read_metrics
-from tests.hpc.slurm_jobs import render, slurm_log
+from tests.hpc.slurm_jobs import attempts, run_rendered, slurm_log
 from tests.launch_helpers import ROOT, cli_command, cli_env, run_cli
 from tests.slurm_cluster import node_address
 
@@ -168,11 +168,9 @@ IMAGE_STEPS = 8
 def ppo_in_image(slurm_cluster, cpu_image, policy_model, tmp_path_factory):
     """The separated layout's first steps inside hpcrlhf's CPU image: the script `hpcrlhf sbatch
     --container` renders (Ray head and workers, vLLM engines and every role inside the image)."""
-    run = tmp_path_factory.mktemp("ppo-in-image") / "run"
-    script = render(run, SEPARATED, "--container", cpu_image, "--set", f"model.path={policy_model}", *RUN,
-                    "--set", f"train.max_steps={IMAGE_STEPS}")
-    job = slurm_cluster.sbatch(script)
-    return run, slurm_cluster.wait(job, 900), job
+    return run_rendered(slurm_cluster, tmp_path_factory.mktemp("ppo-in-image") / "run", SEPARATED, "--container",
+                        cpu_image, "--set", f"model.path={policy_model}", *RUN,
+                        "--set", f"train.max_steps={IMAGE_STEPS}")
 
 
 @pytest.mark.slow
@@ -180,7 +178,7 @@ def test_ray_ppo_inside_the_image_places_and_samples_like_the_host_run(ppo_in_im
     run, state, job = ppo_in_image
     log = slurm_log(run, job)
     assert state == "COMPLETED", log[-4000:]
-    (inside,) = [json.loads(line) for line in (run / "environment.jsonl").read_text().splitlines()]
+    (inside,) = attempts(run)
     assert inside["container"] == cpu_image and inside["python"] == "/opt/venv/bin/python", inside
     ips = [node_address(1), node_address(2)]
     expected, found = placement(run, policy_model, ips)

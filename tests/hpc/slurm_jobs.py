@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -19,6 +20,17 @@ def render(run: Path, *args: str) -> Path:
     script = run / f"{args[args.index('--kind') + 1] if '--kind' in args else 'ppo'}.sbatch"
     assert f"wrote {script}" in out
     return script
+
+
+def run_rendered(slurm_cluster, run: Path, *args: str, timeout: float = 900) -> tuple[Path, str, int]:
+    """Render `hpcrlhf sbatch ARGS` into `run`, submit it, wait for it: (run folder, final state, job id)."""
+    job = slurm_cluster.sbatch(render(run, *args))
+    return run, slurm_cluster.wait(job, timeout), job
+
+
+def attempts(run: Path) -> list[dict]:
+    """The run's environment.jsonl: where each start of the run ran."""
+    return [json.loads(line) for line in (run / "environment.jsonl").read_text().splitlines()]
 
 
 def wait_for_step(run: Path, step: int, timeout: float = 600) -> None:

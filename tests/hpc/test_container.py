@@ -5,22 +5,17 @@ tests/cluster/test_ppo.py.)"""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 
 from hpcrlhf.cli import main
 from hpcrlhf.metrics import read_metrics
-from tests.hpc.slurm_jobs import SFT, losses, render, slurm_log
+from tests.hpc.slurm_jobs import SFT, attempts, losses, render, run_rendered, slurm_log
 from tests.images import busybox_image
 from tests.launch_helpers import run_cli
 
 MPI_SFT = ["--kind", "sft", "--launcher", "mpi", "--nodes", "2", "--gpus-per-node", "1"]
-
-
-def attempts(run: Path) -> list[dict]:
-    return [json.loads(line) for line in (run / "environment.jsonl").read_text().splitlines()]
 
 
 def test_a_built_image_passes_its_smoke_test(cpu_image):
@@ -69,10 +64,8 @@ def test_a_job_whose_image_is_gone_from_the_node_fails_before_any_step(slurm_clu
 
 @pytest.fixture(scope="module")
 def sft_in_image(slurm_cluster, cpu_image, tmp_path_factory):
-    run = tmp_path_factory.mktemp("sft-in-image") / "run"
-    script = render(run, *MPI_SFT, "--container", cpu_image, *SFT)
-    job = slurm_cluster.sbatch(script)
-    return run, slurm_cluster.wait(job, 900), job
+    return run_rendered(slurm_cluster, tmp_path_factory.mktemp("sft-in-image") / "run", *MPI_SFT,
+                        "--container", cpu_image, *SFT)
 
 
 @pytest.mark.distributed
