@@ -91,6 +91,35 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from dataclasses import replace
+
+    from hpcrlhf.bench.suites import SUITES, get_suite
+
+    if args.list or not args.suite:
+        for suite in SUITES.values():
+            print(f"{suite.name:10s} {suite.about}\n{'':10s} systems: {', '.join(s.name for s in suite.systems)}")
+        return 0 if args.list else 2
+    suite = get_suite(args.suite).with_model(args.model, args.reward_model)
+    if args.steps is not None:
+        if args.steps < 1:
+            raise ConfigError(f"--steps: {args.steps} measured steps; use at least 1")
+        suite = replace(suite, steps=args.steps)
+    systems = [suite.system(n) for n in args.systems.split(",")] if args.systems else list(suite.systems)
+    dschat = None
+    if args.dschat_dir:
+        from hpcrlhf.bench.dschat import DSChat
+
+        dschat = DSChat.from_args(args.dschat_dir, critic=args.dschat_critic, suite=suite)
+    from hpcrlhf.bench.runner import run_suite
+
+    out = Path(args.output or f"runs/bench-{suite.name}")
+    doc = run_suite(suite, out, systems=systems, dschat=dschat)
+    print((out / "results.md").read_text(), end="")
+    print(f"results: {out / 'results.json'}; plots: {', '.join(str(out / p) for p in doc['plots'])}")
+    return 0 if all(s["status"] == "ok" for s in doc["systems"]) else 1
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from hpcrlhf.demo import run_demo
 
@@ -285,6 +314,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--python", default="python", metavar="PATH", help="the image's Python (default: python)")
     p.add_argument("--nv", action="store_true", help="test with the host's NVIDIA GPUs (apptainer --nv)")
     p.set_defaults(func=cmd_image)
+
+    p = sub.add_parser("bench", help="PPO throughput of hpcrlhf and a DeepSpeed-Chat-style baseline, same run",
+                       description="Run every system of a benchmark suite (hpcrlhf distributed and colocated, the "
+                                   "DeepSpeed-Chat-style baseline, real DeepSpeed-Chat with --dschat-dir) on the same "
+                                   "models, prompts, fixed lengths and hardware, one after the other, and write "
+                                   "results.json, results.md and PNG plots. --list shows the suites.")
+    p.add_argument("--suite", metavar="NAME", help="suite to run (cpu, cpu-tiny, gpu-7b, gpu-13b, gpu-70b)")
+    p.add_argument("--output", "-o", metavar="DIR", help="results folder (default: runs/bench-SUITE)")
+    p.add_argument("--systems", metavar="A,B", help="run only these systems of the suite")
+    p.add_argument("--steps", type=int, metavar="N", help="measured steps (after warm-up; default: the suite's)")
+    p.add_argument("--model", metavar="PATH", help="actor/reference model folder (gpu suites need one)")
+    p.add_argument("--reward-model", metavar="PATH", help="reward model (and critic) folder (default: --model)")
+    p.add_argument("--dschat-dir", metavar="DIR",
+                   help="a DeepSpeedExamples checkout: also run real DeepSpeed-Chat step 3 (GPU) and parse its log")
+    p.add_argument("--dschat-critic", metavar="DIR",
+                   help="DeepSpeed-Chat step-2 output (its critic/reward model, with pytorch_model.bin)")
+    p.add_argument("--list", action="store_true", help="list the suites and their systems")
+    p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("demo", help="the main job on the embedded defaults (tiny bundled model and task)",
                        description="Fine-tune the bundled tiny model on the bundled arithmetic task and "

@@ -454,6 +454,12 @@ class RolloutConfig:
     """Sample among the k most likely tokens (0: off)."""
     max_new_tokens: int = 8
     """Longest response; responses cut here have no EOS (see reward.missing_eos_penalty)."""
+    min_new_tokens: int = 0
+    """EOS is suppressed before this many tokens; `= max_new_tokens` gives fixed-length responses
+    (what throughput benchmarks use, so every system generates the same tokens)."""
+    hf_batch_size: int = 256
+    """hf only: sequences per `generate` call on each rank (DeepSpeed-Chat's
+    per_device_generation_batch_size)."""
     vllm_kv_cache_gb: float = 1.0
     """vllm only: KV-cache memory of the engine, in GiB."""
     vllm_enforce_eager: bool = True
@@ -467,6 +473,9 @@ class RolloutConfig:
         _require(0 < self.top_p <= 1, "rollout.top_p", self.top_p, "use a value in (0, 1]")
         _require(self.top_k >= 0, "rollout.top_k", self.top_k, "use 0 (off) or a positive k")
         _require(self.max_new_tokens >= 1, "rollout.max_new_tokens", self.max_new_tokens, "use at least 1")
+        _require(0 <= self.min_new_tokens <= self.max_new_tokens, "rollout.min_new_tokens", self.min_new_tokens,
+                 f"use a value from 0 to rollout.max_new_tokens ({self.max_new_tokens})")
+        _require(self.hf_batch_size >= 1, "rollout.hf_batch_size", self.hf_batch_size, "use at least 1")
         _require(self.vllm_kv_cache_gb > 0, "rollout.vllm_kv_cache_gb", self.vllm_kv_cache_gb, "use a positive size")
 
 

@@ -78,6 +78,9 @@ class SamplingParams:
     """Keep only the k most likely tokens; 0 = off."""
     max_new_tokens: int = 8
     """Longest response, EOS included."""
+    min_new_tokens: int = 0
+    """EOS is not generated before this many tokens (benchmarks set it to `max_new_tokens`:
+    every response then has exactly that length)."""
     greedy: bool = False
     """Argmax decoding. With n > 1 every sample of a prompt is the same greedy response
     (computed once, returned n times)."""
@@ -95,6 +98,8 @@ class SamplingParams:
             problems.append(f"n must be >= 1, got {self.n}")
         if self.max_new_tokens < 1:
             problems.append(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if not 0 <= self.min_new_tokens <= self.max_new_tokens:
+            problems.append(f"min_new_tokens must be in [0, max_new_tokens={self.max_new_tokens}], got {self.min_new_tokens}")
         if not self.greedy and not self.temperature > 0:
             problems.append(f"temperature must be > 0 when sampling (greedy=True for argmax), got {self.temperature}")
         if not 0 < self.top_p <= 1:
@@ -222,6 +227,8 @@ class HFRollout:
             sampling = dict(do_sample=True, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
                             repetition_penalty=1.0, num_return_sequences=params.n)
             rows_per_prompt = params.n
+        if params.min_new_tokens:
+            sampling["min_new_tokens"] = params.min_new_tokens
         out = self.model.generate(
             input_ids=ids.to(self.device), attention_mask=mask.to(self.device), max_new_tokens=params.max_new_tokens,
             pad_token_id=self.pad_token_id, eos_token_id=self.eos_token_id, synced_gpus=self.synced_gpus,
@@ -337,7 +344,8 @@ class VLLMRollout:
         if not prompts:
             return []
         # detokenize=False: only token ids are needed (EOS detection works on ids).
-        common: dict[str, Any] = dict(max_tokens=params.max_new_tokens, logprobs=0, detokenize=False)
+        common: dict[str, Any] = dict(max_tokens=params.max_new_tokens, min_tokens=params.min_new_tokens, logprobs=0,
+                                      detokenize=False)
         if params.greedy:
             # n identical copies of one greedy response (as HFRollout), so request n=1.
             per_prompt = [VllmSamplingParams(n=1, temperature=0.0, **common)] * len(prompts)

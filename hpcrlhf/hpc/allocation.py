@@ -110,6 +110,10 @@ def check_fits(args: Sequence[str], nodes: int, gpus_per_node: int, *, launcher:
     `where` names what is checked against ("the allocation of job 42", "--nodes/--gpus-per-node")."""
     from hpcrlhf.cli import job_config
 
+    if args and args[0] == "bench":
+        from hpcrlhf.bench.runner import bench_fits
+
+        return bench_fits(args, nodes, gpus_per_node, where)
     kind, cfg = job_config(args)
     if launcher == "ray":
         from hpcrlhf.placement import build_node_map

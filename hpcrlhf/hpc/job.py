@@ -9,6 +9,7 @@ from dataclasses import dataclass, fields, is_dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
+from hpcrlhf.errors import ConfigError
 from hpcrlhf.hpc.allocation import check_fits
 from hpcrlhf.hpc.sbatch import SlurmOptions
 
@@ -70,19 +71,29 @@ def cluster_job(kind: str, recipe: Optional[str], overrides: Sequence[str], outp
     the default; nodes/GPUs default to the recipe's placement for Ray, 1 x 1 for MPI)."""
     from hpcrlhf.cli import build_config, resolve_recipe
 
-    recipe_path = resolve_recipe(recipe)
+    recipe_path = resolve_recipe(recipe) if kind != "bench" else None
     if recipe_path is not None and Path(recipe_path).exists() and recipe == recipe_path:
         recipe = str(Path(recipe_path).resolve())  # the job runs elsewhere: a user's file by absolute path
     run_dir = str(Path(output_dir or f"runs/{kind}-{Path(recipe or 'defaults').stem}").resolve())
-    argv = ["train", kind] + (["--config", recipe] if recipe else [])
-    argv += [a for o in overrides for a in ("--set", o)] + ["--output-dir", run_dir]
-    cfg = build_config(kind, recipe, list(overrides), run_dir)
-    ray = kind == "ppo" and cfg.placement.runtime == "ray"
     given = {k: v for k, v in slurm.items() if v is not None}
-    given.setdefault("launcher", "ray" if ray else "mpi")
+    if kind == "bench":  # a benchmark suite: its systems run one after the other on one Ray cluster
+        from hpcrlhf.bench.runner import bench_args
+        from hpcrlhf.bench.suites import get_suite
+
+        if given.get("launcher", "ray") != "ray":
+            raise ConfigError("--launcher: a bench job runs on Ray (its all-ranks baseline starts its own srun step)")
+        suite = get_suite(recipe or "")
+        argv, cfg, shape = bench_args(suite.name, overrides, run_dir), None, (suite.nodes, suite.gpus_per_node)
+        given["launcher"] = "ray"
+    else:
+        argv = ["train", kind] + (["--config", recipe] if recipe else [])
+        argv += [a for o in overrides for a in ("--set", o)] + ["--output-dir", run_dir]
+        cfg = build_config(kind, recipe, list(overrides), run_dir)
+        ray = kind == "ppo" and cfg.placement.runtime == "ray"
+        given.setdefault("launcher", "ray" if ray else "mpi")
+        shape = (cfg.placement.nodes, cfg.placement.gpus_per_node) if kind == "ppo" else (1, 1)
     notes = []
     if given["launcher"] == "ray":
-        shape = (cfg.placement.nodes, cfg.placement.gpus_per_node) if kind == "ppo" else (1, 1)
         given.setdefault("nodes", shape[0])
         given.setdefault("gpus_per_node", shape[1])
         if (given["nodes"], given["gpus_per_node"]) != shape:
@@ -99,7 +110,7 @@ def cluster_job(kind: str, recipe: Optional[str], overrides: Sequence[str], outp
         from hpcrlhf.hpc.image import check_image
 
         notes += check_image(str(given["container"]), str(given["python"]))
-        binds, missing = container_binds(config_paths(cfg), run_dir)
+        binds, missing = container_binds(config_paths(cfg) if cfg is not None else [], run_dir)
         given["binds"] = tuple(binds) + given["binds"]
         notes += missing
     options = SlurmOptions(run_dir=run_dir, **given)  # type: ignore[arg-type]

@@ -58,7 +58,7 @@ def encode_prompt_rows(rows, data, tokenizer) -> list[Prompt]:
 def sampling_params(r, *, n: int, seed: int | None, greedy: bool = False) -> SamplingParams:
     """The engine's sampling settings from a `rollout` config section."""
     return SamplingParams(n=n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_new_tokens,
-                          greedy=greedy, seed=seed)
+                          min_new_tokens=r.min_new_tokens, greedy=greedy, seed=seed)
 
 
 def flatten_generations(prompts: Sequence[Prompt], generations: list[list[Generation]], tokenizer
@@ -157,7 +157,8 @@ class OnlineTrainer(Trainer):
 
         synced = self.engine.zero_stage == 3 and self.env.world_size > 1
         self.hf_rollout = HFRollout(self.engine.module, pad_token_id=self.pad_id, eos_token_id=self.tokenizer.eos_token_id,
-                                    device=self.engine.device, synced_gpus=synced)
+                                    device=self.engine.device, synced_gpus=synced,
+                                    batch_size=self.cfg.rollout.hf_batch_size)
         self.rollout_synced = True
         if self.cfg.rollout.backend == "hf":
             self.rollout = self.hf_rollout

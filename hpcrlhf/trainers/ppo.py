@@ -8,7 +8,8 @@ One step reads top to bottom, each phase timed under its metric name:
                KL-shaped rewards, advantages and returns                        timing/make_experience
     update     PPO epochs over mini-batches of the replay buffer: the actor's
                clipped policy loss (+ entropy bonus, + KL loss), the critic's
-               clipped value loss                                               timing/train_actor, timing/train_critic
+               clipped value loss                                               timing/train (wall time),
+                                                                                timing/train_actor, timing/train_critic
     sync       actor weights into the rollout engine                            timing/weight_sync
 
 The maths are pure functions in `algos.ppo` and `algos.advantages`. Every batch statistic
@@ -116,7 +117,8 @@ class PPOTrainer(OnlineTrainer):
         rollout = self.rollout_step(self.step_prompts(step), self.sampling(step, self.cfg.rollout.samples_per_prompt))
         with self.run.timed("make_experience"):
             experience, stats = self.make_experience(rollout)
-        sums = self.learn(experience, step)
+        with self.run.timed("train"):  # wall time of the updates (train_actor/critic may overlap)
+            sums = self.learn(experience, step)
         with self.run.timed("weight_sync"):
             self.sync_rollout()
         return self.step_metrics(rollout, stats, sums)

@@ -181,6 +181,27 @@ def test_hf_sampled_eos_at_varied_steps(hf_model, tokenizer, rollout_prompts):
     assert max_logprob_error(hf_model, gens) < TOL  # EOS's own log-prob included
 
 
+def test_min_new_tokens_gives_fixed_lengths_on_both_backends(hf_model, vllm_rollout, tokenizer, rollout_prompts):
+    """With EOS likely at every step, min_new_tokens = max_new_tokens still makes every response
+    exactly that long (what benchmarks rely on); without it responses end early."""
+    eos = tokenizer.eos_token_id
+    base = {k: v.clone() for k, v in hf_model.state_dict().items()}
+    hf_model.load_state_dict(eos_prone(hf_model, rollout_prompts, eos, alpha=0.1))
+    early = hf_rollout(hf_model, tokenizer).generate(rollout_prompts, SamplingParams(n=4, max_new_tokens=12, seed=1))
+    assert any(g.finished for s in early for g in s)
+    fixed = SamplingParams(n=4, max_new_tokens=12, min_new_tokens=12, seed=1)
+    try:
+        vllm_rollout.load_weights(hf_model.state_dict())
+        for gens in (hf_rollout(hf_model, tokenizer).generate(rollout_prompts, fixed),
+                     vllm_rollout.generate(rollout_prompts, fixed)):
+            assert all(len(g.response_ids) == 12 and eos not in g.response_ids[:-1] for s in gens for g in s)
+            assert max_logprob_error(hf_model, gens) < TOL
+    finally:
+        vllm_rollout.load_weights(base)  # the engine is shared by the module's tests
+    with pytest.raises(ValueError, match="min_new_tokens must be in"):
+        SamplingParams(max_new_tokens=4, min_new_tokens=5)
+
+
 def test_hf_seed_reproduces_and_leaves_the_global_rng_alone(hf_model, tokenizer, rollout_prompts):
     engine = hf_rollout(hf_model, tokenizer)
     params = SamplingParams(n=2, max_new_tokens=10, seed=7)

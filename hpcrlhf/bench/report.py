@@ -1,0 +1,120 @@
+"""A suite's results as results.json, a markdown table (results.md) and PNG plots: samples/s per
+system, the phase breakdown as stacked bars, and samples/s along the scaling axis."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from hpcrlhf.bench.measure import PHASES
+
+BASELINE = "dschat-style"
+
+
+def _ok(doc: dict) -> list[dict]:
+    return [s for s in doc["systems"] if s["status"] == "ok"]
+
+
+def speedups(doc: dict) -> dict[str, float]:
+    """samples/s of every measured system over the DSChat-style baseline's (empty without it)."""
+    base = next((s for s in _ok(doc) if s["name"] == BASELINE), None)
+    if base is None:
+        return {}
+    ref = base["throughput"]["samples_per_s"]
+    return {s["name"]: s["throughput"]["samples_per_s"] / ref for s in _ok(doc)}
+
+
+def markdown(doc: dict) -> str:
+    suite, peak = doc["suite"], doc["peak"]
+    ups = speedups(doc)
+    lines = [
+        f"# Benchmark `{suite['name']}`: {suite['about']}", "",
+        f"- hardware: {suite['hardware']}, {suite['nodes']} x {suite['gpus_per_node']} (devices counted: "
+        f"{suite['devices']}); {peak['device']}, measured {peak['dtype']} matmul peak {peak['matmul_flops'] / 1e12:.3f} "
+        f"TFLOP/s, copy bandwidth {peak['memory_bytes_per_s'] / 1e9:.1f} GB/s",
+        f"- model {suite['model']}, reward model {suite['reward_model']}, {suite['precision']}; per step "
+        f"{suite['prompts_per_step']} prompts x ({suite['prompt_tokens']} prompt + {suite['response_tokens']} "
+        f"response tokens, fixed), optimizer batch {suite['train_batch']}, 1 PPO epoch",
+        f"- {suite['warmup_steps']} warm-up step(s) dropped, medians over {suite['steps']} measured steps; "
+        f"hpcrlhf {doc['hpcrlhf']}, {doc['started']}", "",
+        "| system | samples/s | samples/device/s | tokens/s | step s | " + " | ".join(f"{p} s" for p in PHASES)
+        + " | gen share | MFU | vs dschat-style |",
+        "|" + " --- |" * (10 + len(PHASES)),
+    ]
+    for s in doc["systems"]:
+        if s["status"] != "ok":
+            lines.append(f"| {s['name']} | failed: {s.get('error', '').splitlines()[0][:80]} |" + " |" * (9 + len(PHASES)))
+            continue
+        t = s["throughput"]
+        mfu = "n/a" if t["mfu"] is None else f"{100 * t['mfu']:.2f} %"
+        up = f"{ups[s['name']]:.2f}x" if s["name"] in ups else "n/a"
+        lines.append(f"| {s['name']} | {t['samples_per_s']:.2f} | {t['samples_per_device_s']:.3f} | "
+                     f"{t['tokens_per_s']:.0f} | {t['step_s']:.2f} | "
+                     + " | ".join(f"{t['phases_s'][p]:.2f}" for p in PHASES)
+                     + f" | {100 * t['generation_share']:.0f} % | {mfu} | {up} |")
+    lines += ["", "Systems:", ""] + [f"- `{s['name']}`: {s['about']}" for s in doc["systems"]]
+    return "\n".join(lines) + "\n"
+
+
+def plot(doc: dict, out: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = _ok(doc)
+    if not ok:
+        return []
+    names = [s["name"] for s in ok]
+    paths = []
+
+    fig, ax = plt.subplots(figsize=(1.6 * len(ok) + 2.5, 3.4))
+    ax.bar(names, [s["throughput"]["samples_per_s"] for s in ok], color="tab:blue")
+    for i, s in enumerate(ok):
+        ax.annotate(f"{s['throughput']['samples_per_s']:.2f}", (i, s["throughput"]["samples_per_s"]), ha="center",
+                    va="bottom", fontsize=8)
+    ax.set_ylabel("PPO samples / s")
+    ax.set_title(f"{doc['suite']['name']}: throughput (same hardware, same run)")
+    ax.tick_params(axis="x", labelrotation=20)
+    paths.append(_save(fig, out / "samples_per_s.png"))
+
+    fig, ax = plt.subplots(figsize=(1.6 * len(ok) + 3.5, 3.6))
+    bottom = [0.0] * len(ok)
+    for phase in PHASES:
+        values = [s["throughput"]["phases_s"][phase] for s in ok]
+        ax.bar(names, values, bottom=bottom, label=phase)
+        bottom = [b + v for b, v in zip(bottom, values)]
+    ax.set_ylabel("seconds per PPO step (median)")
+    ax.set_title(f"{doc['suite']['name']}: where a step's time goes")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    ax.tick_params(axis="x", labelrotation=20)
+    paths.append(_save(fig, out / "phases.png"))
+
+    points = sorted((s["scaling"][1], s["throughput"]["samples_per_s"]) for s in ok if s.get("scaling"))
+    if len(points) >= 2:
+        axis = next(s["scaling"][0] for s in ok if s.get("scaling"))
+        fig, ax = plt.subplots(figsize=(4.5, 3.4))
+        ax.plot(*zip(*points), marker="o")
+        ax.set_xlabel(axis)
+        ax.set_ylabel("PPO samples / s")
+        ax.set_title(f"{doc['suite']['name']}: scaling ({axis})")
+        ax.grid(alpha=0.3)
+        paths.append(_save(fig, out / "scaling.png"))
+    return paths
+
+
+def _save(fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return path
+
+
+def write_report(doc: dict, out: Path) -> None:
+    """results.json, results.md and the plots into `out`."""
+    doc["speedup_vs_dschat_style"] = speedups(doc)
+    doc["plots"] = [p.name for p in plot(doc, out)]
+    (out / "results.json").write_text(json.dumps(doc, indent=2) + "\n")
+    (out / "results.md").write_text(markdown(doc))

@@ -1,0 +1,240 @@
+"""Run a suite: every system as a real `hpcrlhf train ppo` job on the same prompts, one after the
+other on the same hardware, then its metrics summarised (`measure`) and reported (`report`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Sequence
+
+from hpcrlhf.bench.flops import Shape, causal_context, train_flops
+from hpcrlhf.bench.measure import summarize
+from hpcrlhf.bench.suites import Suite, System
+from hpcrlhf.errors import ConfigError, HpcrlhfError
+from hpcrlhf.logs import get_logger
+from hpcrlhf.metrics import read_metrics
+
+log = get_logger()
+
+
+def fixed_length_prompts(tokenizer, count: int, length: int, seed: int = 0) -> list[str]:
+    """`count` prompt texts of exactly `length` tokens each (as the trainer encodes them): random
+    digit/word text cut to `length` tokens, kept when it re-encodes to the same length."""
+    from hpcrlhf.data.sft import encode_prompts
+
+    rng = random.Random(seed)
+    words = [str(d) for d in range(10)] + ["the", "a", "of", "and", "to", "is"]
+    content = length - len(encode_prompts(tokenizer, [""])[0])  # what BOS & co. leave
+    out: list[str] = []
+    for _ in range(count):
+        for _attempt in range(50):
+            text = " ".join(rng.choice(words) for _ in range(2 * length + 8))
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"][:content]
+            cut = tokenizer.decode(ids, skip_special_tokens=True).strip()
+            if len(encode_prompts(tokenizer, [cut])[0]) == length:
+                out.append(cut)
+                break
+        else:
+            raise ConfigError(f"could not make a prompt of exactly {length} tokens with this tokenizer; "
+                              "choose another prompt length")
+    return out
+
+
+def write_prompts(suite: Suite, path: Path) -> Path:
+    """The suite's prompts (one JSON row per prompt, enough for every step without repeats)."""
+    from hpcrlhf.models.loading import load_tokenizer
+
+    tokenizer = load_tokenizer(suite.model)
+    texts = fixed_length_prompts(tokenizer, suite.prompts_per_step * (suite.warmup_steps + suite.steps),
+                                 suite.prompt_tokens)
+    path.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in texts))
+    return path
+
+
+def system_command(suite: Suite, system: System, run_dir: Path, prompts: Path,
+                   python: str = sys.executable) -> list[str]:
+    """The command line of one system's job (the all-ranks baseline under torchrun, or srun
+    across the nodes of a Slurm allocation)."""
+    args = ["train", "ppo", *(["--config", system.recipe] if system.recipe else [])]
+    for value in suite.common_overrides(str(prompts)) + list(system.overrides):
+        args += ["--set", value]
+    args += ["--output-dir", str(run_dir)]
+    if system.kind != "dschat-style":
+        return [python, "-m", "hpcrlhf", *args]
+    if suite.nodes > 1 and suite.hardware == "gpu":  # one rank per GPU of the allocation
+        return ["srun", "--overlap", f"--nodes={suite.nodes}", f"--ntasks-per-node={suite.gpus_per_node}", "--mpi=pmix",
+                python, "-m", "hpcrlhf.hpc.mpi", *args]
+    from hpcrlhf.engines.distributed import free_port
+
+    return [python, "-m", "torch.distributed.run", f"--nproc_per_node={suite.ranks}", f"--master_port={free_port()}",
+            "-m", "hpcrlhf", *args]
+
+
+def step_train_flops(suite: Suite) -> float:
+    """Model FLOPs of one step's PPO updates: actor (LM head) and critic (value head) over every
+    prompt + response token, once per PPO epoch."""
+    from transformers import AutoConfig
+
+    from hpcrlhf.models.loading import resolve_model_path
+
+    actor = Shape.from_config(AutoConfig.from_pretrained(resolve_model_path(suite.model)))
+    critic = Shape.from_config(AutoConfig.from_pretrained(resolve_model_path(suite.reward_model or suite.model)))
+    tokens = suite.prompts_per_step * (suite.prompt_tokens + suite.response_tokens)
+    ctx = causal_context(suite.prompt_tokens, suite.response_tokens)
+    recompute = suite.gradient_checkpointing
+    return (train_flops(actor, tokens, ctx, lm_head=True, recompute=recompute)
+            + train_flops(critic, tokens, ctx, lm_head=False, recompute=recompute))
+
+
+def check_systems(suite: Suite, systems: Sequence[System], prompts: Path) -> None:
+    """Build every system's config (and node map for Ray) before anything runs: a bad suite or
+    override fails here, naming the system, not half-way through the benchmark."""
+    from hpcrlhf.cli import build_config
+    from hpcrlhf.placement import build_node_map
+
+    problems = []
+    for system in systems:
+        try:
+            cfg = build_config("ppo", system.recipe, suite.common_overrides(str(prompts)) + list(system.overrides), None)
+            if cfg.placement.runtime == "ray":
+                build_node_map(cfg)
+        except HpcrlhfError as e:
+            problems.append(f"system {system.name}: {e}")
+    if problems:
+        raise ConfigError(f"suite {suite.name}: " + "; ".join(problems))
+
+
+BENCH_SETTINGS = ("model", "reward_model", "systems", "steps")
+
+
+def bench_args(suite_name: str, overrides: Sequence[str], output_dir: str) -> list[str]:
+    """`hpcrlhf bench ...` arguments of a cluster benchmark job (`hpcrlhf sbatch --kind bench SUITE
+    --set model=PATH ...`): the --set keys are the bench options model, reward_model, systems, steps."""
+    args = ["bench", "--suite", suite_name, "--output", output_dir]
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep or key not in BENCH_SETTINGS:
+            raise ConfigError(f"--set {item}: a bench job takes --set KEY=VALUE with KEY one of {', '.join(BENCH_SETTINGS)}")
+        args += [f"--{key.replace('_', '-')}", value]
+    return args
+
+
+def bench_fits(args: Sequence[str], nodes: int, gpus_per_node: int, where: str) -> None:
+    """Raise unless the benchmark `hpcrlhf <args>` fits nodes x gpus_per_node (every system checked)."""
+    from hpcrlhf.bench.suites import get_suite
+    from hpcrlhf.cli import build_parser
+    from hpcrlhf.errors import PlacementError
+
+    a = build_parser().parse_args(list(args))
+    suite = get_suite(a.suite).with_model(a.model, a.reward_model)
+    if suite.nodes > nodes or suite.gpus_per_node > gpus_per_node:
+        raise PlacementError(f"suite {suite.name} runs on {suite.nodes} node(s) x {suite.gpus_per_node} GPU(s) but {where} "
+                             f"has {nodes} x {gpus_per_node}: ask for --nodes {suite.nodes} --gpus-per-node "
+                             f"{suite.gpus_per_node}")
+    systems = [suite.system(n) for n in a.systems.split(",")] if a.systems else list(suite.systems)
+    check_systems(suite, systems, Path(a.output or ".") / "prompts.jsonl")
+
+
+@dataclass
+class SystemRun:
+    system: System
+    run_dir: Path
+    returncode: int
+    wall_s: float
+    error: Optional[str] = None
+
+
+def _status(system: System, index: int, total: int, run_dir: Path, steps: int, started: float) -> str:
+    rows = [r for r in read_metrics(run_dir) if "timing/step" in r] if (run_dir / "metrics.jsonl").exists() else []
+    elapsed = time.monotonic() - started
+    if not rows:
+        return f"bench [{index}/{total}] {system.name}: starting ({elapsed:.0f} s)"
+    last = float(rows[-1]["timing/step"])
+    eta = (steps - len(rows)) * last
+    return (f"bench [{index}/{total}] {system.name}: step {len(rows)}/{steps}, {last:.2f} s/step, "
+            f"ETA {eta:.0f} s ({elapsed:.0f} s so far)")
+
+
+def run_system(suite: Suite, system: System, out: Path, prompts: Path, index: int, total: int,
+               status_every_s: float = 15.0, env: Optional[dict] = None) -> SystemRun:
+    """Run one system's job to the end, printing a status line (step, s/step, ETA) periodically."""
+    run_dir = out / system.name
+    if run_dir.exists():
+        import shutil
+
+        shutil.rmtree(run_dir)  # a benchmark always measures a fresh run
+    run_dir.mkdir(parents=True)
+    cmd = system_command(suite, system, run_dir, prompts)
+    (run_dir / "command.txt").write_text(" ".join(cmd) + "\n")
+    log.info(f"bench [{index}/{total}] {system.name}: {system.about}")
+    started = time.monotonic()
+    with (run_dir / "job.log").open("w") as job_log:
+        proc = subprocess.Popen(cmd, stdout=job_log, stderr=subprocess.STDOUT, env=env or dict(os.environ))
+        last = started
+        while proc.poll() is None:
+            time.sleep(0.5)
+            if time.monotonic() - last >= status_every_s:
+                last = time.monotonic()
+                log.info(_status(system, index, total, run_dir, suite.warmup_steps + suite.steps, started))
+    wall = time.monotonic() - started
+    error = None
+    if proc.returncode != 0:
+        tail = (run_dir / "job.log").read_text(errors="replace").strip().splitlines()[-15:]
+        error = f"exited {proc.returncode}; end of {run_dir / 'job.log'}:\n" + "\n".join(tail)
+        log.error(f"bench [{index}/{total}] {system.name}: {error}")
+    else:
+        log.info(f"bench [{index}/{total}] {system.name}: done in {wall:.0f} s")
+    return SystemRun(system, run_dir, proc.returncode, wall, error)
+
+
+def run_suite(suite: Suite, out: Path, *, systems: Sequence[System], env: Optional[dict] = None,
+              dschat=None) -> dict:
+    """Run `systems` of `suite` into `out`, write results.json, results.md and the plots, and
+    return the results."""
+    from hpcrlhf import __version__
+    from hpcrlhf.bench.peak import measure_peak
+    from hpcrlhf.bench.report import write_report
+
+    out.mkdir(parents=True, exist_ok=True)
+    prompts = write_prompts(suite, out / "prompts.jsonl")
+    check_systems(suite, systems, prompts)
+    peak = measure_peak()
+    flops = step_train_flops(suite)
+    log.info(f"bench {suite.name}: {len(systems)} system(s), {suite.prompts_per_step} prompts x "
+             f"({suite.prompt_tokens} + {suite.response_tokens}) tokens per step, {suite.warmup_steps} warm-up + "
+             f"{suite.steps} measured steps; device {peak.device}: matmul {peak.matmul_flops / 1e9:.1f} GFLOP/s")
+    results = []
+    total = len(systems) + (dschat is not None)
+    for i, system in enumerate(systems, 1):
+        run = run_system(suite, system, out, prompts, i, total, env=env)
+        entry = {"name": system.name, "kind": system.kind, "about": system.about, "scaling": system.scaling,
+                 "run_dir": str(run.run_dir), "wall_s": run.wall_s, "status": "ok" if run.error is None else "failed"}
+        if run.error is None:
+            try:
+                entry["throughput"] = summarize(
+                    read_metrics(run.run_dir), warmup=suite.warmup_steps, samples=suite.prompts_per_step,
+                    prompt_tokens=suite.prompt_tokens, devices=suite.devices, train_flops_per_step=flops,
+                    peak_flops=peak.matmul_flops).to_dict()
+            except HpcrlhfError as e:
+                entry.update(status="failed", error=str(e))
+        else:
+            entry["error"] = run.error
+        results.append(entry)
+    if dschat is not None:
+        results.append(dschat.run(suite, out, total, peak))
+    doc = {"suite": {"name": suite.name, "about": suite.about, "hardware": suite.hardware, "nodes": suite.nodes,
+                     "gpus_per_node": suite.gpus_per_node, "devices": suite.devices, "model": suite.model,
+                     "reward_model": suite.reward_model or suite.model, "prompt_tokens": suite.prompt_tokens,
+                     "response_tokens": suite.response_tokens, "prompts_per_step": suite.prompts_per_step,
+                     "train_batch": suite.train_batch, "warmup_steps": suite.warmup_steps, "steps": suite.steps,
+                     "precision": suite.precision},
+           "peak": peak.to_dict(), "train_flops_per_step": flops, "hpcrlhf": __version__,
+           "python": sys.version.split()[0], "started": time.strftime("%Y-%m-%dT%H:%M:%S"), "systems": results}
+    write_report(doc, out)
+    return doc

@@ -1,0 +1,187 @@
+"""Benchmark suites: which systems run, on which models, lengths, batches and hardware.
+
+Every system of a suite runs the same PPO step (actor, critic, reference and reward model; GAE)
+on the same prompts, with fixed-length responses (`rollout.min_new_tokens = max_new_tokens`),
+the same rollout batch, the same optimizer batches and PPO epochs, so that their samples/s
+compare the systems and nothing else. What differs is only where the models live and what
+generates:
+
+- `hpcrlhf-distributed`: every role on its own ranks (Ray, by the node map), vLLM engines.
+- `hpcrlhf-colocated`: every role and the vLLM engine(s) on the same devices.
+- `dschat-style`: DeepSpeed-Chat step 3's design (microsoft/DeepSpeedExamples,
+  applications/DeepSpeed-Chat): all four models on every device under ZeRO-3, generation by the
+  training actor itself with Hugging Face `generate` (`synced_gpus`), DSChat's per-device batch
+  sizes -- hpcrlhf's own trainer with `placement.runtime: local`, launched on every device.
+  benchmarks/README.md lists each setting against DSChat's.
+
+Suites named `cpu*` run here; `gpu-*` suites are for clusters and need `--model` (and
+`--reward-model`) folders of the right size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Literal, Optional
+
+from hpcrlhf.errors import ConfigError
+
+SystemKind = Literal["hpcrlhf", "dschat-style"]
+
+# DeepSpeed-Chat step 3 defaults (main.py; run_13b.sh uses the same): per-device generation and
+# training batch 16, one generation batch, one PPO epoch; ZeRO-3 for actor and critic in its
+# 13B scripts (reference and reward follow them to ZeRO-3).
+DSCHAT_PER_DEVICE_BATCH = 16
+# DSChat's hard-coded PPO constants (ppo_trainer.py), used by every system so the maths match.
+DSCHAT_PPO = ("ppo.init_kl_coef=0.1", "reward.clip=5.0", "ppo.clip_eps=0.2", "ppo.value_clip=0.2", "ppo.gamma=1.0",
+              "ppo.lam=0.95", "ppo.epochs=1", "ppo.advantage_estimator=gae")
+
+
+@dataclass(frozen=True)
+class System:
+    name: str
+    kind: SystemKind
+    recipe: Optional[str] = None
+    """Shipped recipe (or YAML path) the system starts from; None: the defaults."""
+    overrides: tuple[str, ...] = ()
+    """`--set` values of this system on top of the suite's common ones."""
+    scaling: Optional[tuple[str, float]] = None
+    """(axis, value) when the system is a point of the scaling plot, e.g. ("vLLM engines", 2)."""
+    about: str = ""
+
+
+@dataclass(frozen=True)
+class Suite:
+    name: str
+    about: str
+    hardware: Literal["cpu", "gpu"]
+    nodes: int
+    gpus_per_node: int
+    """The allocation every system runs on (declared GPUs on CPU)."""
+    prompt_tokens: int
+    response_tokens: int
+    prompts_per_step: int
+    warmup_steps: int
+    steps: int
+    """Measured steps after the warm-up ones (medians over these)."""
+    systems: tuple[System, ...]
+    model: Optional[str] = "builtin:tiny-llama"
+    """Actor, reference and (unless `reward_model`) reward model; None: the user must give --model."""
+    reward_model: Optional[str] = None
+    precision: Literal["fp32", "bf16"] = "fp32"
+    gradient_checkpointing: bool = False
+    dschat_ranks: Optional[int] = None
+    """Ranks of the all-devices baseline (default: nodes x gpus_per_node; CPU suites: 2, one per
+    core, as the colocated layout's 2 declared devices)."""
+    extra: tuple[str, ...] = field(default=())
+    """`--set` values common to every system."""
+
+    @property
+    def devices(self) -> int:
+        """Devices samples/device/s divides by: the allocation's GPUs, or 1 for a CPU host (every
+        system shares the same cores; the GPUs a CPU suite declares are placement labels)."""
+        return 1 if self.hardware == "cpu" else self.nodes * self.gpus_per_node
+
+    @property
+    def ranks(self) -> int:
+        return self.dschat_ranks or self.nodes * self.gpus_per_node
+
+    @property
+    def train_batch(self) -> int:
+        """Sequences per optimizer step: DSChat's per-device training batch on every rank."""
+        return DSCHAT_PER_DEVICE_BATCH * self.ranks
+
+    def system(self, name: str) -> System:
+        for s in self.systems:
+            if s.name == name:
+                return s
+        raise ConfigError(f"--systems: suite {self.name} has no system '{name}'; its systems: "
+                          f"{', '.join(s.name for s in self.systems)}")
+
+    def common_overrides(self, prompts_path: str) -> list[str]:
+        """`--set` values every system of the suite runs with."""
+        model = self.model
+        reward = self.reward_model or model
+        return [
+            f"model.path={model}", f"reward.sources=[{{model: {reward}}}]", f"critic.path={reward}",
+            "task.name=null", f"data.train_path={prompts_path}", f"data.max_length={self.prompt_tokens}",
+            f"rollout.prompts_per_step={self.prompts_per_step}", "rollout.samples_per_prompt=1",
+            f"rollout.max_new_tokens={self.response_tokens}", f"rollout.min_new_tokens={self.response_tokens}",
+            f"train.global_batch_size={self.train_batch}", f"train.max_steps={self.warmup_steps + self.steps}",
+            f"engine.precision={self.precision}", f"engine.gradient_checkpointing={str(self.gradient_checkpointing).lower()}",
+            "eval.every_steps=0", "eval.score_prompts=0", "log.every_steps=1", "log.tensorboard=false",
+            "log.progress=false", "checkpoint.save_model=false", *DSCHAT_PPO, *self.extra,
+        ]
+
+    def with_model(self, model: Optional[str], reward_model: Optional[str]) -> "Suite":
+        """The suite on the user's models; a suite without a model needs one."""
+        suite = replace(self, model=model or self.model, reward_model=reward_model or self.reward_model)
+        if suite.model is None:
+            raise ConfigError(f"--model: suite {self.name} has no bundled model; give --model PATH (a local Hugging Face "
+                              f"folder of the shape it is named after) and --reward-model PATH")
+        return suite
+
+
+def dschat_style(ranks: int, *, offload_reference: bool = False) -> System:
+    extra = ("reference.offload=true",) if offload_reference else ()
+    return System("dschat-style", "dschat-style", None,
+                  ("placement.runtime=local", "rollout.backend=hf", "engine.zero_stage=3",
+                   f"rollout.hf_batch_size={DSCHAT_PER_DEVICE_BATCH}", f"train.micro_batch_size={DSCHAT_PER_DEVICE_BATCH}",
+                   *extra),
+                  about=f"DeepSpeed-Chat step 3 design: 4 models x {ranks} ranks, ZeRO-3, HF generate by the actor")
+
+
+# -- CPU: 2 declared nodes x 4 declared GPUs on this host ------------------------------------------
+_CPU_REWARD = ("placement.reward={nodes: 2, gpus_per_node: 1}", "placement.colocate=[[actor, ref], [critic, reward]]")
+_CPU_MICRO = f"train.micro_batch_size={DSCHAT_PER_DEVICE_BATCH}"
+_CPU_SYSTEMS = (
+    System("hpcrlhf-distributed", "hpcrlhf", "ppo-tiny-ray", (*_CPU_REWARD, _CPU_MICRO), ("vLLM engines", 2),
+           "Ray: actor+ref, critic+reward on 2 ranks each, 2 vLLM engines (TP 2), over 2 nodes"),
+    System("hpcrlhf-colocated", "hpcrlhf", "ppo-tiny-ray-colocated",
+           ("placement.reward={nodes: 1, gpus_per_node: 2}", "placement.colocate=[[actor, critic, ref, reward, vllm]]",
+            _CPU_MICRO),
+           about="Ray: every role and one vLLM engine (TP 2) on the same 2 devices"),
+    dschat_style(2),
+)
+_CPU_SCALING = System("hpcrlhf-distributed-1-engine", "hpcrlhf", "ppo-tiny-ray",
+                      (*_CPU_REWARD, _CPU_MICRO, "placement.vllm.engines=1", "placement.allow_idle_gpus=true"),
+                      ("vLLM engines", 1), "hpcrlhf-distributed with one vLLM engine")
+
+# -- GPU: the shipped OpenRLHF-style layouts against DSChat-style on the same allocation -------------
+# OpenRLHF's benchmark (OpenRLHF/OpenRLHF benchmark/README.md) used 1024-token prompts and answers.
+_GPU = dict(hardware="gpu", prompt_tokens=1024, response_tokens=1024, prompts_per_step=1024, warmup_steps=1, steps=3,
+            model=None, precision="bf16", gradient_checkpointing=True)
+
+
+def _gpu_systems(recipe: str, nodes: int, gpus: int, engines_tp: tuple[int, int]) -> tuple[System, ...]:
+    engines, tp = engines_tp
+    every = f"{{nodes: {nodes}, gpus_per_node: {gpus}}}"
+    return (
+        System("hpcrlhf-distributed", "hpcrlhf", recipe, about=f"{recipe}: separate roles, vLLM engines (OpenRLHF layout)"),
+        System("hpcrlhf-colocated", "hpcrlhf", recipe,
+               tuple(f"placement.{r}={every}" for r in ("actor", "critic", "ref", "reward"))
+               + (f"placement.vllm={{engines: {engines}, tensor_parallel_size: {tp}, gpu_memory_utilization: 0.35}}",
+                  "placement.colocate=[[actor, critic, ref, reward, vllm]]", "engine.zero_stage=3"),
+               about=f"every role on all {nodes * gpus} GPUs, {engines} vLLM engines of TP {tp} beside them"),
+        dschat_style(nodes * gpus, offload_reference=True),
+    )
+
+
+SUITES: dict[str, Suite] = {s.name: s for s in (
+    Suite("cpu", "recorded CPU comparison: tiny llama, 32-token prompts and answers, 64 prompts per step",
+          "cpu", 2, 4, prompt_tokens=32, response_tokens=32, prompts_per_step=64, warmup_steps=1, steps=4,
+          systems=_CPU_SYSTEMS + (_CPU_SCALING,), dschat_ranks=2),
+    Suite("cpu-tiny", "harness check (CI): the cpu suite's systems on 16-token answers, 2 measured steps",
+          "cpu", 2, 4, prompt_tokens=16, response_tokens=16, prompts_per_step=32, warmup_steps=1, steps=2,
+          systems=_CPU_SYSTEMS, dschat_ranks=2),
+    Suite("gpu-7b", "7B actor/critic/ref/RM on 2 x 8 GPUs (OpenRLHF's published 7B layout)", nodes=2, gpus_per_node=8,
+          systems=_gpu_systems("ppo-7b", 2, 8, (8, 2)), **_GPU),
+    Suite("gpu-13b", "13B on 4 x 8 GPUs", nodes=4, gpus_per_node=8, systems=_gpu_systems("ppo-13b", 4, 8, (8, 4)), **_GPU),
+    Suite("gpu-70b", "70B on 4 x 8 GPUs (ZeRO-3, Adam in CPU memory)", nodes=4, gpus_per_node=8,
+          systems=_gpu_systems("ppo-70b", 4, 8, (4, 8)), **_GPU),
+)}
+
+
+def get_suite(name: str) -> Suite:
+    if name not in SUITES:
+        raise ConfigError(f"--suite: unknown suite '{name}'; suites: {', '.join(SUITES)}")
+    return SUITES[name]

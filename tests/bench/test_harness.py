@@ -1,0 +1,125 @@
+"""`hpcrlhf bench`: the CPU suite's harness end to end (real jobs: Ray distributed, Ray colocated,
+the DSChat-style baseline under torchrun), and the errors users get before anything runs.
+No timing assertions: the figures must be consistent, not fast."""
+
+import json
+import math
+
+import pytest
+
+from hpcrlhf.bench.suites import SUITES, get_suite
+from hpcrlhf.errors import ConfigError
+from tests.launch_helpers import run_cli
+
+
+@pytest.fixture(scope="module")
+def cpu_tiny(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench") / "cpu-tiny"
+    proc = run_cli(["bench", "--suite", "cpu-tiny", "--output", str(out)], timeout=900)
+    return out, proc, json.loads((out / "results.json").read_text())
+
+
+def test_every_system_runs_and_reports_consistent_figures(cpu_tiny):
+    out, proc, doc = cpu_tiny
+    suite = get_suite("cpu-tiny")
+    assert [s["name"] for s in doc["systems"]] == [s.name for s in suite.systems]
+    for s in doc["systems"]:
+        assert s["status"] == "ok", s.get("error")
+        t = s["throughput"]
+        assert t["steps"] == suite.steps
+        assert t["samples_per_step"] == suite.prompts_per_step
+        assert t["samples_per_s"] == pytest.approx(suite.prompts_per_step / t["step_s"])
+        assert t["tokens_per_s"] == pytest.approx(t["samples_per_s"] * (suite.prompt_tokens + suite.response_tokens))
+        assert 0 < t["generation_share"] < 1 and 0 < t["mfu"] < 1
+        assert sum(t["phases_s"].values()) == pytest.approx(t["step_s"], rel=0.5)  # medians of parts vs of sums
+        assert all(v >= 0 and math.isfinite(v) for v in t["phases_s"].values())
+        rows = [json.loads(line) for line in (out / s["name"] / "metrics.jsonl").read_text().splitlines()]
+        steps = [r for r in rows if "timing/step" in r]
+        assert len(steps) == suite.warmup_steps + suite.steps
+        # the protocol's fixed lengths: every response has exactly response_tokens tokens, none ended early
+        assert all(r["rollout/response_length"] == suite.response_tokens and r["rollout/finished"] == 0 for r in steps)
+    assert doc["speedup_vs_dschat_style"]["dschat-style"] == 1.0
+    assert doc["peak"]["matmul_flops"] > 1e8
+
+
+def test_each_system_ran_as_designed(cpu_tiny):
+    import yaml
+
+    out, _, doc = cpu_tiny
+    cfg = {s["name"]: yaml.safe_load((out / s["name"] / "config.yaml").read_text()) for s in doc["systems"]}
+    base = cfg["dschat-style"]
+    assert base["placement"]["runtime"] == "local" and base["rollout"]["backend"] == "hf"
+    assert base["engine"]["zero_stage"] == 3 and base["rollout"]["hf_batch_size"] == 16
+    assert "--nproc_per_node=2" in (out / "dschat-style" / "command.txt").read_text()
+    placement = json.loads((out / "hpcrlhf-distributed" / "placement.json").read_text())
+    assert placement  # the node map and the workers' read-back were recorded
+    for name in ("hpcrlhf-distributed", "hpcrlhf-colocated"):
+        assert cfg[name]["placement"]["runtime"] == "ray" and cfg[name]["rollout"]["backend"] == "vllm"
+    # same work everywhere
+    for key in ("rollout", "train"):
+        for field in ("prompts_per_step", "max_new_tokens", "min_new_tokens", "global_batch_size"):
+            values = {c[key][field] for c in cfg.values() if field in c[key]}
+            assert len(values) <= 1, (key, field, values)
+
+
+def test_report_has_table_and_plots(cpu_tiny):
+    out, proc, doc = cpu_tiny
+    table = (out / "results.md").read_text()
+    for s in doc["systems"]:
+        assert f"| {s['name']} |" in table
+    assert set(doc["plots"]) >= {"samples_per_s.png", "phases.png"}
+    for name in doc["plots"]:
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "| dschat-style |" in proc.stdout  # the table is printed too
+
+
+def test_suites_are_valid_and_bad_input_is_refused(tmp_path):
+    from hpcrlhf.bench.runner import check_systems
+
+    for suite in SUITES.values():
+        suite = suite.with_model("meta-llama/Llama-2-7b-hf" if suite.model is None else None, None)
+        if suite.hardware == "gpu":
+            suite = suite.with_model(f"meta-llama/Llama-2-{suite.name.split('-')[1]}-hf", None)
+        check_systems(suite, suite.systems, tmp_path / "p.jsonl")  # every system's config and node map build
+    with pytest.raises(ConfigError, match="--suite: unknown suite 'nope'"):
+        get_suite("nope")
+    with pytest.raises(ConfigError, match="--model"):
+        get_suite("gpu-7b").with_model(None, None)
+    with pytest.raises(ConfigError, match="--systems: suite cpu has no system 'trl'"):
+        get_suite("cpu").system("trl")
+    proc = run_cli(["bench", "--suite", "cpu-tiny", "--steps", "0", "-o", str(tmp_path / "x")], check=False)
+    assert proc.returncode == 2 and "--steps" in proc.stderr and not (tmp_path / "x").exists()
+
+
+def test_dschat_refused_before_anything_runs(tmp_path):
+    from hpcrlhf.bench.dschat import DSChat
+
+    gpu = get_suite("gpu-7b").with_model("/m", None)
+    with pytest.raises(ConfigError, match="--dschat-dir: .* is not a DeepSpeedExamples checkout"):
+        DSChat.from_args(str(tmp_path), critic=None, suite=gpu)
+    step3 = tmp_path / "applications/DeepSpeed-Chat/training/step3_rlhf_finetuning"
+    step3.mkdir(parents=True)
+    (step3 / "main.py").write_text("")
+    with pytest.raises(ConfigError, match="needs CUDA GPUs"):
+        DSChat.from_args(str(tmp_path), critic=None, suite=get_suite("cpu"))
+    with pytest.raises(ConfigError, match="--dschat-critic"):
+        DSChat.from_args(str(tmp_path), critic=str(tmp_path), suite=gpu)
+    (tmp_path / "pytorch_model.bin").write_bytes(b"")
+    cmd = DSChat.from_args(str(tmp_path), critic=str(tmp_path), suite=gpu).command(gpu, tmp_path / "out")
+    text = " ".join(cmd)
+    for expected in ("--per_device_generation_batch_size 16", "--per_device_training_batch_size 16",
+                     "--generation_batches 4", "--max_answer_seq_len 1024", "--actor_zero_stage 3",
+                     "--enable_hybrid_engine", "--test_stop_step 4", "--num_gpus=8", "--num_nodes=2"):
+        assert expected in text
+
+
+def test_sbatch_renders_a_bench_job(tmp_path):
+    proc = run_cli(["sbatch", "--kind", "bench", "gpu-7b", "--set", "model=meta-llama/Llama-2-7b-hf", "--print",
+                    "-o", str(tmp_path / "b")])
+    assert "#SBATCH --nodes=2" in proc.stdout and "#SBATCH --gpus-per-node=8" in proc.stdout
+    assert f"ray_slurm driver bench --suite gpu-7b --output {tmp_path / 'b'} --model meta-llama/Llama-2-7b-hf" in proc.stdout
+    bad = run_cli(["sbatch", "--kind", "bench", "gpu-7b", "--set", "lr=1", "--print"], check=False)
+    assert bad.returncode == 2 and "a bench job takes --set KEY=VALUE" in bad.stderr
+    small = run_cli(["sbatch", "--kind", "bench", "gpu-7b", "--set", "model=meta-llama/Llama-2-7b-hf", "--nodes", "1",
+                     "--print"], check=False)
+    assert small.returncode == 2 and "--nodes 2" in small.stderr

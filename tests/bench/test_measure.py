@@ -1,0 +1,123 @@
+"""Benchmark maths against hand computation: phase medians, throughput, MFU, FLOP counts, the
+step-time model and DeepSpeed-Chat's log format."""
+
+import math
+
+import pytest
+
+from hpcrlhf.bench.dschat import parse_log
+from hpcrlhf.bench.flops import Shape, causal_context, forward_flops, train_flops
+from hpcrlhf.bench.measure import phase_seconds, summarize
+from hpcrlhf.bench.stepmodel import A800_80GB, Efficiency, Layout, Workload, fit, paper_predictions, predict
+from hpcrlhf.errors import HpcrlhfError
+
+
+def row(step, gen, reward, exp, train, sync):
+    return {"step": step, "timing/step": step_s(gen, reward, exp, train, sync) + 0.1, "timing/generate": gen,
+            "timing/reward": reward, "timing/make_experience": exp, "timing/train": train, "timing/weight_sync": sync,
+            "timing/train_actor": train, "rollout/response_length": 16.0}
+
+
+def step_s(*parts):
+    return sum(parts)
+
+
+def test_summary_drops_warmup_and_takes_medians():
+    rows = [{"step": 0}, row(1, 9.0, 1, 1, 1, 1), row(2, 1.0, 0.5, 0.5, 2.0, 0.2), row(3, 3.0, 0.5, 0.5, 4.0, 0.2),
+            row(4, 2.0, 0.5, 0.5, 3.0, 0.2)]
+    t = summarize(rows, warmup=1, samples=32, prompt_tokens=16, devices=2, train_flops_per_step=6e9, peak_flops=1e9)
+    assert t.steps == 3
+    # steps: 4.3, 8.3, 6.3 -> median 6.3; phases: generate median 2, make_experience 1, train 3
+    assert t.step_s == pytest.approx(6.3)
+    assert t.phases_s == pytest.approx({"generate": 2.0, "make_experience": 1.0, "train": 3.0, "weight_sync": 0.2,
+                                        "other": 0.1})
+    assert t.samples_per_s == pytest.approx(32 / 6.3)
+    assert t.samples_per_device_s == pytest.approx(32 / 6.3 / 2)
+    assert t.tokens_per_s == pytest.approx(32 * 32 / 6.3)
+    assert t.generated_tokens_per_s == pytest.approx(32 * 16 / 6.3)
+    assert t.generation_share == pytest.approx(2 / 6.3)
+    assert t.mfu == pytest.approx(6e9 / (3.0 * 2 * 1e9))
+
+
+def test_too_few_steps_is_a_clear_error():
+    with pytest.raises(HpcrlhfError, match="1 timed step.*warm-up"):
+        summarize([{"step": 0}, row(1, 1, 1, 1, 1, 1)], warmup=1, samples=1, prompt_tokens=1, devices=1,
+                  train_flops_per_step=1, peak_flops=1)
+
+
+def test_other_is_never_negative():
+    r = row(1, 1, 0, 0, 1, 0)
+    r["timing/step"] = 1.5  # overlapping phases can sum past the step
+    assert phase_seconds(r)["other"] == 0.0
+
+
+def test_flops_count_the_real_model_matmuls(tiny_llama):
+    """Matmul parameters from the config = the weights of every nn.Linear of the built model."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(tiny_llama)
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama)
+    linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    shape = Shape.from_config(config)
+    assert shape.matmul_params(lm_head=True) == linear
+    # by hand: 2 layers x (q,o 2x128x128 + k,v 2x128x64 + mlp 3x128x256) + head 128x512
+    assert linear == 2 * (2 * 128 * 128 + 2 * 128 * 64 + 3 * 128 * 256) + 128 * 512
+    ctx = causal_context(16, 16)
+    assert ctx == 16.5
+    assert forward_flops(shape, 10, ctx) == 10 * (2 * linear + 4 * 2 * 16.5 * 128)
+    assert train_flops(shape, 10, ctx, recompute=True) == 4 * forward_flops(shape, 10, ctx)
+
+
+def test_step_model_by_hand_and_fit_inverts_predict():
+    hw = A800_80GB
+    w = Workload(params=1e9, critic_params=1e9, prompt=100, response=200, samples=64, kv_bytes_per_token=1000.0)
+    lay = Layout("distributed", 8, actor=2, critic=2, ref=1, reward=1, engines=2, tp=1)
+    eff = Efficiency()
+    p = predict(w, lay, hw, eff)
+    rows = 32
+    decode = max((2e9 + rows * 1000.0 * 200) / (hw.hbm_bytes_per_s * eff.decode_bw),
+                 2e9 * rows / (hw.peak_flops * eff.forward_mfu))
+    prefill = 2e9 * rows * 100 / (hw.peak_flops * eff.forward_mfu)
+    assert p["generate"] == pytest.approx(200 * decode + prefill)
+    tokens = 64 * 300
+    assert p["train"] == pytest.approx(8 * 1e9 * tokens / (2 * hw.peak_flops * eff.train_mfu))
+    assert p["step"] == pytest.approx(sum(v for k, v in p.items() if k != "step"))
+    measured = {"generate": 2 * p["generate"], "train": 3 * p["train"], "make_experience": 0.5 * p["make_experience"]}
+    fitted = fit(w, lay, hw, measured)
+    again = predict(w, lay, hw, fitted)
+    for phase, seconds in measured.items():
+        assert again[phase] == pytest.approx(seconds, rel=1e-6)
+
+
+def test_paper_predictions_reproduce_the_fitted_7b_and_check_13b():
+    r = paper_predictions()
+    assert 0 < r["efficiency"]["train_mfu"] < 1 and 0 < r["efficiency"]["gather_bw"] < 1
+    for size, shape in r["shapes"].items():
+        assert set(shape["phases_s"]) == {"distributed", "colocated", "dschat-style"}
+        assert all(math.isfinite(v) and v > 0 for v in shape["speedup_vs_dschat_style"].values())
+    assert all(abs(c["error"]) < 1 for c in r["check_13b"].values())
+
+
+DSCHAT_LOG = """\
+[2026-11-01 10:00:00] Epoch: 0 | Step: 0 | PPO Epoch: 1 | Actor Loss: 0.1 | Critic Loss: 0.2 | Unsupervised Loss: 0.0
+End-to-End => Latency: 12.50s, TFLOPs: 10.00, Samples/sec: 10.24, Time/seq 0.10s, Batch Size: 128, Total Seq. Length: 512
+Generation => Latency: 9.00s, Per-token Latency 35.16 ms, TFLOPs: 2.00, BW: 400.00 GB/sec, Answer Seq. Length: 256
+Training   => Latency: 3.50s, TFLOPs: 30.00
+Actor Model Parameters => 6.738 B, Critic Model Parameters => 6.607 B
+Average reward score: 0.1 | EMA reward score: 0.1
+End-to-End => Latency: 10.00s, TFLOPs: 12.00, Samples/sec: 12.80, Time/seq 0.08s, Batch Size: 128, Total Seq. Length: 512
+Generation => Latency: 7.00s, Per-token Latency 27.34 ms, TFLOPs: 2.50, BW: -1.00 GB/sec, Answer Seq. Length: 256
+Training   => Latency: 3.00s, TFLOPs: 35.00
+End-to-End => Latency: 11.00s, TFLOPs: 12.00, Samples/sec: 11.64, Time/seq 0.09s, Batch Size: 128, Total Seq. Length: 512
+"""
+
+
+def test_dschat_log_parsed_into_steps():
+    rows = parse_log(DSCHAT_LOG)
+    assert len(rows) == 2  # the third step's lines are incomplete
+    assert rows[1]["timing/step"] == 10.0 and rows[1]["timing/generate"] == 7.0 and rows[1]["timing/train"] == 3.0
+    assert rows[0]["dschat/batch_size"] == 128 and rows[0]["rollout/response_length"] == 256
+    t = summarize([{"step": 0}, *rows], warmup=1, samples=128, prompt_tokens=256, devices=8,
+                  train_flops_per_step=1.0, peak_flops=1.0)
+    assert t.samples_per_s == pytest.approx(12.8) and t.phases_s["make_experience"] == 0.0
