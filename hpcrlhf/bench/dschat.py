@@ -18,7 +18,6 @@ and its critic must be a DSChat step-2 output (a folder with `pytorch_model.bin`
 from __future__ import annotations
 
 import re
-import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -105,12 +104,11 @@ class DSChat:
         """Run DSChat, parse its log and summarise it like the other systems."""
         run_dir = out / "dschat"
         run_dir.mkdir(parents=True, exist_ok=True)
-        cmd = self.command(suite, run_dir)
-        (run_dir / "command.txt").write_text(" ".join(cmd) + "\n")
+        from hpcrlhf.bench.runner import run_logged
+
         log.info(f"bench [{index}/{index}] dschat: DeepSpeed-Chat step 3 from {self.checkout}")
         started = time.monotonic()
-        with (run_dir / "job.log").open("w") as job_log:
-            code = subprocess.run(cmd, cwd=self.checkout / STEP3, stdout=job_log, stderr=subprocess.STDOUT).returncode
+        code = run_logged(self.command(suite, run_dir), run_dir, cwd=self.checkout / STEP3)
         entry = {"name": "dschat", "kind": "dschat", "about": "DeepSpeed-Chat step 3 (hybrid engine, ZeRO-3)",
                  "scaling": None, "run_dir": str(run_dir), "wall_s": time.monotonic() - started}
         rows = parse_log((run_dir / "job.log").read_text(errors="replace"))

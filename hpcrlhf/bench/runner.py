@@ -161,6 +161,22 @@ def _status(system: System, index: int, total: int, run_dir: Path, steps: int, s
             f"ETA {eta:.0f} s ({elapsed:.0f} s so far)")
 
 
+def run_logged(cmd: Sequence[str], run_dir: Path, *, cwd: Optional[Path] = None, env: Optional[dict] = None,
+               status=None, status_every_s: float = 15.0) -> int:
+    """Run `cmd` with its output in run_dir/job.log (the command line in command.txt), calling
+    `status()` every `status_every_s` seconds while it runs; its exit status."""
+    (run_dir / "command.txt").write_text(" ".join(cmd) + "\n")
+    with (run_dir / "job.log").open("w") as job_log:
+        proc = subprocess.Popen(list(cmd), cwd=cwd, stdout=job_log, stderr=subprocess.STDOUT, env=env or dict(os.environ))
+        last = time.monotonic()
+        while proc.poll() is None:
+            time.sleep(0.5)
+            if status is not None and time.monotonic() - last >= status_every_s:
+                last = time.monotonic()
+                status()
+    return proc.returncode
+
+
 def run_system(suite: Suite, system: System, out: Path, prompts: Path, index: int, total: int,
                status_every_s: float = 15.0, env: Optional[dict] = None) -> SystemRun:
     """Run one system's job to the end, printing a status line (step, s/step, ETA) periodically."""
@@ -171,26 +187,19 @@ def run_system(suite: Suite, system: System, out: Path, prompts: Path, index: in
         shutil.rmtree(run_dir)  # a benchmark always measures a fresh run
     run_dir.mkdir(parents=True)
     cmd = system_command(suite, system, run_dir, prompts)
-    (run_dir / "command.txt").write_text(" ".join(cmd) + "\n")
     log.info(f"bench [{index}/{total}] {system.name}: {system.about}")
     started = time.monotonic()
-    with (run_dir / "job.log").open("w") as job_log:
-        proc = subprocess.Popen(cmd, stdout=job_log, stderr=subprocess.STDOUT, env=env or dict(os.environ))
-        last = started
-        while proc.poll() is None:
-            time.sleep(0.5)
-            if time.monotonic() - last >= status_every_s:
-                last = time.monotonic()
-                log.info(_status(system, index, total, run_dir, suite.warmup_steps + suite.steps, started))
+    returncode = run_logged(cmd, run_dir, status_every_s=status_every_s, env=env, status=lambda: log.info(
+        _status(system, index, total, run_dir, suite.warmup_steps + suite.steps, started)))
     wall = time.monotonic() - started
     error = None
-    if proc.returncode != 0:
+    if returncode != 0:
         tail = (run_dir / "job.log").read_text(errors="replace").strip().splitlines()[-15:]
-        error = f"exited {proc.returncode}; end of {run_dir / 'job.log'}:\n" + "\n".join(tail)
+        error = f"exited {returncode}; end of {run_dir / 'job.log'}:\n" + "\n".join(tail)
         log.error(f"bench [{index}/{total}] {system.name}: {error}")
     else:
         log.info(f"bench [{index}/{total}] {system.name}: done in {wall:.0f} s")
-    return SystemRun(system, run_dir, proc.returncode, wall, error)
+    return SystemRun(system, run_dir, returncode, wall, error)
 
 
 def run_suite(suite: Suite, out: Path, *, systems: Sequence[System], env: Optional[dict] = None,
