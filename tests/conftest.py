@@ -22,6 +22,17 @@ def tiny_llama() -> str:
 
 
 @pytest.fixture(scope="session")
+def full_sft_run(tmp_path_factory):
+    """`hpcrlhf train sft` on the embedded defaults (task score ~0.9; TensorBoard on): the run folder.
+    tests/trainers/test_sft_e2e.py checks it learns; the reward model for PPO starts from its model."""
+    from tests.launch_helpers import run_cli
+
+    out = tmp_path_factory.mktemp("sft_full") / "run"
+    run_cli(["train", "sft", "-o", str(out), "--set", "eval.every_steps=0", "--set", "log.tensorboard=true"])
+    return out
+
+
+@pytest.fixture(scope="session")
 def sft_model(tmp_path_factory) -> str:
     """A partly trained SFT model (task score ~0.15): room left for preference training to help."""
     from tests.launch_helpers import run_cli

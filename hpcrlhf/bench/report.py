@@ -43,7 +43,8 @@ def markdown(doc: dict) -> str:
     ]
     for s in doc["systems"]:
         if s["status"] != "ok":
-            lines.append(f"| {s['name']} | failed: {s.get('error', '').splitlines()[0][:80]} |" + " |" * (9 + len(PHASES)))
+            lines.append(f"| {s['name']} | {s['status']}: {s.get('error', '').splitlines()[0][:80]} |"
+                         + " |" * (9 + len(PHASES)))
             continue
         t = s["throughput"]
         mfu = "n/a" if t["mfu"] is None else f"{100 * t['mfu']:.2f} %"

@@ -15,7 +15,7 @@ from typing import Optional, Sequence
 
 from hpcrlhf.bench.flops import Shape, causal_context, train_flops
 from hpcrlhf.bench.measure import summarize
-from hpcrlhf.bench.suites import Suite, System
+from hpcrlhf.bench.suites import DSCHAT_PER_DEVICE_BATCH, DSCHAT_PPO, Suite, System
 from hpcrlhf.errors import ConfigError, HpcrlhfError
 from hpcrlhf.logs import get_logger
 from hpcrlhf.metrics import read_metrics
@@ -57,39 +57,58 @@ def write_prompts(suite: Suite, path: Path) -> Path:
     return path
 
 
+def trl_args(suite: Suite, system: System, run_dir: Path, prompts: Path) -> list[str]:
+    """`python -m hpcrlhf.bench.trl_system` arguments: the suite's models, prompts, lengths, steps,
+    batches and KL coefficient, then the system's own options."""
+    kl = next(v.split("=", 1)[1] for v in DSCHAT_PPO if v.startswith("ppo.init_kl_coef="))
+    return ["--model", str(suite.model), "--reward-model", str(suite.reward_model or suite.model), "--prompts", str(prompts),
+            "--output-dir", str(run_dir), "--prompts-per-step", str(suite.prompts_per_step),
+            "--response-tokens", str(suite.response_tokens), "--steps", str(suite.warmup_steps + suite.steps),
+            "--per-device-batch", str(DSCHAT_PER_DEVICE_BATCH), "--kl", kl,
+            *(["--bf16"] if suite.precision == "bf16" else []),
+            *(["--gradient-checkpointing"] if suite.gradient_checkpointing else []),
+            *(["--cpu"] if suite.hardware == "cpu" else []), *system.overrides]
+
+
 def system_command(suite: Suite, system: System, run_dir: Path, prompts: Path,
                    python: str = sys.executable) -> list[str]:
-    """The command line of one system's job (the all-ranks baseline under torchrun, or srun
-    across the nodes of a Slurm allocation)."""
-    args = ["train", "ppo", *(["--config", system.recipe] if system.recipe else [])]
-    for value in suite.common_overrides(str(prompts)) + list(system.overrides):
-        args += ["--set", value]
-    args += ["--output-dir", str(run_dir)]
-    if system.kind != "dschat-style":
-        return [python, "-m", "hpcrlhf", *args]
+    """The command line of one system's job: the Ray driver, or for the all-ranks systems
+    (DSChat-style, TRL) one process per device under torchrun, or srun across the nodes of a
+    Slurm allocation."""
+    if system.kind == "trl":
+        module, args = "hpcrlhf.bench.trl_system", trl_args(suite, system, run_dir, prompts)
+    else:
+        module, args = "hpcrlhf", ["train", "ppo", *(["--config", system.recipe] if system.recipe else [])]
+        for value in suite.common_overrides(str(prompts)) + list(system.overrides):
+            args += ["--set", value]
+        args += ["--output-dir", str(run_dir)]
+    if not system.all_ranks:
+        return [python, "-m", module, *args]
     if suite.nodes > 1 and suite.hardware == "gpu":  # one rank per GPU of the allocation
         return ["srun", "--overlap", f"--nodes={suite.nodes}", f"--ntasks-per-node={suite.gpus_per_node}", "--mpi=pmix",
-                python, "-m", "hpcrlhf.hpc.mpi", *args]
+                python, "-m", "hpcrlhf.hpc.mpi", *(["-m", module] if module != "hpcrlhf" else []), *args]
     from hpcrlhf.engines.distributed import free_port
 
     return [python, "-m", "torch.distributed.run", f"--nproc_per_node={suite.ranks}", f"--master_port={free_port()}",
-            "-m", "hpcrlhf", *args]
+            "-m", module, *args]
 
 
-def step_train_flops(suite: Suite) -> float:
-    """Model FLOPs of one step's PPO updates: actor (LM head) and critic (value head) over every
-    prompt + response token, once per PPO epoch."""
+def step_train_flops(suite: Suite, *, critic: bool = True) -> float:
+    """Model FLOPs of one step's updates: actor (LM head) and, for PPO, critic (value head) over
+    every prompt + response token, once per epoch. `critic=False`: the actor alone (TRL's GRPO)."""
     from transformers import AutoConfig
 
     from hpcrlhf.models.loading import resolve_model_path
 
     actor = Shape.from_config(AutoConfig.from_pretrained(resolve_model_path(suite.model)))
-    critic = Shape.from_config(AutoConfig.from_pretrained(resolve_model_path(suite.reward_model or suite.model)))
     tokens = suite.prompts_per_step * (suite.prompt_tokens + suite.response_tokens)
     ctx = causal_context(suite.prompt_tokens, suite.response_tokens)
     recompute = suite.gradient_checkpointing
-    return (train_flops(actor, tokens, ctx, lm_head=True, recompute=recompute)
-            + train_flops(critic, tokens, ctx, lm_head=False, recompute=recompute))
+    total = train_flops(actor, tokens, ctx, lm_head=True, recompute=recompute)
+    if critic:
+        value = Shape.from_config(AutoConfig.from_pretrained(resolve_model_path(suite.reward_model or suite.model)))
+        total += train_flops(value, tokens, ctx, lm_head=False, recompute=recompute)
+    return total
 
 
 def check_systems(suite: Suite, systems: Sequence[System], prompts: Path) -> None:
@@ -98,9 +117,14 @@ def check_systems(suite: Suite, systems: Sequence[System], prompts: Path) -> Non
     from hpcrlhf.cli import build_config
     from hpcrlhf.placement import build_node_map
 
+    from hpcrlhf.bench.trl_system import rounds_layout
+
     problems = []
     for system in systems:
         try:
+            if system.kind == "trl":
+                rounds_layout(suite.prompts_per_step, DSCHAT_PER_DEVICE_BATCH, suite.ranks)
+                continue
             cfg = build_config("ppo", system.recipe, suite.common_overrides(str(prompts)) + list(system.overrides), None)
             if cfg.placement.runtime == "ray":
                 build_node_map(cfg)
@@ -209,6 +233,7 @@ def run_suite(suite: Suite, out: Path, *, systems: Sequence[System], env: Option
     from hpcrlhf import __version__
     from hpcrlhf.bench.peak import measure_peak
     from hpcrlhf.bench.report import write_report
+    from hpcrlhf.bench.trl_system import trl_version
 
     out.mkdir(parents=True, exist_ok=True)
     prompts = write_prompts(suite, out / "prompts.jsonl")
@@ -221,14 +246,25 @@ def run_suite(suite: Suite, out: Path, *, systems: Sequence[System], env: Option
     results = []
     total = len(systems) + (dschat is not None)
     for i, system in enumerate(systems, 1):
+        about = system.about
+        if system.kind == "trl":
+            version = trl_version()
+            if version is None:
+                reason = "trl is not installed: pip install trl (or hpcrlhf[bench]) to compare with TRL"
+                log.info(f"bench [{i}/{total}] {system.name}: skipped ({reason})")
+                results.append({"name": system.name, "kind": system.kind, "about": about, "scaling": system.scaling,
+                                "status": "skipped", "error": reason})
+                continue
+            about = f"{about}; trl {version}"
         run = run_system(suite, system, out, prompts, i, total, env=env)
-        entry = {"name": system.name, "kind": system.kind, "about": system.about, "scaling": system.scaling,
+        entry = {"name": system.name, "kind": system.kind, "about": about, "scaling": system.scaling,
                  "run_dir": str(run.run_dir), "wall_s": run.wall_s, "status": "ok" if run.error is None else "failed"}
         if run.error is None:
             try:
                 entry["throughput"] = summarize(
                     read_metrics(run.run_dir), warmup=suite.warmup_steps, samples=suite.prompts_per_step,
-                    prompt_tokens=suite.prompt_tokens, devices=suite.devices, train_flops_per_step=flops,
+                    prompt_tokens=suite.prompt_tokens, devices=suite.devices,
+                    train_flops_per_step=flops if system.kind != "trl" else step_train_flops(suite, critic=False),
                     peak_flops=peak.matmul_flops).to_dict()
             except HpcrlhfError as e:
                 entry.update(status="failed", error=str(e))

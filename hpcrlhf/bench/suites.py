@@ -13,6 +13,8 @@ generates:
   training actor itself with Hugging Face `generate` (`synced_gpus`), DSChat's per-device batch
   sizes -- hpcrlhf's own trainer with `placement.runtime: local`, launched on every device.
   benchmarks/README.md lists each setting against DSChat's.
+- `trl-grpo`: TRL's online RL trainer (GRPOTrainer; TRL 1.x has no PPO trainer) on every device,
+  when `trl` is installed (hpcrlhf/bench/trl_system.py); skipped, and said so, when it is not.
 
 Suites named `cpu*` run here; `gpu-*` suites are for clusters and need `--model` (and
 `--reward-model`) folders of the right size.
@@ -25,7 +27,7 @@ from typing import Literal, Optional
 
 from hpcrlhf.errors import ConfigError
 
-SystemKind = Literal["hpcrlhf", "dschat-style"]
+SystemKind = Literal["hpcrlhf", "dschat-style", "trl"]
 
 # DeepSpeed-Chat step 3 defaults (main.py; run_13b.sh uses the same): per-device generation and
 # training batch 16, one generation batch, one PPO epoch; ZeRO-3 for actor and critic in its
@@ -43,10 +45,17 @@ class System:
     recipe: Optional[str] = None
     """Shipped recipe (or YAML path) the system starts from; None: the defaults."""
     overrides: tuple[str, ...] = ()
-    """`--set` values of this system on top of the suite's common ones."""
+    """`--set` values of this system on top of the suite's common ones (kind "trl": extra
+    arguments of `python -m hpcrlhf.bench.trl_system`)."""
     scaling: Optional[tuple[str, float]] = None
     """(axis, value) when the system is a point of the scaling plot, e.g. ("vLLM engines", 2)."""
     about: str = ""
+
+    @property
+    def all_ranks(self) -> bool:
+        """Whether this system runs one process per device (DSChat-style, TRL) rather than the
+        Ray driver placing roles itself."""
+        return self.kind != "hpcrlhf"
 
 
 @dataclass(frozen=True)
@@ -130,6 +139,15 @@ def dschat_style(ranks: int, *, offload_reference: bool = False) -> System:
                   about=f"DeepSpeed-Chat step 3 design: 4 models x {ranks} ranks, ZeRO-3, HF generate by the actor")
 
 
+def trl_grpo(*args: str) -> System:
+    """TRL's GRPOTrainer on every rank; `args`: trl_system options (ZeRO stage, vLLM)."""
+    how = "TRL's colocated vLLM" if "--use-vllm" in args else "HF generate by the policy"
+    zero = next((f"ZeRO-{a.split('=')[1]}" for a in args if a.startswith("--zero-stage=")), "DDP")
+    return System("trl-grpo", "trl", None, tuple(args),
+                  about=f"TRL GRPOTrainer on every rank ({zero}): {how}, reference + reward model, no critic "
+                        "(less work per sample than PPO)")
+
+
 # -- CPU: 2 declared nodes x 4 declared GPUs on this host ------------------------------------------
 _CPU_REWARD = ("placement.reward={nodes: 2, gpus_per_node: 1}", "placement.colocate=[[actor, ref], [critic, reward]]")
 _CPU_MICRO = f"train.micro_batch_size={DSCHAT_PER_DEVICE_BATCH}"
@@ -141,6 +159,7 @@ _CPU_SYSTEMS = (
             _CPU_MICRO),
            about="Ray: every role and one vLLM engine (TP 2) on the same 2 devices"),
     dschat_style(2),
+    trl_grpo(),
 )
 _CPU_SCALING = System("hpcrlhf-distributed-1-engine", "hpcrlhf", "ppo-tiny-ray",
                       (*_CPU_REWARD, _CPU_MICRO, "placement.vllm.engines=1", "placement.allow_idle_gpus=true"),
@@ -152,7 +171,8 @@ _GPU = dict(hardware="gpu", prompt_tokens=1024, response_tokens=1024, prompts_pe
             model=None, precision="bf16", gradient_checkpointing=True)
 
 
-def _gpu_systems(recipe: str, nodes: int, gpus: int, engines_tp: tuple[int, int]) -> tuple[System, ...]:
+def _gpu_systems(recipe: str, nodes: int, gpus: int, engines_tp: tuple[int, int],
+                 trl: tuple[str, ...] = ("--zero-stage=3", "--use-vllm")) -> tuple[System, ...]:
     engines, tp = engines_tp
     every = f"{{nodes: {nodes}, gpus_per_node: {gpus}}}"
     return (
@@ -163,6 +183,7 @@ def _gpu_systems(recipe: str, nodes: int, gpus: int, engines_tp: tuple[int, int]
                   "placement.colocate=[[actor, critic, ref, reward, vllm]]", "engine.zero_stage=3"),
                about=f"every role on all {nodes * gpus} GPUs, {engines} vLLM engines of TP {tp} beside them"),
         dschat_style(nodes * gpus, offload_reference=True),
+        trl_grpo(*trl),
     )
 
 
@@ -177,7 +198,8 @@ SUITES: dict[str, Suite] = {s.name: s for s in (
           systems=_gpu_systems("ppo-7b", 2, 8, (8, 2)), **_GPU),
     Suite("gpu-13b", "13B on 4 x 8 GPUs", nodes=4, gpus_per_node=8, systems=_gpu_systems("ppo-13b", 4, 8, (8, 4)), **_GPU),
     Suite("gpu-70b", "70B on 4 x 8 GPUs (ZeRO-3, Adam in CPU memory)", nodes=4, gpus_per_node=8,
-          systems=_gpu_systems("ppo-70b", 4, 8, (4, 8)), **_GPU),
+          systems=_gpu_systems("ppo-70b", 4, 8, (4, 8), ("--zero-stage=3", "--offload-optimizer", "--use-vllm")),
+          **_GPU),
 )}
 
 

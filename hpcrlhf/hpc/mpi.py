@@ -2,6 +2,7 @@
 
     mpirun -n 8 python -m hpcrlhf.hpc.mpi train sft --config recipe.yaml
     srun --mpi=pmix python -m hpcrlhf.hpc.mpi train dpo --config recipe.yaml     (under Slurm)
+    mpirun -n 8 python -m hpcrlhf.hpc.mpi -m some.module ARGS                    (a module's main)
 
 Every MPI rank runs this module: mpi4py gives its rank and the world size; ranks are grouped
 into nodes by host name (local rank, ranks per node, node rank); rank 0 picks the rendezvous
@@ -68,11 +69,23 @@ def discover(comm=None) -> RankInfo:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Discover the ranks, then run `hpcrlhf ARGS...` (or, given `-m MODULE ARGS...`, that module
+    as `python -m` would: e.g. the benchmark's TRL system) with torchrun's variables set."""
     from hpcrlhf.cli import main as cli_main
 
+    args = list(sys.argv[1:] if argv is None else argv)
     info = discover()
     os.environ.update(info.torch_env())
-    return cli_main(list(sys.argv[1:] if argv is None else argv))
+    if args[:1] == ["-m"] and len(args) > 1:
+        import runpy
+
+        sys.argv = [args[1], *args[2:]]
+        try:
+            runpy.run_module(args[1], run_name="__main__", alter_sys=True)
+        except SystemExit as e:
+            return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        return 0
+    return cli_main(args)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,11 @@
 """`hpcrlhf bench`: the CPU suite's harness end to end (real jobs: Ray distributed, Ray colocated,
-the DSChat-style baseline under torchrun), and the errors users get before anything runs.
+the DSChat-style baseline and TRL's GRPOTrainer under torchrun), and the errors users get before
+anything runs.
 No timing assertions: the figures must be consistent, not fast."""
 
 import json
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -46,7 +48,8 @@ def test_each_system_ran_as_designed(cpu_tiny):
     import yaml
 
     out, _, doc = cpu_tiny
-    cfg = {s["name"]: yaml.safe_load((out / s["name"] / "config.yaml").read_text()) for s in doc["systems"]}
+    cfg = {s["name"]: yaml.safe_load((out / s["name"] / "config.yaml").read_text()) for s in doc["systems"]
+           if s["kind"] != "trl"}
     base = cfg["dschat-style"]
     assert base["placement"]["runtime"] == "local" and base["rollout"]["backend"] == "hf"
     assert base["engine"]["zero_stage"] == 3 and base["rollout"]["hf_batch_size"] == 16
@@ -55,6 +58,14 @@ def test_each_system_ran_as_designed(cpu_tiny):
     assert placement  # the node map and the workers' read-back were recorded
     for name in ("hpcrlhf-distributed", "hpcrlhf-colocated"):
         assert cfg[name]["placement"]["runtime"] == "ray" and cfg[name]["rollout"]["backend"] == "vllm"
+    trl = (out / "trl-grpo" / "command.txt").read_text()
+    for expected in ("--nproc_per_node=2", "-m hpcrlhf.bench.trl_system", "--per-device-batch 16", "--prompts-per-step 32",
+                     "--response-tokens 16", "--kl 0.1", "--steps 3", "--cpu"):
+        assert expected in trl, (expected, trl)
+    assert "trl 1." in next(s["about"] for s in doc["systems"] if s["kind"] == "trl")  # the version is recorded
+    setup = json.loads((out / "trl-grpo" / "trl_setup.json").read_text())  # read back from TRL's trainer
+    assert setup["world_size"] == 2 and setup["zero_stage"] == 0 and not setup["use_vllm"]
+    assert setup["generation_batch_size"] == 32 and setup["per_device_train_batch_size"] == 16 and setup["beta"] == 0.1
     # same work everywhere
     for key in ("rollout", "train"):
         for field in ("prompts_per_step", "max_new_tokens", "min_new_tokens", "global_batch_size"):
@@ -87,8 +98,39 @@ def test_suites_are_valid_and_bad_input_is_refused(tmp_path):
         get_suite("gpu-7b").with_model(None, None)
     with pytest.raises(ConfigError, match="--systems: suite cpu has no system 'trl'"):
         get_suite("cpu").system("trl")
+    bad = replace(get_suite("cpu-tiny"), prompts_per_step=40)
+    with pytest.raises(ConfigError, match="trl: prompts_per_step 40 must be a multiple of the train batch 16 x 2"):
+        check_systems(bad, bad.systems, tmp_path / "p.jsonl")
     proc = run_cli(["bench", "--suite", "cpu-tiny", "--steps", "0", "-o", str(tmp_path / "x")], check=False)
     assert proc.returncode == 2 and "--steps" in proc.stderr and not (tmp_path / "x").exists()
+
+
+def test_trl_system_under_zero3_and_its_cluster_command(tmp_path):
+    """The GPU suites' TRL options: ZeRO-3 through TRL's Trainer really partitions the policy (run
+    here on 2 CPU ranks), and on a multi-node allocation every rank starts under srun + MPI."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from hpcrlhf.bench.runner import system_command, write_prompts
+    from tests.launch_helpers import ROOT, cli_env
+
+    suite = get_suite("cpu-tiny")
+    prompts = write_prompts(suite, tmp_path / "prompts.jsonl")
+    system = replace(suite.system("trl-grpo"), overrides=("--zero-stage=3",))
+    cmd = system_command(replace(suite, steps=1), system, tmp_path / "run", prompts)
+    proc = subprocess.run(cmd, cwd=ROOT, env=cli_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    setup = json.loads((tmp_path / "run" / "trl_setup.json").read_text())
+    assert setup["zero_stage"] == 3 and setup["zero3_partitioned"] and setup["world_size"] == 2
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2] and all(r["rollout/response_length"] == 16 for r in rows)
+    gpu = get_suite("gpu-70b").with_model("/m", "/r")
+    text = " ".join(system_command(gpu, gpu.system("trl-grpo"), Path("/o"), Path("/p.jsonl"), python=sys.executable))
+    assert text.startswith("srun --overlap --nodes=4 --ntasks-per-node=8 --mpi=pmix")
+    assert "-m hpcrlhf.hpc.mpi -m hpcrlhf.bench.trl_system" in text
+    for expected in ("--bf16", "--gradient-checkpointing", "--zero-stage=3", "--offload-optimizer", "--use-vllm"):
+        assert expected in text
 
 
 def test_dschat_refused_before_anything_runs(tmp_path):
@@ -123,3 +165,17 @@ def test_sbatch_renders_a_bench_job(tmp_path):
     small = run_cli(["sbatch", "--kind", "bench", "gpu-7b", "--set", "model=meta-llama/Llama-2-7b-hf", "--nodes", "1",
                      "--print"], check=False)
     assert small.returncode == 2 and "--nodes 2" in small.stderr
+
+
+def test_trl_is_skipped_and_said_so_when_not_installed(tmp_path):
+    """Without trl the TRL system is reported as skipped (with the fix), the rest of the run goes on."""
+    hide = tmp_path / "hide"
+    hide.mkdir()
+    (hide / "trl.py").write_text("raise ImportError('trl hidden by the test')\n")
+    out = tmp_path / "out"
+    proc = run_cli(["bench", "--suite", "cpu-tiny", "--systems", "trl-grpo", "-o", str(out)],
+                   env={"PYTHONPATH": str(hide)})
+    (entry,) = json.loads((out / "results.json").read_text())["systems"]
+    assert entry["status"] == "skipped" and "pip install trl" in entry["error"]
+    assert "| trl-grpo | skipped: trl is not installed" in (out / "results.md").read_text()
+    assert "trl-grpo: skipped" in proc.stderr + proc.stdout

@@ -67,6 +67,15 @@ def test_flops_count_the_real_model_matmuls(tiny_llama):
     assert ctx == 16.5
     assert forward_flops(shape, 10, ctx) == 10 * (2 * linear + 4 * 2 * 16.5 * 128)
     assert train_flops(shape, 10, ctx, recompute=True) == 4 * forward_flops(shape, 10, ctx)
+    # a step's updates: PPO trains actor (with head) + critic (no head); TRL's GRPO the actor alone
+    from hpcrlhf.bench.runner import step_train_flops
+    from hpcrlhf.bench.suites import get_suite
+
+    suite = get_suite("cpu-tiny")
+    tokens, step_ctx = 32 * (16 + 16), causal_context(16, 16)
+    lm_head, value_head = 6 * tokens * 128 * 512, 6 * tokens * 128  # 6 x a head's matmul params per token
+    assert step_train_flops(suite, critic=False) == train_flops(shape, tokens, step_ctx, lm_head=True)
+    assert step_train_flops(suite) == 2 * step_train_flops(suite, critic=False) - lm_head + value_head
 
 
 def test_step_model_by_hand_and_fit_inverts_predict():

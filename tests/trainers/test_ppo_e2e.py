@@ -52,14 +52,13 @@ def test_estimator_with_rule_reward_raises_the_task_score(estimator, extra, poli
 
 
 @pytest.fixture(scope="module")
-def task_reward_model(tmp_path_factory) -> str:
+def task_reward_model(full_sft_run, tmp_path_factory) -> str:
     """A reward model that tells the policy's own mistakes from right answers: trained from a fully
     trained SFT model (task score ~0.96, so it can add) on pairs whose rejected answer is off by 1-3
     or by 10 (`task.near_miss=offset`: what a half-trained policy gets wrong). A reward model that
     cannot see tens-digit errors gets hacked: PPO on it drifts to those errors (measured)."""
     base = tmp_path_factory.mktemp("rm_for_ppo")
-    run_cli(["train", "sft", "-o", str(base / "sft"), *QUIET])
-    run_cli(["train", "rm", "-o", str(base / "rm"), "--set", f"model.path={base / 'sft' / 'model'}", *QUIET,
+    run_cli(["train", "rm", "-o", str(base / "rm"), "--set", f"model.path={full_sft_run / 'model'}", *QUIET,
              "--set", "task.near_miss=offset", "--set", "task.hard_pair_fraction=1.0", "--set", "task.train_size=160000",
              "--set", "optim.lr=3e-4", "--set", "train.max_steps=4800"])
     rm = summary(base / "rm")

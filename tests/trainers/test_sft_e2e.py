@@ -35,9 +35,8 @@ def baseline(tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_sft_learns_the_bundled_task(tmp_path):
-    out = tmp_path / "learn"
-    run_cli(["train", "sft", "-o", str(out), "--set", "eval.every_steps=0", "--set", "log.tensorboard=true"])
+def test_sft_learns_the_bundled_task(full_sft_run):
+    out = full_sft_run
     summary = json.loads((out / "summary.json").read_text())
     before, after = summary["before"], summary["after"]
     assert before["eval/task_score"] < 0.05
