@@ -315,9 +315,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nv", action="store_true", help="test with the host's NVIDIA GPUs (apptainer --nv)")
     p.set_defaults(func=cmd_image)
 
-    p = sub.add_parser("bench", help="PPO throughput of hpcrlhf and a DeepSpeed-Chat-style baseline, same run",
+    p = sub.add_parser("bench", help="PPO throughput of hpcrlhf, a DeepSpeed-Chat-style baseline and TRL, same run",
                        description="Run every system of a benchmark suite (hpcrlhf distributed and colocated, the "
-                                   "DeepSpeed-Chat-style baseline, real DeepSpeed-Chat with --dschat-dir) on the same "
+                                   "DeepSpeed-Chat-style baseline, TRL's GRPOTrainer when trl is installed, real "
+                                   "DeepSpeed-Chat with --dschat-dir) on the same "
                                    "models, prompts, fixed lengths and hardware, one after the other, and write "
                                    "results.json, results.md and PNG plots. --list shows the suites.")
     p.add_argument("--suite", metavar="NAME", help="suite to run (cpu, cpu-tiny, gpu-7b, gpu-13b, gpu-70b)")

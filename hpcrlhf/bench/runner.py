@@ -15,7 +15,7 @@ from typing import Optional, Sequence
 
 from hpcrlhf.bench.flops import Shape, causal_context, train_flops
 from hpcrlhf.bench.measure import summarize
-from hpcrlhf.bench.suites import DSCHAT_PER_DEVICE_BATCH, DSCHAT_PPO, Suite, System
+from hpcrlhf.bench.suites import DSCHAT_KL, DSCHAT_PER_DEVICE_BATCH, Suite, System
 from hpcrlhf.errors import ConfigError, HpcrlhfError
 from hpcrlhf.logs import get_logger
 from hpcrlhf.metrics import read_metrics
@@ -60,11 +60,10 @@ def write_prompts(suite: Suite, path: Path) -> Path:
 def trl_args(suite: Suite, system: System, run_dir: Path, prompts: Path) -> list[str]:
     """`python -m hpcrlhf.bench.trl_system` arguments: the suite's models, prompts, lengths, steps,
     batches and KL coefficient, then the system's own options."""
-    kl = next(v.split("=", 1)[1] for v in DSCHAT_PPO if v.startswith("ppo.init_kl_coef="))
     return ["--model", str(suite.model), "--reward-model", str(suite.reward_model or suite.model), "--prompts", str(prompts),
             "--output-dir", str(run_dir), "--prompts-per-step", str(suite.prompts_per_step),
             "--response-tokens", str(suite.response_tokens), "--steps", str(suite.warmup_steps + suite.steps),
-            "--per-device-batch", str(DSCHAT_PER_DEVICE_BATCH), "--kl", kl,
+            "--per-device-batch", str(DSCHAT_PER_DEVICE_BATCH), "--kl", str(DSCHAT_KL),
             *(["--bf16"] if suite.precision == "bf16" else []),
             *(["--gradient-checkpointing"] if suite.gradient_checkpointing else []),
             *(["--cpu"] if suite.hardware == "cpu" else []), *system.overrides]

@@ -34,7 +34,8 @@ SystemKind = Literal["hpcrlhf", "dschat-style", "trl"]
 # 13B scripts (reference and reward follow them to ZeRO-3).
 DSCHAT_PER_DEVICE_BATCH = 16
 # DSChat's hard-coded PPO constants (ppo_trainer.py), used by every system so the maths match.
-DSCHAT_PPO = ("ppo.init_kl_coef=0.1", "reward.clip=5.0", "ppo.clip_eps=0.2", "ppo.value_clip=0.2", "ppo.gamma=1.0",
+DSCHAT_KL = 0.1  # kl_ctl
+DSCHAT_PPO = (f"ppo.init_kl_coef={DSCHAT_KL}", "reward.clip=5.0", "ppo.clip_eps=0.2", "ppo.value_clip=0.2", "ppo.gamma=1.0",
               "ppo.lam=0.95", "ppo.epochs=1", "ppo.advantage_estimator=gae")
 
 
