@@ -1,8 +1,14 @@
-"""Resumable checkpoints in a run folder.
+"""Resumable checkpoints in a run folder: atomic, verified, kept by a retention policy.
 
 `checkpoints/step_000120/` holds the engine's shards (model, optimizer, scheduler), the trainer's
-client state (step, data position) and every rank's RNG state; `checkpoints/latest` names the
-newest complete one and is written last, so an interrupted save is never picked up.
+client state (step, data position) and every rank's RNG state. A save is atomic: every rank
+writes into `step_000120.partial/`; after all have finished, the main rank writes
+`manifest.json` (every file's size, and its SHA-256 with `checkpoint.verify: sha256`), renames
+the folder to `step_000120/` and then points `checkpoints/latest` at it (write aside, rename).
+An interrupted save leaves only a `.partial` folder, which is never loaded and is removed by the
+next save. On resume the newest checkpoint is verified against its manifest; a missing, truncated
+or (sha256) altered file makes it fall back to the previous complete checkpoint, with a warning
+naming the file. `keep_last` complete checkpoints are kept.
 """
 
 from __future__ import annotations
@@ -14,10 +20,64 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import hashlib
+import json
+
 import numpy as np
 import torch
 
+from hpcrlhf.logs import get_logger
+
+log = get_logger()
+
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+MANIFEST = "manifest.json"
+PARTIAL = ".partial"
+
+
+def file_digest(path: Path, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def write_manifest(folder: Path, *, sha256: bool) -> dict[str, Any]:
+    """Record every file under `folder` (relative path -> size, and SHA-256 when asked)."""
+    files = {}
+    for path in sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST):
+        entry: dict[str, Any] = {"bytes": path.stat().st_size}
+        if sha256:
+            entry["sha256"] = file_digest(path)
+        files[str(path.relative_to(folder))] = entry
+    manifest = {"version": 1, "files": files}
+    tmp = folder / (MANIFEST + ".tmp")
+    tmp.write_text(json.dumps(manifest, indent=1) + "\n")
+    os.replace(tmp, folder / MANIFEST)
+    return manifest
+
+
+def verify_checkpoint(folder: Path) -> list[str]:
+    """What is wrong with `folder` against its manifest (empty: it is intact). A folder without a
+    manifest (saved before manifests existed) is accepted as it is."""
+    path = folder / MANIFEST
+    if not path.exists():
+        return []
+    try:
+        files = json.loads(path.read_text())["files"]
+    except (ValueError, KeyError, TypeError) as e:
+        return [f"{MANIFEST} is unreadable ({e})"]
+    problems = []
+    for name, entry in files.items():
+        f = folder / name
+        if not f.is_file():
+            problems.append(f"{name} is missing")
+        elif f.stat().st_size != entry["bytes"]:
+            problems.append(f"{name} has {f.stat().st_size} bytes, the manifest says {entry['bytes']}")
+        elif "sha256" in entry and file_digest(f) != entry["sha256"]:
+            problems.append(f"{name} does not match its SHA-256")
+    return problems
 
 
 def rng_state() -> dict[str, Any]:
@@ -38,19 +98,58 @@ def set_rng_state(state: dict[str, Any]) -> None:
 class CheckpointDir:
     """The `checkpoints/` folder of a run."""
 
-    def __init__(self, root: Path, keep_last: int = 2):
+    def __init__(self, root: Path, keep_last: int = 2, sha256: bool = False):
         self.root = root
         self.keep_last = keep_last
+        self.sha256 = sha256
 
     def path_for(self, step: int) -> Path:
         return self.root / f"step_{step:06d}"
 
+    def staging_for(self, step: int) -> Path:
+        """Where the ranks write step `step`'s checkpoint before it is committed."""
+        return self.root / f"step_{step:06d}{PARTIAL}"
+
     def latest(self) -> Path | None:
+        """The checkpoint `latest` names (not verified: see `latest_intact`)."""
         marker = self.root / "latest"
         if not marker.exists():
             return None
         path = self.root / marker.read_text().strip()
         return path if path.is_dir() else None
+
+    def complete(self) -> list[Path]:
+        """Committed checkpoint folders, oldest first."""
+        if not self.root.is_dir():
+            return []
+        return sorted(p for p in self.root.iterdir() if p.is_dir() and _STEP_DIR.match(p.name))
+
+    def latest_intact(self) -> Path | None:
+        """The newest checkpoint that verifies against its manifest, starting from the one
+        `latest` names; each one skipped is reported with a warning naming what is wrong."""
+        marked = self.latest()
+        candidates = [p for p in reversed(self.complete()) if marked is None or p.name <= marked.name]
+        if marked is None and candidates:
+            log.warning(f"{self.root}/latest is missing; looking at the checkpoint folders themselves")
+        for folder in candidates:
+            problems = verify_checkpoint(folder)
+            if not problems:
+                if folder != marked:
+                    log.warning(f"resuming from the previous intact checkpoint {folder}")
+                return folder
+            log.warning(f"checkpoint {folder} is damaged ({'; '.join(problems[:3])}"
+                        f"{'; ...' if len(problems) > 3 else ''}): not loading it")
+        return None
+
+    def commit(self, staging: Path, step: int) -> Path:
+        """Main rank, after every rank has written `staging`: manifest, rename, `latest`, retention."""
+        write_manifest(staging, sha256=self.sha256)
+        final = self.path_for(step)
+        if final.exists():  # the same step saved again (e.g. at the end of a resumed run)
+            shutil.rmtree(final)
+        os.replace(staging, final)
+        self.mark_latest(final)
+        return final
 
     def save_rng(self, folder: Path, rank: int) -> None:
         folder.mkdir(parents=True, exist_ok=True)
@@ -66,7 +165,9 @@ class CheckpointDir:
         tmp = self.root / "latest.tmp"
         tmp.write_text(folder.name + "\n")
         os.replace(tmp, self.root / "latest")
-        steps = sorted(p for p in self.root.iterdir() if p.is_dir() and _STEP_DIR.match(p.name))
+        steps = self.complete()
         for old in steps[: max(0, len(steps) - self.keep_last)]:
             if old != folder:
                 shutil.rmtree(old, ignore_errors=True)
+        for partial in self.root.glob(f"step_*{PARTIAL}"):  # interrupted saves
+            shutil.rmtree(partial, ignore_errors=True)

@@ -223,9 +223,17 @@ class CheckpointConfig:
     """`auto`: continue from the run folder's latest checkpoint when one exists; `never`: start
     fresh (refuses to overwrite a run folder that has checkpoints); or a checkpoint folder path."""
     keep_last: int = 2
-    """Checkpoints kept in `checkpoints/` (older ones are deleted)."""
+    """Checkpoints kept in `checkpoints/` (older ones are deleted). Keep 2 or more so that a damaged
+    newest checkpoint has an intact one to fall back to."""
+    verify: Literal["size", "sha256"] = "size"
+    """What a checkpoint's manifest records and resume checks: every file's size (free), or also
+    its SHA-256 (reads every byte at save and at resume; catches silent corruption)."""
     save_model: bool = True
     """Save the final model in Hugging Face format into `model/` in the run folder."""
+
+    def __post_init__(self) -> None:
+        _require(self.every_steps >= 0, "checkpoint.every_steps", self.every_steps, "use 0 (only at the end) or a positive step count")
+        _require(self.keep_last >= 1, "checkpoint.keep_last", self.keep_last, "keep at least 1 checkpoint (2 to survive a damaged one)")
 
 
 @dataclass(frozen=True)

@@ -43,7 +43,8 @@ class Run:
     def __init__(self, cfg, env: DistEnv):
         self.cfg, self.env = cfg, env
         self.dir = Path(cfg.output_dir)
-        self.checkpoints = CheckpointDir(self.dir / "checkpoints", keep_last=cfg.checkpoint.keep_last)
+        self.checkpoints = CheckpointDir(self.dir / "checkpoints", keep_last=cfg.checkpoint.keep_last,
+                                         sha256=cfg.checkpoint.verify == "sha256")
         if env.is_main:
             self.dir.mkdir(parents=True, exist_ok=True)
             (self.dir / "config.yaml").write_text(to_yaml(cfg))
@@ -58,7 +59,7 @@ class Run:
 
     def _checkpoint_to_resume(self) -> Path | None:
         policy = self.cfg.checkpoint.resume
-        latest = self.checkpoints.latest()
+        latest = self.checkpoints.latest_intact() if policy == "auto" else self.checkpoints.latest()
         if policy == "never":
             if latest is not None:
                 raise ConfigError(
@@ -118,14 +119,16 @@ class Run:
         return all_reduce_sum([1.0 if self.stop.requested else 0.0])[0] > 0
 
     def save_checkpoint(self, engine, step: int, extra: dict[str, Any] | None = None) -> Path:
-        folder = self.checkpoints.path_for(step)
-        engine.save_checkpoint(folder, {"step": step, **(extra or {})})
-        self.checkpoints.save_rng(folder, self.env.rank)
+        """Every rank writes into the step's staging folder; the main rank commits it (manifest,
+        rename, `latest`) once all have finished (hpcrlhf.checkpoint)."""
+        staging = self.checkpoints.staging_for(step)
+        engine.save_checkpoint(staging, {"step": step, **(extra or {})})
+        self.checkpoints.save_rng(staging, self.env.rank)
         barrier()
         if self.env.is_main:
-            self.checkpoints.mark_latest(folder)
+            self.checkpoints.commit(staging, step)
         barrier()
-        return folder
+        return self.checkpoints.path_for(step)
 
     def maybe_checkpoint(self, engine, step: int) -> None:
         every = self.cfg.checkpoint.every_steps

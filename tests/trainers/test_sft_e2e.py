@@ -77,24 +77,52 @@ def test_two_ranks_agree_with_one(baseline, tmp_path, engine):
         assert evals(out)[step] == pytest.approx(value, rel=2e-3)
 
 
-def test_stop_signal_then_resume_equals_uninterrupted(baseline, tmp_path):
-    out = tmp_path / "resumed"
-    args = ["train", "sft", "-o", str(out), *SHORT]
+def stop_after(args: list[str], out, step: int) -> int:
+    """Run `hpcrlhf ARGS`, send it the stop signal once step `step` is logged; the checkpointed step."""
     proc = subprocess.Popen(cli_command(args), cwd=ROOT, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 300
-    while not any(s >= 5 for s in losses(out)) and proc.poll() is None and time.monotonic() < deadline:
+    while not any(s >= step for s in losses(out)) and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.2)
     proc.send_signal(signal.SIGUSR1)  # what Slurm sends before a time limit
     log = proc.communicate(timeout=300)[0]
     assert proc.returncode == 3, log[-3000:]
-    stopped_at = int((out / "checkpoints" / "latest").read_text().strip().split("_")[1])
-    assert 5 <= stopped_at < 24
-    run_cli(args)  # same command again resumes
+    return int((out / "checkpoints" / "latest").read_text().strip().split("_")[1])
+
+
+def assert_same_run(baseline, out) -> None:
+    """Every step 1..24 logged exactly once, with the uninterrupted run's losses and final eval."""
     one, resumed = losses(baseline), losses(out)
-    assert sorted(resumed) == list(range(1, 25))  # every step exactly once
+    assert sorted(resumed) == list(range(1, 25))
     for step in one:
         assert resumed[step] == pytest.approx(one[step], rel=1e-6, abs=1e-7), step
     assert evals(out)[24] == pytest.approx(evals(baseline)[24], rel=1e-6)
+
+
+def test_stop_signal_then_resume_equals_uninterrupted(baseline, tmp_path):
+    out = tmp_path / "resumed"
+    args = ["train", "sft", "-o", str(out), *SHORT]
+    stopped_at = stop_after(args, out, 5)
+    assert 5 <= stopped_at < 24
+    run_cli(args)  # same command again resumes
+    assert_same_run(baseline, out)
+
+
+def test_damaged_latest_checkpoint_resumes_from_the_previous_one(baseline, tmp_path):
+    """The newest checkpoint lost bytes of a shard (a node died while writing, a disk filled):
+    resume warns, names the file, loads the previous intact checkpoint and redoes the steps after
+    it -- the run still equals an uninterrupted one."""
+    out = tmp_path / "damaged"
+    args = ["train", "sft", "-o", str(out), *SHORT, "--set", "checkpoint.every_steps=4", "--set", "checkpoint.keep_last=3"]
+    stopped_at = stop_after(args, out, 9)
+    assert stopped_at > 8 and (out / "checkpoints" / "step_000008").is_dir()
+    newest = out / "checkpoints" / f"step_{stopped_at:06d}"
+    (shard,) = newest.rglob("*model_states.pt")
+    shard.write_bytes(shard.read_bytes()[:100])
+    proc = run_cli(args)
+    log = proc.stdout + proc.stderr
+    assert f"{newest.name} is damaged ({shard.relative_to(newest)} has 100 bytes" in log, log[-3000:]
+    assert "resumed from" in log and "step_000008 at step 8" in log
+    assert_same_run(baseline, out)
 
 
 @pytest.mark.parametrize("args, needle", [

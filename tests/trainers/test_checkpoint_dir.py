@@ -1,0 +1,97 @@
+"""Checkpoint folders: atomic commit (write aside, rename), manifests verified on resume, fallback
+to the previous intact checkpoint with a warning, interrupted saves never loaded, retention."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+
+from hpcrlhf.checkpoint import MANIFEST, CheckpointDir, verify_checkpoint
+
+
+def save(ckpts: CheckpointDir, step: int, payload: bytes = b"weights") -> None:
+    """What Run.save_checkpoint does: ranks write into the staging folder, the main rank commits."""
+    staging = ckpts.staging_for(step)
+    (staging / "global").mkdir(parents=True)
+    (staging / "global" / "mp_rank_00_model_states.pt").write_bytes(payload * step)
+    (staging / "rng_rank0.pt").write_bytes(b"rng")
+    ckpts.commit(staging, step)
+
+
+def test_commit_writes_a_manifest_renames_and_keeps_the_last_ones(tmp_path):
+    ckpts = CheckpointDir(tmp_path, keep_last=2)
+    for step in (10, 20, 30):
+        save(ckpts, step)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_000020", "step_000030"]
+    assert ckpts.latest() == ckpts.latest_intact() == tmp_path / "step_000030"
+    manifest = json.loads((tmp_path / "step_000030" / MANIFEST).read_text())
+    assert manifest["files"] == {"global/mp_rank_00_model_states.pt": {"bytes": 7 * 30}, "rng_rank0.pt": {"bytes": 3}}
+
+
+def test_damaged_latest_falls_back_to_the_previous_with_a_warning(tmp_path, caplog):
+    ckpts = CheckpointDir(tmp_path, keep_last=3)
+    for step in (10, 20, 30):
+        save(ckpts, step)
+    shard = tmp_path / "step_000030" / "global" / "mp_rank_00_model_states.pt"
+    shard.write_bytes(shard.read_bytes()[:50])  # truncated (e.g. the node died while copying)
+    (tmp_path / "step_000020" / "rng_rank0.pt").unlink()  # and the one before lost a file
+    with caplog.at_level(logging.WARNING, logger="hpcrlhf"):
+        assert ckpts.latest_intact() == tmp_path / "step_000010"
+    text = caplog.text
+    assert "step_000030 is damaged (global/mp_rank_00_model_states.pt has 50 bytes, the manifest says 210)" in text
+    assert "step_000020 is damaged (rng_rank0.pt is missing)" in text
+    assert "resuming from the previous intact checkpoint" in text and "step_000010" in text
+
+
+def test_sha256_catches_a_same_size_change_that_sizes_cannot(tmp_path):
+    for sha, caught in ((False, False), (True, True)):
+        ckpts = CheckpointDir(tmp_path / str(sha), sha256=sha)
+        save(ckpts, 10)
+        shard = ckpts.path_for(10) / "global" / "mp_rank_00_model_states.pt"
+        data = bytearray(shard.read_bytes())
+        data[3] ^= 0x01  # one flipped bit
+        shard.write_bytes(bytes(data))
+        problems = verify_checkpoint(ckpts.path_for(10))
+        assert bool(problems) == caught, problems
+        if caught:
+            assert problems == ["global/mp_rank_00_model_states.pt does not match its SHA-256"]
+
+
+def test_an_interrupted_save_is_never_loaded_and_is_cleaned_up(tmp_path):
+    ckpts = CheckpointDir(tmp_path, keep_last=2)
+    save(ckpts, 10)
+    staging = ckpts.staging_for(20)  # ranks were writing step 20 when the job died
+    staging.mkdir()
+    (staging / "rng_rank0.pt").write_bytes(b"half")
+    assert ckpts.latest_intact() == tmp_path / "step_000010"
+    save(ckpts, 30)  # the resumed run's next save removes the leftover
+    assert not staging.exists()
+
+
+def test_no_latest_marker_still_finds_the_checkpoints(tmp_path, caplog):
+    ckpts = CheckpointDir(tmp_path)
+    save(ckpts, 10)
+    save(ckpts, 20)
+    (tmp_path / "latest").unlink()
+    with caplog.at_level(logging.WARNING, logger="hpcrlhf"):
+        assert ckpts.latest_intact() == tmp_path / "step_000020"
+    assert "latest is missing" in caplog.text
+    assert CheckpointDir(tmp_path / "none").latest_intact() is None
+
+
+def test_unreadable_manifest_is_damage(tmp_path):
+    ckpts = CheckpointDir(tmp_path)
+    save(ckpts, 10)
+    (ckpts.path_for(10) / MANIFEST).write_text("{not json")
+    assert verify_checkpoint(ckpts.path_for(10))[0].startswith("manifest.json is unreadable")
+
+
+@pytest.mark.parametrize("field, value", [("keep_last", 0), ("every_steps", -1)])
+def test_bad_checkpoint_settings_are_refused(field, value):
+    from hpcrlhf.config.schema import CheckpointConfig
+    from hpcrlhf.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=f"checkpoint.{field}: {value} is invalid"):
+        CheckpointConfig(**{field: value})
