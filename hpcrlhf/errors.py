@@ -29,3 +29,8 @@ class PlacementError(ConfigError):
     def __init__(self, message: str, problems: tuple[str, ...] = ()):
         super().__init__(message)
         self.problems = problems
+
+
+class TrainingError(HpcrlhfError):
+    """Training cannot go on (e.g. NaN/Inf in the loss, rewards or gradients); the message names
+    the step and the tensor, and says how to resume."""

@@ -163,9 +163,17 @@ class TrainConfig:
     micro_batch_size: int = 64
     """Samples per forward/backward pass on one rank. Accumulation steps are derived:
     global_batch_size / (micro_batch_size * ranks), which must be a whole number."""
+    on_nonfinite: Literal["skip", "stop"] = "skip"
+    """A step with NaN/Inf in its rewards, loss or gradients: `skip` leaves weights, optimizer state
+    and schedule untouched and goes on (with a warning naming the step and the tensor); `stop` ends
+    the run with that message (rerun to resume from the last checkpoint)."""
+    max_consecutive_skips: int = 5
+    """With `skip`: stop after more than this many skipped steps in a row (the run is diverging)."""
 
     def __post_init__(self) -> None:
         _require(self.epochs >= 1, "train.epochs", self.epochs, "use at least 1")
+        _require(self.max_consecutive_skips >= 0, "train.max_consecutive_skips", self.max_consecutive_skips,
+                 "use >= 0 (0 stops at the first skipped step)")
         _require(self.max_steps is None or self.max_steps >= 1, "train.max_steps", self.max_steps, "use at least 1, or null")
         _require(self.global_batch_size >= 1, "train.global_batch_size", self.global_batch_size, "use at least 1")
         _require(self.micro_batch_size >= 1, "train.micro_batch_size", self.micro_batch_size, "use at least 1")

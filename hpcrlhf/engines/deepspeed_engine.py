@@ -13,6 +13,7 @@ that into the exact global mean — so 1 rank and N ranks, packed and unpacked, 
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import sys
 from functools import partial
@@ -144,13 +145,29 @@ class TrainingEngine:
         self.engine.backward(loss, scale_wrt_gas=False)
 
     def step(self) -> None:
-        """Call after every micro-batch; the optimizer steps at accumulation boundaries."""
+        """Call after every micro-batch; the optimizer steps at accumulation boundaries. A step
+        whose gradients hold NaN/Inf is not applied (counted in `skipped_updates`)."""
         if self._untracked_norm and self.engine.is_gradient_accumulation_boundary():
-            # Plain fp32 data parallel clips without keeping the norm; gradients are already
-            # averaged over ranks here, so measure them before the step.
-            grads = [p.grad for p in self.module.parameters() if p.grad is not None]
-            self._last_norm = float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
+            # Plain fp32 data parallel clips without keeping the norm, and would apply NaN
+            # gradients to every weight; gradients are already averaged over ranks here.
+            params = [p for p in self.module.parameters() if p.grad is not None]
+            self._last_norm = float(torch.nn.utils.get_total_norm([p.grad for p in params])) if params else 0.0
+            overflow = not math.isfinite(self._last_norm)
+            # An optimizer reporting overflow takes DeepSpeed's own skip path: no schedule step,
+            # skipped_steps + 1 (the bookkeeping of its ZeRO and bf16 optimizers).
+            self.engine.optimizer.overflow = overflow
+            if overflow:
+                for p in params:
+                    p.grad.zero_()  # DeepSpeed still clips them
+                with _step_disabled(self.engine.optimizer):
+                    self.engine.step()
+                return
         self.engine.step()
+
+    @property
+    def skipped_updates(self) -> int:
+        """Optimizer steps not applied so far because their gradients held NaN/Inf."""
+        return int(self.engine.skipped_steps)
 
     def grad_norm(self) -> float | None:
         """Global gradient norm (before clipping) of the last optimizer step."""
@@ -187,6 +204,16 @@ class TrainingEngine:
         import deepspeed
 
         return deepspeed.zero.GatheredParameters(list(self.module.parameters()))
+
+
+@contextlib.contextmanager
+def _step_disabled(optimizer: torch.optim.Optimizer):
+    """`optimizer.step()` does nothing inside (weights and moments untouched)."""
+    optimizer.step = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        del optimizer.step  # the class's method again
 
 
 def set_extension_cache() -> None:

@@ -23,6 +23,7 @@ from hpcrlhf.engines.distributed import all_reduce_sum, init_distributed
 from hpcrlhf.engines.hf_generate import generate_greedy
 from hpcrlhf.logs import get_logger
 from hpcrlhf.metrics import read_metrics
+from hpcrlhf.trainers.guard import SKIPPED_SUFFIX, NonFiniteGuard, SkipStep
 from hpcrlhf.trainers.plan import BatchPlan, eval_shards
 from hpcrlhf.trainers.run import Run
 
@@ -246,13 +247,13 @@ class Trainer:
         progress = run.start_progress(plan.total_steps, step, self.kind)
         window: dict[str, list[float]] = defaultdict(list)
         window_start = time.perf_counter()
+        self.guard = NonFiniteGuard(self.cfg.train.on_nonfinite, self.cfg.train.max_consecutive_skips)
         while step < plan.total_steps:
-            with run.timed("step"):
-                metrics = self.train_step(step)
+            metrics = self.guarded_step(step)
             step += 1
-            for key, value in metrics.items():
+            for key, value in (metrics or {}).items():
                 window[key].append(value)
-            progress.update(1, **{self.progress_key.split("/")[-1]: metrics[self.progress_key]})
+            progress.update(1, **{self.progress_key.split("/")[-1]: metrics[self.progress_key]} if metrics else {})
             if step % self.cfg.log.every_steps == 0 or step == plan.total_steps:
                 self._log_window(step, window, time.perf_counter() - window_start)
                 window, window_start = defaultdict(list), time.perf_counter()
@@ -277,12 +278,36 @@ class Trainer:
         run.finish()
         return summary
 
+    def guarded_step(self, step: int) -> dict[str, float] | None:
+        """`train_step` under the NaN/Inf guard: its metrics, or None for a skipped step (the
+        guard raises TrainingError when the run must stop)."""
+        self.guard.begin(step + 1)
+        before = self.skipped_updates()
+        metrics, skipped_inputs = None, None
+        with self.run.timed("step"):
+            try:
+                metrics = self.train_step(step)
+            except SkipStep as skip:
+                skipped_inputs = skip.what
+        if metrics is not None and before is not None:
+            metrics[f"train/{SKIPPED_SUFFIX}"] = float(self.skipped_updates() - before)
+        if self.guard.after_step(metrics, skipped_inputs):
+            return None
+        return {k: v for k, v in metrics.items() if not k.endswith(SKIPPED_SUFFIX)}  # train/skipped_steps says it
+
+    def skipped_updates(self) -> int | None:
+        """Optimizer steps the trained engine has refused so far (non-finite gradients); None for
+        trainers whose updates report it in their metrics (`*skipped_updates`)."""
+        return self.engine.skipped_updates
+
     def _log_window(self, step: int, window: dict[str, list[float]], elapsed_s: float) -> None:
-        """Mean of each train metric since the last log, plus lr, grad norm, epoch and throughput."""
+        """Mean of each train metric since the last log, plus lr, grad norm, epoch and throughput
+        (skipped steps count in the time, not in the means)."""
         tokens = sum(window.pop("train/tokens", [0.0]))
         samples = sum(window.pop("train/samples", [0.0]))
-        n = len(window["train/loss"])
-        self.run.log(step, {**{k: sum(v) / len(v) for k, v in window.items()}, **self.optimizer_stats(),
+        n = max(len(window.get("train/loss", ())), 1)
+        skipped = {"train/skipped_steps": float(self.guard.skipped)} if self.guard.skipped else {}
+        self.run.log(step, {**{k: sum(v) / len(v) for k, v in window.items()}, **self.optimizer_stats(), **skipped,
                             "train/epoch": step / self.plan.steps_per_epoch,
                             "throughput/tokens_per_sec": tokens / elapsed_s,
                             "throughput/samples_per_sec": samples / elapsed_s,

@@ -14,6 +14,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
+from hpcrlhf.engines.distributed import all_reduce_sum
 from hpcrlhf.engines.rollout import Generation, SamplingParams
 from hpcrlhf.errors import ConfigError, DataError
 from hpcrlhf.logs import get_logger
@@ -201,6 +202,9 @@ class OnlineTrainer(Trainer):
             rollout = Rollout(*flatten_generations(prompts, generations, self.tokenizer), None, {})
             total, rollout.parts = self.rewards.score(rollout.responses)
             rollout.scores = adjust_scores(total, rollout.lengths, rollout.finished, self.cfg.reward)
+        # before anything learns from them; every rank decides alike
+        self.guard.check_inputs({**{f"reward/{name}": v for name, v in rollout.parts.items()}, "rollout/score": rollout.scores},
+                                all_ranks=lambda flag: all_reduce_sum([flag])[0])
         return rollout
 
     def rollout_stats(self, rollout: Rollout) -> Stats:

@@ -123,6 +123,9 @@ class PPOTrainer(OnlineTrainer):
             self.sync_rollout()
         return self.step_metrics(rollout, stats, sums)
 
+    def skipped_updates(self) -> None:
+        return None  # each learner reports its engine's in the step's metrics
+
     def step_prompts(self, step: int) -> list[Prompt]:
         """This rank's prompts for the step."""
         indices = self.plan.prompts_for_step(len(self.prompts), step, self.cfg.seed, self.env.rank)

@@ -21,6 +21,7 @@ from hpcrlhf.algos.ppo import aggregate_loss, entropy_from_logits, kl_estimate, 
 from hpcrlhf.engines.distributed import all_reduce_sum
 from hpcrlhf.trainers.base import add_stats
 from hpcrlhf.trainers.experience import ReplayBuffer, collate_experience
+from hpcrlhf.trainers.guard import SKIPPED_SUFFIX
 from hpcrlhf.trainers.plan import PPOPlan
 
 Sums = dict[str, list[float]]
@@ -65,6 +66,7 @@ class PPOLearner:
         plan, ppo, engine = self.plan, self.cfg.ppo, self.engine
         world = plan.data_parallel_size
         sums: Sums = defaultdict(lambda: [0.0, 0.0])
+        skipped_before = engine.skipped_updates
         engine.train()
         generator = torch.Generator().manual_seed(minibatch_seed(self.cfg.seed, step, rank))
         for _ in range(ppo.epochs):
@@ -80,6 +82,7 @@ class PPOLearner:
         if norm is not None:
             sums[f"train/{self.role}_grad_norm"] = [norm, 1.0]
         sums[f"train/{self.role}_lr"] = [engine.lr(), 1.0]
+        sums[f"train/{self.role}_{SKIPPED_SUFFIX}"] = [float(engine.skipped_updates - skipped_before), 1.0]
         return dict(sums)
 
     def _normalizer(self, minibatch) -> float:
