@@ -27,6 +27,8 @@ import datetime
 import difflib
 import functools
 import inspect
+import itertools
+import math
 import re
 import textwrap
 import types
@@ -67,8 +69,52 @@ class _OverridePath(dict):
     """The nested mapping `--set a.b=v` turns into; it updates dict fields instead of replacing them."""
 
 
-class _Loader(yaml.SafeLoader):
-    """SafeLoader that records lines and rejects duplicate keys (plain YAML keeps the last one)."""
+class _TagError(yaml.constructor.ConstructorError):
+    """A tagged scalar PyYAML cannot build (`!!float abc`), with the key path it sits under."""
+
+    def __init__(self, problem: str, mark: yaml.Mark, key_path: tuple[Any, ...]):
+        super().__init__(None, None, problem, mark)
+        self.key_path = key_path
+
+
+class _SafeLoader(yaml.SafeLoader):
+    """SafeLoader whose failures are all YAML errors with a position.
+
+    PyYAML's constructors raise plain ValueError, KeyError, IndexError or AttributeError for a
+    tag whose text does not fit it (`!!float abc`, `!!bool maybe`, `!!timestamp x`); those would
+    escape as tracebacks. Sequences and mappings are built eagerly, so a self-referencing anchor
+    (`&a [*a]`) is refused here instead of looping forever in the checks that print it.
+    """
+
+    def __init__(self, stream: Any):
+        super().__init__(stream)
+        self.key_path: list[Any] = []  # keys (and list indices) above the node being built
+
+    def construct_object(self, node: yaml.Node, deep: bool = False) -> Any:
+        try:
+            return super().construct_object(node, deep=deep)
+        except (yaml.YAMLError, ConfigError, RecursionError):
+            raise
+        except Exception as err:  # noqa: BLE001 - any constructor failure is the text's fault
+            tag = node.tag.replace("tag:yaml.org,2002:", "!!")
+            text = _clip(repr(node.value)) if isinstance(node, yaml.ScalarNode) else f"this {node.id}"
+            detail = f" ({_clip(str(err))})" if type(err) is ValueError else ""  # others say only PyYAML internals
+            raise _TagError(f"cannot read {text} as {tag}{detail}; remove the tag or fix the value",
+                            node.start_mark, tuple(self.key_path)) from None
+
+    def construct_eager_list(self, node: yaml.SequenceNode) -> list[Any]:
+        return self.construct_sequence(node, deep=True)
+
+    def construct_eager_map(self, node: yaml.MappingNode) -> dict[Any, Any]:
+        return self.construct_mapping(node, deep=True)
+
+
+_SafeLoader.add_constructor("tag:yaml.org,2002:seq", _SafeLoader.construct_eager_list)
+_SafeLoader.add_constructor("tag:yaml.org,2002:map", _SafeLoader.construct_eager_map)
+
+
+class _Loader(_SafeLoader):
+    """A `_SafeLoader` that records lines and rejects duplicate keys (plain YAML keeps the last one)."""
 
     source = "<yaml>"
 
@@ -92,7 +138,9 @@ class _Loader(yaml.SafeLoader):
         self.flatten_mapping(node)
         for key_node, value_node in node.value:
             key = self.construct_object(key_node, deep=True)
+            self.key_path.append(key)
             data[key] = self.construct_object(value_node, deep=True)
+            self.key_path.pop()
             data.key_lines[key] = key_node.start_mark.line + 1
             # A block mapping or list starts on the line after its key; the key's line reads better.
             value_mark = value_node if isinstance(value_node, yaml.ScalarNode) else key_node
@@ -102,7 +150,10 @@ class _Loader(yaml.SafeLoader):
         data = _LineList()
         data.lines = [item.start_mark.line + 1 for item in node.value]
         yield data
-        data.extend(self.construct_object(item, deep=True) for item in node.value)
+        for i, item in enumerate(node.value):
+            self.key_path.append(i)
+            data.append(self.construct_object(item, deep=True))
+            self.key_path.pop()
 
 
 _Loader.add_constructor("tag:yaml.org,2002:map", _Loader.construct_line_map)
@@ -111,9 +162,18 @@ _Loader.add_constructor("tag:yaml.org,2002:seq", _Loader.construct_line_list)
 
 def _yaml_problem(err: yaml.YAMLError) -> str:
     """The parser's own words, and where it was: `recipe.yaml:3:5: invalid YAML: ...`."""
+    if isinstance(err, yaml.reader.ReaderError):  # its str() names "<unicode string>", not the file
+        char = f"#x{err.character:04x}" if isinstance(err.character, int) else repr(err.character)
+        return f"unacceptable character {char}: {err.reason}; remove it"
     if not isinstance(err, yaml.MarkedYAMLError):
         return str(err)
     return f"{err.problem} ({err.context})" if err.context else str(err.problem)
+
+
+def _reader_where(name: str, text: str, err: yaml.reader.ReaderError) -> str:
+    """`recipe.yaml:LINE:COLUMN` of the character the YAML reader refused."""
+    line, start = text.count("\n", 0, err.position) + 1, text.rfind("\n", 0, err.position) + 1
+    return f"{name}:{line}:{err.position - start + 1}"
 
 
 def _read_recipe(path: str | Path) -> Mapping[str, Any]:
@@ -128,17 +188,26 @@ def _read_recipe(path: str | Path) -> Mapping[str, Any]:
         raise ConfigError(f"{name}: recipe file is not UTF-8 text (byte {err.start})") from None
     except OSError as err:
         raise ConfigError(f"cannot read recipe file {name!r}: {err.strerror or err}") from None
-    loader = _Loader(text)
-    loader.source = name
+    loader = None
     try:
+        loader = _Loader(text)  # its reader already rejects control characters such as NUL
+        loader.source = name
         node = loader.get_single_node()
         data = None if node is None else loader.construct_document(node)
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None) or getattr(err, "context_mark", None)
         where = f"{name}:{mark.line + 1}:{mark.column + 1}" if mark else name
+        if isinstance(err, yaml.reader.ReaderError):
+            where = _reader_where(name, text, err)
+        if isinstance(err, _TagError) and err.key_path:
+            raise ConfigError(f"{where}: {_dotted(err.key_path)}: {err.problem}") from None
         raise ConfigError(f"{where}: invalid YAML: {_yaml_problem(err)}") from None
+    except RecursionError:
+        raise ConfigError(f"{name}: invalid YAML: nested too deeply for the parser; a recipe needs only a few "
+                          "levels of sections") from None
     finally:
-        loader.dispose()
+        if loader is not None:
+            loader.dispose()
     if data is None:  # an empty recipe (or only comments) changes nothing
         return {}
     if not isinstance(data, Mapping):
@@ -155,10 +224,48 @@ def _show(value: Any) -> str:
     if isinstance(value, (bool, datetime.date)):  # as written in YAML: true, 2024-01-01
         text = str(value).lower() if isinstance(value, bool) else value.isoformat()
     else:
-        text = repr(_plain(value))
-    text = text if len(text) <= 80 else text[:77] + "..."
+        text = _clip(repr(_brief(value)))
     kind = "mapping" if isinstance(value, Mapping) else "list" if isinstance(value, list) else type(value).__name__
     return f"{text} ({kind})"
+
+
+class _Shown:
+    """Text that stands in for a value in a message (`...` for what `_brief` left out)."""
+
+    def __init__(self, text: str = "..."):
+        self.text = text
+
+    def __repr__(self) -> str:
+        return self.text
+
+
+def _clip(text: str) -> str:
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _brief(value: Any, depth: int = 4, width: int = 10) -> Any:
+    """`value` as plain Python for a message, cut after `depth` levels and `width` items a level.
+
+    A message shows at most 80 characters of a value, but YAML anchors can make a small recipe
+    hold a huge value (each level aliasing the one below several times) or, from Python, a
+    self-referencing one: converting all of it first would hang or never end.
+    """
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        value = {f.name: getattr(value, f.name) for f in _init_fields(type(value))}
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10**60:
+        # Python refuses to print an int of more than 4300 digits (ValueError); 60 are unreadable already
+        return _Shown(f"<{'minus ' if value < 0 else ''}an integer of {math.floor(math.log10(abs(value))) + 1} digits>")
+    if not isinstance(value, (Mapping, list, tuple)):
+        return value
+    if depth == 0:
+        return _Shown()
+    if isinstance(value, Mapping):
+        out: Any = {key: _brief(item, depth - 1, width) for key, item in itertools.islice(value.items(), width)}
+        if len(value) > width:
+            out[_Shown()] = _Shown()
+        return out
+    out = [_brief(item, depth - 1, width) for item in value[:width]]
+    return out + [_Shown()] if len(value) > width else out
 
 
 def _dotted(path: tuple[Any, ...]) -> str:
@@ -178,6 +285,8 @@ def _fail(src: str, line: int | None, path: tuple[Any, ...], message: str) -> No
 
 
 def _suggest(word: Any, choices: list[Any]) -> str:
+    if not isinstance(word, (str, int, float)) or isinstance(_brief(word), _Shown):  # no str() of a 5000-digit int
+        return ""
     by_text = {str(c): c for c in choices}
     close = difflib.get_close_matches(str(word), list(by_text), n=1)
     return f" (did you mean {by_text[close[0]]!r}?)" if close else ""
@@ -229,7 +338,7 @@ def _convert(tp: Any, value: Any, src: str, line: int | None, path: tuple[Any, .
     if origin is Literal:
         if any(value == c and type(value) is type(c) for c in args):  # type check: True == 1
             return value
-        shown = "null" if value is None else repr(_plain(value))
+        shown = "null" if value is None else _clip(repr(_brief(value)))
         _fail(src, line, path, f"{shown} is not one of {', '.join(map(repr, args))}{_suggest(value, list(args))}")
     if origin in (Union, types.UnionType):
         arms = [a for a in args if a is not type(None)]
@@ -278,7 +387,7 @@ def _convert(tp: Any, value: Any, src: str, line: int | None, path: tuple[Any, .
             try:
                 return float(value)
             except OverflowError:
-                _fail(src, line, path, f"{value} is too large for a float")
+                _fail(src, line, path, f"{_show(value)} is too large for a float")
         if isinstance(value, str) and _NUMBER_TEXT.fullmatch(value):
             return float(value)
     elif tp is str:
@@ -299,7 +408,8 @@ def _section(cls: type, mapping: Mapping[Any, Any], src: str, line: int | None, 
         if key not in names:
             where = f"section {_dotted(path)!r}" if path else "the top level"
             valid = ", ".join(sorted(names)) or "(none)"
-            raise ConfigError(f"{_where(src, key_lines.get(key, line))}: unknown key {key!r} in {where}; "
+            shown = _clip(repr(_brief(key)))
+            raise ConfigError(f"{_where(src, key_lines.get(key, line))}: unknown key {shown} in {where}; "
                               f"valid keys: {valid}{_suggest(key, names)}")
         items[key] = _convert(_hints(cls)[key], value, src, value_lines.get(key, line), path + (key,))
     return _Section(cls, items, path, (_where(src, line),))
@@ -379,9 +489,12 @@ def _override(cls: type, text: Any) -> _Section:
     if not all(parts):
         raise ConfigError(f"--set {text}: empty key {key.strip()!r}; {_FORM}")
     try:  # a bare `key=` means the empty string; yaml.safe_load("") would give null
-        value: Any = yaml.safe_load(raw) if raw.strip() else ""
+        value: Any = yaml.load(raw, Loader=_SafeLoader) if raw.strip() else ""
     except yaml.YAMLError as err:
         raise ConfigError(f"--set {text}: {'.'.join(parts)}: the value is not valid YAML: {_yaml_problem(err)}") from None
+    except RecursionError:
+        raise ConfigError(f"--set {text}: {'.'.join(parts)}: the value is nested too deeply for the YAML parser; "
+                          "give a plain value or a short list") from None
     for part in reversed(parts):
         value = _OverridePath({part: value})
     return _root(cls, value, f"--set {text}")

@@ -9,6 +9,8 @@ The string under each field is its documentation (`hpcrlhf config sft` prints it
 
 from __future__ import annotations
 
+import math
+import string
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
@@ -17,7 +19,16 @@ from hpcrlhf.errors import ConfigError
 
 def _require(ok: bool, key: str, value: object, fix: str) -> None:
     if not ok:
-        raise ConfigError(f"{key}: {value!r} is invalid: {fix}")
+        raise ConfigError(f"{key}: {_shown(value)} is invalid: {fix}")
+
+
+def _shown(value: object) -> str:
+    """`repr(value)` for a message, cut to 80 characters. An int from a recipe has no size limit,
+    and Python refuses to print one of more than 4300 digits (ValueError)."""
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10**60:
+        return f"<{'minus ' if value < 0 else ''}an integer of {math.floor(math.log10(abs(value))) + 1} digits>"
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 @dataclass(frozen=True)
@@ -56,6 +67,13 @@ class TaskConfig:
     model for PPO on this task must tell apart)."""
 
     def __post_init__(self) -> None:
+        from hpcrlhf.data.tasks import TASKS  # the registry; imported here, it needs no config
+
+        _require(self.name is None or self.name in TASKS, "task.name", self.name,
+                 f"use a bundled task ({', '.join(sorted(TASKS))}), or null to train on data.train_path")
+        _require(self.max_operand >= 1, "task.max_operand", self.max_operand, "use at least 1, e.g. 99")
+        _require(self.train_size >= 1, "task.train_size", self.train_size, "use at least 1 row")
+        _require(self.eval_size >= 0, "task.eval_size", self.eval_size, "use 0 (no held-out rows) or more")
         _require(0 <= self.hard_pair_fraction <= 1, "task.hard_pair_fraction", self.hard_pair_fraction,
                  "use a value in [0, 1]")
 
@@ -82,6 +100,8 @@ class DataSourceConfig:
 
     def __post_init__(self) -> None:
         _require(self.max_length >= 8, "data.max_length", self.max_length, "use at least 8 tokens")
+        _require(self.max_samples is None or self.max_samples >= 1, "data.max_samples", self.max_samples,
+                 "use at least 1 row, or null for all of them")
 
 
 @dataclass(frozen=True)
@@ -146,7 +166,11 @@ class OptimConfig:
     """Clip the global gradient norm to this value (0 disables clipping)."""
 
     def __post_init__(self) -> None:
-        _require(self.lr > 0, "optim.lr", self.lr, "the learning rate must be > 0")
+        _require(0 < self.lr < math.inf, "optim.lr", self.lr, "the learning rate must be a finite number > 0")
+        _require(all(0 <= b < 1 for b in self.betas) and len(self.betas) == 2, "optim.betas", list(self.betas),
+                 "use two numbers in [0, 1), e.g. [0.9, 0.95]")
+        _require(0 <= self.eps < math.inf, "optim.eps", self.eps, "use a small finite number >= 0, e.g. 1e-8")
+        _require(0 <= self.weight_decay < math.inf, "optim.weight_decay", self.weight_decay, "use a finite number >= 0")
         _require(0 <= self.warmup_ratio < 1, "optim.warmup_ratio", self.warmup_ratio, "use a value in [0, 1)")
         _require(0 <= self.min_lr_ratio <= 1, "optim.min_lr_ratio", self.min_lr_ratio, "use a value in [0, 1]")
         _require(self.max_grad_norm >= 0, "optim.max_grad_norm", self.max_grad_norm, "use >= 0 (0 disables)")
@@ -212,6 +236,12 @@ class EvalConfig:
     batch_size: int = 128
     """Prompts per generation batch during evaluation."""
 
+    def __post_init__(self) -> None:
+        _require(self.every_steps >= 0, "eval.every_steps", self.every_steps, "use 0 (only at the end) or a step count")
+        _require(self.max_new_tokens >= 1, "eval.max_new_tokens", self.max_new_tokens, "use at least 1")
+        _require(self.score_prompts >= 0, "eval.score_prompts", self.score_prompts, "use 0 (no task score) or more")
+        _require(self.batch_size >= 1, "eval.batch_size", self.batch_size, "use at least 1")
+
 
 @dataclass(frozen=True)
 class LogConfig:
@@ -221,6 +251,9 @@ class LogConfig:
     """Also write TensorBoard event files into the run folder."""
     progress: bool = True
     """Show a progress bar (rank 0) with rate and ETA."""
+
+    def __post_init__(self) -> None:
+        _require(self.every_steps >= 1, "log.every_steps", self.every_steps, "use at least 1 (every step)")
 
 
 @dataclass(frozen=True)
@@ -430,8 +463,32 @@ class CSFTSectionConfig:
 
     def __post_init__(self) -> None:
         _require(self.num_buckets >= 2, "csft.num_buckets", self.num_buckets, "use at least 2")
-        _require("{bucket}" in self.template and "{prompt}" in self.template, "csft.template", self.template,
-                 "the template must contain both {bucket} and {prompt}")
+        problem = _template_problem(self.template, {"bucket": 0, "prompt": "12+34="})
+        _require(problem is None, "csft.template", self.template, f"{problem}; the template must contain both {{bucket}} "
+                 "and {prompt}, and write a literal brace as {{ or }}")
+
+
+def _template_problem(template: str, sample: dict[str, object]) -> str | None:
+    """Why `template.format(**sample)` would fail or leave out one of `sample`'s names, or None.
+
+    Checked when the config loads: the template is only filled in once the data is, and a stray
+    `{x}` or `{` would then escape as a KeyError or ValueError from `str.format`.
+    """
+    try:
+        used = {field for _, field, _, _ in string.Formatter().parse(template) if field is not None}
+    except ValueError as e:  # a lone `{` or `}`
+        return str(e)
+    unknown = sorted(used - set(sample))
+    if unknown:
+        return f"unknown placeholder {{{unknown[0]}}}"
+    missing = [name for name in sample if name not in used]
+    if missing:
+        return f"no {{{missing[0]}}} placeholder"
+    try:
+        template.format(**sample)
+    except (ValueError, TypeError) as e:  # a bad format spec, e.g. {bucket:q}
+        return str(e)
+    return None
 
 
 @dataclass(frozen=True)

@@ -75,7 +75,9 @@ def tokenize_pairs(rows: Sequence[Row], tokenizer, data: PairDataConfig) -> tupl
 def tokenize_unpaired(rows: Sequence[Row], tokenizer, data: UnpairedDataConfig) -> tuple[list[UnpairedSample], int]:
     """Tokenised labelled completions, each with its mismatched sequence (needs >= 2 rows)."""
     if len(rows) < 2:
-        raise DataError(f"KTO needs at least 2 rows to pair prompts with unrelated completions, got {len(rows)}")
+        where = f"{rows[0].origin}: the only row of its dataset; " if rows else ""
+        raise DataError(f"{where}KTO needs at least 2 rows to pair prompts with unrelated completions, got {len(rows)}: "
+                        "add rows (or raise data.max_samples, task.train_size or task.eval_size to 2 or more)")
     samples, truncated = tokenize_sft(rows, tokenizer, prompt_key=data.prompt_key, response_key=data.completion_key,
                                       max_length=data.max_length, apply_chat_template=data.apply_chat_template)
     other = mismatched_pairs(len(samples)).tolist()

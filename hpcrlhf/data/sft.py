@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from hpcrlhf.data.sources import Row
+from hpcrlhf.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -24,10 +25,20 @@ class TokenizedSample:
 def encode_prompts(tokenizer, prompts: Sequence[str], apply_chat_template: bool = False) -> list[list[int]]:
     """Token ids of prompts as the model sees them, special tokens and chat template included."""
     if apply_chat_template:
+        _require_chat_template(tokenizer)
         prompts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
                                                  add_generation_prompt=True) for p in prompts]
         return tokenizer(list(prompts), add_special_tokens=False)["input_ids"]
     return tokenizer(list(prompts), add_special_tokens=True)["input_ids"]
+
+
+def _require_chat_template(tokenizer) -> None:
+    """A base model's tokenizer has no chat template; transformers would fail deep inside
+    `apply_chat_template` with a ValueError that does not say which setting asked for it."""
+    if not getattr(tokenizer, "chat_template", None):
+        name = getattr(tokenizer, "name_or_path", "") or "the model"
+        raise ConfigError(f"data.apply_chat_template: true, but the tokenizer of {name} has no chat template; set "
+                          "data.apply_chat_template=false for a base model, or use a chat model")
 
 
 def encode_prompt(tokenizer, prompt: str, apply_chat_template: bool = False) -> list[int]:

@@ -8,10 +8,12 @@ any model is loaded.
 from __future__ import annotations
 
 import json
+import math
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Sequence, TextIO
 
 from hpcrlhf.errors import DataError
 
@@ -73,9 +75,21 @@ def require_text(rows: Sequence[Row], keys: Sequence[str], *, key_option: dict[s
                 raise DataError(f"{row.origin}: field '{key}' is missing; the row has: {have}{hint}")
             value = row.data[key]
             if not isinstance(value, str):
-                raise DataError(f"{row.origin}: field '{key}' must be a string, got {value!r} ({type(value).__name__})")
+                raise DataError(f"{row.origin}: field '{key}' must be a string, got {_brief(value)} ({type(value).__name__})")
             if not value.strip():
                 raise DataError(f"{row.origin}: field '{key}' is empty; remove the row or fill it in")
+            _require_encodable(row, key, value)
+
+
+def _require_encodable(row: Row, key: str, value: str) -> None:
+    """Reject text with a lone UTF-16 surrogate (JSON allows `"\\ud800"`): it is no character,
+    and a tokenizer fails on it deep inside its Rust code with a TypeError."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise DataError(f"{row.origin}: field '{key}' holds {value[e.start]!r} at character {e.start + 1}, half of a "
+                        "UTF-16 surrogate pair and no text; fix the text (its writer split an emoji or similar) "
+                        "or remove the row") from None
 
 
 def require_number(rows: Sequence[Row], key: str, *, option: str) -> None:
@@ -85,8 +99,28 @@ def require_number(rows: Sequence[Row], key: str, *, option: str) -> None:
         if key not in row.data:
             raise DataError(f"{row.origin}: field '{key}' is missing (set by {option}); the row has: "
                             f"{', '.join(sorted(row.data)) or 'none'}")
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value or abs(value) == float("inf"):
-            raise DataError(f"{row.origin}: field '{key}' ({option}) must be a finite number, got {value!r}")
+        if not _is_finite_number(value):
+            raise DataError(f"{row.origin}: field '{key}' ({option}) must be a finite number, got {_brief(value)}")
+
+
+def _is_finite_number(value: Any) -> bool:
+    """An int or float that is finite as a float: JSON integers have no size limit, and one past
+    1.8e308 would overflow wherever rewards or margins become floats."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int too large for a float
+        return False
+
+
+def _brief(value: Any) -> str:
+    """A bad value as a message shows it: its repr, cut to 60 characters (a field may hold a
+    whole document, and a JSON integer thousands of digits)."""
+    if isinstance(value, int) and abs(value) >= 10**60:
+        return f"an integer of {math.floor(math.log10(abs(value))) + 1} digits"
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def require_label(rows: Sequence[Row], key: str, *, option: str) -> None:
@@ -97,7 +131,7 @@ def require_label(rows: Sequence[Row], key: str, *, option: str) -> None:
                             f"{', '.join(sorted(row.data)) or 'none'}")
         if row.data[key] not in (True, False):  # 1 and 0 compare equal to True and False
             raise DataError(f"{row.origin}: field '{key}' ({option}) must be true or false (desirable or not), "
-                            f"got {row.data[key]!r}")
+                            f"got {_brief(row.data[key])}")
 
 
 def require_distinct(rows: Sequence[Row], a: str, b: str) -> None:
@@ -115,27 +149,65 @@ def _looks_local(spec: str) -> bool:
 
 def _read_jsonl(path: Path, limit: int | None) -> list[Row]:
     rows = []
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{path}:{lineno}: invalid JSON ({e.msg} at column {e.colno})") from None
-            if not isinstance(obj, dict):
-                raise DataError(f"{path}:{lineno}: expected a JSON object per line, got {type(obj).__name__}")
-            rows.append(Row(obj, f"{path}:{lineno}"))
-            if limit is not None and len(rows) >= limit:
-                break
+    try:
+        with _open_text(path) as f:
+            for lineno, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                obj = _parse_json(line, path, lineno)
+                if not isinstance(obj, dict):
+                    raise DataError(f"{path}:{lineno}: expected a JSON object per line, got {type(obj).__name__}")
+                rows.append(Row(obj, f"{path}:{lineno}"))
+                if limit is not None and len(rows) >= limit:
+                    break
+    except OSError as e:
+        raise DataError(f"{path}: cannot read the data file: {e.strerror or e}") from None
     return rows
+
+
+def _open_text(path: Path) -> TextIO:
+    """`path` as text in which a byte that is not UTF-8 becomes a lone surrogate (U+DC80-U+DCFF).
+
+    A strict decoder fails on a whole block of the file, before the lines in it are read, with a
+    UnicodeDecodeError that names no line; escaped, the byte is found on its line by
+    `_parse_json`. (A JSON escape such as `\\udcff` is six characters of text, not a surrogate.)
+    """
+    return path.open(encoding="utf-8-sig", errors="surrogateescape")
+
+
+_UNDECODED = re.compile("[\udc80-\udcff]")
+
+
+def _parse_json(text: str, path: Path, lineno: int | None = None) -> Any:
+    """The JSON value of `text`, or a DataError naming the file and the line: `lineno` for a
+    line of a JSON Lines file, else the line of the whole file where reading failed.
+
+    Besides malformed JSON, Python's parser refuses an integer of more than 4300 digits
+    (ValueError) and nesting deeper than its recursion limit (RecursionError).
+    """
+    undecoded = _UNDECODED.search(text)
+    if undecoded:
+        line = lineno or text.count("\n", 0, undecoded.start()) + 1
+        byte = bytes([ord(undecoded.group()) - 0xDC00])
+        raise DataError(f"{path}:{line}: not UTF-8 text (byte {byte!r}); save the file as UTF-8")
+    where = f"{path}:{lineno}" if lineno else str(path)
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise DataError(f"{path}:{lineno or e.lineno}: invalid JSON ({e.msg} at column {e.colno})") from None
+    except ValueError as e:  # an integer literal too long for Python to convert
+        raise DataError(f"{where}: invalid JSON ({e}); write the number with fewer digits, or as a string") from None
+    except RecursionError:
+        raise DataError(f"{where}: invalid JSON (nested too deeply to parse); flatten the value") from None
 
 
 def _read_json(path: Path) -> list[Row]:
     try:
-        obj = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise DataError(f"{path}:{e.lineno}: invalid JSON ({e.msg} at column {e.colno})") from None
+        with _open_text(path) as f:
+            text = f.read()
+    except OSError as e:
+        raise DataError(f"{path}: cannot read the data file: {e.strerror or e}") from None
+    obj = _parse_json(text, path)
     if isinstance(obj, dict) and isinstance(obj.get("data"), list):
         obj = obj["data"]
     if not isinstance(obj, list):

@@ -318,4 +318,8 @@ def build_task(task_cfg: Any) -> Any | None:
     """The task a config's `task` section names (None when `task.name` is null)."""
     if task_cfg.name is None:
         return None
-    return get_task(task_cfg.name, max_operand=task_cfg.max_operand, seed=task_cfg.seed)
+    try:
+        return get_task(task_cfg.name, max_operand=task_cfg.max_operand, seed=task_cfg.seed)
+    except ConfigError as e:  # the task names its own fields; the user wrote the config's
+        raise ConfigError(f"task.max_operand: {task_cfg.max_operand} is too small for task {task_cfg.name!r} with "
+                          f"task.seed {task_cfg.seed} ({e}); raise task.max_operand, e.g. to 99") from None
