@@ -5,25 +5,34 @@ nodes is exercised for real without a cluster.
 Ray rewrites 127.0.0.1 and localhost to the machine's external address, so the nodes use other
 loopback addresses. Each node runs in its own session and is stopped by process group: `ray
 stop` would kill every Ray process on the machine, other users' included.
+
+With `auth_token_path`, the cluster uses Ray's token authentication (RAY_AUTH_MODE=token): a fresh
+random token is written to that file (mode 0600) and only clients given it (`client_env()`) can
+attach, as on a shared Slurm node (hpcrlhf.hpc.sbatch.ray_token_env).
 """
 
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Iterator, Optional
 
 from hpcrlhf.cluster.bootstrap import PORTS_PER_NODE, RayPorts, ray_start_args, wait_for_nodes
 from hpcrlhf.errors import HpcrlhfError
 
 
 LOCAL_PORT_BASE = 30000
+RAY_AUTH_VARS = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
+"""Ray's token-authentication settings (read from the environment only)."""
 
 
 def free_port_block(size: int, start: int = 20000, end: int = 60000, host: str = "127.0.0.1") -> int:
@@ -56,6 +65,13 @@ class LocalRayCluster:
     temp_dir: Path
     groups: list[int] = field(default_factory=list)
     """Process group of each node's `ray start` (the node's daemons inherit it)."""
+    auth_token_path: Optional[Path] = None
+    """The token file of a token-authenticated cluster (None: no authentication)."""
+
+    def client_env(self) -> dict[str, str]:
+        """Ray's authentication variables a client of this cluster needs (none without a token); a
+        client must also lack RAY_AUTH_TOKEN, which Ray prefers to the file."""
+        return ray_auth_env(self.auth_token_path)
 
     def stop(self, timeout_s: float = 5.0) -> None:
         stop_process_groups(self.groups, timeout_s)
@@ -100,18 +116,84 @@ def ray_executable() -> str:
     return found
 
 
+def ray_auth_env(token_path: Optional[Path]) -> dict[str, str]:
+    """RAY_AUTH_* settings for token authentication with the token in `token_path` ({} for none)."""
+    return {} if token_path is None else {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token_path)}
+
+
+def write_auth_token(path: Path) -> None:
+    """A fresh random token in `path`, created readable by its owner only (0600 from the start, never
+    wider even briefly); an existing file (or link) there is replaced, not reused."""
+    path.unlink(missing_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as f:
+        os.fchmod(fd, 0o600)  # the umask can only narrow 0600; make it exactly that
+        f.write(secrets.token_hex(32))
+
+
+def _refresh_ray_auth_state() -> None:
+    """Make this process's Ray re-read RAY_AUTH_* from the environment: Ray caches the mode (in its
+    config) and the token when first used. The config first, then the token (Ray's own order)."""
+    from ray._raylet import AuthenticationTokenLoader, Config
+
+    Config.initialize("")
+    AuthenticationTokenLoader.instance().reset_cache()
+
+
+@contextmanager
+def ray_auth_environ(settings: dict[str, str]) -> Iterator[None]:
+    """This process's RAY_AUTH_* set to `settings` (the others unset) for the `with` body, then
+    restored, so a driver connected inside it authenticates without leaking the settings to the
+    caller (`settings` empty: nothing changes)."""
+    if not settings:
+        yield
+        return
+    saved = {k: os.environ.get(k) for k in RAY_AUTH_VARS}
+    try:
+        for k in RAY_AUTH_VARS:
+            os.environ.pop(k, None)
+        os.environ.update(settings)
+        _refresh_ray_auth_state()
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        _refresh_ray_auth_state()
+
+
+def _node_env(auth: dict[str, str]) -> dict[str, str]:
+    """The environment of the nodes' `ray start`: this process's, usage stats off, and `auth` in place
+    of any RAY_AUTH_* of the caller."""
+    env = {k: v for k, v in os.environ.items() if not (auth and k in RAY_AUTH_VARS)}
+    return {**env, "RAY_USAGE_STATS_ENABLED": "0", **auth}
+
+
 def start_local_cluster(num_nodes: int, gpus_per_node: int, *, cpus_per_node: int = 2, root: Path,
-                        timeout_s: float = 120.0) -> LocalRayCluster:
+                        timeout_s: float = 120.0, auth_token_path: Optional[Path] = None) -> LocalRayCluster:
     """Start `num_nodes` Ray nodes on 127.0.0.2.. with `gpus_per_node` declared GPUs each, and wait
     until all have joined. Logs and sockets live under `root` (keep the path short: Ray's socket
-    paths must fit in 107 bytes)."""
+    paths must fit in 107 bytes).
+
+    With `auth_token_path`, a fresh token is written there (0600) and the nodes start with
+    RAY_AUTH_MODE=token and RAY_AUTH_TOKEN_PATH (not the caller's RAY_AUTH_TOKEN, which Ray would
+    prefer to the file). Only clients presenting the token attach: put `cluster.client_env()` in
+    their environment before `ray.init`. The join check's driver in this process has those settings
+    only while connected; the caller's RAY_AUTH_* are restored after it, since Ray's are process-wide
+    and a later driver of this process may be for another cluster. No other Ray driver may be
+    connected in this process meanwhile (Ray allows one per process)."""
     root.mkdir(parents=True, exist_ok=True)
     ips = [f"127.0.0.{2 + i}" for i in range(num_nodes)]
     base = free_port_block(PORTS_PER_NODE * num_nodes, start=LOCAL_PORT_BASE)  # Slurm jobs' blocks lie below
     ports = [RayPorts.from_base(base + i * PORTS_PER_NODE) for i in range(num_nodes)]
     address = f"{ips[0]}:{ports[0].gcs}"
-    cluster = LocalRayCluster(address=address, node_ips=ips, temp_dir=root)
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
+    cluster = LocalRayCluster(address=address, node_ips=ips, temp_dir=root, auth_token_path=auth_token_path)
+    if auth_token_path is not None:
+        write_auth_token(auth_token_path)
+    auth = cluster.client_env()
+    env = _node_env(auth)
     try:
         for i, (ip, p) in enumerate(zip(ips, ports)):
             args = ray_start_args(node_ip=ip, ports=p, head_address=None if i == 0 else address,
@@ -123,14 +205,21 @@ def start_local_cluster(num_nodes: int, gpus_per_node: int, *, cpus_per_node: in
             cluster.groups.append(proc.pid)
             if proc.wait(timeout=timeout_s) != 0:
                 raise HpcrlhfError(f"`{' '.join(args)}` failed; see {root / f'ray_start_{i}.log'}")
-        import ray
+        _wait_from_driver(address, ips, timeout_s, auth)
+    except BaseException:
+        cluster.stop()
+        raise
+    return cluster
 
+
+def _wait_from_driver(address: str, ips: list[str], timeout_s: float, auth: dict[str, str]) -> None:
+    """Connect a driver to `address` (with the `auth` settings), wait until every node in `ips` has
+    joined, disconnect."""
+    import ray
+
+    with ray_auth_environ(auth):
         ray.init(address=address, log_to_driver=False)
         try:
             wait_for_nodes(ips, timeout_s)
         finally:
             ray.shutdown()
-    except BaseException:
-        cluster.stop()
-        raise
-    return cluster

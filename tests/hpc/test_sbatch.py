@@ -8,6 +8,7 @@ the diff.
 from __future__ import annotations
 
 import os
+import pickle
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,7 @@ from hpcrlhf.hpc.job import cluster_job
 from hpcrlhf.cluster.local import LOCAL_PORT_BASE
 from hpcrlhf.hpc.ray_slurm import PORT_SLOTS, job_ports
 from hpcrlhf.hpc.sbatch import SlurmOptions, render_sbatch
+from hpcrlhf.hpc.submit import ClusterTask, executor
 from tests.placement.test_golden import SCALE_70B_16X8
 from tests.placement.test_nodemap import HYBRID_1X8
 
@@ -74,6 +76,23 @@ def test_scripts_ask_for_the_shape_and_launch_what_the_launcher_needs():
     assert "RAY_AUTH_MODE=token" in ray and "umask 077" in ray and "hpcrlhf.hpc.ray_slurm driver train ppo" in ray
     assert "srun --mpi=pmix" in mpi and "RAY" not in mpi
     assert "SLURM_RESTART_COUNT:-0}\" -lt 10" in ray
+
+
+def test_scripts_never_hold_the_ray_token_of_the_submitting_shell(monkeypatch, tmp_path):
+    """A RAY_AUTH_TOKEN exported when the job is written reaches the job through Slurm's environment:
+    the sbatch script, submitit's script and its pickled task name it, never hold its value."""
+    pytest.importorskip("submitit")
+    secret = "sentinel-token-0123456789abcdef"
+    monkeypatch.setenv("RAY_AUTH_TOKEN", secret)
+    sbatch = render("2x8-ray-ppo-7b-container")
+    o = SlurmOptions(2, 8, str(tmp_path / "run"))
+    submitit_script = executor(o)._executor._make_submission_file_text("python -m submitit.core._submit", "0")
+    for text in (sbatch, submitit_script):
+        assert secret not in text
+        assert "export RAY_AUTH_MODE=token" in text and 'if [ -z "${RAY_AUTH_TOKEN:-}" ]; then' in text
+        assert "export RAY_AUTH_TOKEN_PATH=" in text and '/.ray-token-$SLURM_JOB_ID' in text
+        assert "(umask 077 && head -c 32 /dev/urandom" in text
+    assert secret.encode() not in pickle.dumps(ClusterTask(["train", "ppo"], "ray", 3))
 
 
 def test_a_shape_too_small_for_the_node_map_is_refused_before_writing(tmp_path, capsys):

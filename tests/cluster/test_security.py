@@ -1,0 +1,223 @@
+"""Issue 9, security on shared nodes: a token-authenticated Ray cluster (`start_local_cluster(...,
+auth_token_path=...)`, as a Slurm job's is with RAY_AUTH_MODE=token) admits only clients holding its
+token, keeps the token in a file only its owner can read, and serves no dashboard.
+
+The cluster (one node) is started in a fresh process: Ray allows one driver per process and keeps
+its authentication settings process-wide, and this package's shared cluster (`ray_cluster`) may
+hold this process's driver. Every other client is a separate Python process, as another user's
+would be: its environment has no RAY_* settings and its HOME is empty (Ray would otherwise read a
+token from ~/.ray/auth_token).
+"""
+
+from __future__ import annotations
+
+import http.client
+import multiprocessing
+import os
+import re
+import shutil
+import socket
+import stat
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from hpcrlhf.cluster.bootstrap import RayPorts
+from hpcrlhf.cluster.local import RAY_AUTH_VARS, LocalRayCluster, start_local_cluster, write_auth_token
+
+pytestmark = pytest.mark.distributed
+
+CLIENT = ("import sys, ray; ray.init(address=sys.argv[1], log_to_driver=False); "
+          "print('answer', ray.get(ray.remote(lambda: 6 * 7).remote()))")
+CLIENT_TIMEOUT_S = 60.0
+REFUSED = re.compile(r"InvalidAuthToken|AuthenticationError|UNAUTHENTICATED|Unauthenticated")
+DASHBOARD_PORT = 8265
+"""Ray's default dashboard port."""
+STRAY_TOKEN = "a-token-the-caller-happened-to-export"
+
+
+def _auth_vars() -> dict[str, str | None]:
+    return {k: os.environ.get(k) for k in RAY_AUTH_VARS}
+
+
+def start_token_cluster(root: Path) -> tuple[LocalRayCluster, bool]:
+    """Run in a fresh process: a caller with an unrelated RAY_AUTH_TOKEN exported starts a 1-node
+    token cluster; returns it and whether the caller's RAY_AUTH_* came back unchanged."""
+    os.environ["RAY_AUTH_TOKEN"] = STRAY_TOKEN  # must neither become the cluster's token nor be lost
+    before = _auth_vars()
+    cluster = start_local_cluster(1, 0, cpus_per_node=1, root=root, auth_token_path=root / "token")
+    return cluster, _auth_vars() == before
+
+
+@dataclass
+class Started:
+    cluster: LocalRayCluster
+    env_restored: bool
+    home: Path
+    """An empty HOME for the clients."""
+
+
+@pytest.fixture(scope="module")
+def secure():
+    root = Path(tempfile.mkdtemp(prefix="hpcrlhf-sec-", dir="/tmp"))  # short: Ray's socket paths are limited
+    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        cluster, env_restored = pool.submit(start_token_cluster, root).result(timeout=300)
+    try:
+        (root / "home").mkdir()
+        yield Started(cluster, env_restored, root / "home")
+    finally:
+        cluster.stop()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@dataclass
+class Client:
+    """A client process trying to attach and run a task; `finish()` waits for it (never past its deadline)."""
+
+    proc: subprocess.Popen
+    deadline: float
+
+    def finish(self) -> tuple[int, str]:
+        try:
+            out, _ = self.proc.communicate(timeout=max(1.0, self.deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            out, _ = self.proc.communicate()
+            pytest.fail(f"the client hung for {CLIENT_TIMEOUT_S:.0f} s instead of failing or attaching:\n{out[-3000:]}")
+        return self.proc.returncode, out
+
+
+def client(started: Started, address: str, **auth: str) -> Client:
+    """Start a client of `address` with no RAY_* settings but `auth`, as another user's would be."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    env.update(HOME=str(started.home), RAY_USAGE_STATS_ENABLED="0", **auth)
+    proc = subprocess.Popen([sys.executable, "-c", CLIENT, address], env=env, stdin=subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    return Client(proc, time.monotonic() + CLIENT_TIMEOUT_S)
+
+
+def ray_client_address(cluster: LocalRayCluster) -> str:
+    """The head's Ray Client server (`ray://`), the other way in."""
+    host, gcs_port = cluster.address.rsplit(":", 1)
+    return f"ray://{host}:{RayPorts.from_base(int(gcs_port)).client_server}"
+
+
+@pytest.fixture(scope="module")
+def refused(secure):
+    """The clients that must be turned away, started together (Ray retries a refused connection for
+    ~20 s before giving up)."""
+    wrong = secure.home.parent / "wrong-token"
+    write_auth_token(wrong)
+    address = secure.cluster.address
+    return {"no token": client(secure, address),
+            "no token, Ray Client": client(secure, ray_client_address(secure.cluster)),
+            "wrong token": client(secure, address, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(wrong))}
+
+
+def assert_refused(c: Client) -> None:
+    status, out = c.finish()
+    assert status != 0 and "answer 42" not in out, f"a client without the token attached:\n{out[-3000:]}"
+    assert REFUSED.search(out), f"the client failed, but not for authentication:\n{out[-3000:]}"
+
+
+def test_a_client_without_the_token_cannot_attach(refused):
+    assert_refused(refused["no token"])
+
+
+def test_a_ray_client_without_the_token_cannot_attach(secure, refused):
+    """Through the Ray Client port (ray://) the server refuses for want of a token, but Ray's client
+    only says "ray client connection timeout" (after ~30 s): the server's log says why."""
+    status, out = refused["no token, Ray Client"].finish()
+    assert status != 0 and "answer 42" not in out, f"a Ray Client without the token attached:\n{out[-3000:]}"
+    log = secure.cluster.temp_dir / "session_latest" / "logs" / "ray_client_server.err"
+    assert "Authentication required but no authorization header provided" in log.read_text()
+
+
+def test_a_client_with_a_wrong_token_cannot_attach(refused):
+    assert_refused(refused["wrong token"])
+
+
+def test_a_client_given_the_token_attaches_and_runs_a_task(secure):
+    status, out = client(secure, secure.cluster.address, **secure.cluster.client_env()).finish()
+    assert status == 0 and "answer 42" in out, out[-3000:]
+
+
+def test_the_token_file_is_owner_only_and_nothing_else_holds_the_token(secure):
+    path = secure.cluster.auth_token_path
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600 and path.stat().st_uid == os.getuid()
+    token = path.read_text()
+    assert re.fullmatch(r"[0-9a-f]{64}", token) and token != STRAY_TOKEN
+    holders = [p for p in secure.cluster.temp_dir.rglob("*")
+               if p != path and p.is_file() and not p.is_symlink() and token.encode() in p.read_bytes()]
+    assert not holders, f"the token is written into {holders}"
+    assert not [p.info["cmdline"] for p in cluster_processes(secure.cluster)
+                if token in " ".join(p.info["cmdline"] or [])], "the token is on a command line (`ps` shows it)"
+
+
+def test_the_caller_keeps_its_own_ray_auth_settings(secure):
+    assert secure.env_restored  # its RAY_AUTH_TOKEN back, no RAY_AUTH_MODE/RAY_AUTH_TOKEN_PATH left behind
+
+
+def cluster_processes(cluster: LocalRayCluster) -> list:
+    """The processes of `cluster` (its nodes' process groups), with their command lines."""
+    import psutil
+
+    procs = []
+    for p in psutil.process_iter(["cmdline"]):
+        try:
+            if os.getpgid(p.pid) in cluster.groups:
+                procs.append(p)
+        except (ProcessLookupError, psutil.Error):
+            pass
+    return procs
+
+
+def listening(cluster: LocalRayCluster) -> set[tuple[str, int]]:
+    """The (address, port) of every TCP socket the cluster's processes listen on."""
+    import psutil
+
+    found = set()
+    for p in cluster_processes(cluster):
+        try:
+            found |= {(c.laddr.ip, c.laddr.port) for c in p.net_connections("tcp") if c.status == psutil.CONN_LISTEN}
+        except psutil.Error:
+            pass
+    return found
+
+
+def answers(host: str, port: int) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=2):
+            return True
+    except OSError:
+        return False
+
+
+def dashboard_api(host: str, port: int) -> bool:
+    """Whether an HTTP server on host:port answers the dashboard's /api/version without a token."""
+    conn = http.client.HTTPConnection(host, port, timeout=2)
+    try:
+        conn.request("GET", "/api/version")
+        response = conn.getresponse()
+        return response.status == 200 and b"ray_version" in response.read(4096)
+    except (OSError, http.client.HTTPException):
+        return False
+    finally:
+        conn.close()
+
+
+def test_no_dashboard_is_served(secure):
+    node_ip = secure.cluster.node_ips[0]
+    ports = listening(secure.cluster)
+    assert ports, "found none of the cluster's listening sockets"
+    assert DASHBOARD_PORT not in {port for _, port in ports}
+    assert not [h for h in (node_ip, "127.0.0.1") if answers(h, DASHBOARD_PORT)], "something answers on 8265"
+    reachable = {(node_ip if ip in ("0.0.0.0", "::") else ip.removeprefix("::ffff:"), port) for ip, port in ports}
+    served = sorted(hp for hp in reachable if dashboard_api(*hp))
+    assert not served, f"the dashboard's HTTP API answers without a token on {served}"
