@@ -44,6 +44,13 @@ class RayPorts:
         return cls(**{n: base + i for i, n in enumerate(names)}, min_worker=base + 10, max_worker=base + 109)
 
 
+HEALTH_CHECKS = {"health_check_period_ms": 2000, "health_check_timeout_ms": 6000, "health_check_failure_threshold": 5}
+"""How the head's GCS decides a node is dead (set here rather than left to Ray's defaults): a
+node whose raylet stops answering is declared dead after 5 failed checks, 10-30 s, and the
+actors on it fail, so the driver ends the run (hpcrlhf.cluster.worker_group.gather) instead of
+waiting on them. Not lower: a node busy loading a 70B checkpoint must not be declared dead."""
+
+
 def ray_start_args(*, node_ip: str, ports: RayPorts, head_address: Optional[str], num_cpus: int, num_gpus: int,
                    temp_dir: Optional[str] = None, resources: Optional[dict[str, float]] = None,
                    block: bool = False) -> list[str]:
@@ -60,7 +67,7 @@ def ray_start_args(*, node_ip: str, ports: RayPorts, head_address: Optional[str]
             "--disable-usage-stats"]
     if head_address is None:
         args += ["--head", f"--port={ports.gcs}", f"--ray-client-server-port={ports.client_server}",
-                 "--include-dashboard=false"]
+                 "--include-dashboard=false", f"--system-config={json.dumps(HEALTH_CHECKS, sort_keys=True)}"]
     else:
         args += [f"--address={head_address}"]
     if temp_dir:

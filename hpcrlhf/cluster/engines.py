@@ -11,7 +11,7 @@ import dataclasses
 import os
 from typing import Any, Mapping, Sequence
 
-from hpcrlhf.cluster.worker_group import RoleWorker, WorkerGroup, even_bounds
+from hpcrlhf.cluster.worker_group import RoleWorker, WorkerGroup, even_bounds, gather
 
 
 def omp_binding(tp: int, cpus: int) -> str:
@@ -62,15 +62,16 @@ class EngineFleet:
         return list(self.group.workers)
 
     def generate(self, prompts: Sequence[Sequence[int]], params) -> list:
-        import ray
-
         refs = [w.generate.remote(prompts[a:b], dataclasses.replace(params, first_index=params.first_index + a))
                 for w, (a, b) in zip(self.group.workers, even_bounds(len(prompts), len(self.group))) if b > a]
-        return [g for part in ray.get(refs) for g in part]
+        return [g for part in gather(refs) for g in part]
 
     def close(self) -> None:
         import ray
 
         if self.group.workers:
-            ray.get(self.group.call_async("close"))
+            try:
+                gather(self.group.call_async("close"))
+            except ray.exceptions.RayActorError:
+                pass  # an engine died (the error being raised says so); kill the others
             self.group.kill()

@@ -19,7 +19,7 @@ from typing import Any, Sequence
 
 import torch
 
-from hpcrlhf.cluster.worker_group import RoleWorker
+from hpcrlhf.cluster.worker_group import RoleWorker, gather
 from hpcrlhf.trainers.base import Trainer
 from hpcrlhf.trainers.experience import ExperienceBatch, ReplayBuffer
 from hpcrlhf.trainers.plan import PPOPlan
@@ -96,7 +96,7 @@ class ActorWorker(TrainedWorker):
         state = self.engine.full_state_dict()
         if self.rank == 0:
             ref = ray.put({k: v.detach().cpu() for k, v in state.items()})
-            ray.get([engine.load_weights.remote(ref) for engine in engines])
+            gather([engine.load_weights.remote(ref) for engine in engines])
 
     def optimizer_stats(self) -> dict[str, float | None]:
         return self.models.optimizer_stats()

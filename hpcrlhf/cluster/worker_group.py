@@ -16,6 +16,13 @@ from hpcrlhf.cluster.reservation import Reservation
 from hpcrlhf.placement import Device
 
 
+COLLECTIVE_TIMEOUT_S = 1800.0
+"""How long a rank waits in a collective before failing: long, since legitimate waits are long (the
+other ranks wait at a barrier while rank 0 writes a 70B model). A rank that died is noticed by
+the driver at once (`gather`), which then kills its peers; this timeout only ends a rank that
+hangs alive (the same 30 minutes as hpcrlhf.engines.distributed.init_distributed)."""
+
+
 @dataclass(frozen=True)
 class Whereabouts:
     """Where a worker really runs, as it sees it (compared with the map in tests and at start)."""
@@ -43,7 +50,7 @@ class RoleWorker:
 
         return ray.util.get_node_ip_address()
 
-    def init_process_group(self, master_addr: str, master_port: int, timeout_s: float = 120.0) -> None:
+    def init_process_group(self, master_addr: str, master_port: int, timeout_s: float = COLLECTIVE_TIMEOUT_S) -> None:
         """Join this role's process group (ranks of other roles are not in it)."""
         import datetime
 
@@ -111,9 +118,16 @@ class WorkerGroup:
         return [getattr(w, method).remote(*args, **kwargs) for w in self.workers]
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
-        import ray
+        return gather(self.call_async(method, *args, **kwargs))
 
-        return ray.get(self.call_async(method, *args, **kwargs))
+    def owner(self, actor_id: str) -> Optional[str]:
+        """'critic rank 1 (node 2, GPU 1)' for the hex id of one of this group's actors, else None."""
+        for rank, (w, devices) in enumerate(zip(self.workers, self.placements)):
+            if w._actor_id.hex() == actor_id:
+                where = ", ".join(f"node {d.node} GPU {d.gpu}" for d in devices)
+                name = f"vLLM engine {rank}" if self.role == "vllm" else f"{self.role} rank {rank}"
+                return f"{name} ({where})"
+        return None
 
     def kill(self) -> None:
         import ray
@@ -121,6 +135,31 @@ class WorkerGroup:
         for w in self.workers:
             ray.kill(w)
         self.workers = []
+
+
+def gather(refs: Sequence[Any]) -> list[Any]:
+    """`ray.get(refs)`, except that the first failure raises at once. `ray.get` of a list waits for
+    every result first, and the peers of a dead rank sit in a collective with it until their
+    timeout: the run would look hung, then fail with the peers' timeouts instead of the cause."""
+    import ray
+
+    pending = list(refs)
+    while pending:
+        ready, pending = ray.wait(pending, num_returns=1)
+        ray.get(ready)  # raises this one's failure
+    return ray.get(list(refs))
+
+
+def dead_worker_message(error: BaseException, groups: Sequence[WorkerGroup]) -> Optional[str]:
+    """What to tell the user when a Ray actor of `groups` died (None for other errors): which rank
+    or engine, where, and Ray's own account of why (pid, node, exit detail)."""
+    from ray.exceptions import RayActorError
+
+    if not isinstance(error, RayActorError):
+        return None
+    who = next((o for g in groups if error.actor_id and (o := g.owner(error.actor_id))), "a worker")
+    detail = " ".join(line.strip() for line in str(error.error_msg).splitlines()[1:] if line.strip())
+    return f"{who} died ({detail or error.error_msg})"
 
 
 def even_bounds(n: int, parts: int) -> list[tuple[int, int]]:

@@ -30,9 +30,9 @@ import torch
 from hpcrlhf.cluster.engines import EngineFleet, EngineWorker
 from hpcrlhf.cluster.ppo_workers import ROLE_WORKERS, role_config
 from hpcrlhf.cluster.reservation import Reservation
-from hpcrlhf.cluster.worker_group import WorkerGroup, even_bounds
+from hpcrlhf.cluster.worker_group import WorkerGroup, dead_worker_message, even_bounds, gather
 from hpcrlhf.config.schema import PPOConfig
-from hpcrlhf.errors import PlacementError
+from hpcrlhf.errors import PlacementError, TrainingError
 from hpcrlhf.logs import get_logger
 from hpcrlhf.trainers.experience import ExperienceBatch
 from hpcrlhf.trainers.online import Prompt, vllm_engine_args
@@ -69,11 +69,9 @@ class RemoteRewards:
         self.names = ray.get(group.workers[0].names.remote())
 
     def score(self, responses: list) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        import ray
-
         n = len(responses)
         shards = [[responses[i] for i in rows] for rows in equal_shards(n, len(self.group))]
-        results = ray.get(self.group.scatter_async("score", shards))
+        results = gather(self.group.scatter_async("score", shards))
         total = torch.cat([t for t, _ in results])[:n]
         return total, {name: torch.cat([p[name] for _, p in results])[:n] for name in self.names}
 
@@ -83,8 +81,6 @@ class RayPPOTrainer(PPOTrainer):
     the workers of `reservation`'s node map."""
 
     def __init__(self, cfg: PPOConfig, reservation: Reservation):
-        import ray
-
         self.setup(cfg)
         self.setup_online()
         self.reservation, node_map = reservation, reservation.node_map
@@ -101,7 +97,7 @@ class RayPPOTrainer(PPOTrainer):
         engines = WorkerGroup.for_engines(EngineWorker, reservation, tensor_parallel_size=node_map.vllm.tensor_parallel_size,
                                           **vllm_engine_args(cfg))
         self.rollout = EngineFleet(engines)  # evaluation generates with the engines too
-        ray.get([ref for g in self.groups.values() for ref in g.call_async("setup")])
+        gather([ref for g in self.groups.values() for ref in g.call_async("setup")])
         self.rollout_synced = False  # engines start from model.path; the actor's weights go in before use
         if "reward" in self.groups:
             self.rewards = RemoteRewards(self.groups["reward"])
@@ -115,10 +111,8 @@ class RayPPOTrainer(PPOTrainer):
     # -- placement ---------------------------------------------------------------------------
     def check_placement(self) -> None:
         """Every worker's node and visible GPUs, read back from the worker, must be the map's."""
-        import ray
-
-        groups = [*self.groups.values(), self.rollout.group]
-        found = [w for g in groups for w in ray.get(g.call_async("whereabouts"))]
+        groups = self.all_groups
+        found = [w for g in groups for w in gather(g.call_async("whereabouts"))]
         expected = {}
         for g in groups:
             for rank, devices in enumerate(g.placements):
@@ -145,15 +139,14 @@ class RayPPOTrainer(PPOTrainer):
                 for i in self.plan.prompts_for_step(len(self.prompts), step, self.cfg.seed, rank)]
 
     def score_tokens(self, batch: dict[str, torch.Tensor]):
-        import ray
-
         wanted = {"actor": "logps", "ref": "logps", "critic": "values"}
-        pending = {}
+        pending: dict[str, tuple[list[Any], int]] = {}
         for role, method in wanted.items():
             if role in self.groups:
                 shards, n = pad_rows(batch, len(self.groups[role]))
                 pending[role] = (self.groups[role].scatter_async(method, shards), n)
-        out = {role: torch.cat(ray.get(refs))[:n] for role, (refs, n) in pending.items()}
+        results = iter(gather([ref for refs, _ in pending.values() for ref in refs]))
+        out = {role: torch.cat([next(results) for _ in refs])[:n] for role, (refs, n) in pending.items()}
         return out["actor"], out.get("ref"), out.get("critic")
 
     def learn(self, experience: ExperienceBatch, step: int) -> Sums:
@@ -170,6 +163,7 @@ class RayPPOTrainer(PPOTrainer):
         waiting = [ref for refs in pending.values() for ref in refs]
         while waiting:  # each role's time from the common start to its last rank's end
             (ready,), waiting = ray.wait(waiting, num_returns=1)
+            ray.get(ready)  # a failed rank raises now, not after its peers' collective timeout
             for role, refs in left.items():
                 if ready in refs:
                     refs.discard(ready)
@@ -182,9 +176,7 @@ class RayPPOTrainer(PPOTrainer):
         return sums
 
     def sync_rollout(self) -> None:
-        import ray
-
-        ray.get(self.groups["actor"].call_async("push_weights", self.rollout.handles))
+        gather(self.groups["actor"].call_async("push_weights", self.rollout.handles))
         self.rollout_synced = True
 
     def greedy_rollout(self):
@@ -204,8 +196,13 @@ class RayPPOTrainer(PPOTrainer):
     def save_outputs(self) -> None:
         self.groups["actor"].call("save_model")
 
+    @property
+    def all_groups(self) -> list[WorkerGroup]:
+        """Every role's workers and the engines."""
+        return [*self.groups.values(), self.rollout.group]
+
     def close(self) -> None:
-        """Stop the engines and every worker."""
+        """Stop the engines and every worker (also after one of them died)."""
         self.rollout.close()
         for group in self.groups.values():
             group.kill()
@@ -225,21 +222,16 @@ class RayPPOState:
         return [(self.t.groups[role], sub) for role, sub in (("actor", ""), ("critic", "critic")) if role in self.t.groups]
 
     def save_checkpoint(self, folder, client_state: dict[str, Any]) -> None:
-        import ray
-
         t = self.t
         state = {**client_state, **t.controller_state()}
-        ray.get([ref for group, sub in self._trained()
+        gather([ref for group, sub in self._trained()
                  for ref in group.call_async("save_checkpoint", str(folder / sub),
                                              {"step": client_state["step"]} if sub else state)])
 
     def load_checkpoint(self, folder) -> dict[str, Any]:
-        import ray
-
         t = self.t
         refs = [group.call_async("load_checkpoint", str(folder / sub)) for group, sub in self._trained()]
-        state = ray.get(refs[0])[0]
-        ray.get([ref for more in refs[1:] for ref in more])
+        state = gather([ref for more in refs for ref in more])[0]
         t.load_controller_state(state)
         t.rollout_synced = False  # push the resumed weights before generating
         return state
@@ -260,6 +252,14 @@ def run_ray_ppo(cfg: PPOConfig) -> dict:
         try:
             trainer = RayPPOTrainer(cfg, reservation)
             return trainer.fit()
+        except Exception as e:
+            message = dead_worker_message(e, trainer.all_groups if trainer is not None else [])
+            if message is None:
+                raise
+            latest = trainer.run.checkpoints.latest() if trainer is not None else None
+            raise TrainingError(f"ppo on Ray: {message}. Every other worker was stopped; rerun the same command to "
+                                "resume from " + (f"the last checkpoint ({latest.name})" if latest else
+                                                  "the start (no checkpoint yet: see checkpoint.every_steps)")) from None
         finally:
             if trainer is not None:
                 trainer.close()

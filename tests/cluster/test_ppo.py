@@ -189,3 +189,72 @@ def test_ray_ppo_inside_the_image_places_and_samples_like_the_host_run(ppo_in_im
     # the same prompts, seeds and updates as on the host: the same scores, step by step
     assert [r["rollout/score"] for r in rows] == pytest.approx([r["rollout/score"] for r in host], abs=1e-6)
     assert max(r["rollout/logprob_max_diff"] for r in rows) < 1e-4  # weight sync into the engines works
+
+
+# -- fault injection: a worker killed mid-run ends the run promptly and clearly; the rerun resumes
+KILL_CHECKPOINT_EVERY = 3
+
+
+def run_until_killed(ray_cluster, folder, args, after_step: int, victim: tuple[str, int]) -> dict:
+    """Start the colocated run, SIGKILL the process of `victim` (role, rank) once `after_step` steps
+    are logged, and wait for the driver to end. Returns its exit status, output, and seconds from
+    the kill to the driver's exit."""
+    import os
+    import signal
+
+    proc = subprocess.Popen(cli_command(["train", "ppo", "--config", COLOCATED, "-o", str(folder), *args]), cwd=ROOT,
+                            env=cli_env(RAY_ADDRESS=ray_cluster.address), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 600
+        while len(train_rows(folder) if (folder / "metrics.jsonl").exists() else []) < after_step:
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0][-4000:]
+            time.sleep(0.5)
+        workers = json.loads((folder / "placement.json").read_text())["workers"]
+        pid = next(w["pid"] for w in workers if (w["role"], w["rank"]) == victim)
+        os.kill(pid, signal.SIGKILL)
+        killed = time.monotonic()
+        output = proc.communicate(timeout=300)[0]
+        return {"status": proc.returncode, "output": output, "exit_s": time.monotonic() - killed, "pid": pid}
+    finally:
+        proc.kill()
+
+
+@pytest.fixture(scope="module")
+def killed_runs(ray_cluster, policy_model, tmp_path_factory) -> dict:
+    """One colocated run (checkpoints every 3 steps) killed twice: its vLLM engine after step 4
+    (resume from step 3), then rank 1 of the critic after step 7 (resume from step 6); the last
+    rerun goes on uninterrupted to step 10."""
+    folder = tmp_path_factory.mktemp("ppo-killed") / "run"
+    args = ["--set", f"model.path={policy_model}", *RUN, "--set", "train.max_steps=10",
+            "--set", f"checkpoint.every_steps={KILL_CHECKPOINT_EVERY}"]
+    engine = run_until_killed(ray_cluster, folder, args, 4, ("vllm", 0))
+    critic = run_until_killed(ray_cluster, folder, args, 7, ("critic", 1))
+    last = run_cli(["train", "ppo", "--config", COLOCATED, "-o", str(folder), *args],
+                   env={"RAY_ADDRESS": ray_cluster.address}, timeout=1200)
+    return {"folder": folder, "engine": engine, "critic": critic, "last": last.stderr}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("victim, name, resume_step", [("engine", "vLLM engine 0 (node 0 GPU 0, node 0 GPU 1)", 3),
+                                                       ("critic", "critic rank 1 (node 0 GPU 1)", 6)])
+def test_a_killed_worker_ends_the_run_promptly_with_who_and_how_to_resume(killed_runs, victim, name, resume_step):
+    killed = killed_runs[victim]
+    assert killed["status"] == 2, killed["output"][-4000:]
+    assert killed["exit_s"] < 60, killed  # never a hang until the collective timeout or the time limit
+    assert f"hpcrlhf: error: ppo on Ray: {name} died (" in killed["output"], killed["output"][-4000:]
+    assert f"pid: {killed['pid']}" in killed["output"]
+    assert (f"rerun the same command to resume from the last checkpoint (step_{resume_step:06d})"
+            in killed["output"]), killed["output"][-3000:]
+    assert "Traceback" not in killed["output"], killed["output"][-4000:]
+
+
+@pytest.mark.slow
+def test_resumed_after_kills_matches_the_uninterrupted_run(killed_runs, runs):
+    """Every step 1..10 logged exactly once, and each drew the samples and losses an uninterrupted
+    run did (the colocated reference run: same layout, seeds and updates)."""
+    assert "resumed from" in killed_runs["last"] and "at step 6" in killed_runs["last"]
+    rows, ref = train_rows(killed_runs["folder"]), train_rows(runs[COLOCATED])[:10]
+    assert [r["step"] for r in rows] == list(range(1, 11))
+    for key in ("rollout/score", "train/value_loss", "train/policy_loss"):
+        assert [r[key] for r in rows] == pytest.approx([r[key] for r in ref], abs=1e-6), key
