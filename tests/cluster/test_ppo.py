@@ -13,7 +13,9 @@ separated layout's first steps inside hpcrlhf's CPU Apptainer image (started by 
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import subprocess
 import time
 
@@ -74,7 +76,7 @@ def submit_interrupted(slurm, folder, args) -> dict:
             assert proc.poll() is None and time.monotonic() < deadline, console.read_text()
             time.sleep(0.5)
         job = int(m.group(1))
-        while len(train_rows(folder) if (folder / "metrics.jsonl").exists() else []) < 20:
+        while logged_steps(folder) < 20:
             assert proc.poll() is None, console.read_text()
             time.sleep(1)
         slurm.run("scancel", "--signal=USR2", str(job))  # what --signal=USR2@lead delivers at the time limit
@@ -92,6 +94,11 @@ def summary(folder) -> dict:
 
 def train_rows(folder) -> list[dict]:
     return [m for m in read_metrics(folder) if "rollout/score" in m]
+
+
+def logged_steps(folder) -> int:
+    """Training steps a running job has logged so far (0 before its metrics file exists)."""
+    return len(train_rows(folder)) if (folder / "metrics.jsonl").exists() else 0
 
 
 @pytest.mark.slow
@@ -199,15 +206,12 @@ def run_until_killed(ray_cluster, folder, args, after_step: int, victim: tuple[s
     """Start the colocated run, SIGKILL the process of `victim` (role, rank) once `after_step` steps
     are logged, and wait for the driver to end. Returns its exit status, output, and seconds from
     the kill to the driver's exit."""
-    import os
-    import signal
-
     proc = subprocess.Popen(cli_command(["train", "ppo", "--config", COLOCATED, "-o", str(folder), *args]), cwd=ROOT,
                             env=cli_env(RAY_ADDRESS=ray_cluster.address), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 600
-        while len(train_rows(folder) if (folder / "metrics.jsonl").exists() else []) < after_step:
+        while logged_steps(folder) < after_step:
             assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0][-4000:]
             time.sleep(0.5)
         workers = json.loads((folder / "placement.json").read_text())["workers"]
