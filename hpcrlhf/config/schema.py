@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import string
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Literal, Optional
 
 from hpcrlhf.errors import ConfigError
@@ -29,6 +29,27 @@ def _shown(value: object) -> str:
         return f"<{'minus ' if value < 0 else ''}an integer of {math.floor(math.log10(abs(value))) + 1} digits>"
     text = repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _require_finite(section: object, key: str) -> None:
+    """Every float of config dataclass `section` (dotted name `key`) is finite, also inside its
+    lists (`optim.betas[1]`) and the sections of its lists (`reward.sources[0].weight`: a source
+    does not know its index). Range checks let Inf through (`inf > 0`), fields without one NaN
+    too. Called first in the `__post_init__` of each section with float fields, so NaN and Inf get
+    this message; nested sections check their own fields."""
+    for f in fields(section):
+        _require_finite_value(getattr(section, f.name), f"{key}.{f.name}")
+
+
+def _require_finite_value(value: object, key: str) -> None:
+    if isinstance(value, float):
+        _require(math.isfinite(value), key, value, "use a finite number")
+    elif isinstance(value, tuple):
+        for i, item in enumerate(value):
+            if is_dataclass(item):
+                _require_finite(item, f"{key}[{i}]")
+            else:
+                _require_finite_value(item, f"{key}[{i}]")
 
 
 @dataclass(frozen=True)
@@ -69,6 +90,7 @@ class TaskConfig:
     def __post_init__(self) -> None:
         from hpcrlhf.data.tasks import TASKS  # the registry; imported here, it needs no config
 
+        _require_finite(self, "task")
         _require(self.name is None or self.name in TASKS, "task.name", self.name,
                  f"use a bundled task ({', '.join(sorted(TASKS))}), or null to train on data.train_path")
         _require(self.max_operand >= 1, "task.max_operand", self.max_operand, "use at least 1, e.g. 99")
@@ -166,6 +188,7 @@ class OptimConfig:
     """Clip the global gradient norm to this value (0 disables clipping)."""
 
     def __post_init__(self) -> None:
+        _require_finite(self, "optim")
         _require(0 < self.lr < math.inf, "optim.lr", self.lr, "the learning rate must be a finite number > 0")
         _require(all(0 <= b < 1 for b in self.betas) and len(self.betas) == 2, "optim.betas", list(self.betas),
                  "use two numbers in [0, 1), e.g. [0.9, 0.95]")
@@ -292,6 +315,7 @@ class LoRAConfig:
     """QLoRA: load the frozen base weights in 4-bit NF4 (bitsandbytes, CUDA GPUs only)."""
 
     def __post_init__(self) -> None:
+        _require_finite(self, "lora")
         _require(self.rank >= 0, "lora.rank", self.rank, "use 0 (no LoRA) or a positive rank such as 8")
         _require(self.alpha > 0, "lora.alpha", self.alpha, "use a positive scale such as 16")
         _require(0 <= self.dropout < 1, "lora.dropout", self.dropout, "use a value in [0, 1)")
@@ -403,6 +427,7 @@ class DPOLossConfig:
     """Add this times the chosen responses' mean token NLL to the loss (0: pure preference loss)."""
 
     def __post_init__(self) -> None:
+        _require_finite(self, "dpo")
         _require(self.beta > 0, "dpo.beta", self.beta, "use a positive value such as 0.1")
         _require(self.nll_coef >= 0, "dpo.nll_coef", self.nll_coef, "use >= 0")
         if self.loss == "cdpo":
@@ -435,6 +460,7 @@ class KTOLossConfig:
     desirable_weight * n_desirable / (undesirable_weight * n_undesirable) in [1, 4/3]."""
 
     def __post_init__(self) -> None:
+        _require_finite(self, "kto")
         _require(self.beta > 0, "kto.beta", self.beta, "use a positive value such as 0.1")
         _require(self.desirable_weight >= 0, "kto.desirable_weight", self.desirable_weight, "use >= 0")
         _require(self.undesirable_weight >= 0, "kto.undesirable_weight", self.undesirable_weight, "use >= 0")
@@ -539,6 +565,7 @@ class RolloutConfig:
     """vllm only: skip graph capture / compilation (fast start; compiled is faster for long runs)."""
 
     def __post_init__(self) -> None:
+        _require_finite(self, "rollout")
         _require(self.prompts_per_step >= 1, "rollout.prompts_per_step", self.prompts_per_step, "use at least 1")
         _require(self.samples_per_prompt >= 1, "rollout.samples_per_prompt", self.samples_per_prompt, "use at least 1")
         _require(self.temperature > 0, "rollout.temperature", self.temperature,
@@ -589,6 +616,7 @@ class RewardConfig:
     """Sequences per reward-model forward pass."""
 
     def __post_init__(self) -> None:
+        _require_finite(self, "reward")
         _require(len(self.sources) >= 1, "reward.sources", list(self.sources), "give at least one reward model or rule")
         _require(self.clip is None or self.clip > 0, "reward.clip", self.clip, "use a positive bound, or null")
         _require(self.length_penalty >= 0, "reward.length_penalty", self.length_penalty, "use >= 0")
@@ -649,6 +677,7 @@ class PPOSectionConfig:
     """Train only the critic for the first N steps (warms the value estimates up)."""
 
     def __post_init__(self) -> None:
+        _require_finite(self, "ppo")
         _require(self.epochs >= 1, "ppo.epochs", self.epochs, "use at least 1")
         _require(0 < self.clip_eps < 1, "ppo.clip_eps", self.clip_eps, "use a value in (0, 1), typically 0.2")
         _require(self.clip_eps_high is None or self.clip_eps_high > 0, "ppo.clip_eps_high", self.clip_eps_high,
@@ -715,6 +744,7 @@ class VLLMPlacementConfig:
     trained roles it must leave them room (e.g. 0.3-0.5)."""
 
     def __post_init__(self) -> None:
+        _require_finite(self, "placement.vllm")
         _require(self.engines >= 0, "placement.vllm.engines", self.engines, "use 0 (no vLLM) or more engines")
         _require(self.tensor_parallel_size >= 1, "placement.vllm.tensor_parallel_size", self.tensor_parallel_size,
                  "use at least 1 GPU per engine")
@@ -759,6 +789,7 @@ class PlacementConfig:
     job (GPUs declared, nodes on loopback addresses)."""
 
     def __post_init__(self) -> None:
+        _require_finite(self, "placement")
         _require(self.nodes >= 1, "placement.nodes", self.nodes, "use at least 1 node")
         _require(self.gpus_per_node >= 1, "placement.gpus_per_node", self.gpus_per_node, "use at least 1 GPU")
         _require(self.gpu_memory_gb > 0, "placement.gpu_memory_gb", self.gpu_memory_gb,
@@ -866,9 +897,10 @@ class PPOConfig(OnlineJobConfig):
         sequences = self.rollout.prompts_per_step * n
         if sequences % self.train.global_batch_size:
             raise ConfigError(
-                f"train.global_batch_size: {self.train.global_batch_size} does not divide the {sequences} sequences "
-                f"of a rollout (rollout.prompts_per_step {self.rollout.prompts_per_step} x samples_per_prompt {n}); "
-                f"use a divisor of {sequences}")
+                f"train.global_batch_size: {_shown(self.train.global_batch_size)} does not divide the "
+                f"{_shown(sequences)} sequences of a rollout (rollout.prompts_per_step "
+                f"{_shown(self.rollout.prompts_per_step)} x samples_per_prompt {_shown(n)}); "
+                f"use a divisor of {_shown(sequences)}")
         if self.placement.runtime == "ray":
             _require(self.rollout.backend == "vllm", "rollout.backend", self.rollout.backend,
                      "the Ray runtime generates with vLLM engines on their own workers: set rollout.backend=vllm "
@@ -899,6 +931,7 @@ class RSSectionConfig:
     """dpo: weight of the chosen responses' NLL (keeps their likelihood up, Pang et al. 2024)."""
 
     def __post_init__(self) -> None:
+        _require_finite(self, "rs")
         _require(self.iterations >= 1, "rs.iterations", self.iterations, "use at least 1")
         _require(self.prompts_per_iteration >= 1, "rs.prompts_per_iteration", self.prompts_per_iteration, "use at least 1")
         _require(self.steps_per_iteration >= 1, "rs.steps_per_iteration", self.steps_per_iteration, "use at least 1")

@@ -54,7 +54,8 @@ class CSFTTrainer(SFTTrainer):
         try:
             self.edges = bucket_edges([r.data[data_keys[2]] for r in train], self.cfg.csft.num_buckets)
         except ValueError as e:
-            raise DataError(f"data.reward_key '{data_keys[2]}': {e}") from None
+            source = data.train_path or f"task {self.cfg.task.name!r}"
+            raise DataError(f"{source}: data.reward_key '{data_keys[2]}': {e}") from None
 
         def conditioned(rows: list[Row]) -> list[Row]:
             return [Row({"prompt": self.condition(r.data[data_keys[0]], bucket_of(r.data[data_keys[2]], self.edges)),

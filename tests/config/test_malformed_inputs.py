@@ -6,7 +6,8 @@ string, data file:line), which field, and how to fix it. The property tests belo
 broken input through the very entry points the CLI and the trainers use (`load_config`,
 `apply_overrides`, and each trainer's data loading, no model and no training) and check only
 *how* a failure looks: valid input that happens to be generated may load. The data property also
-checks the converse, that a malformed row the loader reaches is never silently accepted.
+checks the converse, that a malformed row the loader reaches is never silently accepted; the
+config properties, that a float field set to NaN or +/-Inf never loads.
 
 The plain tests at the end pin each bug these properties found, with its exact input and message.
 """
@@ -116,7 +117,8 @@ def near_values(tp: Any) -> st.SearchStrategy[Any]:
                 | st.sampled_from(["12", "1e3", "0x10", " 4"]))
     if tp is float:
         return (st.floats() | st.integers(-3, 3) | st.sampled_from([10**400, -(10**400)]) | huge
-                | st.sampled_from(["1e-4", "1e999", "-0.5", "nan", "abc", ".inf"]))
+                | st.sampled_from([math.nan, math.inf, -math.inf])
+                | st.sampled_from(["1e-4", "1e999", "-1e999", "-0.5", "nan", "abc", ".inf"]))
     if tp is str:
         return st.text(max_size=12) | st.integers() | st.booleans() | st.dates()
     return garbage
@@ -198,6 +200,32 @@ def check_config_error(err: BaseException, kind: str, edits: list[Edit], sources
     assert names_a_field(rest, kind, edits), f"message names none of {[e.path for e in edits]}: {message}"
 
 
+def _is_float(tp: Any) -> bool:
+    """`float` or `float | None`."""
+    if typing.get_origin(tp) in (Union, types.UnionType):
+        return [a for a in typing.get_args(tp) if a is not type(None)] == [float]
+    return tp is float
+
+
+FLOAT_FIELDS = {kind: {path for path, tp in fields if _is_float(tp)} for kind, fields in FIELDS.items()}
+_NUMBER_TEXT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
+"""Text the loader reads as a float (YAML 1.1 leaves `1e999` a string; float() makes it inf)."""
+
+
+def _non_finite(value: Any) -> bool:
+    """Whether a float field given `value` holds NaN or +/-Inf once loaded."""
+    if isinstance(value, str) and _NUMBER_TEXT.fullmatch(value):
+        value = float(value)
+    return isinstance(value, float) and not math.isfinite(value)
+
+
+def check_non_finite_refused(kind: str, edits: list[Edit]) -> None:
+    """The config loaded: then none of `edits` gave a float field NaN or +/-Inf (range checks let
+    Inf through, fields without one NaN too; training then turns every loss into NaN)."""
+    bad = [e for e in edits if not e.unknown and e.path in FLOAT_FIELDS[kind] and _non_finite(e.value)]
+    assert not bad, f"a non-finite float loaded silently: {[(e.path, e.value) for e in bad]}"
+
+
 def _dump(value: Any, **kw: Any) -> str:
     """`value` as YAML; an example holding an int too long to print as text cannot be written."""
     try:
@@ -223,6 +251,8 @@ def test_broken_recipe_mappings_fail_with_the_field(data):
         load_config(KINDS[kind], data=recipe)
     except Exception as err:  # noqa: BLE001 - the property is about which exceptions escape
         check_config_error(err, kind, edits, ["<data>"])
+    else:
+        check_non_finite_refused(kind, edits)
 
 
 @PROPERTY
@@ -238,6 +268,8 @@ def test_broken_recipe_files_fail_with_the_field(data):
             load_config(KINDS[kind], path)
         except Exception as err:  # noqa: BLE001
             check_config_error(err, kind, edits, [str(path)])
+        else:
+            check_non_finite_refused(kind, edits)
 
 
 @PROPERTY
@@ -251,6 +283,34 @@ def test_broken_overrides_fail_with_the_field(data):
         load_config(KINDS[kind], overrides=texts)
     except Exception as err:  # noqa: BLE001
         check_config_error(err, kind, edits, [f"--set {t}" for t in texts])
+    else:
+        check_non_finite_refused(kind, edits)
+
+
+@PROPERTY
+@given(data=st.data())
+def test_non_finite_floats_never_load(data):
+    """A float field set to NaN or +/-Inf, in a recipe mapping, a recipe file or a `--set`, fails
+    with a ConfigError that names the field and the value, whatever its own range check is."""
+    kind = data.draw(st.sampled_from(sorted(KINDS)))
+    path = data.draw(st.sampled_from(sorted(FLOAT_FIELDS[kind])))
+    value = data.draw(st.sampled_from([math.nan, math.inf, -math.inf, "1e999", "-1e999"]))
+    shown = repr(float(value))
+    recipe, edits = nest([Edit(path, value)])
+    how = data.draw(st.sampled_from(["data", "file", "set"]))
+    with tempfile.TemporaryDirectory() as tmp:
+        file = Path(tmp) / "recipe.yaml"
+        file.write_text(_dump(recipe), encoding="utf-8")
+        source = {"data": "<data>", "file": str(file), "set": f"--set {'.'.join(path)}={_flow(value)}"}[how]
+        with pytest.raises(ConfigError) as info:
+            if how == "data":
+                load_config(KINDS[kind], data=recipe)
+            elif how == "file":
+                load_config(KINDS[kind], file)
+            else:
+                load_config(KINDS[kind], overrides=[source.removeprefix("--set ")])
+    check_config_error(info.value, kind, edits, [source])
+    assert f": {shown} is invalid: use a finite number" in str(info.value), str(info.value)
 
 
 _YAML_TOKENS = ["\n", "  ", "- ", ": ", "? ", "{", "}", "[", "]", ",", "'", '"', "#", "&a ", "*a", "<<: ", "!!float ",
@@ -635,12 +695,97 @@ def test_huge_integers_are_shown_by_their_size(kind, recipe, expected):
     ("optim.betas=[0.9, 1.0]", "optim.betas: [0.9, 1.0] is invalid: use two numbers in [0, 1), e.g. [0.9, 0.95]"),
     ("optim.eps=-1.0", "optim.eps: -1.0 is invalid: use a small finite number >= 0, e.g. 1e-8"),
     ("optim.weight_decay=-0.1", "optim.weight_decay: -0.1 is invalid: use a finite number >= 0"),
-    ("optim.lr=.inf", "optim.lr: inf is invalid: the learning rate must be a finite number > 0"),
+    ("optim.lr=-1.0", "optim.lr: -1.0 is invalid: the learning rate must be a finite number > 0"),
     ("train.max_consecutive_skips=-1", "train.max_consecutive_skips: -1 is invalid: use >= 0 (0 stops at the first "
                                        "skipped step)"),
 ])
 def test_out_of_range_values_fail_when_the_config_loads(override, expected):
     assert _error(load_config, KINDS["sft"], overrides=[override]) == f"--set {override}: {expected}"
+
+
+def _float_leaves(cfg: Any, path: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+    """The path of every float field in config `cfg`, also in its sections, in the items of a
+    fixed-size float list (`optim.betas`, path (..., 0)) and in the sections of a list
+    (`reward.sources`, path (..., 0, "weight"))."""
+    out: list[tuple[Any, ...]] = []
+    hints = typing.get_type_hints(type(cfg))
+    for f in dataclasses.fields(cfg):
+        tp, value, here = hints[f.name], getattr(cfg, f.name), path + (f.name,)
+        if _is_float(tp):
+            out.append(here)
+        elif dataclasses.is_dataclass(value):
+            out += _float_leaves(value, here)
+        elif isinstance(value, tuple):
+            for i, item in enumerate(value):
+                if dataclasses.is_dataclass(item):
+                    out += _float_leaves(item, here + (i,))
+                elif isinstance(item, float):
+                    out.append(here + (i,))
+    return out
+
+
+def _non_finite_override(cfg: Any, path: tuple[Any, ...], value: float) -> str:
+    """`--set KEY=VALUE` giving the float at `path` of `cfg` the value `value` (a whole list when
+    the float sits in one, other items as they are)."""
+    split = next((i for i, part in enumerate(path) if isinstance(part, int)), len(path))
+    node: Any = cfg
+    for part in path[:split]:
+        node = getattr(node, part)
+    if split == len(path):
+        return f"{'.'.join(path)}={_flow(value)}"
+    items = [dataclasses.asdict(item) if dataclasses.is_dataclass(item) else item for item in node]
+    if split + 1 == len(path):
+        items[path[split]] = value
+    else:
+        items[path[split]][path[split + 1]] = value
+    return f"{'.'.join(path[:split])}={_flow(items)}"
+
+
+def _float_fields_of_every_kind() -> list[tuple[str, tuple[Any, ...]]]:
+    """(kind, path) of every float field of every config, each dotted path once."""
+    seen, out = set(), []
+    for kind in sorted(KINDS):
+        for path in _float_leaves(KINDS[kind]()):
+            if path not in seen:
+                seen.add(path)
+                out.append((kind, path))
+    return out
+
+
+def _dotted(path: tuple[Any, ...]) -> str:
+    return "".join(f"[{p}]" if isinstance(p, int) else f".{p}" if i else p for i, p in enumerate(path))
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf], ids=["nan", "inf", "-inf"])
+@pytest.mark.parametrize("kind, path", _float_fields_of_every_kind(),
+                         ids=lambda x: x if isinstance(x, str) else _dotted(x))
+def test_every_float_field_refuses_nan_and_inf(kind, path, value):
+    # Loaded before wherever no range check caught them (reward.sources[0].weight, reward.missing_eos_penalty,
+    # rs.min_score: any; lora.alpha, ppo.kl_target, optim.max_grad_norm, ...: inf), and turned losses into NaN.
+    text = _non_finite_override(KINDS[kind](), path, value)
+    tail = f"{value!r} is invalid: use a finite number"
+    named = [f"{_dotted(path)}: {tail}"]
+    if path[:2] == ("critic", "optim"):  # OptimConfig names its fields optim.*; the loader adds the section
+        named.append(f"critic.optim: {_dotted(path[1:])}: {tail}")
+    message = _error(load_config, KINDS[kind], overrides=[text])
+    assert message in [f"--set {text}: {n}" for n in named]
+
+
+def test_non_finite_floats_are_refused_wherever_they_come_from(tmp_path):
+    fix = "is invalid: use a finite number"
+    assert _error(load_config, KINDS["ppo"], overrides=["reward.missing_eos_penalty=.nan"]) == (
+        f"--set reward.missing_eos_penalty=.nan: reward.missing_eos_penalty: nan {fix}")
+    assert _error(load_config, KINDS["rs"], overrides=["rs.min_score=-1e999"]) == (  # text YAML leaves a string
+        f"--set rs.min_score=-1e999: rs.min_score: -inf {fix}")
+    assert _error(load_config, KINDS["sft"], data={"lora": {"alpha": math.inf}}) == f"<data>: lora.alpha: inf {fix}"
+    path = tmp_path / "recipe.yaml"
+    path.write_text("reward:\n  sources:\n    - rule: task\n      weight: .nan\n")
+    assert _error(load_config, KINDS["ppo"], path).endswith(f": reward.sources[0].weight: nan {fix}")
+    assert _error(load_config, KINDS["ppo"], path).startswith(str(path))
+    from hpcrlhf.config.schema import RewardConfig, RewardSourceConfig
+
+    with pytest.raises(ConfigError, match=r"^reward\.sources\[1\]\.weight: -inf is invalid"):  # built in Python
+        RewardConfig(sources=(RewardSourceConfig(rule="task"), RewardSourceConfig(rule="task", weight=-math.inf)))
 
 
 def test_task_too_small_for_its_splits_names_task_max_operand():
@@ -720,6 +865,15 @@ def test_numbers_too_large_for_a_float_are_rejected(tmp_path, tokenizer, kind, l
     assert _load(tmp_path, kind, lines, tokenizer, **option) == (
         f"{tmp_path / 'data.jsonl'}:2: field '{field}' (data.{'margin' if option else 'reward'}_key) must be a finite "
         "number, got an integer of 401 digits")
+
+
+def test_csft_rewards_all_equal_names_the_file(tmp_path, tokenizer):
+    # "data.reward_key 'reward': every reward is 1: ..." before: no file, so no way to tell which data.
+    lines = [b'{"prompt": "1+2=", "response": "3", "reward": 1}\n',
+             b'{"prompt": "2+2=", "response": "4", "reward": 1}\n']
+    assert _load(tmp_path, "csft", lines, tokenizer) == (
+        f"{tmp_path / 'data.jsonl'}: data.reward_key 'reward': every reward is 1: conditioning needs rewards "
+        "that differ")
 
 
 def test_kto_with_one_row_names_its_file(tmp_path, tokenizer):
