@@ -8,7 +8,8 @@ from pathlib import Path
 from typing import Sequence
 
 from hpcrlhf import __version__
-from hpcrlhf.errors import ConfigError, HpcrlhfError
+from hpcrlhf.errors import ConfigError, HpcrlhfError, WorkerLost
+from hpcrlhf.signals import EXIT_LOST
 
 RECIPES = Path(__file__).parent / "recipes"
 
@@ -354,7 +355,7 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except HpcrlhfError as e:
         print(f"hpcrlhf: error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_LOST if isinstance(e, WorkerLost) else 2
 
 
 def _unknown_options(parser: argparse.ArgumentParser, command: str, unknown: list[str]) -> int:

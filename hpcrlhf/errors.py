@@ -34,3 +34,10 @@ class PlacementError(ConfigError):
 class TrainingError(HpcrlhfError):
     """Training cannot go on (e.g. NaN/Inf in the loss, rewards or gradients); the message names
     the step and the tensor, and says how to resume."""
+
+
+class WorkerLost(TrainingError):
+    """A worker process or a whole node died mid-run: nothing the user did, and nothing lost but the
+    steps since the last checkpoint. The CLI exits `hpcrlhf.signals.EXIT_LOST` for it, on which
+    hpcrlhf's Slurm jobs requeue themselves and resume (on healthy nodes: Slurm never starts a job on
+    a node it has marked down)."""

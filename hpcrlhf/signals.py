@@ -13,6 +13,9 @@ import signal
 STOP_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM)
 EXIT_REQUEUE = 3
 """Exit status of a run that stopped on request after checkpointing (so launchers can requeue)."""
+EXIT_LOST = 4
+"""Exit status of a run that lost a worker or a node (hpcrlhf.errors.WorkerLost): launchers requeue
+it too; it resumes from its last checkpoint."""
 
 
 _early: list[int] = []

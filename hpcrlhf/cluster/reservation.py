@@ -11,6 +11,7 @@ gives it through CUDA_VISIBLE_DEVICES (Ray's own setting of it is switched off).
 from __future__ import annotations
 
 import ipaddress
+import time
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
@@ -27,13 +28,24 @@ class RayNode:
     ip: str
     gpus: float
     is_head: bool
+    hostname: str = ""
+
+    def describe(self, index: int) -> str:
+        return f"node {index} ({self.hostname}, {self.ip})" if self.hostname else f"node {index} ({self.ip})"
 
 
 def live_nodes() -> list[RayNode]:
     import ray
 
     return [RayNode(n["NodeID"], n["NodeManagerAddress"], n["Resources"].get("GPU", 0.0),
-                    "node:__internal_head__" in n["Resources"]) for n in ray.nodes() if n.get("Alive")]
+                    "node:__internal_head__" in n["Resources"], n.get("NodeManagerHostname", ""))
+            for n in ray.nodes() if n.get("Alive")]
+
+
+def dead_node_ids() -> set[str]:
+    import ray
+
+    return {n["NodeID"] for n in ray.nodes() if not n.get("Alive")}
 
 
 def order_nodes(nodes: Sequence[RayNode], node_ips: Optional[Sequence[str]] = None) -> list[RayNode]:
@@ -95,6 +107,17 @@ class Reservation:
 
     def ip_of(self, device: Device) -> str:
         return self.nodes[device.node].ip
+
+    def lost_nodes(self, wait_s: float = 0.0, *, poll_s: float = 1.0) -> list[int]:
+        """Map indices of the nodes Ray has declared dead; with `wait_s`, wait up to that long for
+        its health checks (hpcrlhf.cluster.bootstrap.HEALTH_CHECKS) to declare one."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            dead = dead_node_ids()
+            lost = [i for i, n in enumerate(self.nodes) if n.node_id in dead]
+            if lost or time.monotonic() >= deadline:
+                return lost
+            time.sleep(poll_s)
 
     def release(self) -> None:
         from ray.util.placement_group import remove_placement_group

@@ -120,14 +120,19 @@ class WorkerGroup:
     def call(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
         return gather(self.call_async(method, *args, **kwargs))
 
+    def name(self, rank: int) -> str:
+        return f"vLLM engine {rank}" if self.role == "vllm" else f"{self.role} rank {rank}"
+
     def owner(self, actor_id: str) -> Optional[str]:
-        """'critic rank 1 (node 2, GPU 1)' for the hex id of one of this group's actors, else None."""
+        """'critic rank 1 (node 2 GPU 1)' for the hex id of one of this group's actors, else None."""
         for rank, (w, devices) in enumerate(zip(self.workers, self.placements)):
             if w._actor_id.hex() == actor_id:
-                where = ", ".join(f"node {d.node} GPU {d.gpu}" for d in devices)
-                name = f"vLLM engine {rank}" if self.role == "vllm" else f"{self.role} rank {rank}"
-                return f"{name} ({where})"
+                return f"{self.name(rank)} ({', '.join(f'node {d.node} GPU {d.gpu}' for d in devices)})"
         return None
+
+    def on_node(self, node: int) -> list[str]:
+        """Names of this group's workers on map node `node`."""
+        return [self.name(rank) for rank, devices in enumerate(self.placements) if devices[0].node == node]
 
     def kill(self) -> None:
         import ray
@@ -160,6 +165,19 @@ def dead_worker_message(error: BaseException, groups: Sequence[WorkerGroup]) -> 
     who = next((o for g in groups if error.actor_id and (o := g.owner(error.actor_id))), "a worker")
     detail = " ".join(line.strip() for line in str(error.error_msg).splitlines()[1:] if line.strip())
     return f"{who} died ({detail or error.error_msg})"
+
+
+def unreachable(error: BaseException) -> bool:
+    """Whether Ray lost contact with an actor without knowing yet why (its process, or its node?)."""
+    from ray.exceptions import ActorUnavailableError
+
+    return isinstance(error, ActorUnavailableError)
+
+
+def lost_node_message(node: str, index: int, groups: Sequence[WorkerGroup]) -> str:
+    """'node 1 (n2, 10.0.0.2) died ...': which node Ray declared dead and the workers it took along."""
+    took = [name for g in groups for name in g.on_node(index)]
+    return f"{node} died (Ray's health checks declared it dead) and took {', '.join(took) or 'no worker'} with it"
 
 
 def even_bounds(n: int, parts: int) -> list[tuple[int, int]]:

@@ -15,7 +15,8 @@ options (golden files pin its output). The script:
    until every node has joined (naming missing ones) and trains; `mpi` -- one rank per GPU with
    `srun --mpi=pmix python -m hpcrlhf.hpc.mpi`;
 5. forwards USR1/TERM to the driver (it checkpoints after its current step and exits 3), tears Ray
-   down, and requeues itself when stopped on request while `SLURM_RESTART_COUNT` < max_requeues.
+   down, and requeues itself when stopped on request, or when the run lost a worker or node (exit
+   4), while `SLURM_RESTART_COUNT` < max_requeues.
 """
 
 from __future__ import annotations
@@ -205,13 +206,19 @@ def render_sbatch(args: Sequence[str], o: SlurmOptions) -> str:
         out += ["kill $nodes_pid 2>/dev/null; wait $nodes_pid 2>/dev/null",
                 "[ -n \"${RAY_AUTH_TOKEN_PATH:-}\" ] && rm -f \"$RAY_AUTH_TOKEN_PATH\"", ""]
     out += ["# Exit 3: stopped on request after checkpointing. After a stop request any failure also requeues (srun",
-            "# may report a rank it ended after another exited 3): the job resumes from its last checkpoint.",
-            "stopped=$(( status == 3 || (stop_requested == 1 && status != 0) ))",
-            f"if [ $stopped -eq 1 ] && [ \"${{SLURM_RESTART_COUNT:-0}}\" -lt {o.max_requeues} ]; then",
-            "  echo \"hpcrlhf: checkpointed on request (status $status); requeueing job $SLURM_JOB_ID\"",
+            "# may report a rank it ended after another exited 3). Exit 4: a worker or a whole node was lost; Slurm",
+            "# starts the requeued job once the lost node is back or on other nodes (never on one it marked down).",
+            "# Either way the job resumes from its last checkpoint.",
+            "stopped=$(( status == 3 || (stop_requested == 1 && status != 0) )); resume=$(( stopped || status == 4 ))",
+            f"if [ $resume -eq 1 ] && [ \"${{SLURM_RESTART_COUNT:-0}}\" -lt {o.max_requeues} ]; then",
+            "  if [ $stopped -eq 1 ]; then",
+            "    echo \"hpcrlhf: checkpointed on request (status $status); requeueing job $SLURM_JOB_ID\"",
+            "  else",
+            "    echo \"hpcrlhf: lost a worker or node (status 4); requeueing job $SLURM_JOB_ID to resume\"",
+            "  fi",
             "  scontrol requeue $SLURM_JOB_ID",
-            "elif [ $stopped -eq 1 ]; then",
-            f"  echo \"hpcrlhf: checkpointed on request; not requeued: already requeued {o.max_requeues} time(s)\"",
+            "elif [ $resume -eq 1 ]; then",
+            f"  echo \"hpcrlhf: not requeued: already requeued {o.max_requeues} time(s) (--max-requeues)\"",
             "fi",
             "exit $status", ""]
     return "\n".join(out)

@@ -8,7 +8,8 @@ each run a Ray worker node until the head has gone. Other jobs: each task runs o
 Requeue: submitit's `--signal=USR2@lead` reaches every process of the job. The training children
 treat USR2 as a stop request (finish the step, checkpoint, exit 3); Ray's processes ignore it; task
 0's submitit handler calls `ClusterTask.checkpoint`, which waits for the driver to have
-checkpointed and hands submitit the same task to requeue -- at most `max_requeues` times. The
+checkpointed and hands submitit the same task to requeue -- at most `max_requeues` times. A run that
+lost a worker or node (exit 4, hpcrlhf.errors.WorkerLost) is requeued the same way by task 0. The
 requeued job resumes from the run folder's last checkpoint.
 """
 
@@ -90,15 +91,46 @@ class ClusterTask:
         return self._child.returncode
 
     def _result(self, status: int, rank: int) -> Any:
-        from hpcrlhf.signals import EXIT_REQUEUE
+        from hpcrlhf.signals import EXIT_LOST, EXIT_REQUEUE
 
         run_dir = Path(self.argv[self.argv.index("--output-dir") + 1])
         if status == EXIT_REQUEUE:
             return {"status": "stopped", "run_dir": str(run_dir)}
+        if status == EXIT_LOST and rank == 0 and self._requeue_now():
+            raise SystemExit(-1)  # as submitit's own requeue ends: no result, the job runs again
         if status != 0:
             raise HpcrlhfError(f"rank {rank}: `hpcrlhf {' '.join(self.argv)}` exited {status}; its output is above")
         summary = run_dir / "summary.json"
         return json.loads(summary.read_text()) if rank == 0 and summary.exists() else {"status": "done"}
+
+    def _requeue_now(self) -> bool:
+        """After a lost worker or node (exit 4): requeue the job with the next attempt as its task, the
+        way submitit requeues on a time limit. False when it may not (--max-requeues, no scontrol)."""
+        import submitit
+        from submitit.core.utils import temporary_save_path
+
+        if not self._may_requeue():
+            return False
+        print(f"hpcrlhf: lost a worker or node; requeueing (requeue {self.requeues + 1} of at most "
+              f"{self.max_requeues}) to resume from the last checkpoint", flush=True)
+        env = submitit.JobEnvironment()
+        delayed = submitit.helpers.DelayedSubmission.load(env.paths.submitted_pickle)
+        delayed.function = replace(self, requeues=self.requeues + 1)
+        with temporary_save_path(env.paths.submitted_pickle) as tmp:
+            delayed.dump(tmp)
+        subprocess.run(["scontrol", "requeue", str(env.job_id)], check=True, timeout=60)
+        return True
+
+    def _may_requeue(self) -> bool:
+        if self.requeues >= self.max_requeues:
+            print(f"hpcrlhf: not requeued: already requeued {self.requeues} time(s) (--max-requeues)", flush=True)
+            return False
+        if shutil.which("scontrol") is None:  # submitit requeues with `scontrol requeue` from this task
+            print("hpcrlhf: not requeued: `scontrol` is not available here (inside a container image without "
+                  "Slurm's client tools?); resubmit the same command to resume from the last checkpoint, or use "
+                  "`hpcrlhf sbatch --container`, whose script requeues from the host", flush=True)
+            return False
+        return True
 
     def checkpoint(self, *args: Any, **kwargs: Any) -> Any:
         """submitit's time-limit/preemption hook (task 0): let the driver checkpoint, then requeue."""
@@ -110,13 +142,7 @@ class ClusterTask:
             print("hpcrlhf: stop requested; waiting for the current step to end and checkpoint", flush=True)
             while child.poll() is None:
                 time.sleep(0.5)
-        if self.requeues >= self.max_requeues:
-            print(f"hpcrlhf: not requeued: already requeued {self.requeues} time(s) (--max-requeues)", flush=True)
-            return None
-        if shutil.which("scontrol") is None:  # submitit requeues with `scontrol requeue` from this task
-            print("hpcrlhf: checkpointed, but not requeued: `scontrol` is not available here (inside a container "
-                  "image without Slurm's client tools?); resubmit the same command to resume from the checkpoint, "
-                  "or use `hpcrlhf sbatch --container`, whose script requeues from the host", flush=True)
+        if not self._may_requeue():
             return None
         print(f"hpcrlhf: checkpointed; requeueing (requeue {self.requeues + 1} of at most {self.max_requeues})",
               flush=True)

@@ -30,9 +30,10 @@ import torch
 from hpcrlhf.cluster.engines import EngineFleet, EngineWorker
 from hpcrlhf.cluster.ppo_workers import ROLE_WORKERS, role_config
 from hpcrlhf.cluster.reservation import Reservation
-from hpcrlhf.cluster.worker_group import WorkerGroup, dead_worker_message, even_bounds, gather
+from hpcrlhf.cluster.worker_group import (WorkerGroup, dead_worker_message, even_bounds, gather, lost_node_message,
+                                          unreachable)
 from hpcrlhf.config.schema import PPOConfig
-from hpcrlhf.errors import PlacementError, TrainingError
+from hpcrlhf.errors import PlacementError, WorkerLost
 from hpcrlhf.logs import get_logger
 from hpcrlhf.trainers.experience import ExperienceBatch
 from hpcrlhf.trainers.online import Prompt, vllm_engine_args
@@ -43,6 +44,9 @@ from hpcrlhf.trainers.ppo_learner import Sums
 log = get_logger()
 
 TRAINED = ("actor", "critic")
+NODE_VERDICT_S = 60.0
+"""How long a run that lost contact with a worker waits for Ray to say whether the worker's node died
+(hpcrlhf.cluster.bootstrap.HEALTH_CHECKS decide in 10-30 s), to name the node in its error."""
 
 
 def equal_shards(n: int, parts: int) -> list[list[int]]:
@@ -253,13 +257,20 @@ def run_ray_ppo(cfg: PPOConfig) -> dict:
             trainer = RayPPOTrainer(cfg, reservation)
             return trainer.fit()
         except Exception as e:
-            message = dead_worker_message(e, trainer.all_groups if trainer is not None else [])
+            groups = trainer.all_groups if trainer is not None else []
+            message = dead_worker_message(e, groups)
             if message is None:
                 raise
+            if unreachable(e):
+                log.info(f"lost contact with a worker: waiting up to {NODE_VERDICT_S:.0f} s for Ray's health checks "
+                         "to tell whether its node died")
+            lost = reservation.lost_nodes(NODE_VERDICT_S if unreachable(e) else 0.0)
+            if lost:
+                message = "; ".join(lost_node_message(reservation.nodes[i].describe(i), i, groups) for i in lost)
             latest = trainer.run.checkpoints.latest() if trainer is not None else None
-            raise TrainingError(f"ppo on Ray: {message}. Every other worker was stopped; rerun the same command to "
-                                "resume from " + (f"the last checkpoint ({latest.name})" if latest else
-                                                  "the start (no checkpoint yet: see checkpoint.every_steps)")) from None
+            raise WorkerLost(f"ppo on Ray: {message}. Every other worker was stopped; rerun the same command to "
+                             "resume from " + (f"the last checkpoint ({latest.name})" if latest else
+                                               "the start (no checkpoint yet: see checkpoint.every_steps)")) from None
         finally:
             if trainer is not None:
                 trainer.close()

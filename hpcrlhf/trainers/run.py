@@ -36,6 +36,7 @@ def environment_record(env: DistEnv) -> dict[str, Any]:
     return {"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "host": socket.gethostname(), "hpcrlhf": __version__,
             "python": sys.executable, "torch": torch.__version__, "world_size": env.world_size,
             "container": os.environ.get("APPTAINER_CONTAINER"), "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
+            "slurm_nodes": os.environ.get("SLURM_JOB_NODELIST"),
             "slurm_restart_count": int(os.environ.get("SLURM_RESTART_COUNT", 0))}
 
 
