@@ -46,6 +46,8 @@ class SlurmCluster:
     nodes: list[str]
     gpus_per_node: int
     pids: list[int] = field(default_factory=list)
+    slurmds: dict[str, int] = field(default_factory=dict)
+    """Each node's slurmd pid (the first process of the node's namespaces)."""
 
     @property
     def conf(self) -> Path:
@@ -99,13 +101,59 @@ class SlurmCluster:
         stepds = subprocess.run(["pgrep", "-f", rf"slurmstepd: \[{job_id}\."], capture_output=True).returncode == 0
         return stepds or any(self.base.glob(f"spool/*/stepd.slurm.pmix.{job_id}.*"))
 
+    def node_processes(self, node: str) -> list[int]:
+        """Every process running on `node`: its slurmd and all it started (job steps, their children)."""
+        return _in_namespace(os.readlink(f"/proc/{self.slurmds[node]}/ns/uts"))
+
+    def fail_node(self, node: str) -> int:
+        """Power `node` off: SIGKILL its slurmd and every process of every job on it at once (what a
+        crashed host leaves: no goodbye to the controller, Ray or the peers). Returns how many died."""
+        uts, killed = os.readlink(f"/proc/{self.slurmds[node]}/ns/uts"), set()
+        while pids := [p for p in _in_namespace(uts) if p not in killed]:  # until none is left (or forked)
+            for pid in pids:
+                try:
+                    os.kill(pid, 9)
+                except ProcessLookupError:
+                    pass
+            killed.update(pids)
+            time.sleep(0.1)
+        self.pids.remove(self.slurmds.pop(node))
+        return len(killed)
+
+    def boot_node(self, node: str) -> None:
+        """Start `node` again (a fresh slurmd in fresh namespaces); the controller returns it to service
+        (ReturnToService=2) once it registers."""
+        self.slurmds[node] = _start_slurmd(self.base, node, self.env())
+        self.pids.append(self.slurmds[node])
+
+    def wait_idle(self, nodes: list[str], timeout: float = 60) -> None:
+        def idle() -> bool:
+            out = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %T"], env=self.env(), capture_output=True,
+                                 text=True).stdout
+            return {line.split()[0] for line in out.splitlines() if line.endswith(" idle")} >= set(nodes)
+
+        _wait_for(idle, f"nodes {', '.join(nodes)} to be idle (see {self.base}/log)", timeout=timeout)
+
     def stop(self) -> None:
         stop_process_groups(self.pids, timeout_s=10)
         self.pids = []
+        self.slurmds = {}
+
+
+def _in_namespace(uts: str) -> list[int]:
+    """Processes in UTS namespace `uts` (a node of this cluster)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and os.readlink(entry / "ns" / "uts") == uts:
+                found.append(int(entry.name))
+        except OSError:  # gone meanwhile
+            pass
+    return found
 
 
 def _spawn(args: list[str], log: Path, env: dict[str, str]) -> int:
-    with open(log, "w") as out:
+    with open(log, "a") as out:
         return subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
                                 start_new_session=True).pid
 
@@ -117,6 +165,13 @@ def _wait_for(check, what: str, timeout: float = 30) -> None:
             return
         time.sleep(0.2)
     raise RuntimeError(f"timed out waiting for {what}")
+
+
+def _start_slurmd(base: Path, node: str, env: dict[str, str]) -> int:
+    """slurmd of `node` in its own UTS (hostname) and mount (private TmpFS) namespaces."""
+    script = f"hostname {node} && mount --bind {base}/nodetmp/{node} {NODE_TMP} && exec /usr/sbin/slurmd -D -N {node}"
+    return _spawn(["unshare", "--uts", "--mount", "--propagation", "private", "sh", "-c", script],
+                  base / "log" / f"slurmd-{node}.out", env)
 
 
 def _ok(*cmd: str, env: Optional[dict[str, str]] = None) -> bool:
@@ -198,7 +253,10 @@ def _start_mariadb(base: Path, cluster: SlurmCluster) -> None:
         cluster.pids.append(_spawn(["/usr/sbin/mariadbd", "--user=mysql", f"--datadir={data}", "--skip-networking",
                                     "--socket=/run/mysqld/mysqld.sock"], base / "log" / "mariadb.out", dict(os.environ)))
         _wait_for(lambda: _ok("mariadb", "-e", "select 1"), "mariadb")
-    subprocess.run(["mariadb", "-e", "CREATE DATABASE IF NOT EXISTS slurm_acct_db; CREATE USER IF NOT EXISTS "
+    # a fresh accounting database: job ids restart at 1 with every cluster, and sacct must never
+    # answer with an earlier cluster's job of the same id
+    subprocess.run(["mariadb", "-e", "DROP DATABASE IF EXISTS slurm_acct_db; CREATE DATABASE slurm_acct_db; "
+                    "CREATE USER IF NOT EXISTS "
                     "'slurm'@'localhost' IDENTIFIED BY 'hpcrlhf'; GRANT ALL ON slurm_acct_db.* TO 'slurm'@'localhost';"
                     " FLUSH PRIVILEGES;"], check=True)
 
@@ -227,15 +285,8 @@ def start_slurm_cluster(base: Path, num_nodes: int = 2, gpus_per_node: int = 4) 
         for n in nodes:
             (base / "spool" / n).mkdir(exist_ok=True)
             (base / "nodetmp" / n).mkdir(exist_ok=True)
-            script = f"hostname {n} && mount --bind {base}/nodetmp/{n} {NODE_TMP} && exec /usr/sbin/slurmd -D -N {n}"
-            cluster.pids.append(_spawn(["unshare", "--uts", "--mount", "--propagation", "private", "sh", "-c", script],
-                                       base / "log" / f"slurmd-{n}.out", env))
-
-        def all_idle() -> bool:
-            out = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %T"], env=env, capture_output=True, text=True).stdout
-            return sorted(line.split()[0] for line in out.splitlines() if line.endswith("idle")) == nodes
-
-        _wait_for(all_idle, f"nodes {', '.join(nodes)} to be idle (see {base}/log)", timeout=60)
+            cluster.boot_node(n)
+        cluster.wait_idle(nodes)
     except BaseException:
         cluster.stop()
         raise

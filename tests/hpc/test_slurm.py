@@ -5,11 +5,14 @@ signal, and a job too big for its allocation. (`hpcrlhf submit` of Ray PPO: test
 from __future__ import annotations
 
 import re
+import sys
+import time
 
 import pytest
 
 from hpcrlhf.metrics import read_metrics
 from tests.hpc.slurm_jobs import SFT, losses, render, slurm_log, wait_for_step
+from tests.launch_helpers import run_cli
 from tests.slurm_cluster import node_address
 
 
@@ -78,3 +81,33 @@ def test_a_job_bigger_than_its_allocation_fails_before_the_driver_starts(slurm_c
     assert f"the node map needs 2 node(s) x 4 GPU(s) (placement.nodes / placement.gpus_per_node) but the allocation " \
            f"of job {job} has 2 node(s) x 2 GPU(s)" in log
     assert "Ray head" not in log and "Ray worker" not in log and not (run / "metrics.jsonl").exists()
+
+
+def test_a_submitted_job_that_lost_a_worker_requeues_itself_and_resumes(slurm_cluster, tmp_path):
+    """`hpcrlhf submit`: a run that exits 4 (EXIT_LOST: a worker or node died; injected here by the
+    Python the job runs, on its first attempt only) is requeued by task 0 through submitit, and the
+    second attempt trains to the end."""
+    python = tmp_path / "python"
+    python.write_text("#!/bin/bash\n"
+                      "if [ \"${SLURM_RESTART_COUNT:-0}\" = 0 ] && [ \"$1 $2\" = \"-m hpcrlhf\" ]; then\n"
+                      "  echo 'hpcrlhf: error: (injected) critic rank 1 died' >&2; exit 4\n"
+                      f"fi\nexec {sys.executable} \"$@\"\n")
+    python.chmod(0o755)
+    run = tmp_path / "run"
+    out = run_cli(["submit", "--kind", "sft", "-o", str(run), "--python", str(python), "--time", "10", "--no-follow",
+                   "--set", "train.max_steps=6", "--set", "eval.every_steps=0", "--set", "log.tensorboard=false",
+                   "--set", "log.progress=false", "--set", "task.train_size=512"],
+                  env={"SLURM_CONF": str(slurm_cluster.conf)}).stdout
+    job = int(re.search(r"submitted job (\d+)", out).group(1))
+    log = run / "submitit" / f"{job}_0_log.out"
+    deadline = time.monotonic() + 300
+    while not (log.exists() and "requeueing" in log.read_text()):
+        assert time.monotonic() < deadline and slurm_cluster.state(job) in ("PENDING", "RUNNING"), \
+            log.read_text()[-3000:] if log.exists() else slurm_cluster.state(job)
+        time.sleep(0.5)
+    slurm_cluster.start_now(job)
+    assert slurm_cluster.wait(job, 600) == "COMPLETED", log.read_text()[-3000:]
+    text = log.read_text()
+    assert "lost a worker or node; requeueing (requeue 1 of at most 3) to resume from the last checkpoint" in text
+    assert "(attempt 2)" in text
+    assert [m["step"] for m in read_metrics(run) if "train/loss" in m][-1] == 6

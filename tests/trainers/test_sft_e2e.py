@@ -4,9 +4,11 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 
@@ -124,6 +126,49 @@ def test_damaged_latest_checkpoint_resumes_from_the_previous_one(baseline, tmp_p
     assert f"{newest.name} is damaged ({shard.relative_to(newest)} has 100 bytes" in log, log[-3000:]
     assert "resumed from" in log and f"step_{previous:06d} at step {previous}" in log, log[-3000:]
     assert_same_run(baseline, out)
+
+
+def rank_pid(launcher_pid: int, rank: int) -> int:
+    """The pid of `rank` among the children of torchrun's process `launcher_pid`."""
+    for entry in Path("/proc").iterdir():
+        try:
+            if (entry.name.isdigit() and (entry / "stat").read_text().rsplit(")", 1)[1].split()[1] == str(launcher_pid)
+                    and f"\0RANK={rank}\0".encode() in b"\0" + (entry / "environ").read_bytes()):
+                return int(entry.name)
+        except OSError:
+            pass
+    raise AssertionError(f"no rank {rank} under process {launcher_pid}")
+
+
+@pytest.mark.distributed
+def test_a_killed_rank_ends_the_launch_promptly_and_the_rerun_resumes(baseline, tmp_path):
+    """Two ranks under torchrun (ZeRO-2), checkpoints every 4 steps: rank 1 SIGKILLed after step 9 ends
+    the launch within 30 s (torchrun's agent stops rank 0, which waits in a collective with it) and
+    names the rank and the signal; the same command resumes from step 8 and learns like one rank."""
+    out = tmp_path / "killed"
+    args = ["train", "sft", "-o", str(out), *SHORT, "--set", "engine.zero_stage=2", "--set", "checkpoint.every_steps=4"]
+    proc = subprocess.Popen(cli_command(args, nproc=2), cwd=ROOT, env=cli_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not any(s >= 9 for s in losses(out)):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0][-3000:]
+            time.sleep(0.2)
+        victim = rank_pid(proc.pid, 1)
+        os.kill(victim, signal.SIGKILL)
+        killed = time.monotonic()
+        log = proc.communicate(timeout=120)[0]
+        ended_s = time.monotonic() - killed
+    finally:
+        proc.kill()
+    assert proc.returncode != 0 and ended_s < 30, (proc.returncode, ended_s, log[-3000:])
+    assert "rank      : 1 (local_rank: 1)" in log and f"exitcode  : -9 (pid: {victim})" in log, log[-3000:]
+    resumed = run_cli(args, nproc=2)
+    assert "step_000008 at step 8" in resumed.stdout + resumed.stderr
+    one, two = losses(baseline), losses(out)
+    assert sorted(two) == list(range(1, 25))
+    for step in one:
+        assert two[step] == pytest.approx(one[step], rel=2e-3, abs=2e-3), step
 
 
 @pytest.mark.parametrize("args, needle", [
