@@ -216,11 +216,44 @@ def _step_disabled(optimizer: torch.optim.Optimizer):
         del optimizer.step  # the class's method again
 
 
-def set_extension_cache() -> None:
-    """DeepSpeed's JIT ops (CPU Adam) build once per machine into hpcrlhf's cache."""
+def prepare_extensions(ds_config: dict[str, Any]) -> None:
+    """DeepSpeed's JIT ops (CPU Adam) build once per machine into hpcrlhf's cache; load the ones
+    `ds_config` needs now, safely (see `load_jit_op`)."""
     from hpcrlhf.cache import cache_dir
 
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(cache_dir("torch_extensions")))
+    if "offload_optimizer" in ds_config["zero_optimization"]:
+        from deepspeed.ops.op_builder import CPUAdamBuilder
+
+        load_jit_op(CPUAdamBuilder(), Path(os.environ["TORCH_EXTENSIONS_DIR"]))
+
+
+def load_jit_op(builder, extensions_dir: Path):
+    """Load (building at most once per machine) a DeepSpeed JIT op, immune to stale build locks.
+
+    torch marks a build in progress with a plain `lock` file in the op's build folder and waits,
+    forever, for it to disappear; a process killed while holding it (a lost node, a job cancelled
+    during start-up) would hang every later run. hpcrlhf's processes therefore build under an
+    `flock` — released by the kernel when its holder dies — and, holding it, know that any torch
+    lock file left in hpcrlhf's own cache belongs to a dead process and remove it. Later loads in
+    this process reuse the op (DeepSpeed caches loaded ops by name)."""
+    import fcntl
+
+    from hpcrlhf.cache import cache_root
+
+    extensions_dir.mkdir(parents=True, exist_ok=True)
+    with open(extensions_dir / ".hpcrlhf-build.flock", "w") as guard:
+        fcntl.flock(guard, fcntl.LOCK_EX)
+        stale = extensions_dir / builder.name / "lock"
+        ours = extensions_dir.resolve().is_relative_to(cache_root().resolve())
+        if ours and stale.exists():
+            print(f"hpcrlhf: removing {stale}, left by a process killed while building {builder.name}",
+                  file=sys.stderr)
+            stale.unlink(missing_ok=True)
+        if not any((extensions_dir / builder.name).glob("*.so")):
+            print(f"hpcrlhf: building DeepSpeed's {builder.name} op into {extensions_dir} (once per machine, "
+                  "about a minute)", file=sys.stderr, flush=True)
+        return builder.load()
 
 
 def save_hf_model(engine: TrainingEngine, write: Callable[[dict[str, torch.Tensor]], None]) -> None:

@@ -87,14 +87,14 @@ class Trainer:
         """A model from `path` (causal LM or value model, LoRA when configured) in a DeepSpeed
         training engine with its own optimizer and schedule."""
         from hpcrlhf.engines.deepspeed_engine import (TrainingEngine, build_deepspeed_config,
-                                                      maybe_zero3_init_context, set_extension_cache)
+                                                      maybe_zero3_init_context, prepare_extensions)
         from hpcrlhf.models.lora import apply_lora
         from hpcrlhf.models.value import ValueModel
 
         cfg = self.cfg
         ds_config = build_deepspeed_config(cfg.engine, optim, micro_batch_size=micro_batch_rows,
                                            grad_accum_steps=grad_accum_steps, world_size=self.env.world_size)
-        set_extension_cache()
+        prepare_extensions(ds_config)
         self._zero3_ctx = maybe_zero3_init_context(ds_config)  # alive while models load
         model = self.load_model(path, value_head)
         if cfg.lora.rank:
