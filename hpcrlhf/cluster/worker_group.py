@@ -155,16 +155,37 @@ def gather(refs: Sequence[Any]) -> list[Any]:
     return ray.get(list(refs))
 
 
-def dead_worker_message(error: BaseException, groups: Sequence[WorkerGroup]) -> Optional[str]:
-    """What to tell the user when a Ray actor of `groups` died (None for other errors): which rank
-    or engine, where, and Ray's own account of why (pid, node, exit detail)."""
-    from ray.exceptions import RayActorError
-
-    if not isinstance(error, RayActorError):
-        return None
+def dead_worker_message(error, groups: Sequence[WorkerGroup]) -> str:
+    """What to tell the user when a Ray actor of `groups` died (`error`: its `RayActorError`):
+    which rank or engine, where, and Ray's own account of why (pid, node, exit detail)."""
     who = next((o for g in groups if error.actor_id and (o := g.owner(error.actor_id))), "a worker")
     detail = " ".join(line.strip() for line in str(error.error_msg).splitlines()[1:] if line.strip())
     return f"{who} died ({detail or error.error_msg})"
+
+
+PROBE_S = 5.0
+"""How long `lost_worker_error` waits for the workers to answer a ping (busy ones just don't)."""
+
+
+def lost_worker_error(error: BaseException, groups: Sequence[WorkerGroup], probe_s: float = PROBE_S):
+    """The `RayActorError` of a lost worker behind `error`, or None: `error` itself when it is one;
+    when a worker *raised* instead (a peer of a dead rank can fail first, its collective cut off:
+    gloo's 'Connection closed by peer'), the first worker found dead by pinging them all."""
+    import ray
+    from ray.exceptions import RayActorError, RayTaskError
+
+    if isinstance(error, RayActorError):
+        return error
+    if not isinstance(error, RayTaskError):
+        return None
+    pings = [w.node_ip.remote() for g in groups for w in g.workers]
+    answered, _ = ray.wait(pings, num_returns=len(pings), timeout=probe_s)
+    for ref in answered:
+        try:
+            ray.get(ref)
+        except RayActorError as lost:
+            return lost
+    return None
 
 
 def unreachable(error: BaseException) -> bool:

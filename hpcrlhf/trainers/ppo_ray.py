@@ -31,7 +31,7 @@ from hpcrlhf.cluster.engines import EngineFleet, EngineWorker
 from hpcrlhf.cluster.ppo_workers import ROLE_WORKERS, role_config
 from hpcrlhf.cluster.reservation import Reservation
 from hpcrlhf.cluster.worker_group import (WorkerGroup, dead_worker_message, even_bounds, gather, lost_node_message,
-                                          unreachable)
+                                          lost_worker_error, unreachable)
 from hpcrlhf.config.schema import PPOConfig
 from hpcrlhf.errors import PlacementError, WorkerLost
 from hpcrlhf.logs import get_logger
@@ -258,13 +258,14 @@ def run_ray_ppo(cfg: PPOConfig) -> dict:
             return trainer.fit()
         except Exception as e:
             groups = trainer.all_groups if trainer is not None else []
-            message = dead_worker_message(e, groups)
-            if message is None:
+            cause = lost_worker_error(e, groups)
+            if cause is None:
                 raise
-            if unreachable(e):
+            message = dead_worker_message(cause, groups)
+            if unreachable(cause):
                 log.info(f"lost contact with a worker: waiting up to {NODE_VERDICT_S:.0f} s for Ray's health checks "
                          "to tell whether its node died")
-            lost = reservation.lost_nodes(NODE_VERDICT_S if unreachable(e) else 0.0)
+            lost = reservation.lost_nodes(NODE_VERDICT_S if unreachable(cause) else 0.0)
             if lost:
                 message = "; ".join(lost_node_message(reservation.nodes[i].describe(i), i, groups) for i in lost)
             latest = trainer.run.checkpoints.latest() if trainer is not None else None

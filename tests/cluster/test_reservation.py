@@ -10,11 +10,11 @@ import pytest
 
 from hpcrlhf.cluster.bootstrap import RayPorts, ray_start_args, wait_for_nodes
 from hpcrlhf.cluster.reservation import RayNode, check_cluster, order_nodes, reserve
-from hpcrlhf.cluster.worker_group import RoleWorker, WorkerGroup
+from hpcrlhf.cluster.worker_group import RoleWorker, WorkerGroup, dead_worker_message, lost_worker_error
 from hpcrlhf.config.loader import load_config
 from hpcrlhf.config.schema import PPOConfig
 from hpcrlhf.errors import HpcrlhfError, PlacementError
-from hpcrlhf.placement import build_node_map
+from hpcrlhf.placement import Device, build_node_map
 from hpcrlhf.cli import resolve_recipe
 
 
@@ -45,6 +45,35 @@ def test_workers_run_where_the_node_map_says(ray_cluster):
         assert [(e[0].node, [d.gpu for d in e]) for e in node_map.engines] == [(0, [2, 3]), (1, [2, 3])]
         for group in groups:
             group.kill()
+    finally:
+        reservation.release()
+
+
+@pytest.mark.slow
+def test_a_peer_that_fails_first_in_a_collective_is_traced_to_the_dead_rank(ray_cluster):
+    """When a rank dies, its peer in a collective may be the first to report (gloo: connection
+    closed by peer, a RayTaskError). The driver must still name the dead rank, so the run ends as a
+    lost worker (exit 4, requeued) and not as a crash."""
+    import ray
+    from ray.exceptions import RayActorError, RayTaskError
+
+    reservation = reserve(tiny_map())
+    try:
+        group = WorkerGroup("critic", RoleWorker, reservation, [[Device(0, 0)], [Device(1, 0)]])
+        assert group.call("check_group") == [2, 2]
+        ray.kill(group.workers[1])
+        with pytest.raises(RayTaskError) as peer_failure:
+            ray.get(group.workers[0].check_group.remote(), timeout=120)
+        assert "Connection closed by peer" in str(peer_failure.value) or "Connection reset" in str(peer_failure.value)
+        cause = lost_worker_error(peer_failure.value, [group])
+        assert isinstance(cause, RayActorError)
+        assert dead_worker_message(cause, [group]).startswith("critic rank 1 (node 1 GPU 0) died (")
+        assert lost_worker_error(ValueError("a bug"), [group]) is None
+        healthy = WorkerGroup("ref", RoleWorker, reservation, [[Device(0, 1)]], join=False)
+        bug = RayTaskError("check_group", "Traceback ...", ValueError("a bug"))
+        assert lost_worker_error(bug, [healthy]) is None  # every worker answers: a plain failure
+        group.kill()
+        healthy.kill()
     finally:
         reservation.release()
 
