@@ -9,9 +9,14 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any, Mapping, Sequence
+import time
+from typing import Any, Callable, Mapping, Sequence
 
-from hpcrlhf.cluster.worker_group import RoleWorker, WorkerGroup, even_bounds, gather
+from hpcrlhf.cluster.worker_group import (RoleWorker, WorkerGroup, dead_worker_message, even_bounds, gather,
+                                          lost_worker_error)
+from hpcrlhf.logs import get_logger
+
+log = get_logger()
 
 
 def omp_binding(tp: int, cpus: int) -> str:
@@ -52,19 +57,72 @@ class EngineFleet:
     """The engine actors as one rollout engine: a batch of prompts is split into contiguous
     parts, one per engine, generated concurrently and joined in order. Each part's sampling
     seeds follow its prompts' positions in the whole batch, so the samples do not depend on how
-    many engines there are."""
+    many engines there are -- nor on whether an engine was restarted and redid its part.
 
-    def __init__(self, group: WorkerGroup) -> None:
-        self.group = group
+    `push(handles)` loads the actor's current weights into those engines. An engine that dies
+    while its node stays up (Ray: ActorDiedError) is restarted up to `max_restarts` times in all:
+    same GPUs, weights pushed, its part of the batch (or the weight sync) redone."""
+
+    def __init__(self, group: WorkerGroup, push: Callable[[list[Any]], None], *, max_restarts: int = 0) -> None:
+        self.group, self.push, self.restarts_left = group, push, max_restarts
+        self.restarts = 0
 
     @property
     def handles(self) -> list[Any]:
         return list(self.group.workers)
 
     def generate(self, prompts: Sequence[Sequence[int]], params) -> list:
-        refs = [w.generate.remote(prompts[a:b], dataclasses.replace(params, first_index=params.first_index + a))
-                for w, (a, b) in zip(self.group.workers, even_bounds(len(prompts), len(self.group))) if b > a]
-        return [g for part in gather(refs) for g in part]
+        import ray
+
+        def start(rank: int, a: int, b: int):
+            part = dataclasses.replace(params, first_index=params.first_index + a)
+            return self.group.workers[rank].generate.remote(prompts[a:b], part)
+
+        parts = {rank: (a, b) for rank, (a, b) in enumerate(even_bounds(len(prompts), len(self.group))) if b > a}
+        pending = {start(rank, *bounds): rank for rank, bounds in parts.items()}
+        done: dict[int, list] = {}
+        while pending:
+            (ready,), _ = ray.wait(list(pending), num_returns=1)
+            rank = pending.pop(ready)
+            try:
+                done[rank] = ray.get(ready)
+            except ray.exceptions.RayActorError as e:
+                self.restart(rank, e)  # raises when it may not
+                pending[start(rank, *parts[rank])] = rank
+        return [g for rank in sorted(done) for g in done[rank]]
+
+    def sync(self) -> None:
+        """The actor's weights into every engine (restarting one found dead on the way)."""
+        try:
+            self.push(self.handles)
+        except ray_errors() as e:
+            lost = lost_worker_error(e, [self.group])
+            rank = self.rank_of(lost) if lost is not None else None
+            if rank is None:
+                raise
+            self.restart(rank, lost, pushed=False)
+            self.push(self.handles)
+
+    def rank_of(self, error) -> int | None:
+        return next((r for r, w in enumerate(self.group.workers) if w._actor_id.hex() == error.actor_id), None)
+
+    def restart(self, rank: int, error, *, pushed: bool = True) -> None:
+        """Replace dead engine `rank` (re-raising `error` when out of restarts or when its node may be
+        gone) and, when `pushed`, give it the weights the other engines hold."""
+        import ray
+
+        if self.restarts_left <= 0 or not isinstance(error, ray.exceptions.ActorDiedError):
+            raise error
+        self.restarts_left -= 1
+        self.restarts += 1
+        log.warning(f"{dead_worker_message(error, [self.group])}; restarting it on its GPUs "
+                    f"({self.restarts_left} restart(s) left, placement.vllm.max_restarts)")
+        began = time.monotonic()
+        handle = self.group.respawn(rank)
+        ray.get(handle.node_ip.remote())  # constructed: vLLM is up
+        if pushed:
+            self.push([handle])
+        log.info(f"vLLM engine {rank} restarted in {time.monotonic() - began:.0f} s; redoing its share")
 
     def close(self) -> None:
         import ray
@@ -75,3 +133,10 @@ class EngineFleet:
             except ray.exceptions.RayActorError:
                 pass  # an engine died (the error being raised says so); kill the others
             self.group.kill()
+
+
+def ray_errors() -> tuple[type[BaseException], ...]:
+    """What a failed call into Ray raises: a task's own error, or a lost actor's."""
+    from ray.exceptions import RayActorError, RayTaskError
+
+    return (RayTaskError, RayActorError)

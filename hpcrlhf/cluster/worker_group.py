@@ -88,8 +88,10 @@ class WorkerGroup:
         self.role, self.placements = role, [tuple(p) for p in placements]
         remote_cls = ray.remote(worker_cls)
         world = len(self.placements)
-        self.workers = [remote_cls.options(name=None, **reservation.actor_options(devs, env=env)).remote(
-            role, rank, world, *args, **kwargs) for rank, devs in enumerate(self.placements)]
+        self._spawn = lambda rank: remote_cls.options(name=None, **reservation.actor_options(
+            self.placements[rank], env=env)).remote(role, rank, world, *args, **kwargs)
+        self.workers = [self._spawn(rank) for rank in range(world)]
+        self.joined = join
         if join and world > 0:
             addr, port = ray.get([self.workers[0].node_ip.remote(), self.workers[0].free_port.remote()])
             ray.get([w.init_process_group.remote(addr, port) for w in self.workers])
@@ -133,6 +135,14 @@ class WorkerGroup:
     def on_node(self, node: int) -> list[str]:
         """Names of this group's workers on map node `node`."""
         return [self.name(rank) for rank, devices in enumerate(self.placements) if devices[0].node == node]
+
+    def respawn(self, rank: int) -> Any:
+        """A new worker in place of (dead) worker `rank`, on the same devices and built with the same
+        arguments. Only for groups without a process group (a new rank cannot join a live one)."""
+        if self.joined:
+            raise RuntimeError(f"{self.role} rank {rank} cannot be replaced: its role's process group is fixed")
+        self.workers[rank] = self._spawn(rank)
+        return self.workers[rank]
 
     def kill(self) -> None:
         import ray

@@ -742,9 +742,16 @@ class VLLMPlacementConfig:
     gpu_memory_utilization: float = 0.9
     """Share of each of its GPUs' memory an engine claims for weights and KV cache. Colocated with
     trained roles it must leave them room (e.g. 0.3-0.5)."""
+    max_restarts: int = 0
+    """Engines that die mid-run (their node still up) restarted within the job, in all: the new
+    engine starts on the same GPUs, takes the actor's current weights and redoes its share of the
+    step, so no sample is lost or changed. 0, or once used up: the run ends as a lost worker (exit
+    4) and a requeued job resumes from the last checkpoint."""
 
     def __post_init__(self) -> None:
         _require_finite(self, "placement.vllm")
+        _require(self.max_restarts >= 0, "placement.vllm.max_restarts", self.max_restarts,
+                 "use 0 (a dead engine ends the run) or more restarts")
         _require(self.engines >= 0, "placement.vllm.engines", self.engines, "use 0 (no vLLM) or more engines")
         _require(self.tensor_parallel_size >= 1, "placement.vllm.tensor_parallel_size", self.tensor_parallel_size,
                  "use at least 1 GPU per engine")

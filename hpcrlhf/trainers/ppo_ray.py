@@ -100,7 +100,7 @@ class RayPPOTrainer(PPOTrainer):
                 plan)
         engines = WorkerGroup.for_engines(EngineWorker, reservation, tensor_parallel_size=node_map.vllm.tensor_parallel_size,
                                           **vllm_engine_args(cfg))
-        self.rollout = EngineFleet(engines)  # evaluation generates with the engines too
+        self.rollout = EngineFleet(engines, self.push_weights, max_restarts=cfg.placement.vllm.max_restarts)
         gather([ref for g in self.groups.values() for ref in g.call_async("setup")])
         self.rollout_synced = False  # engines start from model.path; the actor's weights go in before use
         if "reward" in self.groups:
@@ -179,8 +179,11 @@ class RayPPOTrainer(PPOTrainer):
                 add_stats(sums, part)
         return sums
 
+    def push_weights(self, engines: list[Any]) -> None:
+        gather(self.groups["actor"].call_async("push_weights", engines))
+
     def sync_rollout(self) -> None:
-        gather(self.groups["actor"].call_async("push_weights", self.rollout.handles))
+        self.rollout.sync()
         self.rollout_synced = True
 
     def greedy_rollout(self):
