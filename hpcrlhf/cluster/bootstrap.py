@@ -16,7 +16,7 @@ from typing import Callable, Optional, Sequence
 from hpcrlhf.errors import HpcrlhfError
 
 PORTS_PER_NODE = 120
-"""Ports one Ray node takes from its base: 9 service ports, then its worker port range."""
+"""Ports one Ray node takes from its base: 10 service ports, then its worker port range."""
 
 
 @dataclass(frozen=True)
@@ -31,17 +31,25 @@ class RayPorts:
     runtime_env_agent: int
     metrics_export: int
     client_server: int
+    autoscaler_metrics: int
+    dashboard_metrics: int
     min_worker: int
     max_worker: int
 
     @classmethod
     def from_base(cls, base: int) -> "RayPorts":
-        """Consecutive ports from `base`: 8 service ports, then 100 worker ports (one per worker
+        """Consecutive ports from `base`: 10 service ports, then 100 worker ports (one per worker
         process; Ray needs one per actor/task worker alive at the same time)."""
         if not 1024 <= base <= 65535 - PORTS_PER_NODE:
             raise HpcrlhfError(f"Ray base port {base} is out of range: use 1024..{65535 - PORTS_PER_NODE}")
-        names = [f.name for f in fields(cls)][:8]
+        names = [f.name for f in fields(cls)][:10]
         return cls(**{n: base + i for i, n in enumerate(names)}, min_worker=base + 10, max_worker=base + 109)
+
+    def env(self) -> dict[str, str]:
+        """Environment of `ray start` for the ports Ray takes from variables, not flags: the head's
+        autoscaler and dashboard metrics servers (Ray's defaults, 44217 and 44227, would be shared
+        by every job on a node and, bound to all interfaces, tell each job's metrics to any user)."""
+        return {"AUTOSCALER_METRIC_PORT": str(self.autoscaler_metrics), "DASHBOARD_METRIC_PORT": str(self.dashboard_metrics)}
 
 
 HEALTH_CHECKS = {"health_check_period_ms": 2000, "health_check_timeout_ms": 6000, "health_check_failure_threshold": 5}

@@ -201,7 +201,8 @@ def start_local_cluster(num_nodes: int, gpus_per_node: int, *, cpus_per_node: in
                                   temp_dir=str(root) if i == 0 else None)
             args[0] = ray_executable()
             log = open(root / f"ray_start_{i}.log", "w")
-            proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env={**env, **p.env()},
+                                    start_new_session=True)
             cluster.groups.append(proc.pid)
             if proc.wait(timeout=timeout_s) != 0:
                 raise HpcrlhfError(f"`{' '.join(args)}` failed; see {root / f'ray_start_{i}.log'}")

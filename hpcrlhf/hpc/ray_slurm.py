@@ -93,7 +93,7 @@ def start_node(alloc: Allocation, node_index: int) -> subprocess.Popen:
     print(f"hpcrlhf: Ray {'head' if head is None else 'worker'} on {socket.gethostname()} ({node_ip}), "
           f"ports {ports.gcs}-{ports.max_worker}", flush=True)
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # a node starts its own, never joins another
-    env["RAY_USAGE_STATS_ENABLED"] = "0"
+    env.update(RAY_USAGE_STATS_ENABLED="0", **ports.env())
     saved = {sig: signal.signal(sig, signal.SIG_IGN) for sig in RAY_IGNORED}
     try:
         return subprocess.Popen(args, env=env, start_new_session=True, stdin=subprocess.DEVNULL)

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from hpcrlhf.cluster.bootstrap import RayPorts
+from hpcrlhf.cluster.bootstrap import PORTS_PER_NODE, RayPorts
 from hpcrlhf.cluster.local import RAY_AUTH_VARS, LocalRayCluster, start_local_cluster, write_auth_token
 
 pytestmark = pytest.mark.distributed
@@ -221,3 +221,18 @@ def test_no_dashboard_is_served(secure):
     reachable = {(node_ip if ip in ("0.0.0.0", "::") else ip.removeprefix("::ffff:"), port) for ip, port in ports}
     served = sorted(hp for hp in reachable if dashboard_api(*hp))
     assert not served, f"the dashboard's HTTP API answers without a token on {served}"
+
+
+def test_every_port_open_to_other_hosts_is_in_the_jobs_own_block(secure):
+    """Two jobs on one node never share a port, and what answers outside the host is the job's own:
+    every socket the cluster's processes listen on beyond loopback lies in its port block -- the
+    metrics servers of the head's autoscaler and dashboard included (Ray's fixed defaults,
+    44217/44227 on all interfaces, unless moved by RayPorts.env)."""
+    base = int(secure.cluster.address.rsplit(":", 1)[1])
+    block = range(base, base + PORTS_PER_NODE)
+    ports = listening(secure.cluster)
+    outside = sorted((ip, port) for ip, port in ports
+                     if port not in block and not ip.removeprefix("::ffff:").startswith("127.") and ip != "::1")
+    assert not outside, f"listening outside the job's ports {block.start}-{block.stop - 1}: {outside}"
+    metrics = RayPorts.from_base(base)
+    assert {metrics.autoscaler_metrics, metrics.dashboard_metrics} <= {port for _, port in ports}
