@@ -65,7 +65,6 @@ class EngineFleet:
 
     def __init__(self, group: WorkerGroup, push: Callable[[list[Any]], None], *, max_restarts: int = 0) -> None:
         self.group, self.push, self.restarts_left = group, push, max_restarts
-        self.restarts = 0
 
     @property
     def handles(self) -> list[Any]:
@@ -93,18 +92,17 @@ class EngineFleet:
 
     def sync(self) -> None:
         """The actor's weights into every engine (restarting one found dead on the way)."""
+        from ray.exceptions import RayActorError, RayTaskError
+
         try:
             self.push(self.handles)
-        except ray_errors() as e:
+        except (RayTaskError, RayActorError) as e:
             lost = lost_worker_error(e, [self.group])
-            rank = self.rank_of(lost) if lost is not None else None
+            rank = self.group.rank_of(lost.actor_id) if lost is not None else None
             if rank is None:
                 raise
             self.restart(rank, lost, pushed=False)
             self.push(self.handles)
-
-    def rank_of(self, error) -> int | None:
-        return next((r for r, w in enumerate(self.group.workers) if w._actor_id.hex() == error.actor_id), None)
 
     def restart(self, rank: int, error, *, pushed: bool = True) -> None:
         """Replace dead engine `rank` (re-raising `error` when out of restarts or when its node may be
@@ -114,7 +112,6 @@ class EngineFleet:
         if self.restarts_left <= 0 or not isinstance(error, ray.exceptions.ActorDiedError):
             raise error
         self.restarts_left -= 1
-        self.restarts += 1
         log.warning(f"{dead_worker_message(error, [self.group])}; restarting it on its GPUs "
                     f"({self.restarts_left} restart(s) left, placement.vllm.max_restarts)")
         began = time.monotonic()
@@ -122,7 +119,7 @@ class EngineFleet:
         ray.get(handle.node_ip.remote())  # constructed: vLLM is up
         if pushed:
             self.push([handle])
-        log.info(f"vLLM engine {rank} restarted in {time.monotonic() - began:.0f} s; redoing its share")
+        log.info(f"{self.group.name(rank)} restarted in {time.monotonic() - began:.0f} s; redoing its share")
 
     def close(self) -> None:
         import ray
@@ -133,10 +130,3 @@ class EngineFleet:
             except ray.exceptions.RayActorError:
                 pass  # an engine died (the error being raised says so); kill the others
             self.group.kill()
-
-
-def ray_errors() -> tuple[type[BaseException], ...]:
-    """What a failed call into Ray raises: a task's own error, or a lost actor's."""
-    from ray.exceptions import RayActorError, RayTaskError
-
-    return (RayTaskError, RayActorError)

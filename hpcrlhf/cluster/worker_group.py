@@ -125,12 +125,16 @@ class WorkerGroup:
     def name(self, rank: int) -> str:
         return f"vLLM engine {rank}" if self.role == "vllm" else f"{self.role} rank {rank}"
 
+    def rank_of(self, actor_id: Optional[str]) -> Optional[int]:
+        """The rank of this group's actor with hex id `actor_id`, else None."""
+        return next((rank for rank, w in enumerate(self.workers) if w._actor_id.hex() == actor_id), None)
+
     def owner(self, actor_id: str) -> Optional[str]:
         """'critic rank 1 (node 2 GPU 1)' for the hex id of one of this group's actors, else None."""
-        for rank, (w, devices) in enumerate(zip(self.workers, self.placements)):
-            if w._actor_id.hex() == actor_id:
-                return f"{self.name(rank)} ({', '.join(f'node {d.node} GPU {d.gpu}' for d in devices)})"
-        return None
+        rank = self.rank_of(actor_id)
+        if rank is None:
+            return None
+        return f"{self.name(rank)} ({', '.join(f'node {d.node} GPU {d.gpu}' for d in self.placements[rank])})"
 
     def on_node(self, node: int) -> list[str]:
         """Names of this group's workers on map node `node`."""
