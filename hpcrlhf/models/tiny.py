@@ -36,7 +36,8 @@ TINY_FAMILIES = ("llama", "mistral", "mixtral", "qwen2", "gpt2")
 BUILTIN_PREFIX = "builtin:tiny-"
 
 # Bump when a family's config or initialisation changes, so stale cache entries are not reused.
-BUILDER_VERSION = "1"
+# 2: version 1 could cache a folder without weights when built by rank > 0 of a distributed job.
+BUILDER_VERSION = "2"
 INIT_SEED = 1234
 
 # Shared dimensions, chosen by experiment: a plain SFT loop (AdamW lr 2e-3, 50 warmup steps then
@@ -127,8 +128,15 @@ def build_tiny_model_dir(family: str = "llama") -> Path:
             torch.manual_seed(INIT_SEED)
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         model.generation_config = GenerationConfig(**special)
+        # Every process builds its own copy (the first to finish is kept): under torch.distributed,
+        # transformers writes weights on rank 0 only, which would leave a rank > 0's copy without them.
+        model.should_save_on_this_rank = lambda is_main_process: is_main_process
         model.save_pretrained(str(tmp))
         tokenizer.save_pretrained(str(tmp))
+        missing = [name for name in ("config.json", "model.safetensors") if not (tmp / name).is_file()]
+        if missing:
+            raise ModelError(f"building builtin:tiny-{family}: transformers {transformers.__version__} did not write "
+                             f"{', '.join(missing)}; nothing was cached. Use the transformers version in constraints.txt")
     return final
 
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -119,6 +122,30 @@ def test_family_builds_and_loads(family, tokenizer):
         assert model.config.num_local_experts == 4 and model.config.num_experts_per_tok == 2
     # The second call reuses the cache entry.
     assert build_tiny_model_dir(family) == path
+
+
+BUILD_AS_RANK = """
+import os, sys, torch.distributed as dist
+from hpcrlhf.models.tiny import build_tiny_model_dir
+dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=int(sys.argv[2]), world_size=2)
+print(sorted(os.listdir(build_tiny_model_dir("llama"))))
+dist.barrier()
+"""
+
+
+def test_every_rank_of_a_distributed_job_builds_a_complete_folder(tmp_path):
+    """Ranks of a torchrun/MPI job may each build the model (first run on a node, a cache per node):
+    rank 1's copy must hold the weights too (transformers writes them on rank 0 only by default)."""
+    procs = [subprocess.Popen([sys.executable, "-c", BUILD_AS_RANK, str(tmp_path / "rendezvous"), str(rank)],
+                              env={**os.environ, "HPCRLHF_CACHE": str(tmp_path / f"cache-{rank}")},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in (0, 1)]
+    outputs = [proc.communicate(timeout=300)[0] for proc in procs]
+    for rank, (proc, output) in enumerate(zip(procs, outputs)):
+        assert proc.returncode == 0, output[-3000:]
+        assert "'config.json'" in output and "'model.safetensors'" in output, f"rank {rank}: {output[-3000:]}"
+    first, second = (load_file(str(next((tmp_path / f"cache-{r}" / "models").glob("tiny-llama-*")) / "model.safetensors"))
+                     for r in (0, 1))
+    assert first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)
 
 
 def test_weights_are_deterministic(tmp_path, monkeypatch):
