@@ -16,7 +16,8 @@ options (golden files pin its output). The script:
    `srun --mpi=pmix python -m hpcrlhf.hpc.mpi`;
 5. forwards USR1/TERM to the driver (it checkpoints after its current step and exits 3), tears Ray
    down, and requeues itself when stopped on request, or when the run lost a worker or node (exit
-   4), while `SLURM_RESTART_COUNT` < max_requeues.
+   4; under `mpi`, also a rank srun reports killed by a signal or lost with its node), while
+   `SLURM_RESTART_COUNT` < max_requeues.
 """
 
 from __future__ import annotations
@@ -193,8 +194,10 @@ def render_sbatch(args: Sequence[str], o: SlurmOptions) -> str:
                 "# The driver, on this (the first) node: waits until every node has joined, then trains.",
                 f"{py} -m hpcrlhf.hpc.ray_slurm driver {job} &"]
     else:
-        out += ["# One MPI rank per GPU; ranks find each other through PMIx and train over NCCL (gloo on CPU).",
-                f"srun --mpi=pmix --kill-on-bad-exit=1 {py} -m hpcrlhf.hpc.mpi {job} &"]
+        out += ["# One MPI rank per GPU; ranks find each other through PMIx and train over NCCL (gloo on CPU). srun's",
+                "# own lines are also kept aside: they tell a lost rank from a failed one (below).",
+                'srun_log=$(mktemp); exec 3> >(tee >(grep --line-buffered "^srun: " > "$srun_log") >&2); tee_pid=$!',
+                f"srun --mpi=pmix --kill-on-bad-exit=1 {py} -m hpcrlhf.hpc.mpi {job} 2>&3 &"]
     out += ["driver_pid=$!", "",
             "# Time limit (USR1, from --signal) or preemption (TERM): the driver finishes its step, checkpoints and",
             "# exits 3.",
@@ -205,6 +208,18 @@ def render_sbatch(args: Sequence[str], o: SlurmOptions) -> str:
     if o.launcher == "ray":
         out += ["kill $nodes_pid 2>/dev/null; wait $nodes_pid 2>/dev/null",
                 "[ -n \"${RAY_AUTH_TOKEN_PATH:-}\" ] && rm -f \"$RAY_AUTH_TOKEN_PATH\"", ""]
+    else:
+        out += ["# srun ends every rank once one fails (143 when it had to TERMinate them) and names first the task that",
+                "# ended the step: one SIGKILLed (by the admin, a node health check, a test) or lost with its node is a",
+                "# lost worker, as exit 4 of a Ray job; any other failure (a traceback, out of memory) stays a failure.",
+                "exec 3>&-; wait $tee_pid 2>/dev/null",
+                "first=$(grep -m1 -E 'task [0-9]+: |Node failure' \"$srun_log\"); rm -f \"$srun_log\"",
+                "if [ $status -ne 0 ] && [ $status -ne 3 ]; then",
+                "  case \"$first\" in *\": Killed\"|*\"Node failure\"*)",
+                "    echo \"hpcrlhf: ${first#srun: error: }: a rank was lost (srun status $status, taken as 4)\"",
+                "    status=4;;",
+                "  esac",
+                "fi", ""]
     out += ["# Exit 3: stopped on request after checkpointing. After a stop request any failure also requeues (srun",
             "# may report a rank it ended after another exited 3). Exit 4: a worker or a whole node was lost; Slurm",
             "# starts the requeued job once the lost node is back or on other nodes (never on one it marked down).",

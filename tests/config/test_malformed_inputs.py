@@ -226,6 +226,17 @@ def check_non_finite_refused(kind: str, edits: list[Edit]) -> None:
     assert not bad, f"a non-finite float loaded silently: {[(e.path, e.value) for e in bad]}"
 
 
+def check_load(kind: str, edits: list[Edit], sources: list[str], *args: Any, **kw: Any) -> None:
+    """`load_config(KINDS[kind], *args, **kw)` of a recipe broken by `edits`: it fails with a
+    ConfigError naming a broken field (and its source), or loads only what was valid."""
+    try:
+        load_config(KINDS[kind], *args, **kw)
+    except Exception as err:  # noqa: BLE001 - the property is about which exceptions escape
+        check_config_error(err, kind, edits, sources)
+    else:
+        check_non_finite_refused(kind, edits)
+
+
 def _dump(value: Any, **kw: Any) -> str:
     """`value` as YAML; an example holding an int too long to print as text cannot be written."""
     try:
@@ -247,12 +258,7 @@ def test_broken_recipe_mappings_fail_with_the_field(data):
     """`load_config(cls, data=MAPPING)`: the mapping a recipe parses to, given directly."""
     kind = data.draw(st.sampled_from(sorted(KINDS)))
     recipe, edits = nest(data.draw(broken_recipes(kind)))
-    try:
-        load_config(KINDS[kind], data=recipe)
-    except Exception as err:  # noqa: BLE001 - the property is about which exceptions escape
-        check_config_error(err, kind, edits, ["<data>"])
-    else:
-        check_non_finite_refused(kind, edits)
+    check_load(kind, edits, ["<data>"], data=recipe)
 
 
 @PROPERTY
@@ -264,12 +270,7 @@ def test_broken_recipe_files_fail_with_the_field(data):
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "recipe.yaml"
         path.write_text(_dump(recipe), encoding="utf-8")
-        try:
-            load_config(KINDS[kind], path)
-        except Exception as err:  # noqa: BLE001
-            check_config_error(err, kind, edits, [str(path)])
-        else:
-            check_non_finite_refused(kind, edits)
+        check_load(kind, edits, [str(path)], path)
 
 
 @PROPERTY
@@ -279,12 +280,7 @@ def test_broken_overrides_fail_with_the_field(data):
     kind = data.draw(st.sampled_from(sorted(KINDS)))
     _, edits = nest(data.draw(broken_recipes(kind, string_keys=True)))
     texts = [".".join(map(str, e.path)) + "=" + _flow(e.value) for e in edits]
-    try:
-        load_config(KINDS[kind], overrides=texts)
-    except Exception as err:  # noqa: BLE001
-        check_config_error(err, kind, edits, [f"--set {t}" for t in texts])
-    else:
-        check_non_finite_refused(kind, edits)
+    check_load(kind, edits, [f"--set {t}" for t in texts], overrides=texts)
 
 
 @PROPERTY

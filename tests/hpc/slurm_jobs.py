@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import time
 from pathlib import Path
 
@@ -46,3 +48,20 @@ def losses(run: Path) -> dict[int, float]:
 
 def slurm_log(run: Path, job: int) -> str:
     return (run / f"slurm-{job}.out").read_text()
+
+
+def kill_task(job: int, task: int, module: str = "hpcrlhf.hpc.mpi") -> list[int]:
+    """SIGKILL the processes of task `task` of the job's steps that run `module` (the test cluster's
+    nodes share this host, so its /proc shows every node's tasks). Returns their pids."""
+    want = {f"SLURM_JOB_ID={job}".encode(), f"SLURM_PROCID={task}".encode()}
+    pids = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and module.encode() in (proc / "cmdline").read_bytes() \
+                    and want <= set((proc / "environ").read_bytes().split(b"\0")):
+                os.kill(int(proc.name), signal.SIGKILL)
+                pids.append(int(proc.name))
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            continue
+    assert pids, f"no process of task {task} of job {job} runs {module}"
+    return pids

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from hpcrlhf.metrics import read_metrics
-from tests.hpc.slurm_jobs import SFT, losses, render, slurm_log, wait_for_step
+from tests.hpc.slurm_jobs import SFT, kill_task, losses, render, slurm_log, wait_for_step
 from tests.launch_helpers import run_cli
 from tests.slurm_cluster import node_address
 
@@ -29,12 +29,16 @@ def test_two_nodes_with_their_own_names_addresses_and_gpus(slurm_cluster, tmp_pa
 @pytest.fixture(scope="module")
 def sft_requeued(slurm_cluster, tmp_path_factory):
     """The rendered 2-node MPI SFT script stopped by the time-limit signal after step 20 (requeued by
-    the script itself, resumed from its checkpoint)."""
+    the script itself, resumed from its checkpoint), then, after step 40, its rank 1 SIGKILLed (a
+    lost rank: requeued again, resumed from the same checkpoint)."""
     run = tmp_path_factory.mktemp("sft-requeued") / "run"
     script = render(run, "--kind", "sft", "--launcher", "mpi", "--nodes", "2", "--gpus-per-node", "1", *SFT)
     job = slurm_cluster.sbatch(script)
     wait_for_step(run, 20)
     slurm_cluster.run("scancel", "--batch", "--signal=USR1", str(job))  # what --signal=B:USR1@lead sends
+    slurm_cluster.start_now(job)
+    wait_for_step(run, 40)
+    kill_task(job, 1)
     slurm_cluster.start_now(job)
     return run, slurm_cluster.wait(job, 900), job
 
@@ -55,7 +59,7 @@ def test_time_limit_signal_checkpoints_requeues_and_resumes_like_an_uninterrupte
     log = slurm_log(run, job)
     assert state == "COMPLETED", log[-4000:]
     assert "checkpointed on request (status" in log
-    assert f"requeueing job {job}" in log and log.count("the job fits the allocation") == 2  # two attempts, one log (--open-mode=append)
+    assert f"requeueing job {job}" in log and log.count("the job fits the allocation") == 3  # three attempts, one log (--open-mode=append)
     rows = [m["step"] for m in read_metrics(run) if "train/loss" in m]
     assert len(rows) == len(set(rows)), "a step was logged twice: the resumed run repeated samples"
     # every logged step trains on the uninterrupted run's samples; the one logging window the stop
@@ -67,6 +71,36 @@ def test_time_limit_signal_checkpoints_requeues_and_resumes_like_an_uninterrupte
     assert same == pytest.approx({k: losses(straight)[k] for k in same}, rel=1e-5)
     final = {k: v for k, v in read_metrics(run)[-1].items() if k.startswith("eval/")}
     assert final and final == pytest.approx({k: read_metrics(straight)[-1][k] for k in final}, rel=1e-5)
+
+
+@pytest.mark.distributed
+def test_a_killed_rank_is_a_lost_worker_the_job_requeues_and_resumes(sft_requeued):
+    """srun exits 143 whether a rank was killed or failed (it TERMinates the others): the script
+    tells them apart by srun's first task line and requeues only a lost rank (the resumed steps are
+    checked against the uninterrupted run above)."""
+    run, state, job = sft_requeued
+    log = slurm_log(run, job)
+    assert state == "COMPLETED", log[-4000:]
+    # 143 when srun TERMinated rank 0, 137 when rank 0 failed on its own first (gloo: "Connection closed by peer")
+    assert re.search(r"hpcrlhf: n2: task 1: Killed: a rank was lost \(srun status 1(37|43), taken as 4\)", log), log[-4000:]
+    assert f"hpcrlhf: lost a worker or node (status 4); requeueing job {job} to resume" in log
+    assert log.count("resumed from") == 2, log[-4000:]
+
+
+def test_a_rank_that_fails_is_not_requeued(slurm_cluster, tmp_path):
+    """The other side of the test above: rank 1 exits 1 (a bug, bad data: rerunning repeats it), srun
+    also exits 143, and the job fails without a requeue."""
+    python = tmp_path / "python"
+    python.write_text("#!/bin/bash\n"
+                      "if [ \"$SLURM_PROCID $2\" = \"1 hpcrlhf.hpc.mpi\" ]; then echo '(injected) rank 1 failed' >&2; exit 1; fi\n"
+                      f"exec {sys.executable} \"$@\"\n")
+    python.chmod(0o755)
+    run = tmp_path / "run"
+    job = slurm_cluster.sbatch(render(run, "--kind", "sft", "--launcher", "mpi", "--nodes", "2", "--gpus-per-node", "1",
+                                      "--python", str(python), *SFT))
+    state, log = slurm_cluster.wait(job, 180), slurm_log(run, job)
+    assert state == "FAILED" and "srun: error: n2: task 1: Exited with exit code 1" in log, log[-4000:]
+    assert "a rank was lost" not in log and "requeueing" not in log, log[-4000:]
 
 
 def test_a_job_bigger_than_its_allocation_fails_before_the_driver_starts(slurm_cluster, tmp_path):
