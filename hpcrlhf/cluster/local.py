@@ -84,11 +84,27 @@ class LocalRayCluster:
 
 
 def _group_alive(pgid: int) -> bool:
+    """Whether a process of group `pgid` still runs (zombies do not count: a leader this process
+    started is reaped here, orphans wait for an init that may never reap them)."""
+    try:
+        os.waitpid(pgid, os.WNOHANG)
+    except ChildProcessError:  # not our child, or reaped already
+        pass
     try:
         os.killpg(pgid, 0)
-        return True
     except ProcessLookupError:
         return False
+    proc = Path("/proc")
+    if not proc.is_dir():
+        return True
+    for stat in proc.glob("[0-9]*/stat"):
+        try:
+            state, _, group = stat.read_text().rsplit(")", 1)[1].split()[:3]
+        except (OSError, IndexError, ValueError):  # gone meanwhile
+            continue
+        if group == str(pgid) and state != "Z":
+            return True
+    return False
 
 
 def stop_process_groups(groups: list[int], timeout_s: float = 5.0) -> None:
