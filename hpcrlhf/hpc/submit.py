@@ -10,7 +10,8 @@ treat USR2 as a stop request (finish the step, checkpoint, exit 3); Ray's proces
 0's submitit handler calls `ClusterTask.checkpoint`, which waits for the driver to have
 checkpointed and hands submitit the same task to requeue -- at most `max_requeues` times. A run that
 lost a worker or node (exit 4, hpcrlhf.errors.WorkerLost) is requeued the same way by task 0. The
-requeued job resumes from the run folder's last checkpoint.
+requeued job resumes from the run folder's last checkpoint. So is a job whose `hpcrlhf` child was
+SIGKILLed on any task (requeued by that task): its peers only see a broken collective.
 """
 
 from __future__ import annotations
@@ -96,7 +97,9 @@ class ClusterTask:
         run_dir = Path(self.argv[self.argv.index("--output-dir") + 1])
         if status == EXIT_REQUEUE:
             return {"status": "stopped", "run_dir": str(run_dir)}
-        if status == EXIT_LOST and rank == 0 and self._requeue_now():
+        if status == -signal.SIGKILL:  # the OOM killer, the admin, a health check: a lost worker, not a bug
+            print(f"hpcrlhf: rank {rank}: `hpcrlhf {self.argv[0]}` was killed (SIGKILL)", flush=True)
+        if (status == -signal.SIGKILL or status == EXIT_LOST and rank == 0) and self._requeue_now():
             raise SystemExit(-1)  # as submitit's own requeue ends: no result, the job runs again
         if status != 0:
             raise HpcrlhfError(f"rank {rank}: `hpcrlhf {' '.join(self.argv)}` exited {status}; its output is above")

@@ -50,18 +50,20 @@ def slurm_log(run: Path, job: int) -> str:
     return (run / f"slurm-{job}.out").read_text()
 
 
-def kill_task(job: int, task: int, module: str = "hpcrlhf.hpc.mpi") -> list[int]:
-    """SIGKILL the processes of task `task` of the job's steps that run `module` (the test cluster's
-    nodes share this host, so its /proc shows every node's tasks). Returns their pids."""
+def kill_task(job: int, task: int, *argv: str) -> list[int]:
+    """SIGKILL the processes of task `task` of the job's steps whose command line holds `argv`
+    (default: `-m hpcrlhf.hpc.mpi`; the test cluster's nodes share this host, so its /proc shows
+    every node's tasks). Returns their pids."""
     want = {f"SLURM_JOB_ID={job}".encode(), f"SLURM_PROCID={task}".encode()}
+    words = "\0".join(argv or ("-m", "hpcrlhf.hpc.mpi")).encode() + b"\0"
     pids = []
     for proc in Path("/proc").iterdir():
         try:
-            if proc.name.isdigit() and module.encode() in (proc / "cmdline").read_bytes() \
+            if proc.name.isdigit() and words in (proc / "cmdline").read_bytes() \
                     and want <= set((proc / "environ").read_bytes().split(b"\0")):
                 os.kill(int(proc.name), signal.SIGKILL)
                 pids.append(int(proc.name))
         except (FileNotFoundError, ProcessLookupError, PermissionError):
             continue
-    assert pids, f"no process of task {task} of job {job} runs {module}"
+    assert pids, f"no process of task {task} of job {job} runs {' '.join(argv)}"
     return pids

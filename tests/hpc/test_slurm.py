@@ -145,3 +145,31 @@ def test_a_submitted_job_that_lost_a_worker_requeues_itself_and_resumes(slurm_cl
     assert "lost a worker or node; requeueing (requeue 1 of at most 3) to resume from the last checkpoint" in text
     assert "(attempt 2)" in text
     assert [m["step"] for m in read_metrics(run) if "train/loss" in m][-1] == 6
+
+
+@pytest.mark.distributed
+def test_a_submitted_job_whose_rank_was_killed_requeues_itself_and_resumes(slurm_cluster, sft_straight, tmp_path):
+    """`hpcrlhf submit`, 2 tasks: rank 1's `hpcrlhf train` SIGKILLed after step 25; its task requeues
+    the job (rank 0 only sees gloo's broken collective), which resumes from its last checkpoint
+    (every 10 steps) and logs the uninterrupted run's losses, each step once."""
+    run = tmp_path / "run"
+    out = run_cli(["submit", "--kind", "sft", "-o", str(run), "--nodes", "2", "--gpus-per-node", "1", "--time", "10",
+                   "--no-follow", *SFT, "--set", "checkpoint.every_steps=10"],
+                  env={"SLURM_CONF": str(slurm_cluster.conf)}).stdout
+    job = int(re.search(r"submitted job (\d+)", out).group(1))
+    wait_for_step(run, 25)
+    kill_task(job, 1, "-m", "hpcrlhf", "train")
+    log = run / "submitit" / f"{job}_1_log.out"
+    deadline = time.monotonic() + 120
+    while "requeueing" not in log.read_text():
+        assert time.monotonic() < deadline, log.read_text()[-3000:]
+        time.sleep(0.5)
+    slurm_cluster.start_now(job)
+    assert slurm_cluster.wait(job, 600) == "COMPLETED", log.read_text()[-3000:]
+    text = log.read_text()
+    assert "hpcrlhf: rank 1: `hpcrlhf train` was killed (SIGKILL)" in text, text[-3000:]
+    assert "lost a worker or node; requeueing (requeue 1 of at most 3)" in text and "(attempt 2)" in text
+    resumed = re.search(r"resumed from \S+/step_\d+ at step (\d+)", (run / "submitit" / f"{job}_0_log.err").read_text())
+    assert resumed and int(resumed.group(1)) in (20, 30, 40, 50)  # the last checkpoint before the kill
+    rows = [m["step"] for m in read_metrics(run) if "train/loss" in m]
+    assert len(rows) == len(set(rows)) and losses(run) == pytest.approx(losses(sft_straight[0]), rel=1e-5)
