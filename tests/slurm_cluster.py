@@ -94,6 +94,10 @@ class SlurmCluster:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"Slurm job {job_id} was not requeued (nodes idle) within {timeout:.0f} s")
             time.sleep(0.5)
+        # slurmd refuses a credential made in the same second as its revocation of the job's previous
+        # one ("Killing non-startable batch JobId=N: Job credential revoked": the job then FAILS);
+        # Slurm's own delay avoids that, so this one must too.
+        time.sleep(2)
         self.run("scontrol", "update", f"JobId={job_id}", "StartTime=now")
 
     def _steps_left(self, job_id: int) -> bool:

@@ -237,16 +237,19 @@ def run_until_killed(ray_cluster, folder, args, kills: list[tuple[int, tuple[str
     """Start the colocated run, SIGKILL the process of each victim (role, rank) once its step is
     logged, and wait for the driver to end. Returns its exit status, output, the killed pids and
     seconds from the last kill to the driver's exit."""
+    placed = folder / "placement.json"
+    placed.unlink(missing_ok=True)  # an earlier launch's: its workers (and pids) are gone
     proc = subprocess.Popen(cli_command(["train", "ppo", "--config", COLOCATED, "-o", str(folder), *args]), cwd=ROOT,
                             env=cli_env(RAY_ADDRESS=ray_cluster.address), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     try:
         deadline, pids = time.monotonic() + 600, []
         for after_step, victim in kills:
-            while logged_steps(folder) < after_step:
+            while not (placed.exists() and logged_steps(folder) >= after_step  # this launch's workers and steps
+                       and (folder / "metrics.jsonl").stat().st_mtime > placed.stat().st_mtime):
                 assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0][-4000:]
                 time.sleep(0.5)
-            workers = json.loads((folder / "placement.json").read_text())["workers"]
+            workers = json.loads(placed.read_text())["workers"]
             pids.append(next(w["pid"] for w in workers if (w["role"], w["rank"]) == victim))
             os.kill(pids[-1], signal.SIGKILL)
         killed = time.monotonic()
