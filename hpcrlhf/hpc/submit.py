@@ -97,7 +97,7 @@ class ClusterTask:
         run_dir = Path(self.argv[self.argv.index("--output-dir") + 1])
         if status == EXIT_REQUEUE:
             return {"status": "stopped", "run_dir": str(run_dir)}
-        if status == -signal.SIGKILL:  # the OOM killer, the admin, a health check: a lost worker, not a bug
+        if status == -signal.SIGKILL:  # the admin, a node health check: a lost worker, as in `hpcrlhf sbatch` scripts
             print(f"hpcrlhf: rank {rank}: `hpcrlhf {self.argv[0]}` was killed (SIGKILL)", flush=True)
         if (status == -signal.SIGKILL or status == EXIT_LOST and rank == 0) and self._requeue_now():
             raise SystemExit(-1)  # as submitit's own requeue ends: no result, the job runs again
