@@ -14,6 +14,7 @@ import string
 from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Literal, Optional
 
+from hpcrlhf.config.stop_rule import parse_stop_rule
 from hpcrlhf.errors import ConfigError
 
 
@@ -258,9 +259,17 @@ class EvalConfig:
     """Held-out prompts used for the task score."""
     batch_size: int = 128
     """Prompts per generation batch during evaluation."""
+    stop_when: str = ""
+    """Early stop: end the run at the first periodic evaluation whose metric passes this test,
+    `<eval metric> >= <number>` or `<= <number>` (e.g. `eval/task_score>=0.9`, `eval/loss<=0.05`),
+    with checkpoint, exported model and summary as at a normal end (`summary.json` says where and
+    why it stopped). Needs `every_steps` > 0. Empty: train for `train.max_steps`/`epochs`."""
 
     def __post_init__(self) -> None:
         _require(self.every_steps >= 0, "eval.every_steps", self.every_steps, "use 0 (only at the end) or a step count")
+        if parse_stop_rule(self.stop_when) is not None and self.every_steps == 0:
+            raise ConfigError(f"eval.stop_when: {self.stop_when!r} is checked at periodic evaluations, but "
+                              "eval.every_steps is 0 (only at the end): set eval.every_steps to a step count, e.g. 50")
         _require(self.max_new_tokens >= 1, "eval.max_new_tokens", self.max_new_tokens, "use at least 1")
         _require(self.score_prompts >= 0, "eval.score_prompts", self.score_prompts, "use 0 (no task score) or more")
         _require(self.batch_size >= 1, "eval.batch_size", self.batch_size, "use at least 1")

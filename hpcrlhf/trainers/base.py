@@ -19,6 +19,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from hpcrlhf.config.stop_rule import parse_stop_rule
 from hpcrlhf.engines.distributed import all_reduce_sum, init_distributed
 from hpcrlhf.engines.hf_generate import generate_greedy
 from hpcrlhf.logs import get_logger
@@ -234,12 +235,16 @@ class Trainer:
         run, plan = self.run, self.plan
         step = run.resume(self.checkpointable)["step"]
         done = run.dir / "summary.json"
-        if step >= plan.total_steps and done.exists():
+        finished = json.loads(done.read_text()) if done.exists() else None
+        if finished is not None and (step >= plan.total_steps or finished.get("stopped_early")):
             log.info(f"{run.dir} is already complete ({step} steps); use a new --output-dir to train again")
             run.finish()
-            return json.loads(done.read_text())
+            return finished
+        stop_rule = parse_stop_rule(self.cfg.eval.stop_when)
         if step == 0:
             before = self.evaluate()
+            if stop_rule is not None:  # a misspelt metric fails here, not after hours of training
+                stop_rule.require_metric(before)
             run.log(0, before)
             log.info("before training: " + format_metrics(before))
         else:  # resumed: the first evaluation is in the run's metrics
@@ -259,8 +264,13 @@ class Trainer:
                 window, window_start = defaultdict(list), time.perf_counter()
             every = self.cfg.eval.every_steps
             if every and step % every == 0 and step < plan.total_steps:
-                run.log(step, self.evaluate())
+                evaluation = self.evaluate()
+                run.log(step, evaluation)
                 window_start = time.perf_counter()  # keep eval time out of the throughput window
+                if stop_rule is not None and stop_rule.met(evaluation):
+                    log.info(f"early stop at step {step} of {plan.total_steps}: {stop_rule.metric}="
+                             f"{evaluation[stop_rule.metric]:.4g} meets eval.stop_when {stop_rule}")
+                    return self._finish(step, before, evaluation, stopped_early={"rule": str(stop_rule), "step": step})
             run.maybe_checkpoint(self.checkpointable, step)
             if run.stop_requested():
                 self._checkpoint_once(step)
@@ -269,10 +279,15 @@ class Trainer:
                 return {"status": "stopped", "step": step}
         after = self.evaluate()
         run.log(step, after)
+        return self._finish(step, before, after)
+
+    def _finish(self, step: int, before: dict | None, after: dict, **extra: Any) -> dict:
+        """Checkpoint, exported model and summary of a run that is done (at its last step or early)."""
+        run = self.run
         self._checkpoint_once(step)
         if self.cfg.checkpoint.save_model:
             self.save_outputs()
-        summary = {"status": "done", "step": step, "before": before, "after": after}
+        summary = {"status": "done", "step": step, "before": before, "after": after, **extra}
         run.write_summary(summary)
         log.info("after training: " + format_metrics(after))
         run.finish()
