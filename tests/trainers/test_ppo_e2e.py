@@ -54,7 +54,7 @@ def test_estimator_with_rule_reward_raises_the_task_score(estimator, extra, poli
 @pytest.fixture(scope="module")
 def task_reward_model(full_sft_run, tmp_path_factory) -> str:
     """A reward model that tells the policy's own mistakes from right answers: trained from a fully
-    trained SFT model (task score ~0.96, so it can add) on pairs whose rejected answer is off by 1-3
+    trained SFT model (`full_sft_run`: task score >= 0.97, so it can add) on pairs whose rejected answer is off by 1-3
     or by 10 (`task.near_miss=offset`: what a half-trained policy gets wrong). A reward model that
     cannot see tens-digit errors gets hacked: PPO on it drifts to those errors (measured)."""
     base = tmp_path_factory.mktemp("rm_for_ppo")
@@ -74,7 +74,7 @@ def test_ppo_with_the_learned_reward_model_alone_raises_the_task_score(task_rewa
     s = summary(out)
     before, after = s["before"]["eval/task_score"], s["after"]["eval/task_score"]
     assert 0.3 < before < 0.7, s
-    assert after > before + 0.05, s  # measured 0.50 -> 0.58..0.60 over three seeds
+    assert after > before + 0.05, s  # measured 0.53 -> 0.63 (0.50 -> 0.58..0.60 from an older policy)
     rows = train_rows(out)
     assert set(rows[-1]) >= {"reward/model0_model", "train/value_loss"}  # the RM is the only reward; critic (gae)
     assert "reward/rule_task" not in rows[-1]
@@ -139,7 +139,8 @@ def test_two_ranks_zero3_with_critic_reference_and_offload(policy_model, tmp_pat
     rows = train_rows(out)
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert max(r["rollout/logprob_max_diff"] for r in rows) < 1e-4
-    assert rows[-1]["rollout/kl"] > 0  # the actor moved away from the reference
+    # the actor moved away from the reference: the log-ratio of sampled tokens (k1, either sign) is 0 only before step 1
+    assert abs(rows[0]["rollout/kl"]) < 1e-6 and abs(rows[-1]["rollout/kl"]) > 1e-3, [r["rollout/kl"] for r in rows]
     assert (out / "model" / "model.safetensors").exists()
 
 

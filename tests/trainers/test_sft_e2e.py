@@ -42,7 +42,7 @@ def test_sft_learns_the_bundled_task(full_sft_run):
     summary = json.loads((out / "summary.json").read_text())
     before, after = summary["before"], summary["after"]
     assert before["eval/task_score"] < 0.05
-    assert after["eval/task_score"] > 0.3, summary
+    assert after["eval/task_score"] >= 0.97 and summary["stopped_early"]["rule"] == "eval/task_score>=0.97", summary
     assert after["eval/loss"] < 0.5 * before["eval/loss"]
     curve = losses(out)
     assert curve[max(curve)] < 0.5 * curve[min(curve)]
@@ -128,6 +128,41 @@ def test_damaged_latest_checkpoint_resumes_from_the_previous_one(baseline, tmp_p
     assert_same_run(baseline, out)
 
 
+def test_early_stop_ends_at_the_first_evaluation_that_meets_the_rule(baseline, tmp_path):
+    """`eval.stop_when` set to the baseline's own eval loss at step 12: the run stops right after
+    that evaluation with the baseline's losses so far, checkpoints and exports there, says why in
+    its summary, and the same command again reports it complete instead of training on."""
+    loss_at_12 = evals(baseline)[12]
+    assert loss_at_12 > evals(baseline)[24]  # the rule is not trivially met at every evaluation
+    out = tmp_path / "early"
+    args = ["train", "sft", "-o", str(out), *SHORT, "--set", f"eval.stop_when=eval/loss<={loss_at_12 * (1 + 1e-6)!r}"]
+    proc = run_cli(args)
+    assert "early stop at step 12 of 24: eval/loss=" in proc.stdout + proc.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["step"] == 12 and summary["stopped_early"] == {"rule": f"eval/loss<={loss_at_12 * (1 + 1e-6):g}",
+                                                                  "step": 12}
+    assert summary["after"]["eval/loss"] == pytest.approx(loss_at_12, rel=1e-6)
+    one, early = losses(baseline), losses(out)
+    assert sorted(early) == list(range(1, 13))
+    for step, loss in early.items():
+        assert loss == pytest.approx(one[step], rel=1e-6), step
+    assert (out / "checkpoints" / "latest").read_text().strip() == "step_000012"
+    assert (out / "model" / "config.json").exists()
+    again = run_cli(args)
+    assert "is already complete (12 steps)" in again.stdout + again.stderr
+    assert sorted(losses(out)) == list(range(1, 13))
+
+
+def test_early_stop_on_a_metric_the_job_does_not_report_fails_before_training(tmp_path):
+    out = tmp_path / "typo"
+    proc = run_cli(["train", "sft", "-o", str(out), *SHORT, "--set", "eval.stop_when=eval/task_scor>=0.5"],
+                   check=False, timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert ("eval.stop_when: 'eval/task_scor>=0.5' names 'eval/task_scor', which this job's evaluation does not "
+            "report (it reports: eval/loss, eval/task_score)") in proc.stderr, proc.stderr[-2000:]
+    assert not losses(out)  # no training step was taken
+
+
 def rank_pid(launcher_pid: int, rank: int) -> int:
     """The pid of `rank` among the children of torchrun's process `launcher_pid`."""
     for entry in Path("/proc").iterdir():
@@ -178,6 +213,8 @@ def test_a_killed_rank_ends_the_launch_promptly_and_the_rerun_resumes(baseline, 
     (["--set", "train.global_batch_size=30", "--set", "train.micro_batch_size=4"], "train.global_batch_size: 30 is not a multiple"),
     (["--set", "model.path=/nonexistent/model"], "model.path: '/nonexistent/model' does not exist"),
     (["--set", "model.attn_implementation=flash_attention_2"], "flash_attention_2' cannot be used"),
+    (["--set", "eval.stop_when=task_score>0.5"], "eval.stop_when: 'task_score>0.5' is invalid: write '<eval metric> >="),
+    (["--set", "eval.stop_when=eval/loss<=0.1", "--set", "eval.every_steps=0"], "eval.every_steps is 0"),
 ])
 def test_cli_reports_bad_input_without_traceback(tmp_path, args, needle):
     proc = run_cli(["train", "sft", "-o", str(tmp_path / "bad"), *args], check=False, timeout=120)
