@@ -9,6 +9,7 @@ from dataclasses import dataclass, fields, is_dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
+from hpcrlhf.config.loader import override_args
 from hpcrlhf.errors import ConfigError
 from hpcrlhf.hpc.allocation import check_fits
 from hpcrlhf.hpc.sbatch import SlurmOptions
@@ -87,7 +88,7 @@ def cluster_job(kind: str, recipe: Optional[str], overrides: Sequence[str], outp
         given["launcher"] = "ray"
     else:
         argv = ["train", kind] + (["--config", recipe] if recipe else [])
-        argv += [a for o in overrides for a in ("--set", o)] + ["--output-dir", run_dir]
+        argv += override_args(overrides) + ["--output-dir", run_dir]
         cfg = build_config(kind, recipe, list(overrides), run_dir)
         ray = kind == "ppo" and cfg.placement.runtime == "ray"
         given.setdefault("launcher", "ray" if ray else "mpi")
