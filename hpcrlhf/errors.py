@@ -31,6 +31,11 @@ class PlacementError(ConfigError):
         self.problems = problems
 
 
+class RuleError(HpcrlhfError):
+    """A user's reward rule or evaluation metric (`module:function`) raised an exception or returned no
+    real number; the message names the rule, the config field, the prompt's row and the value."""
+
+
 class TrainingError(HpcrlhfError):
     """Training cannot go on (e.g. NaN/Inf in the loss, rewards or gradients); the message names
     the step and the tensor, and says how to resume."""

@@ -3,8 +3,9 @@ interactive chat (`hpcrlhf chat`).
 
 `generate` answers every prompt of a dataset (or the bundled task's held-out prompts) with the
 rollout engine of PPO (HF generate or vLLM), optionally scores each response with reward models
-and rules (the same `reward` section as PPO), and writes one JSON line per response. It prints a
-summary (mean scores, and the task score on the bundled task).
+and rules (the same `reward` section as PPO) and with the user's `metrics` (the contract of
+`eval.metrics`), and writes one JSON line per response. It prints a summary: the mean of the
+combined score, of each reward source, of each metric, and the task score on the bundled task.
 """
 
 from __future__ import annotations
@@ -12,20 +13,21 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 import torch
 
-from hpcrlhf.config.schema import GenerateConfig
+from hpcrlhf.config.schema import GenerateConfig, RolloutConfig
 from hpcrlhf.engines.rollout import SamplingParams
 from hpcrlhf.logs import Progress, get_logger
 
 log = get_logger()
 
 
-def load_generator(path: str, backend: str, *, max_model_len: int, kv_cache_gb: float = 1.0, seed: int = 0,
+def load_generator(path: str, backend: str, *, max_model_len: int, rollout: RolloutConfig | None = None, seed: int = 0,
                    trust_remote_code: bool = False, attn_implementation: str = "auto"):
-    """(rollout engine, tokenizer) for a model folder."""
+    """(rollout engine, tokenizer) for a model folder; `rollout` holds the vLLM engine's settings
+    (KV cache, batching; None: the defaults)."""
     from hpcrlhf.engines.distributed import device_for
     from hpcrlhf.engines.rollout import HFRollout, VLLMRollout
     from hpcrlhf.models.loading import load_causal_lm, load_tokenizer, resolve_model_path
@@ -36,8 +38,10 @@ def load_generator(path: str, backend: str, *, max_model_len: int, kv_cache_gb: 
 
         positions = getattr(AutoConfig.from_pretrained(resolve_model_path(path), trust_remote_code=trust_remote_code),
                             "max_position_embeddings", max_model_len)
+        from hpcrlhf.trainers.online import vllm_rollout_args
+
         return VLLMRollout(resolve_model_path(path), seed=seed, max_model_len=min(max_model_len, positions),
-                           kv_cache_bytes=int(kv_cache_gb * (1 << 30))), tokenizer
+                           **vllm_rollout_args(rollout or RolloutConfig())), tokenizer
     device = device_for(0)
     model = load_causal_lm(path, attn_implementation=attn_implementation, trust_remote_code=trust_remote_code).to(device)
     return HFRollout(model.eval(), pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
@@ -45,25 +49,36 @@ def load_generator(path: str, backend: str, *, max_model_len: int, kv_cache_gb: 
 
 
 def run_generate(cfg: GenerateConfig) -> dict:
-    from hpcrlhf.data.loading import load_rows
+    from hpcrlhf.data.loading import held_out_prompt_rows, load_train_rows, require_task_prompts, task_note
+    from hpcrlhf.data.sources import require_text
     from hpcrlhf.data.tasks import build_task
     from hpcrlhf.engines.deepspeed_engine import FrozenModel
     from hpcrlhf.engines.distributed import device_for
     from hpcrlhf.models.value import ValueModel, load_value_model
-    from hpcrlhf.rewards import RewardSet
+    from hpcrlhf.rewards import EvalMetrics, RewardSet, check_rules
     from hpcrlhf.trainers.online import encode_prompt_rows, sampling_params
 
     torch.manual_seed(cfg.seed)
+    note = task_note(cfg.task, cfg.data)
+    if note:
+        log.info(note)
+    check_rules(cfg)  # the user's code is imported before the model loads
+    task = build_task(cfg.task, cfg.data)
+    metrics = EvalMetrics(cfg.metrics, task, "metrics")
+    # The prompts file, else the held-out prompts (data.eval_path, or the bundled task's held-out split:
+    # never its training prompts).
+    if cfg.data.train_path:
+        rows, key = load_train_rows(cfg.data, cfg.task, lambda t, split, n: t.prompt_rows(split, n)), cfg.data.prompt_key
+        require_text(rows, (key,), key_option={key: "data.prompt_key"})
+        require_task_prompts(rows, key, cfg.task, cfg.data)
+    else:
+        rows, key = held_out_prompt_rows(cfg.data, cfg.task)
     r = cfg.rollout
     engine, tokenizer = load_generator(cfg.model.path, r.backend, max_model_len=cfg.data.max_length + r.max_new_tokens,
-                                       kv_cache_gb=r.vllm_kv_cache_gb, seed=cfg.seed,
+                                       rollout=r, seed=cfg.seed,
                                        trust_remote_code=cfg.model.trust_remote_code,
                                        attn_implementation=cfg.model.attn_implementation)
-    task = build_task(cfg.task)
-    # Only the held-out split of the bundled task is answered (never its training prompts).
-    train_rows, eval_rows = load_rows(cfg.data, cfg.task,
-                                      lambda t, split, n: t.prompt_rows(split, n) if split == "eval" else [])
-    prompts = encode_prompt_rows(train_rows if cfg.data.train_path else eval_rows, cfg.data, tokenizer)
+    prompts = encode_prompt_rows(rows, cfg.data, tokenizer, key)
     device = device_for(0)
     rewards = None
     if cfg.reward is not None:
@@ -75,29 +90,51 @@ def run_generate(cfg: GenerateConfig) -> dict:
     params = sampling_params(r, n=r.samples_per_prompt, greedy=cfg.greedy, seed=None if cfg.greedy else cfg.seed)
     out = Path(cfg.output)
     out.parent.mkdir(parents=True, exist_ok=True)
-    totals: dict[str, float] = {}
+    totals: dict[str, Any] = {}
     count = 0
     progress = Progress(len(prompts), desc="generate")
     with out.open("w") as f:
         for start in range(0, len(prompts), cfg.batch_size):
             batch = prompts[start : start + cfg.batch_size]
             gens = engine.generate([list(p.ids) for p in batch], params)
-            records = _records(batch, gens, tokenizer, task, rewards)
+            records = _records(batch, gens, tokenizer, metrics, rewards)
             for rec in records:
                 f.write(json.dumps(rec) + "\n")
-                for key in ("score", "task_score"):
-                    if key in rec:
-                        totals[key] = totals.get(key, 0.0) + rec[key]
+                _add(totals, {k: v for k, v in rec.items() if k in MEANS})
             count += len(records)
             progress.update(len(batch))
     progress.close()
     engine.close()
-    summary = {"responses": count, "output": str(out), **{f"mean_{k}": v / max(count, 1) for k, v in totals.items()}}
-    log.info("generate: " + ", ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in summary.items()))
+    summary = {"responses": count, "output": str(out), **{f"mean_{k}": _divided(v, max(count, 1)) for k, v in totals.items()}}
+    log.info("generate: " + ", ".join(_shown(k, v) for k, v in summary.items()))
     return summary
 
 
-def _records(batch, gens, tokenizer, task, rewards) -> list[dict]:
+MEANS = ("score", "task_score", "scores", "metrics")
+"""The fields of a response's record whose means `generate` reports (`mean_<field>`): the combined
+score, the task score, each reward source's score and each of `metrics`."""
+
+
+def _add(totals: dict[str, Any], values: dict[str, Any]) -> None:
+    """Add a record's numbers (or {name: number} of them) into running totals of the same shape."""
+    for key, value in values.items():
+        if isinstance(value, dict):
+            _add(totals.setdefault(key, {}), value)
+        else:
+            totals[key] = totals.get(key, 0.0) + value
+
+
+def _divided(total: Any, n: int) -> Any:
+    return {k: _divided(v, n) for k, v in total.items()} if isinstance(total, dict) else total / n
+
+
+def _shown(key: str, value: Any) -> str:
+    if isinstance(value, dict):
+        return ", ".join(_shown(f"{key}.{k}", v) for k, v in value.items())
+    return f"{key}={value:.4f}" if isinstance(value, float) else f"{key}={value}"
+
+
+def _records(batch, gens, tokenizer, metrics, rewards) -> list[dict]:
     from hpcrlhf.trainers.online import flatten_generations
 
     _, flat, responses = flatten_generations(batch, gens, tokenizer)
@@ -105,9 +142,13 @@ def _records(batch, gens, tokenizer, task, rewards) -> list[dict]:
     records = [{"prompt": r.prompt, "response": r.text, "sample": j, "finished": g.finished,
                 "num_tokens": len(g.response_ids), "logprob": float(sum(g.logprobs))}
                for r, g, j in zip(responses, flat, samples)]
-    if task is not None:
-        for rec in records:
-            rec["task_score"] = task.score(rec["prompt"], rec["response"])
+    values = metrics.values(responses)
+    task_scores = values.pop("task_score", None)
+    for i, rec in enumerate(records):
+        if task_scores is not None:
+            rec["task_score"] = task_scores[i]
+        if values:
+            rec["metrics"] = {name: v[i] for name, v in values.items()}
     if rewards is not None:
         total, parts = rewards.score(responses)
         for i, rec in enumerate(records):

@@ -8,10 +8,21 @@ generate`). Each source gives one number per response; the score is their weight
 - A reward model source runs the model on prompt + response (the tokens the policy produced,
   re-tokenised from text when the reward model has a different vocabulary) and takes the value
   at the last token, standardised with the model's stored reward mean/std when `normalize`.
-- A rule source is a Python function `(prompt, response, row) -> float`: the bundled task's
+- A rule source is a Python function `(prompt, response, row) -> number`: the bundled task's
   `task` (exact answer, 1 or 0) and `task_partial` (share of digits right), or a user's
   `package.module:function`. `row` is the prompt's dataset row (other fields, e.g. a reference
   answer, reach the rule through it).
+
+Rules and evaluation metrics (`eval.metrics`, see `EvalMetrics`) share one contract, checked on
+every call (`Rule`): the function takes (prompt, response, row) and returns a real number -- an
+int, a float, a bool (True counts 1.0 and False 0.0, so a pass/fail check is a rule), a numpy
+scalar or a 0-d tensor. None, strings (even "1.0"), lists and complex numbers are refused, and so
+is an exception raised inside the function: the error names the config field, the rule, the
+prompt with its row's origin (`prompts.jsonl:17`) and what the function returned (or raised, and
+where). A NaN or Inf reward is passed on: the NaN/Inf guard (`train.on_nonfinite`) skips or stops
+the step that would learn from it. A metric must be finite (a mean over a NaN would hide which
+answer caused it). `rule_names(cfg)` lists every `module:function` a config names, `check_rules`
+imports them all.
 
 `adjust_scores` then applies the configured penalties (length, missing EOS). Reward models are
 frozen models (see `Trainer.build_frozen_model`): sharded under ZeRO-3, so every rank must call
@@ -22,16 +33,21 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import math
+import numbers
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from hpcrlhf.config.schema import RewardConfig, RewardSourceConfig
-from hpcrlhf.errors import ConfigError
+from hpcrlhf.config.schema import TASK_RULES, RewardConfig, RewardSourceConfig
+from hpcrlhf.data.sources import brief
+from hpcrlhf.errors import ConfigError, RuleError
 
-RuleFn = Callable[[str, str, Mapping[str, Any]], float]
+RuleFn = Callable[[str, str, Mapping[str, Any]], Any]
+CONTRACT = "a rule returns a real number: an int, a float or a bool (True counts 1.0, False 0.0)"
 
 
 @dataclass(frozen=True)
@@ -42,31 +58,151 @@ class Response:
     text: str
     """The decoded response (special tokens removed)."""
     sequence_ids: tuple[int, ...]
-    """Prompt + response token ids (EOS included when generated)."""
+    """Prompt + response token ids (EOS included when generated); empty where only the text is
+    scored (evaluation metrics)."""
     row: Mapping[str, Any]
     """The prompt's dataset row."""
+    origin: str = ""
+    """Where that row came from (`prompts.jsonl:17`, `task:arithmetic[eval]: row 3`); empty if unknown."""
 
 
-def resolve_rule(name: str, task) -> RuleFn:
-    """The function of a rule source, checked before anything runs."""
-    if name in ("task", "task_partial"):
+@dataclass(frozen=True)
+class Rule:
+    """A resolved rule or metric: `rule(prompt, response, row, origin)` is the function's value, checked."""
+
+    label: str
+    """What the errors call it: the config field and the rule (`reward.sources[1].rule 'pkg.mod:fn'`)."""
+    fn: RuleFn
+    finite: bool = False
+    """Refuse NaN and Inf (metrics); rewards pass them on to the NaN/Inf guard."""
+
+    def __call__(self, prompt: str, response: str, row: Mapping[str, Any], origin: str = "") -> float:
+        try:
+            value = self.fn(prompt, response, row)
+        except Exception as e:  # the user's code: anything can happen in it
+            raise RuleError(f"{self.label} raised {type(e).__name__}: {e}{_raised_at(e)}, "
+                            f"{_answer(prompt, response, origin)}; fix the function") from e
+        number = real_number(value)
+        if number is None:
+            raise RuleError(f"{self.label} returned {brief(value)} ({type(value).__name__}) "
+                            f"{_answer(prompt, response, origin)}: {CONTRACT}")
+        if self.finite and not math.isfinite(number):
+            raise RuleError(f"{self.label} returned {number} {_answer(prompt, response, origin)}: an evaluation "
+                            "metric must be finite (its mean is reported)")
+        return number
+
+
+def real_number(value: Any) -> float | None:
+    """`value` as a float when it is a real number (int, float, bool, Fraction, a numpy scalar, a 0-d
+    array or tensor), else None; an int too large for a float is +-Inf."""
+    if getattr(value, "ndim", None) == 0 and callable(getattr(value, "item", None)):
+        value = value.item()  # numpy scalars (np.bool_ is no numbers.Real) and 0-d arrays or tensors
+    if not isinstance(value, numbers.Real):
+        return None
+    try:
+        return float(value)
+    except OverflowError:
+        return math.inf if value > 0 else -math.inf
+
+
+def _answer(prompt: str, response: str, origin: str) -> str:
+    return f"on the response {brief(response)} to prompt {brief(prompt)}" + (f" ({origin})" if origin else "")
+
+
+def _raised_at(e: BaseException) -> str:
+    """` at file:line in function` of the innermost frame the exception passed through (in the rule
+    or in what it called); empty when it came from C code called directly by `Rule.__call__`."""
+    frames = traceback.extract_tb(e.__traceback__)[1:]
+    return f" at {frames[-1].filename}:{frames[-1].lineno} in {frames[-1].name}" if frames else ""
+
+
+def resolve_rule(name: str, task, field: str = "reward.sources", *, finite: bool = False) -> Rule:
+    """The rule `name` (`task`, `task_partial` or `package.module:function`), imported and checked
+    before anything runs; `field` is the config field that names it, for the errors."""
+    label = f"{field} {name!r}"
+    if name in TASK_RULES:
         if task is None:
-            raise ConfigError(f"reward.sources: rule '{name}' scores the bundled task's answers, but task.name is "
-                              "null; set task.name=arithmetic, or use a reward model or a module:function rule")
+            raise ConfigError(f"{field}: rule '{name}' scores the bundled task's answers, but task.name is null "
+                              "(or auto with data.train_path set); set task.name=arithmetic, or use a reward model or "
+                              "a module:function rule")
         score = task.score if name == "task" else task.partial_score
-        return lambda prompt, response, row: score(prompt, response)
+        return Rule(label, lambda prompt, response, row: score(prompt, response), finite)
     module_name, sep, fn_name = name.partition(":")
     if not sep or not module_name or not fn_name:
-        raise ConfigError(f"reward.sources: rule '{name}' is not a known rule; use task, task_partial, or "
+        raise ConfigError(f"{field}: rule '{name}' is not a known rule; use task, task_partial, or "
                           "package.module:function")
     try:
-        fn = getattr(importlib.import_module(module_name), fn_name)
-    except (ImportError, AttributeError) as e:
-        raise ConfigError(f"reward.sources: rule '{name}' cannot be imported ({e}); check the module is on "
-                          "PYTHONPATH and defines the function") from None
-    if not callable(fn) or len(inspect.signature(fn).parameters) != 3:
-        raise ConfigError(f"reward.sources: rule '{name}' must be a function of (prompt, response, row)")
-    return fn
+        module = importlib.import_module(module_name)
+    except Exception as e:  # ImportError, or whatever the module raises while it is imported
+        raise ConfigError(f"{field}: rule '{name}' cannot be imported ({type(e).__name__}: {e}); check the module "
+                          "is on PYTHONPATH and imports") from None
+    fn = getattr(module, fn_name, None)
+    if fn is None:
+        raise ConfigError(f"{field}: rule '{name}' cannot be imported (module '{module_name}' has no "
+                          f"'{fn_name}'); check the module defines the function")
+    if not callable(fn) or not _takes_three_arguments(fn):
+        raise ConfigError(f"{field}: rule '{name}' must be a function of (prompt, response, row)")
+    return Rule(label, fn, finite)
+
+
+def _takes_three_arguments(fn: Callable) -> bool:
+    try:
+        inspect.signature(fn).bind("", "", {})
+    except (TypeError, ValueError):  # ValueError: no signature to read
+        return False
+    return True
+
+
+def metric_name(rule: str) -> str:
+    """The name a metric `package.module:function` is reported under: `function` (`eval/function`)."""
+    return rule.partition(":")[2]
+
+
+def rule_names(cfg) -> list[tuple[str, str]]:
+    """(config field, rule) of every `package.module:function` a job or generate config names: its
+    reward rules (`reward.sources[i].rule`) and its evaluation metrics (`eval.metrics[i]`, or
+    `metrics[i]` for generate). These import the user's code, so a node that runs the job must be
+    able to import them; `check_rules(cfg)` does."""
+    out = []
+    reward = getattr(cfg, "reward", None)
+    for i, source in enumerate(reward.sources if reward is not None else ()):
+        if source.rule is not None and source.rule not in TASK_RULES:
+            out.append((f"reward.sources[{i}].rule", source.rule))
+    metrics, field = (cfg.eval.metrics, "eval.metrics") if hasattr(cfg, "eval") else (getattr(cfg, "metrics", ()), "metrics")
+    out += [(f"{field}[{i}]", rule) for i, rule in enumerate(metrics)]
+    return out
+
+
+def check_rules(cfg) -> None:
+    """Import and check every `package.module:function` of `cfg` (`rule_names`): a ConfigError names
+    the first field whose rule cannot be imported or is no function of (prompt, response, row)."""
+    for field, rule in rule_names(cfg):
+        resolve_rule(rule, None, field)
+
+
+class EvalMetrics:
+    """What evaluation reports about each generated answer: the task score (with a task) and the
+    user's metrics (`eval.metrics`: `package.module:function` rules, reported under the function's
+    name). `stats` gives `eval/<name>` sums for `Trainer.eval_means`, `values` each answer's."""
+
+    def __init__(self, metrics: Sequence[str], task, field: str = "eval.metrics"):
+        self.rules: dict[str, Rule] = {}
+        if task is not None:
+            self.rules["task_score"] = Rule(f"the task score (task {task.name!r})",
+                                            lambda prompt, response, row: task.score(prompt, response), True)
+        for i, rule in enumerate(metrics):
+            name = metric_name(rule)
+            if name in self.rules:  # a second metric of that name is refused when the config loads
+                raise ConfigError(f"{field}[{i}]: '{rule}' would be reported as eval/{name}, which the bundled task's "
+                                  "score already is; rename the function (or set task.name=null)")
+            self.rules[name] = resolve_rule(rule, task, f"{field}[{i}]", finite=True)
+
+    def values(self, responses: Sequence[Response]) -> dict[str, list[float]]:
+        return {name: [rule(r.prompt, r.text, r.row, r.origin) for r in responses] for name, rule in self.rules.items()}
+
+    def stats(self, responses: Sequence[Response], suffix: str = "") -> dict[str, tuple[float, float]]:
+        """{`eval/<name><suffix>`: (sum, count)} over `responses`."""
+        return {f"eval/{name}{suffix}": (sum(v), len(v)) for name, v in self.values(responses).items()}
 
 
 def source_name(index: int, source: RewardSourceConfig) -> str:
@@ -124,7 +260,8 @@ class RewardSet:
         self.weights = [s.weight for s in cfg.sources]
         self.names = [source_name(i, s) for i, s in enumerate(cfg.sources)]
         # Rules are resolved first: a typo fails before any reward model is loaded.
-        rules = {i: resolve_rule(s.rule, task) for i, s in enumerate(cfg.sources) if s.rule is not None}
+        rules = {i: resolve_rule(s.rule, task, f"reward.sources[{i}].rule") for i, s in enumerate(cfg.sources)
+                 if s.rule is not None}
         self.scorers: list[Callable[[Sequence[Response]], torch.Tensor]] = []
         for i, source in enumerate(cfg.sources):
             if i in rules:
@@ -143,9 +280,9 @@ class RewardSet:
         return total, parts
 
 
-def _rule_scorer(fn: RuleFn) -> Callable[[Sequence[Response]], torch.Tensor]:
+def _rule_scorer(rule: Rule) -> Callable[[Sequence[Response]], torch.Tensor]:
     def score(responses: Sequence[Response]) -> torch.Tensor:
-        return torch.tensor([float(fn(r.prompt, r.text, r.row)) for r in responses], dtype=torch.float32)
+        return torch.tensor([rule(r.prompt, r.text, r.row, r.origin) for r in responses], dtype=torch.float32)
 
     return score
 

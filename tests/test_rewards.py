@@ -3,6 +3,8 @@ transformers' own sequence-classification pooling in float64), rules, penalties 
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
@@ -10,7 +12,7 @@ from hpcrlhf.config.loader import load_config
 from hpcrlhf.config.schema import GenerateConfig, RewardConfig, RewardSourceConfig
 from hpcrlhf.data.tasks import ArithmeticTask
 from hpcrlhf.engines.deepspeed_engine import FrozenModel
-from hpcrlhf.errors import ConfigError
+from hpcrlhf.errors import ConfigError, RuleError
 from hpcrlhf.models.loading import load_tokenizer
 from hpcrlhf.models.value import ValueModel, load_value_model
 from hpcrlhf.rewards import Response, RewardSet, adjust_scores
@@ -116,3 +118,159 @@ def test_penalties_by_hand():
     out = adjust_scores(torch.tensor([1.0, 1.0, 0.0]), torch.tensor([2, 8, 3]), torch.tensor([True, False, True]), cfg)
     torch.testing.assert_close(out, torch.tensor([0.8, -0.8, -0.3]))
     assert adjust_scores(torch.tensor([1.0]), torch.tensor([5]), torch.tensor([False]), RewardConfig()).tolist() == [1.0]
+
+
+# ---------------------------------------------------------------- a user's rule: what it may return, how it fails
+USER_RULES = '''\
+def fails(prompt, response, row):
+    if row["id"] == 2:
+        return 1 / 0
+    return 1.0
+
+
+def none(prompt, response, row):
+    return None if row["id"] == 2 else 1.0
+
+
+def text(prompt, response, row):
+    return "1.0" if row["id"] == 2 else 1.0
+
+
+def value(prompt, response, row):
+    return row["value"]
+'''
+
+
+def _user_rules(tmp_path, monkeypatch) -> str:
+    (tmp_path / "userrules.py").write_text(USER_RULES)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "userrules", raising=False)  # this test's copy, not an earlier test's
+    return str(tmp_path / "userrules.py")
+
+
+def _score_one(rule: str, row: dict, origin: str = "prompts.jsonl:7") -> torch.Tensor:
+    rewards = RewardSet(RewardConfig(sources=(RewardSourceConfig(rule="task", weight=0.0), RewardSourceConfig(rule=rule))),
+                        _load, None, ArithmeticTask(), CPU)
+    return rewards.score([Response("1+2=", "3", (), row, origin)])[1][f"rule_{rule.replace(':', '.')}"]
+
+
+@pytest.mark.parametrize("value, expected", [
+    (0.25, 0.25), (3, 3.0), (True, 1.0), (False, 0.0),  # a pass/fail check counts 1 or 0
+    (__import__("numpy").float32(0.5), 0.5), (__import__("numpy").bool_(True), 1.0), (torch.tensor(0.75), 0.75),
+    (__import__("fractions").Fraction(1, 4), 0.25),
+])
+def test_a_rule_returns_a_real_number(value, expected, tmp_path, monkeypatch):
+    _user_rules(tmp_path, monkeypatch)
+    assert _score_one("userrules:value", {"value": value}).tolist() == [expected]
+
+
+def test_a_non_finite_reward_is_left_to_the_nan_guard(tmp_path, monkeypatch):
+    """NaN and Inf are real numbers: the guard (`train.on_nonfinite`) skips or stops the step that would
+    learn from them, naming the source; an integer too large for a float is +-Inf."""
+    _user_rules(tmp_path, monkeypatch)
+    assert torch.isnan(_score_one("userrules:value", {"value": float("nan")})).all()
+    assert _score_one("userrules:value", {"value": -10**400}).tolist() == [float("-inf")]
+
+
+@pytest.mark.parametrize("value, shown", [
+    (None, "returned None (NoneType)"), ("1.0", "returned '1.0' (str)"), ([1.0], "returned [1.0] (list)"),
+    (1j, "returned 1j (complex)"), (torch.tensor([1.0, 2.0]), "(Tensor)"),
+])
+def test_a_rule_returning_no_number_is_named_with_its_row(value, shown, tmp_path, monkeypatch):
+    _user_rules(tmp_path, monkeypatch)
+    with pytest.raises(RuleError) as err:
+        _score_one("userrules:value", {"value": value})
+    message = str(err.value)
+    assert message.startswith("reward.sources[1].rule 'userrules:value' returned ") and shown in message, message
+    assert "prompt '1+2=' (prompts.jsonl:7)" in message and "real number" in message, message
+
+
+def test_an_exception_in_a_rule_names_rule_row_and_line(tmp_path, monkeypatch):
+    path = _user_rules(tmp_path, monkeypatch)
+    with pytest.raises(RuleError) as err:
+        _score_one("userrules:fails", {"id": 2})
+    message = str(err.value)
+    assert message.startswith("reward.sources[1].rule 'userrules:fails' raised ZeroDivisionError: division by zero "
+                              f"at {path}:3 in fails, on the response '3' to prompt '1+2=' (prompts.jsonl:7)"), message
+
+
+@pytest.mark.parametrize("rule, needle", [
+    ("fails", "raised ZeroDivisionError: division by zero at {module}:3 in fails"),
+    ("none", "returned None (NoneType)"),
+    ("text", "returned '1.0' (str)"),
+])
+def test_generate_names_the_failing_rule_and_the_prompt_row(rule, needle, tiny_llama, tmp_path):
+    """Before: a raw traceback naming neither rule nor prompt, a bare TypeError for None, and "1.0"
+    accepted as 1.0."""
+    import json
+
+    from tests.launch_helpers import run_cli
+
+    (tmp_path / "userrules.py").write_text(USER_RULES)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"{i}+1=", "id": i}) + "\n" for i in (1, 2)))
+    proc = run_cli(["generate", "-m", tiny_llama, "-o", str(tmp_path / "out.jsonl"), "--set", f"data.train_path={prompts}",
+                    "--set", f"reward={{sources: [{{rule: 'userrules:{rule}'}}]}}", "--set", "rollout.max_new_tokens=2"],
+                   check=False, env={"PYTHONPATH": str(tmp_path)}, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    error = proc.stderr.strip().splitlines()[-1]
+    assert error.startswith(f"hpcrlhf: error: reward.sources[0].rule 'userrules:{rule}' "), error
+    assert needle.format(module=tmp_path / "userrules.py") in error and f"to prompt '2+1=' ({prompts}:2)" in error, error
+
+
+def test_rule_names_lists_every_user_function_of_a_config(tmp_path, monkeypatch):
+    """What a cluster submission checks before queueing: every `module:function` (reward rules and
+    metrics; the task's rules import nothing), each with the field that names it."""
+    from hpcrlhf.config.schema import PPOConfig
+    from hpcrlhf.rewards import check_rules, rule_names
+
+    cfg = load_config(PPOConfig, overrides=["reward.sources=[{rule: task}, {rule: 'userrules:value'}]",
+                                            "eval.metrics=[userrules:none, nosuchmodule:f]"])
+    assert rule_names(cfg) == [("reward.sources[1].rule", "userrules:value"), ("eval.metrics[0]", "userrules:none"),
+                               ("eval.metrics[1]", "nosuchmodule:f")]
+    gen = load_config(GenerateConfig, overrides=["metrics=[userrules:text]"])
+    assert rule_names(gen) == [("metrics[0]", "userrules:text")]
+    _user_rules(tmp_path, monkeypatch)
+    check_rules(gen)
+    with pytest.raises(ConfigError, match=r"^eval\.metrics\[1\]: rule 'nosuchmodule:f' cannot be imported"):
+        check_rules(cfg)
+
+
+def test_a_metric_must_be_finite_and_not_named_like_the_task_score(tmp_path, monkeypatch):
+    from hpcrlhf.rewards import EvalMetrics
+
+    _user_rules(tmp_path, monkeypatch)
+    metrics = EvalMetrics(["userrules:value"], ArithmeticTask())
+    values = metrics.values([Response("1+2=", "3", (), {"value": 0.5}), Response("2+2=", "5", (), {"value": True})])
+    assert values == {"task_score": [1.0, 0.0], "value": [0.5, 1.0]}
+    assert metrics.stats([Response("1+2=", "3", (), {"value": 0.5})], "_top") == {"eval/task_score_top": (1.0, 1),
+                                                                                  "eval/value_top": (0.5, 1)}
+    with pytest.raises(RuleError, match=r"^eval\.metrics\[0\] 'userrules:value' returned nan on the response '3' to "
+                                        r"prompt '1\+2=' \(eval.jsonl:3\): an evaluation metric must be finite"):
+        metrics.values([Response("1+2=", "3", (), {"value": float("nan")}, "eval.jsonl:3")])
+    (tmp_path / "clash.py").write_text("def task_score(prompt, response, row):\n    return 0\n")
+    with pytest.raises(ConfigError, match=r"eval\.metrics\[0\]: 'clash:task_score' would be reported as eval/task_score"):
+        EvalMetrics(["clash:task_score"], ArithmeticTask())
+    assert list(EvalMetrics(["clash:task_score"], None).rules) == ["task_score"]  # no task, no clash
+
+
+def test_a_metric_named_like_one_the_job_reports_is_refused():
+    from hpcrlhf.trainers.base import merge_evaluation
+
+    assert merge_evaluation({"eval/loss": 1.0}, {"eval/exact": 0.5}) == {"eval/loss": 1.0, "eval/exact": 0.5}
+    with pytest.raises(ConfigError, match="a metric function named 'loss' is reported as eval/loss, which this job's "
+                                          "evaluation reports already; rename the function"):
+        merge_evaluation({"eval/loss": 1.0, "eval/task_score": 0.0}, {"eval/loss": 0.5})
+
+
+def test_ppo_names_a_rule_it_cannot_import_before_any_model_loads(tmp_path):
+    """Before: the actor (and critic, reference) loaded first, then the import failed."""
+    from tests.launch_helpers import run_cli
+
+    proc = run_cli(["train", "ppo", "-o", str(tmp_path / "run"), "--set", "reward.sources=[{rule: task}, {rule: 'nosuch:f'}]",
+                    "--set", "log.progress=false"], check=False, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "hpcrlhf: error: reward.sources[1].rule: rule 'nosuch:f' cannot be imported (ModuleNotFoundError: No module " \
+           "named 'nosuch')" in proc.stderr, proc.stderr[-3000:]
+    assert "LOAD REPORT" not in proc.stderr  # what transformers prints when it loads the critic's value model

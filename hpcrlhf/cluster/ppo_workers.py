@@ -93,8 +93,11 @@ class ActorWorker(TrainedWorker):
         """The actor's full weights into every vLLM engine (all actor ranks call: ZeRO-3 gathers)."""
         import ray
 
+        from hpcrlhf.models.export import checkpoint_names
+
         state = self.engine.full_state_dict()
         if self.rank == 0:
+            state = checkpoint_names(self.engine.module, state)
             ref = ray.put({k: v.detach().cpu() for k, v in state.items()})
             gather([engine.load_weights.remote(ref) for engine in engines])
 
@@ -134,7 +137,7 @@ class RewardWorker(PPOWorker):
 
         cfg, m = self.cfg, self.models
         self.rewards = RewardSet(cfg.reward, lambda path: m.build_frozen_model(path, value_head=True), m.tokenizer,
-                                 build_task(cfg.task), m.device, cfg.model.trust_remote_code)
+                                 build_task(cfg.task, cfg.data), m.device, cfg.model.trust_remote_code)
 
     def names(self) -> list[str]:
         return list(self.rewards.names)

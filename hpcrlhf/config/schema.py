@@ -65,12 +65,18 @@ class ModelConfig:
     """Allow model code from the model folder (only for models you trust)."""
 
 
+DEFAULT_TASK = "arithmetic"
+"""The bundled task `task.name: auto` applies when no `data.train_path` is given."""
+
+
 @dataclass(frozen=True)
 class TaskConfig:
-    name: Optional[str] = "arithmetic"
-    """Bundled synthetic task (rule-based score). It supplies the data when `data.train_path` is
-    unset, and the task score reported by evaluation. Set to null when training on your own data
-    (then `data.train_path` is required)."""
+    name: Optional[str] = "auto"
+    """Bundled synthetic task (rule-based score): it supplies the data when `data.train_path` is
+    unset, and the task score (`eval/task_score`, the `task` reward rules). `auto`: the arithmetic
+    task when `data.train_path` is unset, none when it is set (your data is not scored as
+    arithmetic; the run logs which applies). `arithmetic` applies it to your data too (its prompts
+    must then be arithmetic questions); null: no task (then `data.train_path` is required)."""
     max_operand: int = 99
     """Largest operand of the arithmetic task: the task's difficulty."""
     seed: int = 0
@@ -92,13 +98,21 @@ class TaskConfig:
         from hpcrlhf.data.tasks import TASKS  # the registry; imported here, it needs no config
 
         _require_finite(self, "task")
-        _require(self.name is None or self.name in TASKS, "task.name", self.name,
-                 f"use a bundled task ({', '.join(sorted(TASKS))}), or null to train on data.train_path")
+        _require(self.name is None or self.name == "auto" or self.name in TASKS, "task.name", self.name,
+                 f"use auto (the default), a bundled task ({', '.join(sorted(TASKS))}), or null to train on "
+                 "data.train_path")
         _require(self.max_operand >= 1, "task.max_operand", self.max_operand, "use at least 1, e.g. 99")
         _require(self.train_size >= 1, "task.train_size", self.train_size, "use at least 1 row")
         _require(self.eval_size >= 0, "task.eval_size", self.eval_size, "use 0 (no held-out rows) or more")
         _require(0 <= self.hard_pair_fraction <= 1, "task.hard_pair_fraction", self.hard_pair_fraction,
                  "use a value in [0, 1]")
+
+    def resolve(self, data: "DataSourceConfig") -> Optional[str]:
+        """The task that applies to a job with `data`: `name`, with `auto` decided by
+        `data.train_path`."""
+        if self.name != "auto":
+            return self.name
+        return None if data.train_path else DEFAULT_TASK
 
 
 @dataclass(frozen=True)
@@ -200,6 +214,12 @@ class OptimConfig:
         _require(self.max_grad_norm >= 0, "optim.max_grad_norm", self.max_grad_norm, "use >= 0 (0 disables)")
 
 
+MAX_STEPS = 2**31 - 1
+"""The most optimizer steps (or PPO steps, or epochs) a run may ask for: step counters and the learning-rate
+schedule (warm-up and decay computed in float64 from step counts) stay exact, and at one step a second it is
+68 years. A larger count is a typo, refused rather than run in warm-up forever."""
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     epochs: int = 1
@@ -219,10 +239,11 @@ class TrainConfig:
     """With `skip`: stop after more than this many skipped steps in a row (the run is diverging)."""
 
     def __post_init__(self) -> None:
-        _require(self.epochs >= 1, "train.epochs", self.epochs, "use at least 1")
+        _require(1 <= self.epochs <= MAX_STEPS, "train.epochs", self.epochs, f"use 1 to {MAX_STEPS:,} (2**31 - 1)")
         _require(self.max_consecutive_skips >= 0, "train.max_consecutive_skips", self.max_consecutive_skips,
                  "use >= 0 (0 stops at the first skipped step)")
-        _require(self.max_steps is None or self.max_steps >= 1, "train.max_steps", self.max_steps, "use at least 1, or null")
+        _require(self.max_steps is None or 1 <= self.max_steps <= MAX_STEPS, "train.max_steps", self.max_steps,
+                 f"use 1 to {MAX_STEPS:,} (2**31 - 1: the schedule's step counts stay exact), or null")
         _require(self.global_batch_size >= 1, "train.global_batch_size", self.global_batch_size, "use at least 1")
         _require(self.micro_batch_size >= 1, "train.micro_batch_size", self.micro_batch_size, "use at least 1")
 
@@ -248,6 +269,20 @@ class EngineConfig:
             raise ConfigError("engine.offload_params: true needs parameter sharding: set engine.zero_stage=3")
 
 
+def _require_metrics(metrics: tuple[str, ...], key: str) -> None:
+    """Metrics are `package.module:function`s with distinct function names (each is reported under
+    its function's name); importing them is the job's business (hpcrlhf.rewards)."""
+    seen: dict[str, str] = {}
+    for i, rule in enumerate(metrics):
+        module, sep, name = rule.partition(":")
+        _require(bool(sep and module and name.isidentifier()), f"{key}[{i}]", rule,
+                 "use package.module:function, a function of (prompt, response, row) returning a number")
+        if name in seen:
+            raise ConfigError(f"{key}[{i}]: {rule!r} and {seen[name]!r} would both be reported as eval/{name}; "
+                              "wrap one in a function of another name")
+        seen[name] = rule
+
+
 @dataclass(frozen=True)
 class EvalConfig:
     every_steps: int = 50
@@ -256,7 +291,8 @@ class EvalConfig:
     max_new_tokens: int = 8
     """Tokens generated per eval prompt for the task score (greedy)."""
     score_prompts: int = 256
-    """Held-out prompts used for the task score."""
+    """Held-out prompts answered (greedy) for the task score and `metrics`: the first ones of
+    `data.eval_path`, else of the task's eval split."""
     batch_size: int = 128
     """Prompts per generation batch during evaluation."""
     stop_when: str = ""
@@ -264,8 +300,14 @@ class EvalConfig:
     `<eval metric> >= <number>` or `<= <number>` (e.g. `eval/task_score>=0.9`, `eval/loss<=0.05`),
     with checkpoint, exported model and summary as at a normal end (`summary.json` says where and
     why it stopped). Needs `every_steps` > 0. Empty: train for `train.max_steps`/`epochs`."""
+    metrics: tuple[str, ...] = ()
+    """Your own metrics of the greedy answers to the held-out prompts: `package.module:function`s
+    taking (prompt, response, row) and returning a real number, like reward rules (the row is the
+    prompt's row of `data.eval_path`). Each is reported as `eval/<function name>` (mean over the
+    prompts) in metrics.jsonl, summary.json and the log, and can end the run (`stop_when`)."""
 
     def __post_init__(self) -> None:
+        _require_metrics(self.metrics, "eval.metrics")
         _require(self.every_steps >= 0, "eval.every_steps", self.every_steps, "use 0 (only at the end) or a step count")
         if parse_stop_rule(self.stop_when) is not None and self.every_steps == 0:
             raise ConfigError(f"eval.stop_when: {self.stop_when!r} is checked at periodic evaluations, but "
@@ -376,6 +418,13 @@ class TrainJobConfig:
     def __post_init__(self) -> None:
         if self.task.name is None and self.data.train_path is None:
             raise ConfigError("data.train_path: null needs a task for data: set data.train_path or task.name")
+        if self.eval.metrics and not (self.data.eval_path or self.task.resolve(self.data)):
+            raise ConfigError(f"eval.metrics: {list(self.eval.metrics)} score answers to held-out prompts, but with "
+                              "data.train_path and no data.eval_path (and no bundled task) there are none: set "
+                              "data.eval_path to a file of held-out rows")
+        if self.eval.metrics and not self.eval.score_prompts:
+            raise ConfigError(f"eval.metrics: {list(self.eval.metrics)} score answers to held-out prompts, but "
+                              "eval.score_prompts is 0: answer some, e.g. eval.score_prompts=256")
         if self.lora.load_in_4bit and self.engine.zero_stage == 3:
             raise ConfigError("lora.load_in_4bit: 4-bit base weights cannot be sharded by ZeRO-3: "
                               "use engine.zero_stage 0-2 with QLoRA")
@@ -402,6 +451,13 @@ class RMConfig(TrainJobConfig):
     """Batch sizes (in pairs) and length of training."""
     output_dir: str = "runs/rm"
     """Run folder; `model/` holds the reward model with its reward mean/std in config.json."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.eval.metrics:
+            raise ConfigError(f"eval.metrics: {list(self.eval.metrics)} score generated answers, and a reward model "
+                              "generates none (it is evaluated on pairs): remove eval.metrics, or report them from the "
+                              "policy's jobs (sft, dpo, kto, csft, ppo, rs, generate)")
 
 
 @dataclass(frozen=True)
@@ -572,6 +628,17 @@ class RolloutConfig:
     """vllm only: KV-cache memory of the engine, in GiB."""
     vllm_enforce_eager: bool = True
     """vllm only: skip graph capture / compilation (fast start; compiled is faster for long runs)."""
+    vllm_max_num_seqs: Optional[int] = None
+    """vllm only: most sequences the engine runs at once (vLLM's max_num_seqs; null: vLLM's
+    default, 256 per TP rank on CPU, 256-1024 on GPU). Lower it when the KV cache is small."""
+    vllm_max_num_batched_tokens: Optional[int] = None
+    """vllm only: tokens the engine computes per step (vLLM's max_num_batched_tokens; null: vLLM's
+    default, 4096 per TP rank on CPU, 8192-16384 on GPU, raised to the longest sequence without
+    chunked prefill)."""
+    vllm_chunked_prefill: Optional[bool] = None
+    """vllm only: split long prompts over engine steps. null: off on CPU (vLLM 0.32 cannot rewind a
+    CPU random generator after a split prompt and dies with seeded sampling; true is refused
+    there), vLLM's default (on) on GPU."""
 
     def __post_init__(self) -> None:
         _require_finite(self, "rollout")
@@ -586,6 +653,14 @@ class RolloutConfig:
                  f"use a value from 0 to rollout.max_new_tokens ({self.max_new_tokens})")
         _require(self.hf_batch_size >= 1, "rollout.hf_batch_size", self.hf_batch_size, "use at least 1")
         _require(self.vllm_kv_cache_gb > 0, "rollout.vllm_kv_cache_gb", self.vllm_kv_cache_gb, "use a positive size")
+        for name in ("vllm_max_num_seqs", "vllm_max_num_batched_tokens"):
+            value = getattr(self, name)
+            _require(value is None or value >= 1, f"rollout.{name}", value, "use null (vLLM's default) or at least 1")
+        if self.vllm_max_num_seqs is not None and self.vllm_max_num_batched_tokens is not None:
+            _require(self.vllm_max_num_batched_tokens >= self.vllm_max_num_seqs, "rollout.vllm_max_num_batched_tokens",
+                     self.vllm_max_num_batched_tokens,
+                     f"use at least rollout.vllm_max_num_seqs ({self.vllm_max_num_seqs}): each running sequence "
+                     "needs one token per step")
 
 
 @dataclass(frozen=True)
@@ -606,6 +681,24 @@ class RewardSourceConfig:
             raise ConfigError(f"reward.sources: each source sets exactly one of `model` (a reward model folder) "
                               f"or `rule` (task, task_partial or module:function); got model={self.model!r}, "
                               f"rule={self.rule!r}")
+
+
+TASK_RULES = ("task", "task_partial")
+"""Rules that score answers to the bundled task; any other rule is `package.module:function`."""
+
+
+def _require_task_for_rules(reward: Optional["RewardConfig"], task: TaskConfig, data: DataSourceConfig) -> None:
+    """The `task` rules need the bundled task to apply: refused when the config loads, not after the
+    models have loaded and the first prompt fails to parse."""
+    if reward is None or task.resolve(data) is not None:
+        return
+    for i, source in enumerate(reward.sources):
+        if source.rule in TASK_RULES:
+            why = ("task.name is auto and data.train_path is set, so the bundled arithmetic task does not apply to "
+                   "your prompts" if task.name == "auto" else "task.name is null")
+            raise ConfigError(f"reward.sources[{i}].rule: '{source.rule}' scores answers to the bundled task, but {why}: "
+                              "score them with your own rule (reward.sources=[{rule: 'package.module:function'}]) or a "
+                              "reward model, or set task.name=arithmetic if your prompts are arithmetic questions")
 
 
 @dataclass(frozen=True)
@@ -870,6 +963,7 @@ class OnlineJobConfig(TrainJobConfig):
         if self.reference.precompute:
             raise ConfigError("reference.precompute: true needs the training sequences in advance; online jobs "
                               "generate them as they go: set reference.precompute=false")
+        _require_task_for_rules(self.reward, self.task, self.data)
 
 
 @dataclass(frozen=True)
@@ -951,6 +1045,9 @@ class RSSectionConfig:
         _require(self.iterations >= 1, "rs.iterations", self.iterations, "use at least 1")
         _require(self.prompts_per_iteration >= 1, "rs.prompts_per_iteration", self.prompts_per_iteration, "use at least 1")
         _require(self.steps_per_iteration >= 1, "rs.steps_per_iteration", self.steps_per_iteration, "use at least 1")
+        _require(self.iterations * self.steps_per_iteration <= MAX_STEPS, "rs.steps_per_iteration",
+                 self.steps_per_iteration, f"rs.iterations ({_shown(self.iterations)}) x rs.steps_per_iteration steps "
+                 f"must be at most {MAX_STEPS:,} (2**31 - 1, see train.max_steps)")
         _require(self.beta > 0, "rs.beta", self.beta, "use a positive value such as 0.1")
         _require(self.nll_coef >= 0, "rs.nll_coef", self.nll_coef, "use >= 0")
 
@@ -997,6 +1094,9 @@ class GenerateConfig:
     """Greedy decoding (rollout.temperature/top_p/top_k unused); false samples."""
     reward: Optional[RewardConfig] = None
     """Score each response with these reward models / rules (null: no scores)."""
+    metrics: tuple[str, ...] = ()
+    """Your own metrics of each response, as `eval.metrics` of training jobs
+    (`package.module:function`): written per response under `metrics`, their means printed."""
     batch_size: int = 64
     """Prompts per generation batch."""
     seed: int = 1234
@@ -1006,6 +1106,8 @@ class GenerateConfig:
 
     def __post_init__(self) -> None:
         _require(self.batch_size >= 1, "batch_size", self.batch_size, "use at least 1")
+        _require_metrics(self.metrics, "metrics")
+        _require_task_for_rules(self.reward, self.task, self.data)
 
 
 JOB_CONFIGS: dict[str, type] = {"sft": SFTConfig, "rm": RMConfig, "dpo": DPOConfig, "kto": KTOConfig, "csft": CSFTConfig,

@@ -24,6 +24,8 @@ class TokenizedSample:
 
 def encode_prompts(tokenizer, prompts: Sequence[str], apply_chat_template: bool = False) -> list[list[int]]:
     """Token ids of prompts as the model sees them, special tokens and chat template included."""
+    if not prompts:  # a fast tokenizer fails on an empty batch
+        return []
     if apply_chat_template:
         _require_chat_template(tokenizer)
         prompts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,

@@ -75,7 +75,7 @@ def require_text(rows: Sequence[Row], keys: Sequence[str], *, key_option: dict[s
                 raise DataError(f"{row.origin}: field '{key}' is missing; the row has: {have}{hint}")
             value = row.data[key]
             if not isinstance(value, str):
-                raise DataError(f"{row.origin}: field '{key}' must be a string, got {_brief(value)} ({type(value).__name__})")
+                raise DataError(f"{row.origin}: field '{key}' must be a string, got {brief(value)} ({type(value).__name__})")
             if not value.strip():
                 raise DataError(f"{row.origin}: field '{key}' is empty; remove the row or fill it in")
             _require_encodable(row, key, value)
@@ -100,7 +100,7 @@ def require_number(rows: Sequence[Row], key: str, *, option: str) -> None:
             raise DataError(f"{row.origin}: field '{key}' is missing (set by {option}); the row has: "
                             f"{', '.join(sorted(row.data)) or 'none'}")
         if not _is_finite_number(value):
-            raise DataError(f"{row.origin}: field '{key}' ({option}) must be a finite number, got {_brief(value)}")
+            raise DataError(f"{row.origin}: field '{key}' ({option}) must be a finite number, got {brief(value)}")
 
 
 def _is_finite_number(value: Any) -> bool:
@@ -114,7 +114,7 @@ def _is_finite_number(value: Any) -> bool:
         return False
 
 
-def _brief(value: Any) -> str:
+def brief(value: Any) -> str:
     """A bad value as a message shows it: its repr, cut to 60 characters (a field may hold a
     whole document, and a JSON integer thousands of digits)."""
     if isinstance(value, int) and abs(value) >= 10**60:
@@ -131,7 +131,7 @@ def require_label(rows: Sequence[Row], key: str, *, option: str) -> None:
                             f"{', '.join(sorted(row.data)) or 'none'}")
         if row.data[key] not in (True, False):  # 1 and 0 compare equal to True and False
             raise DataError(f"{row.origin}: field '{key}' ({option}) must be true or false (desirable or not), "
-                            f"got {_brief(row.data[key])}")
+                            f"got {brief(row.data[key])}")
 
 
 def require_distinct(rows: Sequence[Row], a: str, b: str) -> None:

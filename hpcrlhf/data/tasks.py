@@ -314,12 +314,14 @@ def get_task(name: str, **kwargs: Any) -> Any:
     return cls(**kwargs)
 
 
-def build_task(task_cfg: Any) -> Any | None:
-    """The task a config's `task` section names (None when `task.name` is null)."""
-    if task_cfg.name is None:
+def build_task(task_cfg: Any, data: Any) -> Any | None:
+    """The task that applies to a job with config sections `task` and `data` (`TaskConfig.resolve`:
+    `task.name: auto` is the bundled task unless `data.train_path` is set); None when no task applies."""
+    name = task_cfg.resolve(data)
+    if name is None:
         return None
     try:
-        return get_task(task_cfg.name, max_operand=task_cfg.max_operand, seed=task_cfg.seed)
+        return get_task(name, max_operand=task_cfg.max_operand, seed=task_cfg.seed)
     except ConfigError as e:  # the task names its own fields; the user wrote the config's
-        raise ConfigError(f"task.max_operand: {task_cfg.max_operand} is too small for task {task_cfg.name!r} with "
+        raise ConfigError(f"task.max_operand: {task_cfg.max_operand} is too small for task {name!r} with "
                           f"task.seed {task_cfg.seed} ({e}); raise task.max_operand, e.g. to 99") from None

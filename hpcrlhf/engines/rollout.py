@@ -60,6 +60,10 @@ import torch
 import torch.nn.functional as F
 
 from hpcrlhf.engines.hf_generate import left_pad
+from hpcrlhf.errors import ConfigError
+from hpcrlhf.logs import get_logger
+
+log = get_logger()
 
 BACKENDS = ("hf", "vllm")
 
@@ -267,10 +271,75 @@ class _WeightSyncExtension:
         state = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
         # vLLM's in-place reload: checkpoint-format names, fused layers and CPU repacking handled.
         self.reload_weights(weights_iterator=iter(state.items()))  # type: ignore[attr-defined]
+        _repack_cpu_experts(self.model_runner.get_model())  # type: ignore[attr-defined]
         return len(state)
 
 
+def _repack_cpu_experts(model: torch.nn.Module) -> int:
+    """Redo the CPU grouped-GEMM packing of mixture-of-experts weights after an in-place reload.
+
+    vLLM 0.32 packs a CPU MoE layer's expert weights (`cpu_prepack_moe_weight`) only when the
+    layer is first set up; on a weight update (`_setup_kernel` with a kernel already built) it
+    copies the new weights in *unpacked* and skips that step, so the kernel reads the raw
+    layout as packed: the same weights reloaded give log-probs off by ~0.1 (measured on
+    tiny-mixtral). Here each such layer's weights are packed in place, as the first setup does.
+    Layers of other backends (GPU, zentorch) and other vLLM versions are left alone. Returns
+    the number of layers repacked."""
+    try:
+        from vllm._custom_ops import cpu_prepack_moe_weight
+        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+    except ImportError:
+        return 0
+    repacked = 0
+    for layer in model.modules():
+        kernel = getattr(getattr(layer, "quant_method", None), "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        if not isinstance(experts, CPUUnquantizedExperts) or getattr(experts, "_use_zentorch", False):
+            continue
+        for name in ("w13_weight", "w2_weight"):
+            weight = getattr(layer, name)
+            with torch.no_grad():
+                weight.data.copy_(cpu_prepack_moe_weight(weight.data, experts.isa))
+        repacked += 1
+    return repacked
+
+
 _EXTENSION = f"{__name__}._WeightSyncExtension"
+
+
+def vllm_batching(*, on_cpu: bool, max_model_len: int, max_num_seqs: int | None = None,
+                  max_num_batched_tokens: int | None = None, chunked_prefill: bool | None = None) -> dict[str, Any]:
+    """vLLM's batching arguments for an engine (`LLM(**...)`); None leaves a limit to vLLM.
+
+    Why chunked prefill is off on CPU. Each engine step has a token budget
+    (`max_num_batched_tokens`); with chunked prefill, the prompt that does not fit is split and
+    its first part computed in this step. The token vLLM samples after such a partial prompt is
+    thrown away, and vLLM then rewinds that request's random generator with
+    `Generator.set_offset`, which only CUDA's (Philox) generators have: on CPU every seeded
+    request whose prompt is split kills the engine ("CPU Generator does not use offset"). Our
+    rollouts are always seeded per prompt (resume equality depends on it), so any batch whose
+    prompts add up to more than the budget crashed: 32 x 8 samples of 21-token prompts (5,376
+    prompt tokens > 4,096) did, 16 x 8 did not. Without chunked prefill a prompt is only ever
+    scheduled whole, so nothing is discarded; the budget must then hold the longest sequence
+    (vLLM raises its own default to `max_model_len`; a budget set below it is refused here). On
+    GPU vLLM's default (on) stays."""
+    if chunked_prefill is None:
+        chunked_prefill = not on_cpu
+    if chunked_prefill and on_cpu:
+        raise ConfigError("rollout.vllm_chunked_prefill: true is not possible on a CPU vLLM engine: vLLM 0.32 rewinds "
+                          "the random generator of a request whose prompt was split (set_offset), which CPU generators "
+                          "cannot do, and the engine dies at the first seeded batch larger than its token budget; "
+                          "use null (off on CPU, on on GPU) or false")
+    args: dict[str, Any] = {"enable_chunked_prefill": chunked_prefill}
+    if max_num_seqs is not None:
+        args["max_num_seqs"] = max_num_seqs
+    if not chunked_prefill and max_num_batched_tokens is not None and max_num_batched_tokens < max_model_len:
+        raise ConfigError(f"rollout.vllm_max_num_batched_tokens: {max_num_batched_tokens} is less than the longest "
+                          f"sequence ({max_model_len} tokens: data.max_length + new tokens); without chunked prefill "
+                          f"every prompt is computed in one engine step, so use at least {max_model_len}")
+    if max_num_batched_tokens is not None:
+        args["max_num_batched_tokens"] = max_num_batched_tokens
+    return args
 
 
 def _prompt_seed(seed: int, index: int) -> int:
@@ -307,6 +376,8 @@ class VLLMRollout:
       instead of 1-2 minutes.
     - `distributed_executor_backend`: how TP workers start; "mp" inside a Ray actor (vLLM would
       otherwise pick Ray, which its CPU build does not support, and which would escape the node map).
+    - `max_num_seqs`, `max_num_batched_tokens`, `chunked_prefill`: the engine's batching limits
+      (None: see `vllm_batching`).
 
     The engine runs in separate (spawned) processes; see the module docstring for why that is
     the right mode inside a trainer, and for the weight-sync path. Call `close()` when done.
@@ -314,7 +385,9 @@ class VLLMRollout:
 
     def __init__(self, model_dir: str, *, seed: int = 0, max_model_len: int = 256, kv_cache_bytes: int | None = 1 << 30,
                  enforce_eager: bool = True, dtype: str = "float32", tensor_parallel_size: int = 1,
-                 gpu_memory_utilization: float = 0.5, distributed_executor_backend: str | None = None):
+                 gpu_memory_utilization: float = 0.5, distributed_executor_backend: str | None = None,
+                 max_num_seqs: int | None = None, max_num_batched_tokens: int | None = None,
+                 chunked_prefill: bool | None = None):
         kwargs: dict[str, Any] = {}
         if distributed_executor_backend is not None:
             kwargs["distributed_executor_backend"] = distributed_executor_backend
@@ -322,7 +395,17 @@ class VLLMRollout:
             kwargs["kv_cache_memory_bytes"] = int(kv_cache_bytes)
         with _environ_restored():
             from vllm import LLM  # lazily: importing vLLM takes seconds, prints a lot and sets env variables
+            from vllm.platforms import current_platform
 
+            kwargs.update(vllm_batching(on_cpu=current_platform.is_cpu(), max_model_len=max_model_len,
+                                        max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                        chunked_prefill=chunked_prefill))
+            log.info(f"starting a vLLM engine on {model_dir}: TP {tensor_parallel_size}, longest sequence "
+                     f"{max_model_len}, KV cache " + (f"{kv_cache_bytes / (1 << 30):g} GiB" if kv_cache_bytes else
+                                                      f"{gpu_memory_utilization:g} of GPU memory")
+                     + f", chunked prefill {'on' if kwargs['enable_chunked_prefill'] else 'off'}, at most "
+                     f"{kwargs.get('max_num_seqs', 'vLLM default')} sequences and "
+                     f"{kwargs.get('max_num_batched_tokens', 'vLLM default')} tokens per step, eager={enforce_eager}")
             self._llm = LLM(
                 model=str(model_dir), tokenizer=str(model_dir), seed=seed, max_model_len=max_model_len, dtype=dtype,
                 enforce_eager=enforce_eager, tensor_parallel_size=tensor_parallel_size,

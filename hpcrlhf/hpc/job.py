@@ -1,5 +1,9 @@
 """From `hpcrlhf sbatch/submit` arguments to a cluster job: the `hpcrlhf train` command line the
-nodes run and the Slurm options, checked against each other before anything is written or queued."""
+nodes run and the Slurm options, checked against each other before anything is written or queued.
+
+A recipe is code: the `package.module:function` rules it names are imported and run by the job. They
+are imported here too, after the config is validated and before anything is written or queued, so
+a rule that cannot be imported fails now rather than on the cluster."""
 
 from __future__ import annotations
 
@@ -45,6 +49,28 @@ def config_paths(cfg: object) -> list[str]:
     return list(dict.fromkeys(found))
 
 
+def check_rules(cfg: object, python: str, container: Optional[str]) -> list[str]:
+    """Import every `package.module:function` rule and metric of `cfg` (`hpcrlhf.rewards.rule_names`)
+    as the job will, before it is written or queued: a ConfigError names the field, the rule and
+    why. Only when the job runs this Python outside a container (the default); otherwise returns a
+    note that the job imports them when it starts."""
+    from hpcrlhf.rewards import check_rules as import_rules, rule_names  # imports torch: only for a job config
+
+    rules = rule_names(cfg)
+    if not rules:
+        return []
+    if container or python != sys.executable:
+        named = ", ".join(f"{field} {rule!r}" for field, rule in rules)
+        where = f"the image's {python}" if container else python
+        return [f"{named} not imported here: the job runs them in {where}, not in this Python ({sys.executable}); "
+                "a rule that cannot be imported there fails when the job starts"]
+    try:
+        import_rules(cfg)
+    except ConfigError as e:
+        raise ConfigError(f"{e} (checked before queueing the job, with this Python)") from None
+    return []
+
+
 def container_binds(paths: Sequence[str], run_dir: str) -> tuple[list[str], list[str]]:
     """(folders to bind, notes): each path's folder -- the path itself when it is a folder here, else
     its parent (a file, or a path only the compute nodes have) -- unless the run folder (always bound)
@@ -77,6 +103,8 @@ def cluster_job(kind: str, recipe: Optional[str], overrides: Sequence[str], outp
         recipe = str(Path(recipe_path).resolve())  # the job runs elsewhere: a user's file by absolute path
     run_dir = str(Path(output_dir or f"runs/{kind}-{Path(recipe or 'defaults').stem}").resolve())
     given = {k: v for k, v in slurm.items() if v is not None}
+    if given.get("cache_dir"):  # like the run folder: relative to here, written absolute
+        given["cache_dir"] = os.path.abspath(str(given["cache_dir"]))
     if kind == "bench":  # a benchmark suite: its systems run one after the other on one Ray cluster
         from hpcrlhf.bench.runner import bench_args
         from hpcrlhf.bench.suites import get_suite
@@ -117,4 +145,6 @@ def cluster_job(kind: str, recipe: Optional[str], overrides: Sequence[str], outp
     options = SlurmOptions(run_dir=run_dir, **given)  # type: ignore[arg-type]
     check_fits(argv, options.nodes, options.gpus_per_node, launcher=options.launcher,
                where="the requested --nodes/--gpus-per-node")
+    if cfg is not None:  # last: the user's code runs once everything else is known to be valid
+        notes += check_rules(cfg, options.python, options.container)
     return ClusterJob(argv, options, tuple(notes))

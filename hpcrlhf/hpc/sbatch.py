@@ -28,8 +28,50 @@ from dataclasses import dataclass, fields
 from typing import Literal, Optional, Sequence
 
 from hpcrlhf.errors import ConfigError
+from hpcrlhf.placement.layout import MAX_GPUS_PER_NODE, MAX_NODES
 
 LAUNCHERS = ("ray", "mpi")
+SLURM_NAME = re.compile(r"[A-Za-z0-9_.+-]{1,128}", re.ASCII)
+"""A job name, partition, account or QOS as written into `#SBATCH` lines: letters, digits, `_ . + -`, at
+most 128 characters (a conservative subset of what Slurm accepts: no spaces, quotes, `#` or newlines,
+which would end or add lines)."""
+MAX_TIME_DAYS = 365
+"""The longest --time accepted (Slurm takes more, but no partition allows it; a larger value is a typo)."""
+HET_WORDS = ("hetjob", "packjob")
+"""sbatch starts a new heterogeneous job component at any `#SBATCH` line containing one of these words
+(any case, even inside a value), and blanks `packjob` out of the line."""
+HET_WHY = (f"sbatch reads {' or '.join(HET_WORDS)} anywhere in an #SBATCH line as the start of a heterogeneous job "
+           "component")
+
+
+def _has_control(text: str) -> bool:
+    return any(ord(c) < 32 or ord(c) == 127 for c in text)
+
+
+def _has_het_word(text: str) -> bool:
+    return any(word in text.lower() for word in HET_WORDS)
+
+
+def path_problem(path: str, *, in_sbatch_line: bool = False, bound: bool = False) -> Optional[str]:
+    """Why `path` cannot be written into the job (None: it can). Every path is shell-quoted (`shlex.quote`)
+    wherever the script uses it; what quoting cannot carry is refused: control characters (a newline
+    ends a script line) and, for a path in an `#SBATCH` line (the run folder, in `--output`), what sbatch's
+    own parser and file-name patterns would change: a backslash (an escape there, and it turns off
+    `%j`), `%` (a pattern, like `%j`) and the words that start a heterogeneous job component. sbatch
+    reads quoted values there as a shell does (single or double quotes, concatenated)."""
+    if not path.startswith("/"):
+        return "give an absolute path on shared storage"
+    if _has_control(path):
+        return "a path with control characters (a newline, a tab) cannot be written into the script; rename the folder"
+    if in_sbatch_line:
+        if "\\" in path or "%" in path:
+            return ("Slurm reads `\\` and `%` in an #SBATCH --output path as an escape and a file-name pattern (%j); "
+                    "use a folder without them")
+        if _has_het_word(path):
+            return f"{HET_WHY}; use a folder without those words"
+    if bound and ("," in path or ":" in path):
+        return "Apptainer's --bind splits paths at `,` and `:`; use a folder without them"
+    return None
 
 
 @dataclass(frozen=True)
@@ -65,12 +107,25 @@ class SlurmOptions:
             if not ok:
                 raise ConfigError(f"--{name.replace('_', '-')}: {value!r} is invalid: {fix}")
 
-        require(self.nodes >= 1, "nodes", self.nodes, "use 1 or more")
-        require(self.gpus_per_node >= 1, "gpus_per_node", self.gpus_per_node, "use 1 or more")
-        require(self.run_dir.startswith("/"), "output_dir", self.run_dir, "give an absolute path on shared storage")
+        require(1 <= self.nodes <= MAX_NODES, "nodes", self.nodes, f"use 1 to {MAX_NODES:,}")
+        require(1 <= self.gpus_per_node <= MAX_GPUS_PER_NODE, "gpus_per_node", self.gpus_per_node,
+                f"use 1 to {MAX_GPUS_PER_NODE}")
+        for name, option in (("run_dir", "output_dir"), ("cache_dir", "cache_dir"), ("container", "container")):
+            path = getattr(self, name)
+            problem = None if path is None else path_problem(path, in_sbatch_line=name == "run_dir",
+                                                             bound=bool(self.container) and name != "container")
+            require(problem is None, option, path, problem or "")
         require(self.launcher in LAUNCHERS, "launcher", self.launcher, f"use one of {', '.join(LAUNCHERS)}")
-        require(bool(re.fullmatch(r"(\d+-)?\d{1,2}(:\d{2}){0,2}", self.time)), "time", self.time,
-                "use Slurm's format, e.g. 24:00:00, 2-00:00:00 or 90 (minutes)")
+        require(isinstance(self.time, str) and bool(re.fullmatch(r"([0-9]{1,6}-)?[0-9]{1,9}(:[0-9]{2}){0,2}", self.time))
+                and 1 <= self.time_minutes <= MAX_TIME_DAYS * 1440, "time", self.time,
+                f"use Slurm's format, e.g. 24:00:00, 2-00:00:00 or 90 (minutes), from 1 minute to {MAX_TIME_DAYS} days")
+        for name in ("job_name", "partition", "account", "qos"):
+            value, names = getattr(self, name), "names, comma-separated" if name == "partition" else "name"
+            parts = value.split(",") if name == "partition" and isinstance(value, str) else [value]
+            require(value is None or all(isinstance(v, str) and SLURM_NAME.fullmatch(v) for v in parts), name, value,
+                    f"use a Slurm {name.replace('_', ' ')}: {names} of letters, digits, _ . + - (at most 128 "
+                    "characters; no spaces, quotes or newlines)")
+            require(value is None or not _has_het_word(value), name, value, f"{HET_WHY}; choose another name")
         require(30 <= self.signal_lead_s <= 3600, "signal_lead_s", self.signal_lead_s,
                 "give the job 30-3600 s between the signal and the time limit to checkpoint")
         require(self.max_requeues >= 0, "max_requeues", self.max_requeues, "use 0 (never) or more")
@@ -80,6 +135,9 @@ class SlurmOptions:
         for bind in self.binds:
             require(all(part.startswith("/") for part in bind.split(":")[:2]) and bind.count(":") <= 2, "bind", bind,
                     "use SRC or SRC:DST (absolute paths), optionally with :ro")
+            require("," not in bind and not _has_control(bind), "bind", bind,
+                    "use paths without commas (Apptainer splits --bind at them) or control characters")
+        require(not _has_control(self.python), "python", self.python, "name a Python without control characters")
 
     @property
     def tasks_per_node(self) -> int:
@@ -106,13 +164,20 @@ def _q(text: str) -> str:
     return shlex.quote(text)
 
 
+def _dq(text: str) -> str:
+    """`text` for inside a double-quoted shell string (a message naming a path)."""
+    return re.sub(r'([\\"$`])', r"\\\1", text)
+
+
 def _header(o: SlurmOptions) -> list[str]:
-    lines = [f"--job-name={o.job_name}", f"--nodes={o.nodes}", f"--ntasks-per-node={o.tasks_per_node}",
-             f"--gpus-per-node={o.gpus_per_node}", f"--time={o.time}", f"--output={o.run_dir}/slurm-%j.out",
+    """The #SBATCH lines. Values are quoted as a shell would (sbatch's parser reads single and double
+    quotes the same way); SlurmOptions has refused what no quoting carries (see `path_problem`)."""
+    lines = [f"--job-name={_q(o.job_name)}", f"--nodes={o.nodes}", f"--ntasks-per-node={o.tasks_per_node}",
+             f"--gpus-per-node={o.gpus_per_node}", f"--time={o.time}", f"--output={_q(o.run_dir + '/slurm-%j.out')}",
              "--open-mode=append", f"--signal=B:USR1@{o.signal_lead_s}", "--requeue"]
     if o.cpus_per_gpu:
         lines.append(f"--cpus-per-gpu={o.cpus_per_gpu}")
-    lines += [f"--{k}={v}" for k, v in (("partition", o.partition), ("account", o.account), ("qos", o.qos)) if v]
+    lines += [f"--{k}={_q(v)}" for k, v in (("partition", o.partition), ("account", o.account), ("qos", o.qos)) if v]
     return [f"#SBATCH {line}" for line in lines]
 
 
@@ -125,7 +190,7 @@ variables, CUDA's device list, HF_*/HPCRLHF_* settings, Ray's token)."""
 
 def exec_prefix(o: SlurmOptions) -> str:
     """How each step starts Python: directly, or inside the Apptainer image (`container_setup`)."""
-    return f'"${{container[@]}}" {o.python}' if o.container else o.python
+    return f'"${{container[@]}}" {_q(o.python)}' if o.container else _q(o.python)
 
 
 def container_setup(o: SlurmOptions) -> list[str]:
@@ -147,8 +212,8 @@ def container_setup(o: SlurmOptions) -> list[str]:
             'mkdir -p "$HF_HOME" "$HPCRLHF_CACHE"',
             "nv=(); [ -e /dev/nvidiactl ] && nv=(--nv)",
             f'container=(apptainer exec "${{nv[@]}}" --bind {binds} --env {env} "$image")',
-            f'if ! "${{container[@]}}" {o.python} -c {_q(probe)}; then',
-            f'  echo "hpcrlhf: $image cannot run {o.python} -c \'{probe}\': the image has no hpcrlhf; build it with" \\',
+            f'if ! "${{container[@]}}" {_q(o.python)} -c {_q(probe)}; then',
+            f'  echo "hpcrlhf: $image cannot run {_dq(o.python)} -c \'{probe}\': the image has no hpcrlhf; build it with" \\',
             '       "apptainer/build.sh, or name the image\'s Python with --python" >&2',
             "  exit 2",
             "fi"]
@@ -156,7 +221,7 @@ def container_setup(o: SlurmOptions) -> list[str]:
 
 def offline_env(o: SlurmOptions) -> list[str]:
     """Shell lines: the environment of offline compute nodes."""
-    cache = o.cache_dir or "$HOME/.cache"
+    cache = _q(o.cache_dir) if o.cache_dir else "$HOME/.cache"  # ${X:-word} removes the quotes
     return ["# Offline compute nodes: models, data and caches come from shared storage; nothing is installed here.",
             "export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1",
             f"export HF_HOME=${{HF_HOME:-{cache}/huggingface}} HPCRLHF_CACHE=${{HPCRLHF_CACHE:-{cache}/hpcrlhf}}",
@@ -179,7 +244,8 @@ def render_sbatch(args: Sequence[str], o: SlurmOptions) -> str:
 
     py = exec_prefix(o)
     job = " ".join(_q(a) for a in args)
-    out = ["#!/bin/bash", f"# Written by hpcrlhf {__version__}: hpcrlhf {job}", *_header(o), "",
+    shown = job.replace("\r", "\\r").replace("\n", "\\n")  # a newline would end the comment: a command, or the header
+    out = ["#!/bin/bash", f"# Written by hpcrlhf {__version__}: hpcrlhf {shown}", *_header(o), "",
            "set -uo pipefail", "",
            *offline_env(o), "",
            *(container_setup(o) + [""] if o.container else []),

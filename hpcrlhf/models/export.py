@@ -3,7 +3,8 @@
 Given the full trained state dict on rank 0, `export_pretrained` unwraps hpcrlhf's value-model
 wrapper, merges LoRA adapters when there are any (keeping the adapter too, in `adapter/`),
 records extra config entries (a reward model's normalisation statistics) and saves the model
-with its tokenizer.
+with its tokenizer. `checkpoint_names` gives a state dict the names and layout it has on disk,
+which is what vLLM loads (weight sync).
 """
 
 from __future__ import annotations
@@ -32,3 +33,17 @@ def export_pretrained(module: torch.nn.Module, state: dict[str, torch.Tensor], f
         setattr(model.config, key, value)
     model.save_pretrained(str(folder), state_dict=state, safe_serialization=True)
     tokenizer.save_pretrained(str(folder))
+
+
+def checkpoint_names(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`state` (from `model.state_dict()`) in the model's checkpoint format: the names and
+    tensor layout `save_pretrained` writes and vLLM loads. transformers 5 holds some weights in
+    memory differently from its checkpoints -- Mixtral's experts as fused 3-D tensors
+    (`mlp.experts.gate_up_proj`) where checkpoints have one `w1`/`w2`/`w3` per expert under
+    `block_sparse_moe` -- and undoes that when saving; this applies the same reversal (its
+    conversion table is the one the model was loaded with). Unchanged for families without
+    conversions (Llama, Qwen2, GPT-2, ...)."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    return revert_weight_conversion(model, dict(state))
+

@@ -6,6 +6,10 @@ the vLLM engines one by one. A unit of k nodes x g GPUs takes the g lowest free 
 the first k nodes that still have g free; an engine of TP t takes the t lowest free GPUs of the
 first node with t free, as a TP group must not span nodes. Ranks are numbered node-major.
 Nothing is moved or shrunk to make a layout fit: what does not fit is a problem.
+
+First fit fills nodes in order, so the nodes anything runs on are the first ones: a node is only
+looked at once something is placed on it, and the allocation's remaining nodes are counted as idle,
+never listed. Placing on 100,000 nodes costs what placing on the nodes used costs.
 """
 
 from __future__ import annotations
@@ -18,6 +22,24 @@ from hpcrlhf.placement.problems import Problem
 
 MODEL_ROLES = tuple(r for r in PLACEMENT_ROLES if r != "vllm")
 """The roles DeepSpeed runs (each a group of ranks), in placement order."""
+MAX_NODES = 100_000
+"""The most nodes an allocation may have (`hpcrlhf plan`, `sbatch`, `submit`): ten times today's largest GPU
+clusters (about 10,000 nodes). A larger count is a typo (or an overflow), refused with this limit."""
+MAX_GPUS_PER_NODE = 64
+"""The most GPUs a node may have (today's nodes have 4 to 16)."""
+
+
+def allocation_problems(nodes: int, gpus_per_node: int, keys: tuple[str, str]) -> list[Problem]:
+    """An allocation shape outside 1..MAX_NODES x 1..MAX_GPUS_PER_NODE; `keys` name the two settings."""
+    found = []
+    for key, value, limit, what in ((keys[0], nodes, MAX_NODES, "nodes"), (keys[1], gpus_per_node, MAX_GPUS_PER_NODE,
+                                                                          "GPUs per node")):
+        if value < 1:
+            found.append(Problem(key, value, "an allocation needs at least one", "use 1 or more"))
+        elif value > limit:
+            found.append(Problem(key, value, f"more {what} than hpcrlhf plans for (at most {limit:,})",
+                                 f"use at most {limit:,}"))
+    return found
 
 
 @dataclass(frozen=True, order=True)
@@ -40,7 +62,9 @@ class Layout:
     engines: tuple[tuple[Device, ...], ...]
     colocated: tuple[tuple[str, ...], ...]
     idle: tuple[Device, ...]
-    """GPUs nothing runs on."""
+    """GPUs nothing runs on, on the nodes before `used_nodes`."""
+    used_nodes: int
+    """Nodes 0 .. used_nodes - 1 are those anything was placed on; every later node of the allocation is idle."""
     complete: bool
     """Everything asked for was placed."""
 
@@ -72,6 +96,11 @@ def describe_devices(devices: Iterable[Device]) -> str:
                 start = cur
         parts.append(f"node {node} gpu{'s' * (len(gpus) > 1)} {','.join(runs)}")
     return ", ".join(parts)
+
+
+def node_range(first: int, last: int) -> str:
+    """`node 2`, `nodes 2-99999`."""
+    return f"nodes {first}-{last}" if last > first else f"node {first}"
 
 
 def plural(n: int, word: str) -> str:
@@ -134,9 +163,14 @@ def _fits_shape(unit: _Unit, nodes: int, gpus_per_node: int, problems: list[Prob
     return ok
 
 
-def _take(free: dict[int, list[int]], nodes: int, per_node: int) -> list[Device] | None:
-    """First fit: `per_node` lowest free GPUs on each of the first `nodes` nodes with room."""
-    chosen = [n for n in sorted(free) if len(free[n]) >= per_node][:nodes]
+def _take(free: dict[int, list[int]], nodes: int, per_node: int, allocation: tuple[int, int]) -> list[Device] | None:
+    """First fit: `per_node` lowest free GPUs on each of the first `nodes` nodes with room. `free` holds
+    the free GPUs of the nodes placed on so far (0, 1, ...); the allocation's (nodes, GPUs per node) next
+    ones are wholly free and join `free` only when chosen."""
+    chosen = [n for n in free if len(free[n]) >= per_node][:nodes]
+    while len(chosen) < nodes and len(free) < allocation[0] and per_node <= allocation[1]:
+        chosen.append(len(free))
+        free[len(free)] = list(range(allocation[1]))
     if len(chosen) < nodes:
         return None
     devices = []
@@ -184,11 +218,11 @@ def assign(nodes: int, gpus_per_node: int, shapes: Mapping[str, tuple[int, int]]
     over = sum(u.gpus for u in units) + free_engines * tp > nodes * gpus_per_node
     if over:
         problems.append(_demand_problem(units, free_engines, tp, nodes, gpus_per_node))
-    free = {n: list(range(gpus_per_node)) for n in range(nodes)}
+    free: dict[int, list[int]] = {}
     ranks: dict[str, tuple[Device, ...]] = {}
     engine_devices: list[tuple[Device, ...]] = []
     for unit in units:
-        taken = _take(free, unit.nodes, unit.gpus_per_node)
+        taken = _take(free, unit.nodes, unit.gpus_per_node, (nodes, gpus_per_node))
         if taken is None:
             if not over:
                 left = ", ".join(f"node {n}: {len(g)}" for n, g in free.items())
@@ -202,10 +236,10 @@ def assign(nodes: int, gpus_per_node: int, shapes: Mapping[str, tuple[int, int]]
         if unit.with_vllm:  # consecutive GPUs of a node form one TP group
             engine_devices += [tuple(taken[i : i + tp]) for i in range(0, len(taken), tp)]
     for e in range(free_engines):
-        taken = _take(free, 1, tp)
+        taken = _take(free, 1, tp, (nodes, gpus_per_node))
         if taken is None:
             if not over:
-                most = max(len(g) for g in free.values())
+                most = max(len(g) for g in free.values()) if free else 0
                 problems.append(Problem("placement.vllm.engines", engines, f"engines {e}-{engines - 1} need {tp} free "
                                         f"GPUs on one node each (a TP group cannot span nodes), but at most {most} "
                                         f"are free on any node", f"use {e} engines, a TP size of at most "
@@ -213,23 +247,32 @@ def assign(nodes: int, gpus_per_node: int, shapes: Mapping[str, tuple[int, int]]
             break
         engine_devices.append(tuple(taken))
     idle = tuple(Device(n, g) for n, gpus in free.items() for g in gpus)
-    return Layout(ranks, tuple(engine_devices), tuple(groups), idle, complete=len(problems) == found_before)
+    return Layout(ranks, tuple(engine_devices), tuple(groups), idle, len(free), complete=len(problems) == found_before)
 
 
 def idle_problem(layout: Layout, nodes: int, gpus_per_node: int, engines: int, tp: int, sequences: int) -> Problem:
     """GPUs of a complete layout left idle, with what could use them: more vLLM engines (as many
     as fit and split the rollout's `sequences`), or fewer nodes."""
     tips = []
-    free = {n: sum(d.node == n for d in layout.idle) for n in range(nodes)}
-    room = sum(count // tp for count in free.values())
+    free = {n: 0 for n in range(layout.used_nodes)}
+    for d in layout.idle:
+        free[d.node] += 1
+    idle_nodes = nodes - layout.used_nodes
+    room = sum(count // tp for count in free.values()) + idle_nodes * (gpus_per_node // tp)
     can_add = not any("vllm" in group for group in layout.colocated)  # colocated engines tile their group
-    more = next((k for k in range(room, 0, -1) if sequences % (engines + k) == 0), 0) if can_add else 0
+    tries = range(min(room, sequences - engines), 0, -1) if can_add else ()  # engines + k must divide sequences
+    more = next((k for k in tries if sequences % (engines + k) == 0), 0)
     if more:
         tips.append(f"give them to vLLM: placement.vllm.engines={engines + more} ({more} more engine(s) of TP {tp}"
                     f"{'' if engines else ', with rollout.backend=vllm'})")
-    empty = sum(count == gpus_per_node for count in free.values())
+    empty = idle_nodes + sum(count == gpus_per_node for count in free.values())
     if empty:
         tips.append(f"ask for {plural(nodes - empty, 'node')} (--nodes {nodes - empty})")
     tips += ["give them to a role (more ranks)", "or set placement.allow_idle_gpus=true"]
-    return Problem("placement", shape_text(nodes, gpus_per_node), f"{len(layout.idle)} of {nodes * gpus_per_node} "
-                   f"GPUs would idle ({describe_devices(layout.idle)})", "; ".join(tips))
+    where = [describe_devices(layout.idle)] if layout.idle else []
+    if idle_nodes:
+        gpus = f"gpus 0-{gpus_per_node - 1}" if gpus_per_node > 1 else "gpu 0"
+        where.append(f"{node_range(layout.used_nodes, nodes - 1)} {gpus}")
+    count = len(layout.idle) + idle_nodes * gpus_per_node
+    return Problem("placement", shape_text(nodes, gpus_per_node), f"{count:,} of {nodes * gpus_per_node:,} "
+                   f"GPUs would idle ({', '.join(where)})", "; ".join(tips))

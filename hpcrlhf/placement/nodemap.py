@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from hpcrlhf.config.schema import PPOConfig
-from hpcrlhf.placement.layout import MODEL_ROLES, Device, Layout, assign, idle_problem, shape_text
+from hpcrlhf.placement.layout import (MODEL_ROLES, Device, Layout, allocation_problems, assign, idle_problem,
+                                      shape_text)
 from hpcrlhf.placement.memory import GIB, MemoryParts
 from hpcrlhf.placement.problems import Problem, raise_problems
 from hpcrlhf.placement.roles import EnginePlan, RolePlan, check_batches, check_roles, resolve_roles
@@ -61,7 +62,9 @@ class NodeMap:
     colocated: tuple[tuple[str, ...], ...]
     """Groups of roles that share exactly the same GPUs."""
     devices: dict[Device, tuple[Occupant, ...]]
-    """Every GPU of the allocation (node, then GPU order) -> what runs on it (empty: idle)."""
+    """Every GPU of the nodes anything runs on (node, then GPU order) -> what runs on it (empty: idle)."""
+    idle_nodes: int = 0
+    """The allocation's last nodes, on which nothing runs: counted, not listed in `devices`."""
 
     def role_ranks(self, role: str) -> list[Device]:
         """The device of each rank of `role` (empty for a role without GPUs)."""
@@ -110,11 +113,13 @@ def _plain(m: NodeMap) -> dict[str, Any]:
     devices = [{**_device(d), "occupants": [o.label for o in occ],
                 "memory": {**m.memory(d).as_dict(), "total": m.memory(d).total}} for d, occ in m.devices.items()]
     return {"allocation": {"nodes": m.nodes, "gpus_per_node": m.gpus_per_node, "gpu_memory_bytes": m.gpu_memory},
-            "roles": roles, "vllm": vllm, "colocated": [list(g) for g in m.colocated], "devices": devices}
+            "roles": roles, "vllm": vllm, "colocated": [list(g) for g in m.colocated], "devices": devices,
+            "idle_nodes": m.idle_nodes}
 
 
-def _occupants(layout: Layout, nodes: int, gpus_per_node: int, tp: int) -> dict[Device, tuple[Occupant, ...]]:
-    seats: dict[Device, list[Occupant]] = {Device(n, g): [] for n in range(nodes) for g in range(gpus_per_node)}
+def _occupants(layout: Layout, gpus_per_node: int, tp: int) -> dict[Device, tuple[Occupant, ...]]:
+    seats: dict[Device, list[Occupant]] = {Device(n, g): [] for n in range(layout.used_nodes)
+                                           for g in range(gpus_per_node)}
     for role in MODEL_ROLES:
         for rank, d in enumerate(layout.ranks.get(role, ())):
             seats[d].append(Occupant(role, rank))
@@ -131,9 +136,7 @@ def build_node_map(cfg: PPOConfig, nodes: Optional[int] = None, gpus_per_node: O
     nodes = p.nodes if nodes is None else nodes
     gpus_per_node = p.gpus_per_node if gpus_per_node is None else gpus_per_node
     where = shape_text(nodes, gpus_per_node)
-    bad = [Problem(f"placement.{key}", value, "an allocation needs at least one", "use 1 or more")
-           for key, value in (("nodes", nodes), ("gpus_per_node", gpus_per_node)) if value < 1]
-    raise_problems(bad, where)
+    raise_problems(allocation_problems(nodes, gpus_per_node, ("placement.nodes", "placement.gpus_per_node")), where)
     gpu_memory = int(p.gpu_memory_gb * GIB)
     problems: list[Problem] = []
     check_roles(cfg, problems)
@@ -142,11 +145,11 @@ def build_node_map(cfg: PPOConfig, nodes: Optional[int] = None, gpus_per_node: O
     shapes = {r: (getattr(p, r).nodes, getattr(p, r).gpus_per_node) for r in MODEL_ROLES}
     tp = p.vllm.tensor_parallel_size
     layout = assign(nodes, gpus_per_node, shapes, p.vllm.engines, tp, p.colocate, problems)
-    if layout.complete and layout.idle and not p.allow_idle_gpus:
+    if layout.complete and (layout.idle or layout.used_nodes < nodes) and not p.allow_idle_gpus:
         sequences = cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt
         problems.append(idle_problem(layout, nodes, gpus_per_node, p.vllm.engines, tp, sequences))
     node_map = NodeMap(nodes, gpus_per_node, gpu_memory, roles, engine, layout.ranks, layout.engines, layout.colocated,
-                       _occupants(layout, nodes, gpus_per_node, tp))
+                       _occupants(layout, gpus_per_node, tp), nodes - layout.used_nodes)
     _check_memory(node_map, cfg.engine.gradient_checkpointing, problems)
     raise_problems(problems, where)
     return node_map

@@ -1,11 +1,12 @@
 """The node map as text (`hpcrlhf plan`): node by node, GPU by GPU with its occupants and
-memory by part, then one summary line per role and the vLLM engines' KV-cache capacity."""
+memory by part (the allocation's idle last nodes in one line), then one summary line per role and the
+vLLM engines' KV-cache capacity."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from hpcrlhf.placement.layout import describe_devices, plural, shape_text
+from hpcrlhf.placement.layout import describe_devices, node_range, plural, shape_text
 from hpcrlhf.placement.memory import GIB
 from hpcrlhf.placement.roles import RolePlan
 
@@ -53,6 +54,9 @@ def render_text(m: "NodeMap") -> str:
         if i % m.gpus_per_node == 0:
             lines.append(f"node {i // m.gpus_per_node}")
         lines.append(row)
+    if m.idle_nodes:  # the allocation's last nodes: one line, however many
+        each = " each" * (m.idle_nodes > 1)
+        lines.append(f"{node_range(m.nodes - m.idle_nodes, m.nodes - 1)}: idle ({plural(m.gpus_per_node, 'GPU')}{each})")
     role_rows = [_role_row(plan) for plan in m.roles.values()]
     if m.vllm:
         e = m.vllm

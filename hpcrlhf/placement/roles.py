@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from hpcrlhf.config.schema import PPOConfig, RoleConfig
-from hpcrlhf.placement.layout import MODEL_ROLES, shape_text
+from hpcrlhf.placement.layout import MAX_GPUS_PER_NODE, MAX_NODES, MODEL_ROLES, shape_text
 from hpcrlhf.placement.memory import (GIB, EngineMemory, MemoryParts, activation_bytes, engine_memory, frozen_memory,
                                       trained_memory)
 from hpcrlhf.placement.problems import Problem
@@ -230,7 +230,8 @@ def _engine_problems(cfg: PPOConfig, shape: Optional[ModelShape], engine: Engine
         # prompts_per_step x samples must split over the engines and into whole mini-batches
         s, g = cfg.rollout.samples_per_prompt, cfg.train.global_batch_size
         step = math.lcm(n // math.gcd(n, s), g // math.gcd(g, s))
-        fits = [d for d in range(1, 2 * n + 1) if sequences % d == 0]
+        # engine counts that split them, up to 2n: a divisor is at most `sequences`, an engine takes a GPU
+        fits = [d for d in range(1, min(2 * n, sequences, MAX_NODES * MAX_GPUS_PER_NODE) + 1) if sequences % d == 0]
         problems.append(Problem("placement.vllm.engines", n,
                                 f"the {sequences} sequences of a rollout (rollout.prompts_per_step "
                                 f"{cfg.rollout.prompts_per_step} x samples_per_prompt {s}) "

@@ -6,7 +6,8 @@ two things that differ between algorithms: `train_step(step)` (one optimizer ste
 rest: model loading (causal LM or value model, LoRA), the DeepSpeed engine, resume, progress,
 windowed metrics, periodic evaluation and checkpoints, stop requests, the exported model and the
 summary. `sample_mean_step` and `eval_means` are the shared shapes of a step and an evaluation
-whose loss is a mean over samples.
+whose loss is a mean over samples; `generation_scores` answers the held-out prompts greedily and
+reports the task score and the user's `eval.metrics` of the answers.
 """
 
 from __future__ import annotations
@@ -15,13 +16,15 @@ import json
 import time
 from collections import defaultdict
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
 from hpcrlhf.config.stop_rule import parse_stop_rule
+from hpcrlhf.data.sources import Row
 from hpcrlhf.engines.distributed import all_reduce_sum, init_distributed
 from hpcrlhf.engines.hf_generate import generate_greedy
+from hpcrlhf.errors import ConfigError
 from hpcrlhf.logs import get_logger
 from hpcrlhf.metrics import read_metrics
 from hpcrlhf.trainers.guard import SKIPPED_SUFFIX, NonFiniteGuard, SkipStep
@@ -45,6 +48,26 @@ class Trainer:
     def setup(self, cfg) -> None:
         self.setup_process(cfg)
         self.run = Run(cfg, self.env)
+        self.setup_evaluation()
+
+    def setup_evaluation(self) -> None:
+        """The task that applies (logged when `auto` decides it), what evaluation scores each
+        generated answer with (`self.metrics`: task score and `eval.metrics`, imported now) and the
+        held-out prompts it answers (`self.held_out`: rows and their prompt field; none for a value
+        model). A mistake in any of them, or in a reward rule, fails here, before a model loads."""
+        from hpcrlhf.data.loading import held_out_prompt_rows, task_note
+        from hpcrlhf.data.tasks import build_task
+        from hpcrlhf.rewards import EvalMetrics, check_rules
+
+        cfg = self.cfg
+        note = task_note(cfg.task, cfg.data)
+        if note:
+            log.info(note)
+        check_rules(cfg)
+        self.task = build_task(cfg.task, cfg.data)
+        self.metrics = EvalMetrics(cfg.eval.metrics, self.task)
+        self.held_out = (([], cfg.data.prompt_key) if self.value_head
+                         else held_out_prompt_rows(cfg.data, cfg.task, cfg.eval.score_prompts))
 
     def setup_process(self, cfg) -> None:
         """This process's rank in its group, seed and tokenizer (no run folder: Ray role workers
@@ -204,32 +227,30 @@ class Trainer:
             add_stats(sums, {k: (0.0, 0.0) for k in stats} if dummy else stats)
         return reduce_means(sums)
 
-    def task_prompts(self, template: Callable[[str], str] = str) -> list[tuple[list[int], str]]:
-        """(token ids of template(prompt), prompt) for the task's held-out prompts (none without a task)."""
+    def score_prompts(self, template: Callable[[str], str] = str) -> list[tuple[list[int], Row]]:
+        """(token ids of template(prompt), row) for the held-out prompts evaluation answers."""
         from hpcrlhf.data.sft import encode_prompts
-        from hpcrlhf.data.tasks import build_task
 
-        task = build_task(self.cfg.task)
-        if task is None:
-            return []
-        texts = [r["prompt"] for r in task.prompt_rows("eval", self.cfg.eval.score_prompts)]
-        ids = encode_prompts(self.tokenizer, [template(t) for t in texts], self.cfg.data.apply_chat_template)
-        return list(zip(ids, texts))
+        rows, key = self.held_out
+        ids = encode_prompts(self.tokenizer, [template(r.data[key]) for r in rows], self.cfg.data.apply_chat_template)
+        return list(zip(ids, rows))
 
-    def generation_scores(self, prompts: Sequence[tuple[list[int], str]], key: str = "eval/task_score") -> dict[str, float]:
-        """Mean task score of greedy generations for (prompt ids, prompt text) pairs."""
-        from hpcrlhf.data.tasks import build_task
+    def generation_scores(self, prompts: Sequence[tuple[list[int], Row]], suffix: str = "") -> dict[str, float]:
+        """Means of the task score and `eval.metrics` of greedy answers to (prompt ids, row) pairs,
+        as `eval/<name><suffix>` (nothing to generate when there are neither)."""
+        from hpcrlhf.rewards import Response
 
-        task = build_task(self.cfg.task)
+        key = self.held_out[1]
 
         def stats(batch: list) -> Stats:
             texts = generate_greedy(self.engine.module, self.tokenizer, [ids for ids, _ in batch],
                                     max_new_tokens=self.cfg.eval.max_new_tokens, device=self.engine.device,
                                     synced_gpus=self.engine.zero_stage == 3 and self.env.world_size > 1)
-            return {key: (sum(task.score(prompt, text) for (_, prompt), text in zip(batch, texts)), len(batch))}
+            return self.metrics.stats([Response(row.data[key], text, (), row.data, row.origin)
+                                       for (_, row), text in zip(batch, texts)], suffix)
 
         self.engine.eval()
-        return self.eval_means(prompts, stats) if prompts else {}
+        return self.eval_means(prompts, stats) if prompts and self.metrics.rules else {}
 
     def fit(self) -> dict:
         run, plan = self.run, self.plan
@@ -356,6 +377,19 @@ def reduce_means(sums: dict[str, Sequence[float]], sum_divisor: int | None = Non
         total, count = flat[2 * i], flat[2 * i + 1]
         if count > 0 or sum_divisor:
             out[k] = total / (count or sum_divisor)
+    return out
+
+
+def merge_evaluation(*parts: Mapping[str, Any]) -> dict[str, Any]:
+    """One evaluation's metrics from its parts. hpcrlhf's own never share a name, so a name in two
+    parts is one of `eval.metrics` named like a metric the job reports: one would hide the other."""
+    out: dict[str, Any] = {}
+    for part in parts:
+        clash = sorted(set(out) & set(part))
+        if clash:
+            raise ConfigError(f"eval.metrics: a metric function named {clash[0].removeprefix('eval/')!r} is reported as "
+                              f"{clash[0]}, which this job's evaluation reports already; rename the function")
+        out.update(part)
     return out
 
 

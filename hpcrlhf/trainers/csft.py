@@ -3,9 +3,9 @@
 Every training response comes with a reward; the reward's bucket is written into the prompt
 (`csft.template`, e.g. "<score 1> 12+34=") and the model is fine-tuned with the ordinary SFT
 loss. The model learns what responses of each quality look like, so at generation time asking
-for the top bucket asks for the best behaviour. Evaluation reports the task score when
-conditioned on the top and on the bottom bucket; `model/csft.json` records the template and
-bucket edges for generation.
+for the top bucket asks for the best behaviour. Evaluation reports the task score and
+`eval.metrics` when conditioned on the top and on the bottom bucket (`eval/<name>_top`,
+`_bottom`); `model/csft.json` records the template and bucket edges for generation.
 
 With the bundled task, the rows are the task's labelled completions (half right, half wrong)
 with the exact task score as reward.
@@ -16,8 +16,6 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 from pathlib import Path
-
-import torch
 
 from hpcrlhf.algos.conditioning import bucket_edges, bucket_of
 from hpcrlhf.config.schema import CSFTConfig
@@ -64,14 +62,12 @@ class CSFTTrainer(SFTTrainer):
         cfg = replace(self.cfg, data=replace(data, prompt_key="prompt", response_key="response"))
         return build_sft_data(cfg, self.tokenizer, conditioned(train), conditioned(evals))
 
-    @torch.no_grad()
-    def evaluate(self) -> dict[str, float]:
-        out = super().evaluate()
-        out.pop("eval/task_score", None)  # unconditioned prompts are not what this model is for
+    def answer_scores(self) -> dict[str, float]:
+        """Task score and `eval.metrics` of answers conditioned on the top bucket (`eval/<name>_top`)
+        and on the bottom one (`_bottom`); unconditioned prompts are not what this model is for."""
         top = self.cfg.csft.num_buckets - 1
-        out.update(self.generation_scores(self.task_prompts(lambda p: self.condition(p, top)), "eval/task_score_top"))
-        out.update(self.generation_scores(self.task_prompts(lambda p: self.condition(p, 0)), "eval/task_score_bottom"))
-        return out
+        return {**self.generation_scores(self.score_prompts(lambda p: self.condition(p, top)), "_top"),
+                **self.generation_scores(self.score_prompts(lambda p: self.condition(p, 0)), "_bottom")}
 
     def save_outputs(self) -> None:
         super().save_outputs()

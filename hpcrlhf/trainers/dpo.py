@@ -17,7 +17,7 @@ import torch
 from hpcrlhf.algos.preference import dpo_loss
 from hpcrlhf.config.schema import DPOConfig
 from hpcrlhf.data.preference import PairSample, load_pairs
-from hpcrlhf.trainers.base import Stats
+from hpcrlhf.trainers.base import Stats, merge_evaluation
 from hpcrlhf.trainers.policy import PolicyTrainer
 
 
@@ -63,8 +63,8 @@ class DPOTrainer(PolicyTrainer):
             loss, _, out = self.pair_loss([p for _, p in batch], "eval", [i for i, _ in batch], "eval")
             return {"eval/loss": (float(loss) * len(batch), len(batch)), **out}
 
-        return {**self.eval_means(indexed, stats), **self.policy_preferences(self.evals),
-                **self.generation_scores(self.task_prompts())}
+        return merge_evaluation(self.eval_means(indexed, stats), self.policy_preferences(self.evals),
+                                self.generation_scores(self.score_prompts()))
 
 
 def run_dpo(cfg: DPOConfig) -> dict:

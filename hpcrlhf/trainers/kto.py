@@ -15,7 +15,7 @@ from hpcrlhf.algos.preference import kto_loss
 from hpcrlhf.config.schema import KTOConfig
 from hpcrlhf.data.preference import UnpairedSample, load_unpaired
 from hpcrlhf.engines.distributed import all_reduce_sum
-from hpcrlhf.trainers.base import Stats
+from hpcrlhf.trainers.base import Stats, merge_evaluation
 from hpcrlhf.trainers.policy import PolicyTrainer, task_pairs
 
 
@@ -76,7 +76,7 @@ class KTOTrainer(PolicyTrainer):
             out = self.eval_means(list(enumerate(self.evals)), stats)
             if "eval/reward_desirable" in out and "eval/reward_undesirable" in out:
                 out["eval/reward_margin"] = out["eval/reward_desirable"] - out["eval/reward_undesirable"]
-        return {**out, **self.policy_preferences(self.pairs), **self.generation_scores(self.task_prompts())}
+        return merge_evaluation(out, self.policy_preferences(self.pairs), self.generation_scores(self.score_prompts()))
 
 
 def run_kto(cfg: KTOConfig) -> dict:

@@ -19,7 +19,7 @@ from hpcrlhf.engines.rollout import Generation, SamplingParams
 from hpcrlhf.errors import ConfigError, DataError
 from hpcrlhf.logs import get_logger
 from hpcrlhf.rewards import Response, RewardSet, adjust_scores
-from hpcrlhf.trainers.base import Stats, Trainer
+from hpcrlhf.trainers.base import Stats, Trainer, merge_evaluation
 
 log = get_logger()
 
@@ -29,31 +29,45 @@ class Prompt:
     ids: tuple[int, ...]
     text: str
     row: Mapping[str, Any]
+    origin: str = ""
+    """Where the row came from (`prompts.jsonl:17`), for errors about it."""
 
 
 def load_prompts(cfg, tokenizer, eval_limit: int | None = None) -> tuple[list[Prompt], list[Prompt]]:
-    """(train prompts, eval prompts) from `data` files or the bundled task's prompt rows."""
-    from hpcrlhf.data.loading import load_rows
+    """(train prompts, up to `eval_limit` held-out prompts (`held_out_prompt_rows`))."""
+    from hpcrlhf.data.loading import held_out_prompt_rows
 
-    train_rows, eval_rows = load_rows(cfg.data, cfg.task, lambda task, split, n: task.prompt_rows(split, n))
-    return encode_prompt_rows(train_rows, cfg.data, tokenizer), encode_prompt_rows(eval_rows[:eval_limit], cfg.data, tokenizer)
+    eval_rows, key = held_out_prompt_rows(cfg.data, cfg.task, eval_limit)
+    return load_train_prompts(cfg, tokenizer), encode_prompt_rows(eval_rows, cfg.data, tokenizer, key)
 
 
-def encode_prompt_rows(rows, data, tokenizer) -> list[Prompt]:
-    """Checked, tokenised prompts of dataset rows (`data.prompt_key`, chat template, max length)."""
+def load_train_prompts(cfg, tokenizer) -> list[Prompt]:
+    """Training prompts from `data.train_path` or the bundled task's prompt rows."""
+    from hpcrlhf.data.loading import load_train_rows, require_task_prompts
+
+    rows = load_train_rows(cfg.data, cfg.task, lambda task, split, n: task.prompt_rows(split, n))
+    if cfg.data.train_path:  # a task named on purpose scores these too (rollout/task_score, `task` rules)
+        require_task_prompts(rows, cfg.data.prompt_key, cfg.task, cfg.data)
+    return encode_prompt_rows(rows, cfg.data, tokenizer)
+
+
+def encode_prompt_rows(rows, data, tokenizer, key: str | None = None) -> list[Prompt]:
+    """Checked, tokenised prompts of dataset rows (field `key`, default `data.prompt_key`; chat
+    template, max length)."""
     from hpcrlhf.data.sft import encode_prompts
     from hpcrlhf.data.sources import require_text
 
     if not rows:
         return []
-    require_text(rows, (data.prompt_key,), key_option={data.prompt_key: "data.prompt_key"})
-    texts = [r.data[data.prompt_key] for r in rows]
+    key = key or data.prompt_key
+    require_text(rows, (key,), key_option={key: "data.prompt_key"})
+    texts = [r.data[key] for r in rows]
     ids = encode_prompts(tokenizer, texts, data.apply_chat_template)
     for row, p in zip(rows, ids):
         if len(p) > data.max_length:
             raise DataError(f"{row.origin}: prompt has {len(p)} tokens > data.max_length {data.max_length}; "
                             "raise data.max_length or shorten the prompt")
-    return [Prompt(tuple(p), t, r.data) for p, t, r in zip(ids, texts, rows)]
+    return [Prompt(tuple(p), t, r.data, r.origin) for p, t, r in zip(ids, texts, rows)]
 
 
 def sampling_params(r, *, n: int, seed: int | None, greedy: bool = False) -> SamplingParams:
@@ -69,20 +83,27 @@ def flatten_generations(prompts: Sequence[Prompt], generations: list[list[Genera
     flat_prompts = [p for p, gens in zip(prompts, generations) for _ in gens]
     flat = [g for gens in generations for g in gens]
     texts = tokenizer.batch_decode([g.response_ids for g in flat], skip_special_tokens=True)
-    responses = [Response(p.text, t, tuple(p.ids) + tuple(g.response_ids), p.row) for p, g, t in zip(flat_prompts, flat, texts)]
+    responses = [Response(p.text, t, tuple(p.ids) + tuple(g.response_ids), p.row, p.origin)
+                 for p, g, t in zip(flat_prompts, flat, texts)]
     return flat_prompts, flat, responses
 
 
 def vllm_engine_args(cfg) -> dict[str, Any]:
     """`VLLMRollout`'s settings for a job: model folder, seed, longest sequence (prompt + rollout
-    or evaluation response), KV cache and precision."""
+    or evaluation response), precision and the rollout section's engine settings."""
     from hpcrlhf.models.loading import resolve_model_path
 
     r = cfg.rollout
     return dict(model_dir=resolve_model_path(cfg.model.path), seed=cfg.seed,
                 max_model_len=cfg.data.max_length + max(r.max_new_tokens, cfg.eval.max_new_tokens),
-                kv_cache_bytes=int(r.vllm_kv_cache_gb * (1 << 30)), enforce_eager=r.vllm_enforce_eager,
-                dtype="bfloat16" if cfg.engine.precision == "bf16" else "float32")
+                dtype="bfloat16" if cfg.engine.precision == "bf16" else "float32", **vllm_rollout_args(r))
+
+
+def vllm_rollout_args(r) -> dict[str, Any]:
+    """`VLLMRollout`'s settings from a `RolloutConfig`: KV cache, eager mode and batching limits."""
+    return dict(kv_cache_bytes=int(r.vllm_kv_cache_gb * (1 << 30)), enforce_eager=r.vllm_enforce_eager,
+                max_num_seqs=r.vllm_max_num_seqs, max_num_batched_tokens=r.vllm_max_num_batched_tokens,
+                chunked_prefill=r.vllm_chunked_prefill)
 
 
 class Rank0Rollout:
@@ -143,11 +164,10 @@ class OnlineTrainer(Trainer):
     """Base of trainers that learn from their own generations."""
 
     def setup_online(self) -> None:
-        """Prompts and the task; call after `setup`."""
-        from hpcrlhf.data.tasks import build_task
-
-        self.task = build_task(self.cfg.task)
-        self.prompts, self.eval_prompts = load_prompts(self.cfg, self.tokenizer, self.cfg.eval.score_prompts)
+        """Training prompts and the held-out prompts `setup` read, as token ids; call after `setup`."""
+        self.prompts = load_train_prompts(self.cfg, self.tokenizer)
+        rows, key = self.held_out
+        self.eval_prompts = encode_prompt_rows(rows, self.cfg.data, self.tokenizer, key)
         if self.cfg.rollout.backend == "vllm" and self.cfg.lora.rank:
             raise ConfigError("rollout.backend: vllm with lora.rank > 0 is not supported yet (the engine needs merged "
                               "weights after every update); use rollout.backend=hf with LoRA")
@@ -171,8 +191,6 @@ class OnlineTrainer(Trainer):
     def _build_vllm(self):
         from hpcrlhf.engines.rollout import VLLMRollout
 
-        r = self.cfg.rollout
-        log.info(f"starting vLLM rollout engine (KV cache {r.vllm_kv_cache_gb} GiB, eager={r.vllm_enforce_eager})")
         return VLLMRollout(**vllm_engine_args(self.cfg))
 
     def build_rewards(self) -> None:
@@ -182,9 +200,13 @@ class OnlineTrainer(Trainer):
     def sync_rollout(self) -> None:
         """Push the actor's weights into the rollout engine (nothing to do for the HF backend,
         which generates with the trained module itself)."""
+        from hpcrlhf.models.export import checkpoint_names
+
         if self.rollout is self.hf_rollout:
             return
         state = self.engine.full_state_dict()  # every rank takes part (ZeRO-3 gathers)
+        if state is not None:
+            state = checkpoint_names(self.engine.module, state)
         self.rollout.load_weights(state)
         self.rollout_synced = True
 
@@ -224,7 +246,7 @@ class OnlineTrainer(Trainer):
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
-        """Greedy responses to the held-out prompts: task score, reward and length."""
+        """Greedy responses to the held-out prompts: reward, length, task score and `eval.metrics`."""
         params = SamplingParams(n=1, greedy=True, max_new_tokens=self.cfg.eval.max_new_tokens)
         engine = self.greedy_rollout()
 
@@ -233,10 +255,8 @@ class OnlineTrainer(Trainer):
             _, flat, responses = flatten_generations(batch, gens, self.tokenizer)
             total, _ = self.rewards.score(responses)
             n = len(batch)
-            out: Stats = {"eval/reward": (float(total.sum()), n),
-                          "eval/response_length": (float(sum(len(g.response_ids) for g in flat)), n)}
-            if self.task is not None:
-                out["eval/task_score"] = (sum(self.task.score(r.prompt, r.text) for r in responses), n)
-            return out
+            return merge_evaluation({"eval/reward": (float(total.sum()), n),
+                                     "eval/response_length": (float(sum(len(g.response_ids) for g in flat)), n)},
+                                    self.metrics.stats(responses))
 
         return self.eval_means(self.eval_prompts, stats) if self.eval_prompts else {}

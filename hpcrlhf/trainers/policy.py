@@ -74,11 +74,11 @@ def task_pairs(trainer: Trainer) -> list[PairSample]:
     from hpcrlhf.data.sources import rows_from_records
     from hpcrlhf.data.tasks import build_task
 
-    task, cfg = build_task(trainer.cfg.task), trainer.cfg
+    task, cfg = build_task(trainer.cfg.task, trainer.cfg.data), trainer.cfg
     if task is None:
         return []
     rows = rows_from_records(task.mixed_preference_rows("eval", cfg.task.eval_size, cfg.task.hard_pair_fraction,
                                                          cfg.task.near_miss),
-                             f"task:{cfg.task.name}[eval]")
+                             f"task:{task.name}[eval]")
     data = PairDataConfig(max_length=cfg.data.max_length, apply_chat_template=cfg.data.apply_chat_template)
     return tokenize_pairs(rows, trainer.tokenizer, data)[0]

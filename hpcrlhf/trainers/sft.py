@@ -19,7 +19,7 @@ from hpcrlhf.data.loading import load_rows
 from hpcrlhf.data.sources import Row, require_text
 from hpcrlhf.engines.distributed import all_reduce_sum
 from hpcrlhf.logs import get_logger
-from hpcrlhf.trainers.base import Trainer
+from hpcrlhf.trainers.base import Trainer, merge_evaluation
 from hpcrlhf.trainers.sequences import model_batch
 
 log = get_logger()
@@ -81,8 +81,11 @@ class SFTTrainer(Trainer):
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
         self.engine.eval()
-        return {**self.eval_means(self.data.eval_samples, self._eval_loss),
-                **self.generation_scores(self.task_prompts())}
+        return merge_evaluation(self.eval_means(self.data.eval_samples, self._eval_loss), self.answer_scores())
+
+    def answer_scores(self) -> dict[str, float]:
+        """Task score and `eval.metrics` of greedy answers to the held-out prompts."""
+        return self.generation_scores(self.score_prompts())
 
     def _eval_loss(self, samples: list[TokenizedSample]) -> dict[str, tuple[float, float]]:
         batch = model_batch(samples, self.pad_id, self.engine.device)

@@ -34,3 +34,40 @@ def test_every_kind_loads_and_documents_every_field(kind):
 def test_cross_field_errors(cls, overrides, needle):
     with pytest.raises(ConfigError, match=needle.replace(".", r"\.").replace("(", r"\(")):
         load_config(cls, overrides=overrides)
+
+
+def test_task_auto_applies_the_bundled_task_only_without_training_data():
+    """`task.name: auto` (the default): the arithmetic task supplies data and score when no
+    data.train_path is given, and nothing when one is; an explicit task.name is kept as written."""
+    from hpcrlhf.config.schema import GenerateConfig, PPOConfig
+
+    cfg = load_config(SFTConfig)
+    assert cfg.task.name == "auto" and cfg.task.resolve(cfg.data) == "arithmetic"
+    own = load_config(SFTConfig, overrides=["data.train_path=own.jsonl"])
+    assert own.task.name == "auto" and own.task.resolve(own.data) is None
+    explicit = load_config(SFTConfig, overrides=["data.train_path=own.jsonl", "task.name=arithmetic"])
+    assert explicit.task.resolve(explicit.data) == "arithmetic"
+    for cls, reward in ((PPOConfig, []), (GenerateConfig, ["reward={sources: [{rule: task_partial}]}"])):
+        with pytest.raises(ConfigError) as err:
+            load_config(cls, overrides=["data.train_path=own.jsonl", *reward])
+        message = str(err.value)
+        assert "reward.sources[0].rule: 'task" in message and "task.name is auto" in message, message
+        assert "data.train_path is set" in message and "module:function" in message, message
+
+
+@pytest.mark.parametrize("kind, overrides, needle", [
+    ("sft", ["eval.metrics=[task]"], "eval.metrics[0]: 'task' is invalid: use package.module:function"),
+    ("sft", ["eval.metrics=[a.b:score, c:score]"], "eval.metrics[1]: 'c:score' and 'a.b:score' would both be reported as "
+                                                   "eval/score; wrap one in a function of another name"),
+    ("ppo", ["data.train_path=own.jsonl", "reward.sources=[{rule: 'm:r'}]", "eval.metrics=[m:f]"],
+     "eval.metrics: ['m:f'] score answers to held-out prompts, but with data.train_path and no data.eval_path"),
+    ("sft", ["eval.metrics=[m:f]", "eval.score_prompts=0"], "eval.score_prompts is 0"),
+    ("rm", ["eval.metrics=[m:f]"], "a reward model generates none"),
+    ("generate", ["metrics=[m:f, n:f]"], "metrics[1]: 'n:f' and 'm:f' would both be reported"),
+])
+def test_metric_mistakes_fail_when_the_config_loads(kind, overrides, needle):
+    from hpcrlhf.config.schema import GenerateConfig
+
+    with pytest.raises(ConfigError) as err:
+        load_config(GenerateConfig if kind == "generate" else JOB_CONFIGS[kind], overrides=overrides)
+    assert needle in str(err.value), str(err.value)

@@ -510,6 +510,12 @@ def reached_problems(lines: list[bytes], names: dict[str, str], limit: int | Non
     return problems, rows > 0
 
 
+def own_data_sections(kind: str) -> dict[str, Any]:
+    """Config sections of a job on the user's data: no task, and for online jobs a reward of the
+    user's own (the default `task` rule needs the task; the rule is not imported by data loading)."""
+    return {"task": {"name": None}, **({"reward": {"sources": [{"rule": "own.rules:score"}]}} if kind in ("ppo", "rs") else {})}
+
+
 def load_kind(kind: str, cfg: Any, tokenizer: Any) -> None:
     """Load and tokenise `cfg`'s data as the `kind` trainer does, without a model."""
     if kind == "sft":
@@ -570,7 +576,7 @@ def test_malformed_rows_fail_with_file_line_and_field(tokenizer, data):
         for path, lines in files.items():
             bom = data.draw(st.sampled_from([b"", b"", b"\xef\xbb\xbf"]))
             path.write_bytes(bom + b"\n".join(lines) + data.draw(st.sampled_from([b"", b"\n"])))
-        cfg = load_config(KINDS[kind], data={"task": {"name": None}, "data": {
+        cfg = load_config(KINDS[kind], data={**own_data_sections(kind), "data": {
             **settings_, "train_path": str(Path(tmp) / "train.jsonl"), "max_samples": limit,
             "eval_path": str(Path(tmp) / "eval.jsonl") if evals is not None else None}})
         problems = {}
@@ -677,7 +683,8 @@ def test_huge_integers_are_shown_by_their_size(kind, recipe, expected):
     # Loaded, then failed in data loading naming no config field ("unknown task 'foo'", "n=-1 is invalid",
     # "ArithmeticTask.max_operand=0 is invalid"), or mid-training (ZeroDivisionError for log.every_steps=0
     # and eval.batch_size=0).
-    ("task.name=foo", "task.name: 'foo' is invalid: use a bundled task (arithmetic), or null to train on data.train_path"),
+    ("task.name=foo", "task.name: 'foo' is invalid: use auto (the default), a bundled task (arithmetic), or null to train "
+                      "on data.train_path"),
     ("task.max_operand=0", "task.max_operand: 0 is invalid: use at least 1, e.g. 99"),
     ("task.train_size=-1", "task.train_size: -1 is invalid: use at least 1 row"),
     ("task.eval_size=-1", "task.eval_size: -1 is invalid: use 0 (no held-out rows) or more"),
@@ -788,7 +795,7 @@ def test_task_too_small_for_its_splits_names_task_max_operand():
     from hpcrlhf.data.tasks import build_task
 
     cfg = load_config(KINDS["sft"], overrides=["task.max_operand=2"])  # was "ArithmeticTask with max_operand=2, ..."
-    message = _error(build_task, cfg.task)
+    message = _error(build_task, cfg.task, cfg.data)
     assert message.startswith("task.max_operand: 2 is too small for task 'arithmetic' with task.seed 0 (")
     assert message.endswith("); raise task.max_operand, e.g. to 99")
 
@@ -837,7 +844,7 @@ def test_json_python_cannot_parse_is_named_by_line(tmp_path):
 def _load(tmp_path: Path, kind: str, lines: list[bytes], tokenizer: Any, **data: Any) -> str:
     path = tmp_path / "data.jsonl"
     path.write_bytes(b"".join(lines))
-    cfg = load_config(KINDS[kind], data={"task": {"name": None}, "data": {"train_path": str(path), **data}})
+    cfg = load_config(KINDS[kind], data={**own_data_sections(kind), "data": {"train_path": str(path), **data}})
     return _error(load_kind, kind, cfg, tokenizer)
 
 

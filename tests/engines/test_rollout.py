@@ -365,3 +365,49 @@ def test_vllm_follows_load_weights(vllm_rollout, hf_model, tokenizer, rollout_pr
     finally:
         vllm_rollout.load_weights(base)  # the engine is shared by the module's tests
     assert tokens(vllm_rollout.generate(prompts, greedy)) == tokens(before)
+
+
+def test_vllm_seeded_batch_larger_than_the_token_budget(vllm_rollout, hf_model, tokenizer):
+    """Ordinary RL sizes: 32 prompts of 64-96 tokens x 8 samples = 256 sequences, ~2.5x the CPU
+    engine's per-step token budget (4096). With chunked prefill (vLLM's default) the prompt that
+    straddles the budget is split, and vLLM's rewind of its seeded generator killed the CPU
+    engine. Samples must also not depend on how the engine batched them: the same prompts in
+    small calls (each within the budget) draw the same tokens."""
+    g = torch.Generator().manual_seed(3)
+    vocab = tokenizer.vocab_size
+    prompts = [torch.randint(3, vocab, (int(n),), generator=g).tolist()
+               for n in torch.randint(64, 97, (32,), generator=g)]
+    assert sum(map(len, prompts)) * 8 > 4096
+    params = SamplingParams(n=8, max_new_tokens=12, seed=7)
+    gens = vllm_rollout.generate(prompts, params)
+    check_structure(gens, prompts, n=8, max_new_tokens=12, eos=tokenizer.eos_token_id)
+    assert max_logprob_error(hf_model, gens[:4]) < TOL
+    small = [s for i in range(0, len(prompts), 4)
+             for s in vllm_rollout.generate(prompts[i : i + 4], replace(params, first_index=i))]
+    assert tokens(small) == tokens(gens)
+
+
+@pytest.mark.parametrize("on_cpu, kwargs, expected", [
+    (True, {}, {"enable_chunked_prefill": False}),
+    (False, {}, {"enable_chunked_prefill": True}),
+    (False, {"chunked_prefill": False, "max_num_batched_tokens": 300}, {"enable_chunked_prefill": False,
+                                                                         "max_num_batched_tokens": 300}),
+    (True, {"max_num_seqs": 64, "max_num_batched_tokens": 2048}, {"enable_chunked_prefill": False, "max_num_seqs": 64,
+                                                                   "max_num_batched_tokens": 2048}),
+])
+def test_vllm_batching_arguments(on_cpu, kwargs, expected):
+    from hpcrlhf.engines.rollout import vllm_batching
+
+    assert vllm_batching(on_cpu=on_cpu, max_model_len=256, **kwargs) == expected
+
+
+@pytest.mark.parametrize("on_cpu, kwargs, field", [
+    (True, {"chunked_prefill": True}, "rollout.vllm_chunked_prefill"),
+    (False, {"chunked_prefill": False, "max_num_batched_tokens": 255}, "rollout.vllm_max_num_batched_tokens"),
+])
+def test_vllm_batching_refuses_what_cannot_work(on_cpu, kwargs, field):
+    from hpcrlhf.engines.rollout import vllm_batching
+    from hpcrlhf.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=field):
+        vllm_batching(on_cpu=on_cpu, max_model_len=256, **kwargs)

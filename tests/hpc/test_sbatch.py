@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 import pickle
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -143,3 +145,150 @@ def test_ray_ports_differ_between_nodes_and_neighbouring_jobs():
     ranges = sorted((b, b + 119) for b in {job_ports(41).gcs, job_ports(41, 1).gcs})
     assert ranges[0][1] < ranges[1][0] and len(set(blocks)) == 3  # job 41 node 1 == job 42 node 0
     assert all(20000 <= job_ports(j, 15).max_worker < LOCAL_PORT_BASE for j in range(PORT_SLOTS))
+
+
+# ---------------------------------------------------------------- what goes into the script
+def sbatch_arguments(line: str) -> list[str]:
+    """The arguments sbatch reads from one `#SBATCH` line, as Slurm's `_get_argument` (src/sbatch/opt.c)
+    does: whitespace splits; single or double quotes group (and concatenate); a backslash escapes
+    the next character, also inside quotes; an unquoted `#` ends the line."""
+    args, i, text = [], 0, line.removeprefix("#SBATCH")
+    while i < len(text):
+        while i < len(text) and text[i].isspace():
+            i += 1
+        arg, quote, escape, started = "", "", False, i < len(text) and text[i] != "#"
+        while i < len(text) and (quote or not text[i].isspace()):
+            c = text[i]
+            i += 1
+            if escape:
+                escape = False
+            elif c == "\\":
+                escape = True
+                continue
+            elif quote:
+                if c == quote:
+                    quote = ""
+                    continue
+            elif c in "\"'":
+                quote = c
+                continue
+            elif c == "#":
+                i = len(text)
+                break
+            arg += c
+        assert not quote, f"sbatch: unmatched {quote} in {line!r}"
+        if started and arg:
+            args.append(arg)
+    return args
+
+
+INJECTED = "x\n#SBATCH --wrap=touch /tmp/pwned"
+
+
+@pytest.mark.parametrize("field, value, named, fix", [
+    ("job_name", INJECTED, "--job-name", "letters, digits, _ . + -"),
+    ("partition", "gpu\necho pwned", "--partition", "names, comma-separated"),
+    ("account", "my account", "--account", "no spaces"),
+    ("qos", "high;rm -rf ~", "--qos", "letters, digits"),
+    ("job_name", "ppo-hetjob-1", "--job-name", "heterogeneous job component"),
+    ("run_dir", "/shared/runs/100%", "--output-dir", "file-name pattern (%j)"),
+    ("run_dir", "/shared/runs/a\\b", "--output-dir", "as an escape"),
+    ("run_dir", "/shared/runs/a\nb", "--output-dir", "control characters"),
+    ("run_dir", "/shared/PackJob", "--output-dir", "heterogeneous job component"),
+    ("cache_dir", "cache", "--cache-dir", "absolute path"),
+    ("time", "400-00:00:00", "--time", "from 1 minute to 365 days"),
+    ("time", "0", "--time", "from 1 minute"),
+    ("time", "24:00:00\n#SBATCH --x", "--time", "Slurm's format"),
+    ("nodes", 10**8, "--nodes", "use 1 to 100,000"),
+    ("gpus_per_node", 1000, "--gpus-per-node", "use 1 to 64"),
+])
+def test_options_slurm_cannot_take_are_refused_naming_option_value_and_fix(field, value, named, fix):
+    args = {"nodes": 1, "gpus_per_node": 8, "run_dir": "/shared/runs/x", field: value}
+    with pytest.raises(ConfigError) as info:
+        SlurmOptions(**args)
+    assert str(info.value).startswith(f"{named}: {value!r} is invalid: ") and fix in str(info.value)
+
+
+@pytest.mark.parametrize("field, value", [("run_dir", "/shared/runs/a:b"), ("cache_dir", "/shared/c,d"),
+                                          ("binds", ("/data/x,y",))])
+def test_container_binds_refuse_what_apptainer_would_split(field, value):
+    args = {"nodes": 1, "gpus_per_node": 1, "run_dir": "/shared/runs/x", "container": "/i.sif", field: value}
+    with pytest.raises(ConfigError, match="splits"):
+        SlurmOptions(**args)
+
+
+@pytest.mark.parametrize("command", ["sbatch", "submit"])
+def test_a_value_that_would_add_script_lines_fails_before_anything_is_written_or_queued(command, tmp_path, capsys):
+    script, run = tmp_path / "job.sbatch", tmp_path / "run"
+    extra = ["--script", str(script)] if command == "sbatch" else ["--no-follow"]
+    status = main([command, "--kind", "sft", "--launcher", "mpi", "-o", str(run), "--job-name", INJECTED, *extra])
+    err = capsys.readouterr().err
+    assert status == 2 and not script.exists() and not run.exists(), err
+    assert f"hpcrlhf: error: --job-name: {INJECTED!r} is invalid: use a Slurm job name" in err
+
+
+def test_paths_are_quoted_in_sbatch_lines_and_shell_lines(tmp_path):
+    """An --output-dir with spaces, quotes and `$(...)`: sbatch reads the whole path from its #SBATCH line,
+    and bash runs the script's lines with the same paths, nothing expanded."""
+    odd = "/shared/my runs/it's \"$(touch pwned)\" #1"
+    job = cluster_job("sft", None, [], odd, nodes=1, python="/opt/my py/bin/python", cache_dir=odd + "/cache")
+    text = render_sbatch(job.argv, job.options)
+    header = [sbatch_arguments(line) for line in text.splitlines() if line.startswith("#SBATCH")]
+    assert all(len(args) == 1 for args in header)
+    assert ["--output=" + odd + "/slurm-%j.out"] in header
+    subprocess.run(["bash", "-n"], input=text, text=True, check=True)  # the whole script parses
+    env_lines = "\n".join(line for line in text.splitlines() if line.startswith("export HF_HOME="))
+    shown = subprocess.run(["bash", "-c", f"unset HF_HOME; {env_lines}; printf %s \"$HF_HOME\""], cwd=tmp_path,
+                           capture_output=True, text=True, check=True).stdout
+    assert shown == odd + "/cache/huggingface" and not (tmp_path / "pwned").exists()
+    assert "'/opt/my py/bin/python' -m hpcrlhf.hpc.allocation mpi train sft" in text
+
+
+def test_a_newline_in_a_job_argument_cannot_end_the_comment_that_shows_it():
+    job = cluster_job("sft", None, [], "/shared/runs/x", nodes=1, python="python")
+    text = render_sbatch(job.argv[:-2] + ["--set", "model.path=/m\ntouch /tmp/pwned"] + job.argv[-2:], job.options)
+    comment = next(line for line in text.splitlines() if line.startswith("# Written by"))
+    assert "model.path=/m\\ntouch /tmp/pwned" in comment
+    assert text.splitlines()[2].startswith("#SBATCH")  # the header still follows the comment
+
+
+def test_a_relative_cache_dir_is_written_absolute(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    job = cluster_job("sft", None, [], "/shared/runs/x", nodes=1, python="python", cache_dir="cache")
+    assert job.options.cache_dir == str(tmp_path / "cache")
+
+
+# ---------------------------------------------------------------- rules in the recipe: code, checked before queueing
+def rules_module(tmp_path, monkeypatch, body: str | None) -> str:
+    """A `--set` naming `my_rules:score` as the second reward source, `my_rules` holding `body` (None:
+    there is no such module)."""
+    monkeypatch.delitem(sys.modules, "my_rules", raising=False)
+    if body is not None:
+        (tmp_path / "my_rules.py").write_text(body)
+        monkeypatch.syspath_prepend(str(tmp_path))
+    return "reward.sources=[{rule: task}, {rule: 'my_rules:score', weight: 0.5}]"
+
+
+@pytest.mark.parametrize("command", ["sbatch", "submit"])
+@pytest.mark.parametrize("body, why", [
+    (None, "No module named 'my_rules'"),
+    ("raise RuntimeError('this module needs a GPU')\n", "RuntimeError: this module needs a GPU"),
+    ("def other(prompt, response, row):\n    return 1.0\n", "'score'"),
+])
+def test_a_rule_that_cannot_be_imported_fails_before_anything_is_written_or_queued(command, body, why, tmp_path,
+                                                                                   monkeypatch, capsys):
+    rule = rules_module(tmp_path, monkeypatch, body)
+    script, run = tmp_path / "job.sbatch", tmp_path / "run"
+    extra = ["--script", str(script)] if command == "sbatch" else ["--no-follow"]
+    status = main([command, "--kind", "ppo", "--set", rule, "-o", str(run), *extra])
+    err = capsys.readouterr().err
+    assert status == 2 and not script.exists() and not run.exists(), err
+    assert "hpcrlhf: error: reward.sources[1].rule: rule 'my_rules:score' cannot be imported" in err and why in err
+
+
+def test_importable_rules_pass_and_a_container_job_notes_where_they_are_checked(tmp_path, monkeypatch):
+    rule = rules_module(tmp_path, monkeypatch, "def score(prompt, response, row):\n    return 1.0\n")
+    assert cluster_job("ppo", None, [rule], "/shared/runs/x", python=None).notes == ()
+    job = cluster_job("ppo", None, [rule], "/shared/runs/x", **CONTAINER)
+    assert any("reward.sources[1].rule 'my_rules:score' not imported here: the job runs them in the image's python"
+               in note for note in job.notes)

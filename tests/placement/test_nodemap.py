@@ -47,7 +47,7 @@ def test_multi_node_roles_rank_node_major_and_tp_groups_stay_on_one_node():
     # the critic+reward unit skipped the half-full nodes 0 and 1; engines fill their free halves
     assert m.engines == (tuple(D(0, g) for g in range(4, 8)), tuple(D(1, g) for g in range(4, 8)))
     assert [o.label for o in m.devices[D(1, 5)]] == ["vllm1 tp1/4"]
-    assert all(not m.devices[D(3, g)] for g in range(8))  # node 3 idle
+    assert D(3, 0) not in m.devices and m.idle_nodes == 1  # node 3 idle: counted, not listed
     with pytest.raises(ValueError, match="unknown role 'policy'"):
         m.role_ranks("policy")
 
@@ -81,7 +81,7 @@ def test_json_has_plain_types_and_round_trips():
 def test_cli_allocation_overrides_the_recipe_and_the_config_is_not_changed():
     cfg_shape = plan("ppo-7b", "placement.allow_idle_gpus=true", nodes=3, gpus=8)
     assert (cfg_shape.nodes, cfg_shape.gpus_per_node) == (3, 8)
-    assert not any(cfg_shape.devices[D(2, g)] for g in range(8))
+    assert D(2, 0) not in cfg_shape.devices and cfg_shape.idle_nodes == 1  # node 2 idle
 
 
 # ---------------------------------------------------------------- rejections

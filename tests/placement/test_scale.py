@@ -1,0 +1,49 @@
+"""Planning costs what the nodes used cost, not the allocation's size: idle nodes are counted, never
+enumerated, and counts past any real cluster are refused with the limit."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from hpcrlhf.cli import main
+from hpcrlhf.placement.layout import MAX_GPUS_PER_NODE, MAX_NODES
+
+from .helpers import find, plan, problems
+
+pytestmark = pytest.mark.timeout(60)  # before the fix these took minutes (or tens of GB) to plan
+
+
+def test_a_large_allocation_lists_only_the_nodes_the_map_uses():
+    m = plan("ppo-7b", "placement.allow_idle_gpus=true", nodes=MAX_NODES, gpus=8)
+    assert len(m.devices) == 2 * 8 and m.idle_nodes == MAX_NODES - 2
+    text = m.render()
+    assert "\nnode 1\n" in text and "\nnodes 2-99999: idle (8 GPUs each)\n" in text and len(text.splitlines()) < 40
+    assert json.loads(m.to_json())["idle_nodes"] == MAX_NODES - 2
+
+
+def test_idle_nodes_are_named_as_one_range_with_the_fix():
+    found = problems("ppo-7b", nodes=2000, gpus=8)
+    find(found, "placement = 2000 nodes x 8 GPUs", "15,984 of 16,000 GPUs would idle (nodes 2-1999 gpus 0-7)",
+         "ask for 2 nodes (--nodes 2)", "placement.vllm.engines=1024")
+
+
+def test_idle_gpus_on_used_nodes_and_whole_idle_nodes_are_both_named():
+    found = problems("ppo-7b", "placement.vllm.engines=2", nodes=4, gpus=8)
+    find(found, "placement = 4 nodes x 8 GPUs", "18 of 32 GPUs would idle (node 1 gpus 6-7, nodes 2-3 gpus 0-7)")
+
+
+@pytest.mark.parametrize("option, value, limit", [("--nodes", 100_000_000, f"{MAX_NODES:,}"),
+                                                  ("--gpus-per-node", 1000, f"{MAX_GPUS_PER_NODE}")])
+def test_counts_past_any_cluster_are_refused_with_the_limit(option, value, limit, capsys):
+    assert main(["plan", "ppo-7b", option, str(value)]) == 2
+    err = capsys.readouterr().err
+    key = "placement.nodes" if option == "--nodes" else "placement.gpus_per_node"
+    assert f"{key} = {value}: more " in err and f"(at most {limit})" in err and f"fix: use at most {limit}" in err
+
+
+def test_an_absurd_engine_count_is_a_problem_not_a_long_search():
+    found = problems("ppo-7b", "placement.vllm.engines=1000000000")
+    find(found, "placement.vllm.engines = 1000000000", "do not split evenly over 1000000000 engines",
+         "use 1, 2, 4, 8, 16, 32, 64, 128, 256, 512 or 1024 engines")
