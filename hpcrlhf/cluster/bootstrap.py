@@ -9,8 +9,11 @@ sharing a Slurm node) would otherwise collide on Ray's defaults.
 from __future__ import annotations
 
 import json
+import os
+import stat
 import time
 from dataclasses import dataclass, fields
+from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 from hpcrlhf.errors import HpcrlhfError
@@ -57,6 +60,24 @@ HEALTH_CHECKS = {"health_check_period_ms": 2000, "health_check_timeout_ms": 6000
 node whose raylet stops answering is declared dead after 5 failed checks, 10-30 s, and the
 actors on it fail, so the driver ends the run (hpcrlhf.cluster.worker_group.gather) instead of
 waiting on them. Not lower: a node busy loading a 70B checkpoint must not be declared dead."""
+
+
+def private_temp_dir(parent: Path) -> str:
+    """Ray's temp folder for a node, inside `parent` made private to this user (0700).
+
+    Ray makes its temp folder (sockets, logs, session files) world-writable (0777: "so others can
+    use it"), so in /tmp any user could replace a node's sockets or files. Inside a 0700 parent
+    nobody else can reach it. `parent` is created if needed; an existing one must be this user's
+    and not a symlink (a predictable name in /tmp could have been planted by someone else)."""
+    try:
+        parent.mkdir(mode=0o700, parents=True)
+    except FileExistsError:
+        info = parent.lstat()
+        if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
+            raise HpcrlhfError(f"{parent} exists and is not a folder of this user (uid {os.getuid()}); Ray's temp "
+                               "folder for this node would be in it: remove it, or ask who made it") from None
+    os.chmod(parent, 0o700)
+    return str(parent / "ray")
 
 
 def ray_start_args(*, node_ip: str, ports: RayPorts, head_address: Optional[str], num_cpus: int, num_gpus: int,

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Optional
 
-from hpcrlhf.cluster.bootstrap import PORTS_PER_NODE, RayPorts, ray_start_args, wait_for_nodes
+from hpcrlhf.cluster.bootstrap import PORTS_PER_NODE, RayPorts, private_temp_dir, ray_start_args, wait_for_nodes
 from hpcrlhf.errors import HpcrlhfError
 
 
@@ -200,12 +200,12 @@ def start_local_cluster(num_nodes: int, gpus_per_node: int, *, cpus_per_node: in
     only while connected; the caller's RAY_AUTH_* are restored after it, since Ray's are process-wide
     and a later driver of this process may be for another cluster. No other Ray driver may be
     connected in this process meanwhile (Ray allows one per process)."""
-    root.mkdir(parents=True, exist_ok=True)
+    temp_dir = private_temp_dir(root)  # root made private (0700): Ray's own folder in it is world-writable
     ips = [f"127.0.0.{2 + i}" for i in range(num_nodes)]
     base = free_port_block(PORTS_PER_NODE * num_nodes, start=LOCAL_PORT_BASE)  # Slurm jobs' blocks lie below
     ports = [RayPorts.from_base(base + i * PORTS_PER_NODE) for i in range(num_nodes)]
     address = f"{ips[0]}:{ports[0].gcs}"
-    cluster = LocalRayCluster(address=address, node_ips=ips, temp_dir=root, auth_token_path=auth_token_path)
+    cluster = LocalRayCluster(address=address, node_ips=ips, temp_dir=Path(temp_dir), auth_token_path=auth_token_path)
     if auth_token_path is not None:
         write_auth_token(auth_token_path)
     auth = cluster.client_env()
@@ -214,7 +214,7 @@ def start_local_cluster(num_nodes: int, gpus_per_node: int, *, cpus_per_node: in
         for i, (ip, p) in enumerate(zip(ips, ports)):
             args = ray_start_args(node_ip=ip, ports=p, head_address=None if i == 0 else address,
                                   num_cpus=cpus_per_node, num_gpus=gpus_per_node,
-                                  temp_dir=str(root) if i == 0 else None)
+                                  temp_dir=temp_dir if i == 0 else None)
             args[0] = ray_executable()
             log = open(root / f"ray_start_{i}.log", "w")
             proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env={**env, **p.env()},

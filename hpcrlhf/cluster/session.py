@@ -1,5 +1,12 @@
 """The Ray cluster a job runs on: the one at RAY_ADDRESS (a Slurm job's, a user's), else a local
-one started for the job and stopped after it."""
+one started for the job and stopped after it.
+
+The local cluster is token-authenticated, like a Slurm job's (RAY_AUTH_MODE=token): Ray 2.60's
+GCS, raylets, agents and workers listen on every interface of the host whatever node address they
+are given (measured: `::` for --node-ip-address 127.0.0.2, and 127.0.0.1 is rewritten to the
+host's external address), so without a token anyone who can reach the host could list the GCS and
+run code as the user. The token is a fresh random file (0600) in the cluster's own folder (0700),
+given only to the nodes and to this driver, and deleted when the cluster stops (its logs stay)."""
 
 from __future__ import annotations
 
@@ -32,14 +39,19 @@ def ray_session(nodes: int, gpus_per_node: int) -> Iterator[Optional[list[str]]]
             ray.shutdown()
         return
 
-    from hpcrlhf.cluster.local import start_local_cluster
+    from hpcrlhf.cluster.local import ray_auth_environ, start_local_cluster
 
-    root = Path(tempfile.mkdtemp(prefix="ray", dir="/tmp"))  # short: Ray's socket paths are limited
-    log.info(f"no RAY_ADDRESS: starting a local Ray cluster of {nodes} node(s) x {gpus_per_node} GPU(s) "
-             f"(logs in {root})")
-    with start_local_cluster(nodes, gpus_per_node, cpus_per_node=os.cpu_count() or 1, root=root) as cluster:
-        ray.init(address=cluster.address, log_to_driver=False)
-        try:
-            yield cluster.node_ips
-        finally:
-            ray.shutdown()
+    root = Path(tempfile.mkdtemp(prefix="ray", dir="/tmp"))  # short: Ray's socket paths are limited; 0700
+    log.info(f"no RAY_ADDRESS: starting a local Ray cluster of {nodes} node(s) x {gpus_per_node} GPU(s), "
+             f"token-authenticated (logs in {root})")
+    try:
+        with start_local_cluster(nodes, gpus_per_node, cpus_per_node=os.cpu_count() or 1, root=root,
+                                 auth_token_path=root / "auth_token") as cluster:
+            with ray_auth_environ(cluster.client_env()):
+                ray.init(address=cluster.address, log_to_driver=False)
+                try:
+                    yield cluster.node_ips
+                finally:
+                    ray.shutdown()
+    finally:
+        (root / "auth_token").unlink(missing_ok=True)

@@ -20,9 +20,10 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Optional, Sequence
 
-from hpcrlhf.cluster.bootstrap import PORTS_PER_NODE, RayPorts, ray_start_args, wait_for_nodes
+from hpcrlhf.cluster.bootstrap import PORTS_PER_NODE, RayPorts, private_temp_dir, ray_start_args, wait_for_nodes
 from hpcrlhf.errors import HpcrlhfError
 from hpcrlhf.hpc.allocation import Allocation, check_fits, node_addresses
 
@@ -88,7 +89,8 @@ def start_node(alloc: Allocation, node_index: int) -> subprocess.Popen:
     if head is not None:
         wait_for_head(head)
     args = ray_start_args(node_ip=node_ip, ports=ports, head_address=head, num_cpus=alloc.cpus_per_node,
-                          num_gpus=alloc.gpus_per_node, temp_dir=f"/tmp/ray-{alloc.job_id}-{node_index}", block=True)
+                          num_gpus=alloc.gpus_per_node, block=True,
+                          temp_dir=private_temp_dir(Path(f"/tmp/hpcrlhf-{alloc.job_id}-{node_index}")))
     args[0] = ray_executable()
     print(f"hpcrlhf: Ray {'head' if head is None else 'worker'} on {socket.gethostname()} ({node_ip}), "
           f"ports {ports.gcs}-{ports.max_worker}", flush=True)

@@ -16,11 +16,13 @@ import multiprocessing
 import os
 import re
 import shutil
+import signal
 import socket
 import stat
 import subprocess
 import sys
 import tempfile
+import textwrap
 import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
@@ -93,10 +95,11 @@ class Client:
         return self.proc.returncode, out
 
 
-def client(started: Started, address: str, **auth: str) -> Client:
-    """Start a client of `address` with no RAY_* settings but `auth`, as another user's would be."""
+def client(home: Path, address: str, **auth: str) -> Client:
+    """Start a client of `address` with no RAY_* settings but `auth` and an empty `home`, as another
+    user's would be."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
-    env.update(HOME=str(started.home), RAY_USAGE_STATS_ENABLED="0", **auth)
+    env.update(HOME=str(home), RAY_USAGE_STATS_ENABLED="0", **auth)
     proc = subprocess.Popen([sys.executable, "-c", CLIENT, address], env=env, stdin=subprocess.DEVNULL,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     return Client(proc, time.monotonic() + CLIENT_TIMEOUT_S)
@@ -115,9 +118,9 @@ def refused(secure):
     wrong = secure.home.parent / "wrong-token"
     write_auth_token(wrong)
     address = secure.cluster.address
-    return {"no token": client(secure, address),
-            "no token, Ray Client": client(secure, ray_client_address(secure.cluster)),
-            "wrong token": client(secure, address, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(wrong))}
+    return {"no token": client(secure.home, address),
+            "no token, Ray Client": client(secure.home, ray_client_address(secure.cluster)),
+            "wrong token": client(secure.home, address, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(wrong))}
 
 
 def assert_refused(c: Client) -> None:
@@ -144,7 +147,7 @@ def test_a_client_with_a_wrong_token_cannot_attach(refused):
 
 
 def test_a_client_given_the_token_attaches_and_runs_a_task(secure):
-    status, out = client(secure, secure.cluster.address, **secure.cluster.client_env()).finish()
+    status, out = client(secure.home, secure.cluster.address, **secure.cluster.client_env()).finish()
     assert status == 0 and "answer 42" in out, out[-3000:]
 
 
@@ -236,3 +239,49 @@ def test_every_port_open_to_other_hosts_is_in_the_jobs_own_block(secure):
     assert not outside, f"listening outside the job's ports {block.start}-{block.stop - 1}: {outside}"
     metrics = RayPorts.from_base(base)
     assert {metrics.autoscaler_metrics, metrics.dashboard_metrics} <= {port for _, port in ports}
+
+
+SESSION = textwrap.dedent("""
+    import os, sys
+    from hpcrlhf.cluster.session import ray_session
+
+    with ray_session(1, 0) as ips:
+        import ray
+        print("SESSION", ray.get_runtime_context().gcs_address, os.environ.get("RAY_AUTH_TOKEN_PATH"), flush=True)
+        sys.stdin.readline()
+    print("ENDED", flush=True)
+""")
+
+
+def test_a_jobs_own_local_cluster_admits_only_its_driver(tmp_path):
+    """`hpcrlhf train ppo` without RAY_ADDRESS starts its own cluster (`ray_session`): token-
+    authenticated like a Slurm job's, Ray's world-writable temp folder inside a folder only the
+    user can enter, and the token gone when the run ends. (Ray 2.60's servers listen on every
+    interface whatever node address they get, see hpcrlhf.cluster.session: the token is what
+    keeps others out, not the binding.)"""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    proc = subprocess.Popen([sys.executable, "-c", SESSION], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        lines = []
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("SESSION "):
+                break
+        assert lines and lines[-1].startswith("SESSION "), "".join(lines)[-3000:]
+        address, token_path = lines[-1].split()[1:]
+        token = Path(token_path)
+        root = token.parent
+        assert stat.S_IMODE(token.stat().st_mode) == 0o600 and stat.S_IMODE(root.stat().st_mode) == 0o700
+        assert [p for p in root.iterdir() if p.is_dir() and stat.S_IMODE(p.stat().st_mode) == 0o777], \
+            "Ray's own temp folder (made 0777 by Ray) should sit inside the private folder"
+        assert_refused(client(tmp_path, address))
+        proc.stdin.write("\n")
+        proc.stdin.flush()
+        rest = proc.communicate(timeout=120)[0]
+        assert proc.returncode == 0 and "ENDED" in rest, rest[-3000:]
+        assert not token.exists(), "the token outlived its cluster"
+        assert stat.S_IMODE(root.stat().st_mode) == 0o700
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
