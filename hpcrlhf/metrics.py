@@ -2,14 +2,23 @@
 
 Keys are stable and namespaced (`train/loss`, `eval/task_score`, `timing/step`) so that runs,
 plots and benchmarks can be compared. Only rank 0 writes.
+
+A line is appended whole or not at all: when a write fails (a full disk), the file is cut back to
+its previous end, so a rerun never meets half a line. `read_metrics` also drops a torn last line
+(a crash or power loss mid-write) with a warning, and names the line of any other bad one.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 from typing import Any
+
+from hpcrlhf.diskspace import out_of_space_is_an_error
+from hpcrlhf.errors import DataError
+from hpcrlhf.logs import get_logger
 
 
 class MetricsWriter:
@@ -26,13 +35,14 @@ class MetricsWriter:
         if not self.enabled:
             return
         record = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
-        with self.path.open("a") as f:
-            f.write(json.dumps(record) + "\n")
+        with out_of_space_is_an_error(self.path.parent, self.path.name, resume_hint=RESUME_HINT):
+            append_line(self.path, json.dumps(record) + "\n")
         if self._tb is not None:
-            for key, value in record.items():
-                if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
-                    self._tb.add_scalar(key, value, step)
-            self._tb.flush()
+            with out_of_space_is_an_error(self.path.parent, "tensorboard/", resume_hint=RESUME_HINT):
+                for key, value in record.items():
+                    if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
+                        self._tb.add_scalar(key, value, step)
+                self._tb.flush()
 
     def close(self) -> None:
         if self._tb is not None:
@@ -47,8 +57,46 @@ def _plain(value: Any) -> Any:
     return value
 
 
+RESUME_HINT = ": it resumes from its last intact checkpoint"
+
+
+def append_line(path: Path, line: str) -> None:
+    """Append `line` to `path` whole, or leave the file as it was and raise."""
+    data = line.encode()
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        end = os.fstat(fd).st_size
+        try:
+            written = 0
+            while written < len(data):
+                written += os.write(fd, data[written:])
+        except OSError:
+            os.ftruncate(fd, end)  # no torn line left behind
+            raise
+    finally:
+        os.close(fd)
+
+
 def read_metrics(run_dir: Path | str) -> list[dict[str, Any]]:
+    """Every record of a run's metrics.jsonl, in order. A torn last line (no newline, not JSON: a
+    crash mid-write) is left out with a warning; any other bad line is a DataError naming it."""
     path = Path(run_dir) / "metrics.jsonl"
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    text = path.read_text(errors="replace")
+    lines = text.splitlines()
+    records = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError as e:
+            if number == len(lines) and not text.endswith("\n"):
+                get_logger().warning(f"{path}:{number}: the last line is incomplete (a write cut short); ignoring it")
+                break
+            raise DataError(f"{path}:{number}: not a JSON line ({e}); fix or delete that line") from None
+        if not isinstance(record, dict) or "step" not in record:
+            raise DataError(f"{path}:{number}: not a metrics record (a JSON object with a step); fix or delete that line")
+        records.append(record)
+    return records

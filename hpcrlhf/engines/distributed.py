@@ -12,6 +12,8 @@ import socket
 from dataclasses import dataclass
 from datetime import timedelta
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 
@@ -79,6 +81,16 @@ def all_reduce_tensor(t: torch.Tensor) -> torch.Tensor:
     out = t.to(device).clone()
     dist.all_reduce(out)
     return out.to(t.device)
+
+
+def broadcast_object(obj: Any) -> Any:
+    """Rank 0's `obj` (picklable) on every rank; `obj` itself without a process group."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return obj
+    box = [obj]
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
+    dist.broadcast_object_list(box, src=0, device=device)
+    return box[0]
 
 
 def barrier() -> None:

@@ -13,7 +13,12 @@ def _runner(kind: str):
     module, name = _RUNNERS[kind]
 
     def run(cfg):
-        return getattr(import_module(f"hpcrlhf.trainers.{module}"), name)(cfg)
+        from hpcrlhf.trainers.run_lock import release_all
+
+        try:
+            return getattr(import_module(f"hpcrlhf.trainers.{module}"), name)(cfg)
+        finally:
+            release_all()  # the run folder is free again, whatever ended the job
 
     return run
 

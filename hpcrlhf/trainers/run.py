@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import sys
 import time
@@ -16,13 +17,17 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
+import yaml
+
 from hpcrlhf.checkpoint import CheckpointDir
-from hpcrlhf.config.loader import to_yaml
-from hpcrlhf.engines.distributed import DistEnv, all_reduce_sum, barrier
-from hpcrlhf.errors import ConfigError
+from hpcrlhf.config.loader import to_dict, to_yaml
+from hpcrlhf.diskspace import DiskFull, folder_bytes, out_of_space_is_an_error
+from hpcrlhf.engines.distributed import DistEnv, all_reduce_sum, barrier, broadcast_object
+from hpcrlhf.errors import ConfigError, HpcrlhfError
 from hpcrlhf.logs import Progress, get_logger
 from hpcrlhf.metrics import MetricsWriter, read_metrics
 from hpcrlhf.signals import StopFlag
+from hpcrlhf.trainers.run_lock import RunLock
 
 log = get_logger()
 
@@ -40,23 +45,127 @@ def environment_record(env: DistEnv) -> dict[str, Any]:
             "slurm_restart_count": int(os.environ.get("SLURM_RESTART_COUNT", 0))}
 
 
+SAFE_CHANGES = ("train.max_steps", "train.on_nonfinite", "train.max_consecutive_skips", "eval.every_steps",
+                "eval.stop_when", "eval.batch_size", "log.", "checkpoint.every_steps", "checkpoint.keep_last",
+                "checkpoint.verify", "checkpoint.save_model", "placement.vllm.max_restarts", "rollout.vllm_kv_cache_gb",
+                "rollout.vllm_enforce_eager", "rollout.vllm_max_num_seqs", "rollout.vllm_max_num_batched_tokens")
+"""Settings a rerun may change on a run that has checkpoints (a prefix ends with a dot): how long it
+trains (a new `train.max_steps` stretches the rest of the learning-rate schedule to the new end),
+how often it evaluates, logs and checkpoints, and engine limits that change neither what is
+trained nor what is sampled. Any other change would resume one run with another's settings."""
+IGNORED_CHANGES = ("output_dir", "checkpoint.resume")
+"""Settings of the attempt, not of the run: where the folder is named from, and whether to resume."""
+
+
+def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(tree, dict):
+        return {k: v for key, value in tree.items() for k, v in _flatten(value, f"{prefix}{key}.").items()}
+    return {prefix[:-1]: tree}
+
+
+def config_changes(before: dict[str, Any], after: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
+    """Dotted key -> (folder's value, new value) for every setting that differs (pure)."""
+    old, new = _flatten(before), _flatten(after)
+    return {k: (old.get(k), new.get(k)) for k in sorted(set(old) | set(new))
+            if old.get(k) != new.get(k) and not k.startswith(IGNORED_CHANGES)}
+
+
+def is_safe_change(key: str) -> bool:
+    return any(key == s or (s.endswith(".") and key.startswith(s)) for s in SAFE_CHANGES)
+
+
+def _show(changes: dict[str, tuple[Any, Any]]) -> str:
+    return "; ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in changes.items())
+
+
 class Run:
+    """A run folder owned by this job. The main rank checks and prepares it before anything is
+    written there (every rank then agrees on the outcome): the folder is a writable folder, no
+    other job owns it (`run_lock`), the checkpoint to resume from, a rerun's config against the
+    folder's (`SAFE_CHANGES`), a metrics history without checkpoints set aside; only then are
+    config.yaml and this attempt's line of environment.jsonl written."""
+
     def __init__(self, cfg, env: DistEnv):
         self.cfg, self.env = cfg, env
         self.dir = Path(cfg.output_dir)
         self.checkpoints = CheckpointDir(self.dir / "checkpoints", keep_last=cfg.checkpoint.keep_last,
                                          sha256=cfg.checkpoint.verify == "sha256")
+        self.lock: RunLock | None = None
+        outcome: tuple[HpcrlhfError | None, str | None] = (None, None)
         if env.is_main:
-            self.dir.mkdir(parents=True, exist_ok=True)
-            (self.dir / "config.yaml").write_text(to_yaml(cfg))
-            with open(self.dir / "environment.jsonl", "a") as f:  # one line per start: requeues add lines
-                f.write(json.dumps(environment_record(env)) + "\n")
-        barrier()
-        self.resume_from = self._checkpoint_to_resume()
+            try:
+                outcome = (None, self._prepare())
+            except HpcrlhfError as e:
+                outcome = (e, None)
+                if self.lock is not None:
+                    self.lock.release()
+        error, resume_from = broadcast_object(outcome)  # every rank fails alike, none waits for the others
+        if error is not None:
+            raise error
+        self.resume_from = Path(resume_from) if resume_from else None
         self.metrics = MetricsWriter(self.dir, enabled=env.is_main, tensorboard=cfg.log.tensorboard)
         self.stop = StopFlag().install()
         self.timings: dict[str, float] = {}
         self.progress: Progress | None = None
+
+    def _prepare(self) -> str | None:
+        """Main rank: everything `Run` checks before writing; returns the checkpoint to resume from."""
+        if self.dir.exists() and not self.dir.is_dir():
+            raise ConfigError(f"--output-dir {self.dir} is a file, not a folder: name a new or existing run folder")
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+        except PermissionError:
+            raise ConfigError(f"--output-dir {self.dir}: cannot create it (permission denied); use a folder you can "
+                              "write") from None
+        self.lock = RunLock(self.dir).acquire()
+        resume_from = self._checkpoint_to_resume()
+        changes = self._check_config(resume_from)
+        if resume_from is None:
+            self._set_history_aside()
+        with out_of_space_is_an_error(self.dir, "config.yaml"):
+            (self.dir / "config.yaml").write_text(to_yaml(self.cfg))
+            with open(self.dir / "environment.jsonl", "a") as f:  # one line per start: requeues add lines
+                record = environment_record(self.env)
+                if changes:
+                    record["config_changes"] = {k: list(v) for k, v in changes.items()}
+                f.write(json.dumps(record) + "\n")
+        return str(resume_from) if resume_from else None
+
+    def _check_config(self, resume_from: Path | None) -> dict[str, tuple[Any, Any]]:
+        """A rerun on a run with checkpoints (or a finished one) may change only `SAFE_CHANGES`; the
+        changes it makes are returned (logged, and recorded in environment.jsonl)."""
+        saved = self.dir / "config.yaml"
+        if not saved.exists() or (resume_from is None and not (self.dir / "summary.json").exists()):
+            return {}
+        try:
+            before = yaml.safe_load(saved.read_text())
+        except (OSError, yaml.YAMLError) as e:
+            raise ConfigError(f"{saved} cannot be read ({e}): the run's own config is damaged; restore it, or use a new "
+                              "--output-dir") from None
+        changes = config_changes(before if isinstance(before, dict) else {}, to_dict(self.cfg))
+        unsafe = {k: v for k, v in changes.items() if not is_safe_change(k)}
+        if unsafe:
+            raise ConfigError(
+                f"the config differs from the run in {self.dir} ({saved.name}) in settings that change what it trains: "
+                f"{_show(unsafe)}. Resuming would mix two runs: rerun with the folder's values, or use a new "
+                f"--output-dir for the new settings. A rerun may change: "
+                f"{', '.join(k + '*' if k.endswith('.') else k for k in SAFE_CHANGES)}")
+        if changes:
+            log.info(f"rerun of {self.dir} with changed settings (allowed on a rerun): {_show(changes)}")
+        return changes
+
+    def _set_history_aside(self) -> None:
+        """No checkpoint to resume from, but metrics of earlier steps: the run starts again from step
+        0, so its old history is moved aside (never mixed with the new one, never deleted)."""
+        old = [m["step"] for m in read_metrics(self.dir) if m["step"] > 0]
+        if not old:
+            return
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        aside = [name for name in ("metrics.jsonl", "tensorboard", "summary.json") if (self.dir / name).exists()]
+        for name in aside:
+            os.replace(self.dir / name, self.dir / f"{Path(name).stem}.before-{stamp}{Path(name).suffix}")
+        log.warning(f"{self.dir} has metrics up to step {max(old)} but no checkpoint to resume from: training starts "
+                    f"again from step 0; the earlier history is kept as {', '.join(f'{Path(n).stem}.before-{stamp}' for n in aside)}")
 
     def _checkpoint_to_resume(self) -> Path | None:
         policy = self.cfg.checkpoint.resume
@@ -87,9 +196,13 @@ class Run:
         return state
 
     def _drop_metrics_after(self, step: int) -> None:
-        """Steps logged after the checkpoint are redone: drop them so no step appears twice."""
+        """Steps logged after the checkpoint are redone: drop them so no step appears twice (the file
+        is replaced whole: a failure leaves the old one)."""
         kept = [m for m in read_metrics(self.dir) if m["step"] <= step]
-        self.metrics.path.write_text("".join(json.dumps(m) + "\n" for m in kept))
+        tmp = self.metrics.path.with_suffix(".jsonl.tmp")
+        with out_of_space_is_an_error(self.dir, self.metrics.path.name):
+            tmp.write_text("".join(json.dumps(m) + "\n" for m in kept))
+            os.replace(tmp, self.metrics.path)
 
     def start_progress(self, total: int, initial: int, desc: str) -> Progress:
         self.progress = Progress(total, initial=initial, desc=desc, enabled=self.env.is_main and self.cfg.log.progress)
@@ -123,11 +236,26 @@ class Run:
         """Every rank writes into the step's staging folder; the main rank commits it (manifest,
         rename, `latest`) once all have finished (hpcrlhf.checkpoint)."""
         staging = self.checkpoints.staging_for(step)
-        engine.save_checkpoint(staging, {"step": step, **(extra or {})})
-        self.checkpoints.save_rng(staging, self.env.rank)
+        latest = self.checkpoints.latest()
+        space = dict(needs=folder_bytes(latest) if latest else None,
+                     resume_hint=f": it resumes from {latest.name}" if latest else "")
+        failed: DiskFull | None = None
+        try:
+            with out_of_space_is_an_error(self.checkpoints.root, f"checkpoint {staging.name}", **space):
+                engine.save_checkpoint(staging, {"step": step, **(extra or {})})
+                self.checkpoints.save_rng(staging, self.env.rank)
+        except DiskFull as e:
+            failed = e
+        if all_reduce_sum([float(failed is not None)])[0]:  # every rank learns of it: none waits in a barrier
+            barrier()
+            if self.env.is_main:
+                shutil.rmtree(staging, ignore_errors=True)  # give back the space the partial save took
+            raise failed or DiskFull(f"another rank ran out of space writing its part of checkpoint {staging.name} "
+                                     f"(see its log){space['resume_hint']}")
         barrier()
         if self.env.is_main:
-            self.checkpoints.commit(staging, step)
+            with out_of_space_is_an_error(self.checkpoints.root, f"checkpoint {staging.name}", **space):
+                self.checkpoints.commit(staging, step)
         barrier()
         return self.checkpoints.path_for(step)
 
@@ -144,3 +272,5 @@ class Run:
         if self.progress is not None:
             self.progress.close()
         self.metrics.close()
+        if self.lock is not None:
+            self.lock.release()

@@ -1,0 +1,247 @@
+"""A run folder belongs to one job, never strands a run, and a rerun resumes what the folder holds.
+
+Real `hpcrlhf train sft` processes on the tiny model (a few steps each): two jobs on one folder,
+a SIGKILLed owner, an owner on another node (its record written as that node would), a torn
+metrics line, a full disk (a real tmpfs), deleted checkpoints, and reruns with changed settings.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from hpcrlhf.metrics import read_metrics
+from hpcrlhf.trainers.run import config_changes, is_safe_change
+from hpcrlhf.trainers.run_lock import LOCK_NAME, STALE_S, Owner, read_owner, takeover_reason
+from tests.launch_helpers import ROOT, cli_command, cli_env, run_cli
+
+QUICK = ["--set", "eval.every_steps=0", "--set", "log.tensorboard=false", "--set", "eval.score_prompts=8",
+         "--set", "checkpoint.every_steps=2"]
+
+
+def sft(out: Path, *extra: str, steps: int = 6, check: bool = True,
+        env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return run_cli(["train", "sft", "-o", str(out), *QUICK, "--set", f"train.max_steps={steps}", *extra], check=check,
+                   env=env)
+
+
+def steps_logged(out: Path) -> list[int]:
+    return [m["step"] for m in read_metrics(out) if "train/loss" in m]
+
+
+# --- the ownership policy and the config comparison (pure) ----------------------------------
+
+
+def test_takeover_policy():
+    me = Owner("n1", 100, "77", 0.0, 1000.0)
+    assert "ended" in takeover_reason(Owner("n1", 99, None, 0.0, 999.0), me, 1000.0)
+    assert "earlier attempt" in takeover_reason(Owner("n2", 5, "77", 0.0, 999.0), me, 1000.0)
+    assert takeover_reason(Owner("n2", 5, "76", 0.0, 1000.0 - STALE_S + 1), me, 1000.0) is None
+    assert "heartbeat" in takeover_reason(Owner("n2", 5, None, 0.0, 1000.0 - STALE_S - 1), me, 1000.0)
+
+
+def test_config_changes_and_which_are_safe():
+    before = {"optim": {"lr": 1e-4}, "train": {"max_steps": 6}, "log": {"every_steps": 10}, "output_dir": "a"}
+    after = {"optim": {"lr": 2e-4}, "train": {"max_steps": 8}, "log": {"every_steps": 5}, "output_dir": "/x/a"}
+    changes = config_changes(before, after)
+    assert changes == {"optim.lr": (1e-4, 2e-4), "train.max_steps": (6, 8), "log.every_steps": (10, 5)}
+    assert [k for k in changes if not is_safe_change(k)] == ["optim.lr"]
+    assert not is_safe_change("logits.x") and is_safe_change("log.progress")
+
+
+# --- one job per folder -----------------------------------------------------------------------
+
+
+def wait_for(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out waiting for {what}")
+        time.sleep(0.2)
+
+
+def test_a_second_job_on_a_run_folder_is_refused_and_a_killed_owner_never_blocks(tmp_path):
+    out = tmp_path / "run"
+    first = subprocess.Popen(cli_command(["train", "sft", "-o", str(out), *QUICK, "--set", "train.max_steps=100000"]),
+                             cwd=ROOT, env=cli_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                             start_new_session=True)
+    try:
+        wait_for(lambda: len(steps_logged(out)) >= 1, 120, "the first job's first logged steps")
+        second = sft(out, check=False)
+        assert second.returncode == 2, second.stderr[-3000:]
+        assert f"is in use by another job (pid {first.pid} on {socket.gethostname()}" in second.stderr
+        assert "Traceback" not in second.stderr
+        assert first.poll() is None  # the refused job touched nothing of the running one
+    finally:
+        os.killpg(first.pid, signal.SIGKILL)
+        first.wait()
+    assert read_owner(out / LOCK_NAME).pid == first.pid  # a killed owner leaves its record ...
+    rerun = sft(out, "--set", "checkpoint.keep_last=1", steps=8)  # ... and the rerun takes over at once
+    assert f"its process {first.pid} on this host ended" in rerun.stderr
+    assert read_owner(out / LOCK_NAME) is None  # released at the end
+
+
+def test_an_owner_on_another_node_blocks_until_its_heartbeat_is_stale(tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    alive = Owner("node-b", 4242, "9001", time.time() - 60, time.time() - 20)
+    (out / LOCK_NAME).write_text(json.dumps(alive.__dict__))
+    refused = sft(out, check=False)
+    assert refused.returncode == 2 and "may be in use by another job (pid 4242 on node-b, Slurm job 9001" in refused.stderr
+    assert not (out / "config.yaml").exists()  # nothing written before the folder is ours
+    dead = Owner("node-b", 4242, "9001", time.time() - 3600, time.time() - STALE_S - 60)
+    (out / LOCK_NAME).write_text(json.dumps(dead.__dict__))
+    taken = sft(out, steps=2)
+    assert "taking the run folder over from pid 4242 on node-b" in taken.stderr and "heartbeat is" in taken.stderr
+    requeued = Owner("node-c", 7, "9002", time.time(), time.time())  # an earlier attempt of the same Slurm job
+    (out / LOCK_NAME).write_text(json.dumps(requeued.__dict__))
+    again = sft(out, steps=4, env={"SLURM_JOB_ID": "9002"})
+    assert "earlier attempt of this Slurm job (9002)" in again.stderr
+
+
+# --- reruns: what the folder holds decides ---------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory) -> Path:
+    """A finished 6-step run with checkpoints at steps 4 and 6."""
+    out = tmp_path_factory.mktemp("finished") / "run"
+    sft(out)
+    return out
+
+
+def copy_of(run: Path, tmp_path: Path) -> Path:
+    import shutil
+
+    dest = tmp_path / "run"
+    shutil.copytree(run, dest)
+    return dest
+
+
+@pytest.mark.parametrize("change, shown", [
+    (["--set", "optim.lr=1e-3"], "optim.lr: 0.002 -> 0.001"),
+    (["--set", "model.path=builtin:tiny-qwen2"], "model.path: 'builtin:tiny-llama' -> 'builtin:tiny-qwen2'"),
+])
+def test_a_rerun_that_changes_what_the_run_trains_is_refused_with_the_diff(finished, tmp_path, change, shown):
+    out = copy_of(finished, tmp_path)
+    saved = (out / "config.yaml").read_text()
+    refused = sft(out, *change, check=False)
+    assert refused.returncode == 2 and shown in refused.stderr and "Traceback" not in refused.stderr
+    assert (out / "config.yaml").read_text() == saved
+
+
+def test_a_refused_resume_never_rewrites_the_config(finished, tmp_path):
+    out = copy_of(finished, tmp_path)
+    saved = (out / "config.yaml").read_text()
+    refused = sft(out, "--set", "checkpoint.resume=never", "--set", "optim.lr=1e-3", check=False)
+    assert refused.returncode == 2 and "checkpoint.resume: 'never'" in refused.stderr
+    assert (out / "config.yaml").read_text() == saved
+
+
+def test_more_steps_is_a_safe_change_logged_and_recorded(finished, tmp_path):
+    out = copy_of(finished, tmp_path)
+    longer = sft(out, steps=8)
+    assert "changed settings (allowed on a rerun): train.max_steps: 6 -> 8" in longer.stderr
+    assert steps_logged(out) == [6, 8] or steps_logged(out)[-1] == 8
+    attempts = [json.loads(line) for line in (out / "environment.jsonl").read_text().splitlines()]
+    assert attempts[-1]["config_changes"] == {"train.max_steps": [6, 8]} and "config_changes" not in attempts[0]
+    assert "max_steps: 8" in (out / "config.yaml").read_text()
+
+
+def test_deleted_checkpoints_start_a_clean_history_and_keep_the_old_one(finished, tmp_path):
+    import shutil
+
+    out = copy_of(finished, tmp_path)
+    before = steps_logged(out)
+    shutil.rmtree(out / "checkpoints")
+    rerun = sft(out)
+    assert "no checkpoint to resume from: training starts again from step 0" in rerun.stderr
+    assert steps_logged(out) == before  # each step once, not twice
+    kept = list(out.glob("metrics.before-*.jsonl"))
+    assert len(kept) == 1 and [json.loads(x)["step"] for x in kept[0].read_text().splitlines() if "train/loss" in x] == before
+
+
+def test_a_torn_metrics_line_does_not_block_the_resume(finished, tmp_path):
+    out = copy_of(finished, tmp_path)
+    with open(out / "metrics.jsonl", "a") as f:
+        f.write('{"step": 7, "train/lo')  # what a crash mid-write leaves
+    longer = sft(out, steps=8)
+    assert "the last line is incomplete" in longer.stderr
+    assert steps_logged(out)[-1] == 8
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda p: p.write_text("not a folder"), "is a file, not a folder"),
+])
+def test_an_output_dir_that_cannot_be_a_run_folder_is_refused(tmp_path, make, message):
+    out = tmp_path / "run"
+    make(out)
+    refused = sft(out, check=False)
+    assert refused.returncode == 2 and message in refused.stderr and "Traceback" not in refused.stderr
+
+
+# --- real filesystems: read-only, full ---------------------------------------------------------
+
+
+@pytest.fixture
+def tmpfs(tmp_path):
+    """A real tmpfs of 24 MiB (root only: mounting needs CAP_SYS_ADMIN); unmounted after."""
+    mount = tmp_path / "fs"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=24m", "tmpfs", str(mount)], capture_output=True, text=True)
+    if done.returncode != 0:
+        if os.environ.get("CI"):
+            pytest.fail(f"cannot mount a tmpfs under CI: {done.stderr}")
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def remount(mount: Path, options: str) -> None:
+    subprocess.run(["mount", "-o", f"remount,{options}", str(mount)], check=True)
+
+
+def test_a_full_disk_ends_the_run_clearly_and_the_rerun_resumes(tmpfs):
+    """Checkpoints of ~5 MiB: the 24 MiB filesystem is filled so that the second does not fit."""
+    out = tmpfs / "run"
+    sft(out, "--set", "checkpoint.keep_last=5", steps=2)  # step 2's checkpoint, and the exported model
+    (tmpfs / "filler").write_bytes(b"\0" * (os.statvfs(tmpfs).f_bavail * os.statvfs(tmpfs).f_frsize - (3 << 20)))
+    full = sft(out, "--set", "checkpoint.keep_last=5", steps=6, check=False)
+    assert full.returncode == 2, full.stderr[-3000:]
+    assert "no space left on the filesystem of" in full.stderr and "while writing checkpoint step_000004" in full.stderr
+    assert "it resumes from step_000002" in full.stderr and "Traceback" not in full.stderr
+    assert not list((out / "checkpoints").glob("*.partial"))  # the partial save gave its space back
+    logged = steps_logged(out)  # every line whole
+    (tmpfs / "filler").unlink()
+    rerun = sft(out, "--set", "checkpoint.keep_last=5", steps=6)
+    assert "resumed from" in rerun.stderr and "step_000002" in rerun.stderr
+    assert steps_logged(out)[-1] == 6 and logged[0] == steps_logged(out)[0]
+
+
+def test_a_metrics_write_that_runs_out_of_space_leaves_no_torn_line(tmpfs):
+    from hpcrlhf.diskspace import DiskFull
+    from hpcrlhf.metrics import MetricsWriter
+
+    writer = MetricsWriter(tmpfs, tensorboard=False)
+    writer.log(1, {"train/loss": 1.0})
+    free = os.statvfs(tmpfs).f_bavail * os.statvfs(tmpfs).f_frsize
+    (tmpfs / "filler").write_bytes(b"\0" * (free - 100))
+    with pytest.raises(DiskFull, match="no space left .* while writing metrics.jsonl"):
+        writer.log(2, {"train/loss": 0.5, "note": "x" * 20000})
+    assert [m["step"] for m in read_metrics(tmpfs)] == [1]
+    assert (tmpfs / "metrics.jsonl").read_text().endswith("\n")
+
+
+def test_a_read_only_run_folder_is_refused(tmpfs):
+    out = tmpfs / "run"
+    out.mkdir()
+    remount(tmpfs, "ro")
+    refused = sft(out, check=False)
+    assert refused.returncode == 2 and "read-only" in refused.stderr and "Traceback" not in refused.stderr
