@@ -8,7 +8,10 @@ the folder to `step_000120/` and then points `checkpoints/latest` at it (write a
 An interrupted save leaves only a `.partial` folder, which is never loaded and is removed by the
 next save. On resume the newest checkpoint is verified against its manifest; a missing, truncated
 or (sha256) altered file makes it fall back to the previous complete checkpoint, with a warning
-naming the file. `keep_last` complete checkpoints are kept.
+naming the file. A checkpoint without a manifest is checked by the structure of its files (a
+torch.save shard cut short has no closing directory), and a `latest` that names no checkpoint
+folder (binary garbage after a crash) is read as missing: the newest folder that verifies is
+used. `keep_last` complete checkpoints are kept.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import json
 import numpy as np
 import torch
 
+from hpcrlhf.formats import file_problem
 from hpcrlhf.logs import get_logger
 
 log = get_logger()
@@ -60,10 +64,11 @@ def write_manifest(folder: Path, *, sha256: bool) -> dict[str, Any]:
 
 def verify_checkpoint(folder: Path) -> list[str]:
     """What is wrong with `folder` against its manifest (empty: it is intact). A folder without a
-    manifest (saved before manifests existed) is accepted as it is."""
+    manifest (saved before manifests existed, or its manifest lost) is checked by structure alone
+    (`structure_problems`)."""
     path = folder / MANIFEST
     if not path.exists():
-        return []
+        return structure_problems(folder)
     try:
         files = json.loads(path.read_text())["files"]
     except (ValueError, KeyError, TypeError) as e:
@@ -78,6 +83,15 @@ def verify_checkpoint(folder: Path) -> list[str]:
         elif "sha256" in entry and file_digest(f) != entry["sha256"]:
             problems.append(f"{name} does not match its SHA-256")
     return problems
+
+
+def structure_problems(folder: Path) -> list[str]:
+    """What a look at the files themselves finds wrong with a checkpoint folder: no files, or a
+    torch.save shard (or safetensors file) cut short or empty (`hpcrlhf.formats`)."""
+    files = sorted(p for p in folder.rglob("*") if p.is_file())
+    if not files:
+        return ["the folder holds no files"]
+    return [f"{p.relative_to(folder)} {problem}" for p in files if (problem := file_problem(p))]
 
 
 def rng_state() -> dict[str, Any]:
@@ -111,12 +125,25 @@ class CheckpointDir:
         return self.root / f"step_{step:06d}{PARTIAL}"
 
     def latest(self) -> Path | None:
-        """The checkpoint `latest` names (not verified: see `latest_intact`)."""
+        """The checkpoint `latest` names (not verified: see `latest_intact`); None when it names none."""
+        return self._read_latest()[0]
+
+    def _read_latest(self) -> tuple[Path | None, str | None]:
+        """(the checkpoint folder `latest` names, else None; what is wrong with `latest`, else None).
+        The marker is one line, `step_000120`, written by `mark_latest`: anything else (binary
+        garbage from a crash, a path elsewhere) names no checkpoint."""
         marker = self.root / "latest"
         if not marker.exists():
-            return None
-        path = self.root / marker.read_text().strip()
-        return path if path.is_dir() else None
+            return None, "is missing"
+        try:
+            name = marker.read_bytes().decode("ascii").strip()
+        except (OSError, UnicodeDecodeError) as e:
+            return None, f"is unreadable ({e.strerror if isinstance(e, OSError) else 'not text'})"
+        if not _STEP_DIR.match(name):
+            shown = name if len(name) <= 40 else name[:37] + "..."
+            return None, f"holds {shown!r}, not the name of a checkpoint folder (step_NNNNNN)"
+        path = self.root / name
+        return (path, None) if path.is_dir() else (None, f"names {name}, which is missing")
 
     def complete(self) -> list[Path]:
         """Committed checkpoint folders, oldest first."""
@@ -127,10 +154,10 @@ class CheckpointDir:
     def latest_intact(self) -> Path | None:
         """The newest checkpoint that verifies against its manifest, starting from the one
         `latest` names; each one skipped is reported with a warning naming what is wrong."""
-        marked = self.latest()
+        marked, problem = self._read_latest()
         candidates = [p for p in reversed(self.complete()) if marked is None or p.name <= marked.name]
         if marked is None and candidates:
-            log.warning(f"{self.root}/latest is missing; looking at the checkpoint folders themselves")
+            log.warning(f"{self.root}/latest {problem}; looking at the checkpoint folders themselves")
         for folder in candidates:
             problems = verify_checkpoint(folder)
             if not problems:

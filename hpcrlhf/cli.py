@@ -9,7 +9,7 @@ from typing import Sequence
 
 from hpcrlhf import __version__
 from hpcrlhf.errors import ConfigError, HpcrlhfError, WorkerLost
-from hpcrlhf.signals import EXIT_LOST
+from hpcrlhf.signals import EXIT_INTERRUPTED, EXIT_LOST, release_interrupt
 
 RECIPES = Path(__file__).parent / "recipes"
 
@@ -235,7 +235,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="run a training job on this machine (or under torchrun/srun/mpirun)",
                        description="Run a training job. Launch under torchrun, the deepspeed launcher, srun "
                                    "or mpirun for several ranks. Exit status 3 means the job stopped on a "
-                                   "signal (SIGUSR1/SIGUSR2/SIGTERM) after checkpointing: run it again to resume.")
+                                   "signal (SIGUSR1/SIGUSR2/SIGTERM, or Ctrl-C once) after checkpointing: run it "
+                                   "again to resume. A second Ctrl-C stops at once (exit status 130).")
     p.add_argument("kind", choices=kinds, help="job kind")
     _add_config_args(p)
     p.add_argument("--output-dir", "-o", metavar="DIR", help="run folder (same as --set output_dir=DIR)")
@@ -258,8 +259,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("chat", help="chat with a model interactively (reads stdin)",
-                       description="Type a message, get the model's answer. /reset forgets the conversation, /quit "
-                                   "(or Ctrl-D) leaves. Models with a chat template see the whole conversation.")
+                       description="Type a message, get the model's answer. A message is one line; end a line with "
+                                   "a backslash to go on on the next, or put several lines (a pasted text) between "
+                                   "two lines of three double quotes (\"\"\"). /reset forgets the conversation, /quit "
+                                   "(or Ctrl-D) leaves. Piped input works the same way, a message (or command) per "
+                                   "line. Models with a chat template see the whole conversation.")
     p.add_argument("--model", "-m", required=True, metavar="PATH", help="model folder (e.g. runs/ppo/model)")
     p.add_argument("--backend", choices=["hf", "vllm"], default="hf", help="generation engine (default: hf)")
     p.add_argument("--max-new-tokens", type=int, default=128, metavar="N", help="longest answer (default: 128)")
@@ -356,6 +360,13 @@ def main(argv: list[str] | None = None) -> int:
     except HpcrlhfError as e:
         print(f"hpcrlhf: error: {e}", file=sys.stderr)
         return EXIT_LOST if isinstance(e, WorkerLost) else 2
+    except KeyboardInterrupt:  # Ctrl-C before a run could checkpoint, or twice (hpcrlhf.signals)
+        rerun = ("; stopped at once, without a new checkpoint: the same command resumes from the last one (if any)"
+                 if args.command == "train" else "")
+        print(f"\nhpcrlhf: interrupted (Ctrl-C){rerun}", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    finally:
+        release_interrupt()
 
 
 def _unknown_options(parser: argparse.ArgumentParser, command: str, unknown: list[str]) -> int:

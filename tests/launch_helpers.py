@@ -20,7 +20,9 @@ def cli_command(args: list[str], nproc: int = 1) -> list[str]:
 
 
 def cli_env(**extra: str) -> dict[str, str]:
-    env = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", **extra)
+    """This process's environment for a CLI run: offline hub, unbuffered output; `extra` overrides any
+    of it (HF_HUB_OFFLINE included)."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", **extra}
     env.setdefault("OMP_NUM_THREADS", "1")
     return env
 

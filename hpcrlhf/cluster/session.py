@@ -6,7 +6,10 @@ GCS, raylets, agents and workers listen on every interface of the host whatever 
 are given (measured: `::` for --node-ip-address 127.0.0.2, and 127.0.0.1 is rewritten to the
 host's external address), so without a token anyone who can reach the host could list the GCS and
 run code as the user. The token is a fresh random file (0600) in the cluster's own folder (0700),
-given only to the nodes and to this driver, and deleted when the cluster stops (its logs stay)."""
+given only to the nodes and to this driver, and deleted when the cluster stops (its logs stay).
+
+The local cluster is this host, so `local_cluster_problem` checks the node map against the host's
+own GPUs before one is started (unless the recipe simulates its GPUs: placement.simulated_gpus)."""
 
 from __future__ import annotations
 
@@ -17,8 +20,38 @@ from pathlib import Path
 from typing import Iterator, Optional
 
 from hpcrlhf.logs import get_logger
+from hpcrlhf.placement.layout import plural, shape_text
+from hpcrlhf.placement.problems import Problem
 
 log = get_logger()
+
+
+def host_gpus() -> int:
+    """The GPUs this host has, as torch sees them (0 on a CPU-only host)."""
+    import torch
+
+    return torch.cuda.device_count()
+
+
+def local_cluster_problem(nodes: int, gpus_per_node: int, *, gpus_here: int, simulated: bool) -> Optional[Problem]:
+    """Why a local Ray cluster for a map of `nodes` x `gpus_per_node` cannot run on this host of
+    `gpus_here` GPUs (None: it can). Every node of a local cluster is this host and its workers see the
+    map's GPU numbers, so only a one-node map uses distinct real GPUs; `simulated` GPUs (declared,
+    not real) always fit."""
+    if simulated or (nodes == 1 and gpus_per_node <= gpus_here):
+        return None
+    have = "no GPU" if gpus_here == 0 else plural(gpus_here, "GPU")
+    reason = (f"without RAY_ADDRESS the job starts a local Ray cluster on this host, which has {have} "
+              "(torch.cuda.device_count())")
+    if nodes > 1 and nodes * gpus_per_node <= gpus_here:
+        reason += f"; the local cluster's {nodes} nodes would all share its GPUs 0-{gpus_per_node - 1}"
+    smaller = (f"a layout of 1 node x at most {plural(gpus_here, 'GPU')} (placement.nodes=1, placement.gpus_per_node="
+               f"{gpus_here} and roles that fit)" if gpus_here else
+               "a recipe made for this host (ppo-tiny-ray-colocated simulates its GPUs on CPU, for tiny models)")
+    fix = (f"run it on a Slurm allocation of {shape_text(nodes, gpus_per_node)} (`hpcrlhf submit RECIPE` or `hpcrlhf "
+           f"sbatch RECIPE`, with the same --set options), attach to a running Ray cluster that has them "
+           f"(RAY_ADDRESS=HOST:PORT), or use {smaller}")
+    return Problem("placement", shape_text(nodes, gpus_per_node), reason, fix)
 
 
 @contextmanager

@@ -23,11 +23,13 @@ class Problem:
         return f"{self.key} = {self.value}: {self.reason}; fix: {self.fix}"
 
 
-def raise_problems(problems: list[Problem], where: str) -> None:
-    """Raise one PlacementError listing every problem (nothing when there are none)."""
+def raise_problems(problems: list[Problem], where: str = "", *, title: str = "") -> None:
+    """Raise one PlacementError listing every problem (nothing when there are none), under `title`
+    (default: the node map for `where` cannot work)."""
     if not problems:
         return
-    lines = [f"the node map for {where} cannot work ({len(problems)} problem{'s' * (len(problems) > 1)}):"]
+    title = title or f"the node map for {where} cannot work"
+    lines = [f"{title} ({len(problems)} problem{'s' * (len(problems) > 1)}):"]
     for i, problem in enumerate(problems, 1):
         lines += [f"{i}. {problem.key} = {problem.value}: {problem.reason}", f"   fix: {problem.fix}"]
     raise PlacementError("\n".join(lines), tuple(str(p) for p in problems))

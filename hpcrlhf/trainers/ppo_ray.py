@@ -21,6 +21,7 @@ map (`placement.json` in the run folder records both).
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections import defaultdict
 from typing import Any
@@ -35,6 +36,8 @@ from hpcrlhf.cluster.worker_group import (WorkerGroup, dead_worker_message, even
 from hpcrlhf.config.schema import PPOConfig
 from hpcrlhf.errors import PlacementError, WorkerLost
 from hpcrlhf.logs import get_logger
+from hpcrlhf.placement import NodeMap
+from hpcrlhf.placement.problems import Problem, raise_problems
 from hpcrlhf.trainers.experience import ExperienceBatch
 from hpcrlhf.trainers.online import Prompt, vllm_engine_args
 from hpcrlhf.trainers.ppo import PPOTrainer
@@ -111,6 +114,9 @@ class RayPPOTrainer(PPOTrainer):
         self.check_placement()
         self.log_start(f"on Ray: {', '.join(f'{r} {len(g)} rank(s)' for r, g in self.groups.items())}, "
                        f"{len(engines)} vLLM engine(s) x TP {node_map.vllm.tensor_parallel_size}")
+
+    def trained_weights(self) -> None:
+        return None  # on the actor's workers
 
     # -- placement ---------------------------------------------------------------------------
     def check_placement(self) -> None:
@@ -244,15 +250,43 @@ class RayPPOState:
         return state
 
 
+def start_problems(cfg: PPOConfig, node_map: NodeMap) -> list[Problem]:
+    """What would make the run fail once started, checked before Ray starts: a local cluster (no
+    RAY_ADDRESS) this host's GPUs cannot hold, and a model path of a role with GPUs that is neither
+    a model folder nor a hub model the hub can provide now."""
+    from hpcrlhf.cluster.session import host_gpus, local_cluster_problem
+    from hpcrlhf.models.loading import ModelPathError, check_model_source
+    from hpcrlhf.models.tiny import resolve_model_path
+    from hpcrlhf.placement.roles import role_models
+
+    problems = []
+    if not os.environ.get("RAY_ADDRESS"):
+        problem = local_cluster_problem(node_map.nodes, node_map.gpus_per_node, gpus_here=host_gpus(),
+                                        simulated=cfg.placement.simulated_gpus)
+        problems += [problem] if problem else []
+    checked = set()
+    for role in [*node_map.roles, *(["vllm"] if node_map.vllm else [])]:
+        for key, path in role_models(cfg)[role]:
+            if path in checked:  # each path once, under the first field that names it
+                continue
+            checked.add(path)
+            try:
+                check_model_source(resolve_model_path(path), key)
+            except ModelPathError as e:
+                problems.append(Problem(e.key, repr(e.path), e.reason, e.fix))
+    return problems
+
+
 def run_ray_ppo(cfg: PPOConfig) -> dict:
-    """Plan, connect to (or start) the Ray cluster, reserve the map's GPUs, train, clean up.
-    A plan that cannot work fails here, before Ray starts."""
+    """Plan, check the host and the model paths, connect to (or start) the Ray cluster, reserve the
+    map's GPUs, train, clean up. A plan that cannot work, or cannot start here, fails before Ray starts."""
     from hpcrlhf.cluster.reservation import reserve
     from hpcrlhf.cluster.session import ray_session
     from hpcrlhf.placement import build_node_map
 
     node_map = build_node_map(cfg)
     log.info("node map:\n" + node_map.render())
+    raise_problems(start_problems(cfg, node_map), title="ppo on Ray would fail here, so nothing was started")
     with ray_session(node_map.nodes, node_map.gpus_per_node) as node_ips:
         reservation = reserve(node_map, node_ips)
         trainer = None

@@ -95,3 +95,76 @@ def test_bad_checkpoint_settings_are_refused(field, value):
 
     with pytest.raises(ConfigError, match=f"checkpoint.{field}: {value} is invalid"):
         CheckpointConfig(**{field: value})
+
+
+def save_torch(ckpts: CheckpointDir, step: int) -> None:
+    """A checkpoint of real torch.save archives, as DeepSpeed and the RNG save write them."""
+    import torch
+
+    staging = ckpts.staging_for(step)
+    staging.mkdir(parents=True)
+    torch.save({"step": step, "weights": torch.arange(4096.0)}, staging / "mp_rank_00_model_states.pt")
+    torch.save({"torch": torch.get_rng_state()}, staging / "rng_rank0.pt")
+    ckpts.commit(staging, step)
+
+
+@pytest.mark.parametrize("damage, problem", [
+    (lambda f: f.write_bytes(f.read_bytes()[:5000]), "mp_rank_00_model_states.pt is cut short or damaged: 5,000 bytes "
+                                                     "without the archive's closing directory"),
+    (lambda f: f.write_bytes(b""), "mp_rank_00_model_states.pt is empty"),
+    (lambda f: f.write_bytes(f.read_bytes()[:-200] + bytes(200)), "mp_rank_00_model_states.pt is cut short or damaged"),
+])
+def test_a_checkpoint_without_manifest_is_checked_by_its_files(tmp_path, caplog, damage, problem):
+    """Saved before manifests existed (or its manifest lost): a shard cut short, emptied or with a zeroed
+    tail (a node that died while writing) is found from the archive itself, and resume falls back."""
+    ckpts = CheckpointDir(tmp_path, keep_last=3)
+    for step in (10, 20):
+        save_torch(ckpts, step)
+        (ckpts.path_for(step) / MANIFEST).unlink()
+    assert verify_checkpoint(ckpts.path_for(20)) == []
+    damage(ckpts.path_for(20) / "mp_rank_00_model_states.pt")
+    assert verify_checkpoint(ckpts.path_for(20))[0].startswith(problem)
+    with caplog.at_level(logging.WARNING, logger="hpcrlhf"):
+        assert ckpts.latest_intact() == ckpts.path_for(10)
+    assert f"step_000020 is damaged ({problem}" in caplog.text
+
+
+@pytest.mark.parametrize("marker, said", [
+    (bytes(range(256)), "latest is unreadable (not text)"),
+    (b"../../elsewhere\n", "latest holds '../../elsewhere', not the name of a checkpoint folder (step_NNNNNN)"),
+    (b"step_000030\n", "latest names step_000030, which is missing"),
+])
+def test_a_latest_marker_naming_no_checkpoint_is_read_as_missing(tmp_path, caplog, marker, said):
+    ckpts = CheckpointDir(tmp_path)
+    save(ckpts, 10)
+    save(ckpts, 20)
+    (tmp_path / "latest").write_bytes(marker)
+    assert ckpts.latest() is None
+    with caplog.at_level(logging.WARNING, logger="hpcrlhf"):
+        assert ckpts.latest_intact() == ckpts.path_for(20)
+    assert said in caplog.text and "looking at the checkpoint folders themselves" in caplog.text
+
+
+def test_cli_resume_past_garbage_latest_and_a_truncated_shard_without_manifest(tmp_path):
+    """`checkpoints/latest` overwritten with binary garbage and the newest checkpoint's shard cut short
+    with no manifest to tell: the rerun warns about both, resumes from the previous checkpoint and
+    finishes (it ended in a UnicodeDecodeError, then in torch's `failed finding central directory`)."""
+    from tests.launch_helpers import run_cli
+
+    out = tmp_path / "run"
+    args = ["train", "sft", "-o", str(out), "--set", "train.global_batch_size=16", "--set", "train.micro_batch_size=16",
+            "--set", "checkpoint.every_steps=2", "--set", "checkpoint.keep_last=3", "--set", "eval.every_steps=0",
+            "--set", "log.tensorboard=false"]
+    run_cli([*args, "--set", "train.max_steps=4"], timeout=300)
+    newest = out / "checkpoints" / "step_000004"
+    (newest / MANIFEST).unlink()
+    shard = newest / "mp_rank_00_model_states.pt"
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    (out / "checkpoints" / "latest").write_bytes(bytes(range(128, 256)))
+    proc = run_cli([*args, "--set", "train.max_steps=6"], timeout=300, check=False)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and "Traceback" not in log, log[-3000:]
+    assert "checkpoints/latest is unreadable (not text); looking at the checkpoint folders themselves" in log, log[-3000:]
+    assert "step_000004 is damaged (mp_rank_00_model_states.pt is cut short or damaged" in log, log[-3000:]
+    assert "resumed from" in log and "step_000002 at step 2" in log, log[-3000:]
+    assert (out / "checkpoints" / "latest").read_text().strip() == "step_000006"

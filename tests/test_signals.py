@@ -1,0 +1,88 @@
+"""Ctrl-C (SIGINT) asks for the same graceful stop as Slurm's signals: the step ends, a checkpoint is
+written, the run exits 3 and the same command resumes. A second Ctrl-C stops at once (exit 130),
+without a traceback. (It used to end in a KeyboardInterrupt traceback and no checkpoint.)"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+
+import pytest
+
+from hpcrlhf.signals import EXIT_INTERRUPTED, EXIT_REQUEUE, STOP_SIGNALS, StopFlag, release_interrupt
+from tests.launch_helpers import ROOT, cli_command, cli_env, run_cli
+
+
+@pytest.fixture
+def handlers():
+    """Put this process's signal handlers back after the test."""
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, *STOP_SIGNALS)}
+    yield
+    for sig, handler in saved.items():
+        signal.signal(sig, handler)
+
+
+def test_first_ctrl_c_requests_a_stop_and_the_second_interrupts(handlers, capfd):
+    flag = StopFlag().install()
+    os.kill(os.getpid(), signal.SIGINT)
+    assert flag.requested and flag.signal == signal.SIGINT
+    assert "Ctrl-C: stopping after this step with a checkpoint" in capfd.readouterr().err
+    with pytest.raises(KeyboardInterrupt):
+        os.kill(os.getpid(), signal.SIGINT)
+    release_interrupt()  # the command is over: teardown is not interrupted by a traceback
+    assert signal.getsignal(signal.SIGINT) is signal.SIG_DFL
+
+
+def test_an_ignored_sigint_stays_ignored(handlers):
+    """A background job (`cmd &` in a script) starts with SIGINT ignored; the terminal's Ctrl-C is not for it."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    flag = StopFlag().install()
+    assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN and not flag.requested
+    assert signal.getsignal(signal.SIGTERM) == flag._handle
+
+
+# Steps start only after the evaluation before training (~1-3 s for 2000 prompts): the window in
+# which the tests below press Ctrl-C, once the run has installed its handler (its start line is out).
+ARGS = ["--set", "train.global_batch_size=16", "--set", "train.micro_batch_size=16", "--set", "task.eval_size=2000",
+        "--set", "eval.score_prompts=2000", "--set", "eval.every_steps=0", "--set", "log.tensorboard=false",
+        "--set", "train.max_steps=4"]
+
+
+def interrupt(out, presses: int) -> tuple[int, str]:
+    """`hpcrlhf train sft` with Ctrl-C pressed `presses` times once it has started (each press after the
+    previous one was acknowledged): (exit status, output)."""
+    proc = subprocess.Popen(cli_command(["train", "sft", "-o", str(out), *ARGS]), cwd=ROOT, env=cli_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines, pressed = [], 0
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if ("training rows" in line or "Ctrl-C: stopping" in line) and pressed < presses:
+                proc.send_signal(signal.SIGINT)
+                pressed += 1
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return proc.returncode, "".join(lines)
+
+
+def test_cli_ctrl_c_checkpoints_exits_3_and_the_rerun_resumes(tmp_path):
+    out = tmp_path / "run"
+    status, log = interrupt(out, 1)
+    assert status == EXIT_REQUEUE and "Traceback" not in log, log[-3000:]
+    assert "Ctrl-C: stopping after this step with a checkpoint (exit 3" in log
+    assert "stop requested: checkpointed at step 1" in log, log[-3000:]
+    assert (out / "checkpoints" / "latest").read_text().strip() == "step_000001"
+    again = run_cli(["train", "sft", "-o", str(out), *ARGS], timeout=300)
+    assert "step_000001 at step 1" in again.stdout + again.stderr
+    assert (out / "checkpoints" / "latest").read_text().strip() == "step_000004"
+
+
+def test_cli_second_ctrl_c_stops_at_once_without_a_traceback(tmp_path):
+    out = tmp_path / "run"
+    status, log = interrupt(out, 2)
+    assert status == EXIT_INTERRUPTED and "Traceback" not in log, log[-3000:]
+    assert "hpcrlhf: interrupted (Ctrl-C); stopped at once, without a new checkpoint" in log, log[-3000:]
+    assert "stop requested" not in log and not (out / "checkpoints" / "latest").exists()
