@@ -75,3 +75,27 @@ def test_chat_answers_each_line_and_resets(policy_model, tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines() == [expected[0], "(conversation reset)", expected[1]]
+
+
+def test_chat_reads_a_message_of_several_lines(tiny_llama):
+    """A `\"""` block and lines joined by trailing backslashes are one message each (the same text,
+    so the same greedy answer); before, each of these 6 lines was a message of its own."""
+    proc = subprocess.run(cli_command(["chat", "-m", tiny_llama, "--raw", "--greedy", "--max-new-tokens", "1"]),
+                          cwd=ROOT, env=cli_env(), input='"""\n1+2=\n3+4=\n"""\n1+2=\\\n3+4=\n',
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    answers = proc.stdout.splitlines()
+    assert len(answers) == 2 and answers[0] == answers[1], proc.stdout
+
+
+def test_read_message_joins_lines():
+    import io
+
+    from hpcrlhf.inference import read_message
+
+    stdin = io.StringIO('a\nb \\\nc\n"""\nx\n  y\n"""\n"""one"""\n"""p\nq"""\n/reset\n"""\nnever closed\n')
+    messages = iter(lambda: read_message(stdin, io.StringIO(), interactive=False), None)
+    assert list(messages) == ["a", "b \nc", "x\n  y", "one", "p\nq", "/reset", "never closed"]
+    shown = io.StringIO()
+    assert read_message(io.StringIO("a \\\nb\n"), shown, interactive=True) == "a \nb"
+    assert shown.getvalue() == "you> ...> "  # prompts only at a terminal

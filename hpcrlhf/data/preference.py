@@ -18,10 +18,9 @@ from typing import Sequence
 from hpcrlhf.algos.preference import mismatched_pairs
 from hpcrlhf.config.schema import PairDataConfig, TaskConfig, UnpairedDataConfig
 from hpcrlhf.data.loading import load_rows
-from hpcrlhf.data.sft import TokenizedSample, tokenize_sft
+from hpcrlhf.data.sft import TokenizedSample, Truncation, keep_usable, tokenize_sft
 from hpcrlhf.data.sources import Row, require_distinct, require_label, require_number, require_text
 from hpcrlhf.errors import DataError
-from hpcrlhf.logs import get_logger
 
 
 @dataclass(frozen=True)
@@ -57,32 +56,38 @@ def check_unpaired_rows(rows: Sequence[Row], data: UnpairedDataConfig) -> None:
     require_label(rows, data.label_key, option="data.label_key")
 
 
-def tokenize_pairs(rows: Sequence[Row], tokenizer, data: PairDataConfig) -> tuple[list[PairSample], int]:
-    """Tokenised pairs and how many had a response truncated to `data.max_length`."""
+def tokenize_pairs(rows: Sequence[Row], tokenizer, data: PairDataConfig) -> tuple[list[PairSample], Truncation]:
+    """Tokenised pairs, one per row, and what the cut to `data.max_length` did: a pair whose chosen
+    and rejected it made the same tokens (a prompt filling it, or responses cut where they still
+    agree) is marked unusable (see `keep_usable`)."""
     kw = dict(prompt_key=data.prompt_key, max_length=data.max_length, apply_chat_template=data.apply_chat_template)
-    chosen, n_c = tokenize_sft(rows, tokenizer, response_key=data.chosen_key, **kw)
-    rejected, n_r = tokenize_sft(rows, tokenizer, response_key=data.rejected_key, **kw)
-    pairs = []
-    for row, c, r in zip(rows, chosen, rejected):
-        if c.input_ids == r.input_ids:
-            raise DataError(f"{row.origin}: chosen and rejected are identical after truncation to data.max_length="
-                            f"{data.max_length} tokens (the prompt fills it); raise data.max_length")
-        margin = float(row.data[data.margin_key]) if data.margin_key else 0.0
-        pairs.append(PairSample(c, r, margin, str(row.data.get("difficulty", ""))))
-    return pairs, max(n_c, n_r)
+    chosen, chosen_cut = tokenize_sft(rows, tokenizer, response_key=data.chosen_key, **kw)
+    rejected, rejected_cut = tokenize_sft(rows, tokenizer, response_key=data.rejected_key, **kw)
+    pairs = [PairSample(c, r, float(row.data[data.margin_key]) if data.margin_key else 0.0,
+                        str(row.data.get("difficulty", ""))) for row, c, r in zip(rows, chosen, rejected)]
+    return pairs, chosen_cut.of_pairs(rejected_cut, [c.input_ids != r.input_ids for c, r in zip(chosen, rejected)])
 
 
-def tokenize_unpaired(rows: Sequence[Row], tokenizer, data: UnpairedDataConfig) -> tuple[list[UnpairedSample], int]:
-    """Tokenised labelled completions, each with its mismatched sequence (needs >= 2 rows)."""
+def tokenize_unpaired(rows: Sequence[Row], tokenizer, data: UnpairedDataConfig, *, split: str = "training",
+                      path: str | None = None) -> list[UnpairedSample]:
+    """Tokenised labelled completions, each with its mismatched sequence: those of the rows the cut
+    to `data.max_length` leaves a response token (`keep_usable`; `split` and `path` name the rows
+    in its messages), of which there must be at least 2."""
     if len(rows) < 2:
         where = f"{rows[0].origin}: the only row of its dataset; " if rows else ""
         raise DataError(f"{where}KTO needs at least 2 rows to pair prompts with unrelated completions, got {len(rows)}: "
                         "add rows (or raise data.max_samples, task.train_size or task.eval_size to 2 or more)")
-    samples, truncated = tokenize_sft(rows, tokenizer, prompt_key=data.prompt_key, response_key=data.completion_key,
-                                      max_length=data.max_length, apply_chat_template=data.apply_chat_template)
-    other = mismatched_pairs(len(samples)).tolist()
-    return [UnpairedSample(s, splice(s, samples[j], data.max_length), bool(row.data[data.label_key]))
-            for row, s, j in zip(rows, samples, other)], truncated
+    samples, truncation = tokenize_sft(rows, tokenizer, prompt_key=data.prompt_key, response_key=data.completion_key,
+                                       max_length=data.max_length, apply_chat_template=data.apply_chat_template)
+    kept = keep_usable(list(zip(rows, samples)), truncation, split=split, path=path)
+    if len(kept) < 2:
+        raise DataError(f"{kept[0][0].origin}: the only one of {len(rows)} {split} rows whose completion keeps a token "
+                        f"within data.max_length={data.max_length}; KTO needs at least 2 rows to pair prompts with "
+                        f"unrelated completions: raise data.max_length above the longest prompt "
+                        f"({max(truncation.prompt_tokens)} tokens)")
+    other = mismatched_pairs(len(kept)).tolist()
+    return [UnpairedSample(s, splice(s, kept[j][1], data.max_length), bool(row.data[data.label_key]))
+            for (row, s), j in zip(kept, other)]
 
 
 def splice(prompt_of: TokenizedSample, response_of: TokenizedSample, max_length: int) -> TokenizedSample:
@@ -100,9 +105,8 @@ def load_pairs(data: PairDataConfig, task_cfg: TaskConfig, tokenizer) -> tuple[l
         split, n, task_cfg.hard_pair_fraction, task_cfg.near_miss))
     for rows in (train, evals):
         check_pair_rows(rows, data)
-    (train, truncated), (evals, _) = tokenize_pairs(train, tokenizer, data), tokenize_pairs(evals, tokenizer, data)
-    _warn_truncated(truncated, len(train), data.max_length)
-    return train, evals
+    return (keep_usable(*tokenize_pairs(train, tokenizer, data), split="training", path=data.train_path),
+            keep_usable(*tokenize_pairs(evals, tokenizer, data), split="eval", path=data.eval_path))
 
 
 def load_unpaired(data: UnpairedDataConfig, task_cfg: TaskConfig, tokenizer) -> tuple[list[UnpairedSample], list[UnpairedSample]]:
@@ -110,13 +114,5 @@ def load_unpaired(data: UnpairedDataConfig, task_cfg: TaskConfig, tokenizer) -> 
     train, evals = load_rows(data, task_cfg, lambda task, split, n: task.unpaired_rows(split, n))
     for rows in (train, evals):
         check_unpaired_rows(rows, data)
-    train, truncated = tokenize_unpaired(train, tokenizer, data)
-    evals = tokenize_unpaired(evals, tokenizer, data)[0] if evals else []
-    _warn_truncated(truncated, len(train), data.max_length)
-    return train, evals
-
-
-def _warn_truncated(truncated: int, total: int, max_length: int) -> None:
-    if truncated:
-        get_logger().warning(f"{truncated} of {total} training rows had a response longer than data.max_length="
-                             f"{max_length} tokens and were truncated")
+    return (tokenize_unpaired(train, tokenizer, data, path=data.train_path),
+            tokenize_unpaired(evals, tokenizer, data, split="eval", path=data.eval_path) if evals else [])

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -143,8 +142,11 @@ def require_distinct(rows: Sequence[Row], a: str, b: str) -> None:
 
 
 def _looks_local(spec: str) -> bool:
-    """Hub names are `name` or `org/name`; anything else that does not exist is a missing path."""
-    return spec.startswith(("/", ".", "~")) or Path(spec).suffix in FILE_FORMATS or spec.count("/") > 1
+    """Hub names are `name` or `org/name` (`hpcrlhf.hub.is_hub_id`); anything else that does not exist
+    is a missing path."""
+    from hpcrlhf.hub import is_hub_id
+
+    return spec.startswith(("/", ".", "~")) or Path(spec).suffix in FILE_FORMATS or not is_hub_id(spec)
 
 
 def _read_jsonl(path: Path, limit: int | None) -> list[Row]:
@@ -245,11 +247,15 @@ def _read_saved_dataset(path: Path, split: str) -> list[Row]:
 
 
 def _read_hub(name: str, split: str) -> list[Row]:
-    if os.environ.get("HF_HUB_OFFLINE") == "1" or os.environ.get("HF_DATASETS_OFFLINE") == "1":
-        raise DataError(
-            f"data '{name}' is not a local file or folder, and the hub is off (HF_HUB_OFFLINE=1); "
-            "copy the dataset to shared storage and give its path"
-        )
+    """A hub dataset, once `hpcrlhf.hub` says the hub can provide it: datasets would otherwise retry an
+    unreachable hub for about 30 s before an error that no longer says `name` was also no local path."""
+    from hpcrlhf.hub import hub_problem
+
+    why = hub_problem(name, "dataset")
+    if why:
+        raise DataError(f"data '{name}' is neither a local file or folder (nothing at {Path(name).absolute()}) nor a "
+                        f"hub dataset: {why}; give the path of a data file ({', '.join(FILE_FORMATS)}) or a dataset "
+                        "folder (copy hub datasets to shared storage first), or a hub name where the hub can be reached")
     import datasets
 
     try:

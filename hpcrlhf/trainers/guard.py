@@ -15,16 +15,21 @@ What each case does (`train.on_nonfinite`):
   stops, since a run that keeps producing NaN is broken, not unlucky. `stop` ends the run at the
   first one. Either way the message names the step and the tensor, and the latest checkpoint
   never contains a non-finite update (stopping raises before the step's checkpoint).
+
+Before the first step, `require_finite_start` checks the trained model's weights and the first
+evaluation instead: NaN/Inf there comes from the models as loaded, not from training (a damaged
+file, an overflowing precision), so the run ends at once (`ModelError`, exit 2) naming the metric,
+the damaged tensors, the models and the cause.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Mapping
+from typing import Iterable, Mapping
 
 import torch
 
-from hpcrlhf.errors import TrainingError
+from hpcrlhf.errors import ModelError, TrainingError
 from hpcrlhf.logs import get_logger
 
 log = get_logger()
@@ -135,3 +140,39 @@ class NonFiniteGuard:
         self.in_a_row += 1
         self.skipped += 1
         return True
+
+
+def require_finite_start(metrics: Mapping[str, float | None], models: Mapping[str, str],
+                         weights: Iterable[tuple[str, torch.Tensor]] | None, precision: str) -> None:
+    """Before the first step: raise ModelError when the trained model's weights hold NaN/Inf or
+    the first evaluation has a NaN/Inf metric. `models`: config field -> path of each model the
+    evaluation ran, the trained one first; `weights`: the trained model's (name, tensor) pairs
+    (None: not held whole by this process, e.g. sharded by ZeRO-3)."""
+    damaged = {name: describe_nonfinite(t) for name, t in (weights or ()) if _holds_nonfinite(t)}
+    bad = nonfinite_metrics(metrics)
+    if not bad and not damaged:
+        return
+    (field, path), others = next(iter(models.items())), [f"{k}={v}" for k, v in list(models.items())[1:]]
+    if damaged:
+        named = "; ".join(f"{name} has {what}" for name, what in list(damaged.items())[:3])
+        more = f" and {len(damaged) - 3} more tensors" if len(damaged) > 3 else ""
+        cause = (f"the weights loaded from {field}={path} hold NaN/Inf ({named}{more}): its files are damaged (a disk "
+                 "or copy error can change a file's bytes but not its size, so size checks pass); restore the model "
+                 "from a good copy (download or export it again)")
+    else:
+        looked = "hold no NaN/Inf" if weights is not None else "could not be searched for NaN/Inf in this process"
+        fp32 = " (try engine.precision=fp32)" if precision != "fp32" else ""
+        also = f", or a damaged {' / '.join(others)}" if others else ""
+        cause = (f"the weights of {field}={path} {looked}; likely causes: weights damaged into huge values, or values "
+                 f"overflowing engine.precision={precision}{fp32}{also}; check the model files against a good copy")
+    when = (f"the first evaluation, before any training step, gave {', '.join(f'{k}={metrics[k]}' for k in bad)}"
+            if bad else "before the first training step")
+    raise ModelError(f"{when}: {cause}. Training from these weights could only spread the NaN, so the run stops "
+                     "before its first step")
+
+
+def _holds_nonfinite(t: torch.Tensor) -> bool:
+    """Whether a weight holds NaN/Inf: its min and max (NaN propagates), without a full-size mask."""
+    if not t.is_floating_point() or t.numel() == 0:
+        return False
+    return not bool(torch.isfinite(torch.stack(torch.aminmax(t.detach()))).all())

@@ -14,15 +14,12 @@ import torch
 from hpcrlhf.algos.logprobs import nll_sum
 from hpcrlhf.config.schema import SFTConfig
 from hpcrlhf.data.batching import collate, pack_rows
-from hpcrlhf.data.sft import TokenizedSample, tokenize_sft
+from hpcrlhf.data.sft import TokenizedSample, keep_usable, tokenize_sft
 from hpcrlhf.data.loading import load_rows
 from hpcrlhf.data.sources import Row, require_text
 from hpcrlhf.engines.distributed import all_reduce_sum
-from hpcrlhf.logs import get_logger
 from hpcrlhf.trainers.base import Trainer, merge_evaluation
 from hpcrlhf.trainers.sequences import model_batch
-
-log = get_logger()
 
 
 @dataclass(frozen=True)
@@ -45,11 +42,8 @@ def load_sft_rows(cfg: SFTConfig) -> tuple[list[Row], list[Row]]:
 def build_sft_data(cfg: SFTConfig, tokenizer, train_rows: list[Row], eval_rows: list[Row]) -> SFTData:
     kw = dict(prompt_key=cfg.data.prompt_key, response_key=cfg.data.response_key,
               max_length=cfg.data.max_length, apply_chat_template=cfg.data.apply_chat_template)
-    train, truncated = tokenize_sft(train_rows, tokenizer, **kw)
-    evals, _ = tokenize_sft(eval_rows, tokenizer, **kw)
-    if truncated:
-        log.warning(f"{truncated} of {len(train)} training samples were longer than data.max_length="
-                    f"{cfg.data.max_length} tokens and were truncated")
+    train = keep_usable(*tokenize_sft(train_rows, tokenizer, **kw), split="training", path=cfg.data.train_path)
+    evals = keep_usable(*tokenize_sft(eval_rows, tokenizer, **kw), split="eval", path=cfg.data.eval_path)
     if cfg.data.packing:
         # Shuffle once before packing so each packed row mixes samples; rows are then reshuffled
         # per epoch like unpacked samples.

@@ -141,3 +141,35 @@ def test_ppo_nan_reward_skips_the_steps_that_use_it_or_stops(tiny_llama, tmp_pat
     assert stop.returncode == 2
     assert f"hpcrlhf: error: step {first_bad}: reward/rule_tests.trainers.faults.nan_for_first_prompt has 4 NaN of " \
            "128 values; rollout/score has 4 NaN of 128 values; stopped (train.on_nonfinite=stop)" in stop.stderr, stop.stderr[-3000:]
+
+
+# -- a model that is broken before training --------------------------------------------------------
+@pytest.mark.parametrize("damage, expected", [
+    ("nan", "the weights loaded from model.path={path} hold NaN/Inf (model.norm.weight has 1 NaN of "),
+    ("huge", "the weights of model.path={path} hold no NaN/Inf; likely causes: weights damaged into huge values"),
+])
+def test_damaged_model_weights_fail_before_the_first_step(tiny_llama, tmp_path, damage, expected):
+    """Weights damaged in place (same file size): one NaN, or finite values so large the forward
+    pass overflows. Before: the run trained to eval/loss=nan and exited 0."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_llama, model)
+    weights = load_file(model / "model.safetensors")
+    norm = weights["model.norm.weight"].clone()
+    if damage == "nan":
+        norm[0] = float("nan")
+    else:
+        norm[:] = 3e38
+    save_file({**weights, "model.norm.weight": norm}, model / "model.safetensors", metadata={"format": "pt"})
+    out = tmp_path / "run"
+    proc = run_cli(["train", "sft", "-o", str(out), "--set", f"model.path={model}", "--set", "train.max_steps=4",
+                    "--set", "checkpoint.save_model=false", *QUIET], check=False, timeout=300)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "hpcrlhf: error: the first evaluation, before any training step, gave eval/loss=nan: " in proc.stderr, \
+        proc.stderr[-3000:]
+    assert expected.format(path=model) in proc.stderr, proc.stderr[-3000:]
+    assert "so the run stops before its first step" in proc.stderr
+    assert not read_metrics(out)  # nothing logged, nothing trained
