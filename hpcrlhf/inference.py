@@ -34,13 +34,9 @@ def load_generator(path: str, backend: str, *, max_model_len: int, rollout: Roll
 
     tokenizer = load_tokenizer(path, trust_remote_code=trust_remote_code)
     if backend == "vllm":
-        from transformers import AutoConfig
-
-        positions = getattr(AutoConfig.from_pretrained(resolve_model_path(path), trust_remote_code=trust_remote_code),
-                            "max_position_embeddings", max_model_len)
         from hpcrlhf.trainers.online import vllm_rollout_args
 
-        return VLLMRollout(resolve_model_path(path), seed=seed, max_model_len=min(max_model_len, positions),
+        return VLLMRollout(resolve_model_path(path), seed=seed, max_model_len=max_model_len,
                            **vllm_rollout_args(rollout or RolloutConfig())), tokenizer
     device = device_for(0)
     model = load_causal_lm(path, attn_implementation=attn_implementation, trust_remote_code=trust_remote_code).to(device)
@@ -82,8 +78,8 @@ def run_generate(cfg: GenerateConfig) -> dict:
     device = device_for(0)
     rewards = None
     if cfg.reward is not None:
-        def load_rm(path: str) -> FrozenModel:
-            return FrozenModel(ValueModel(load_value_model(path, pad_token_id=tokenizer.pad_token_id,
+        def load_rm(path: str, field: str) -> FrozenModel:
+            return FrozenModel(ValueModel(load_value_model(path, pad_token_id=tokenizer.pad_token_id, key=field,
                                                            trust_remote_code=cfg.model.trust_remote_code)), None, device)
 
         rewards = RewardSet(cfg.reward, load_rm, tokenizer, task, device, cfg.model.trust_remote_code)
@@ -157,10 +153,53 @@ def _records(batch, gens, tokenizer, metrics, rewards) -> list[dict]:
     return records
 
 
+BLOCK = '"""'
+"""Three double quotes open and close a chat message of several lines (as in Ollama's REPL)."""
+
+
+def read_message(stdin: TextIO, stdout: TextIO, interactive: bool) -> str | None:
+    """One user message from `stdin`; None at the end of input.
+
+    A message is one line, with two ways to write several: a line ending with a backslash goes on
+    on the next line (the backslash becomes a line break), and a line starting with `BLOCK` opens a
+    block that runs to the line ending with `BLOCK` (or to the end of input), line breaks kept --
+    for pasting text. Interactive, each further line is prompted with `...> `."""
+
+    def line(prompt: str) -> str | None:
+        if interactive:
+            stdout.write(prompt)
+            stdout.flush()
+        text = stdin.readline()
+        return text.removesuffix("\n").removesuffix("\r") if text else None
+
+    first = line("you> ")
+    if first is None:
+        return None
+    if first.lstrip().startswith(BLOCK):
+        rest, parts = first.lstrip()[len(BLOCK):], []
+        while not rest.rstrip().endswith(BLOCK):
+            if parts or rest.strip():
+                parts.append(rest)
+            rest = line("...> ")
+            if rest is None:
+                return "\n".join(parts)
+        parts.append(rest.rstrip()[: -len(BLOCK)])
+        return "\n".join(parts).strip("\n")
+    parts = [first]
+    while parts[-1].endswith("\\"):
+        parts[-1] = parts[-1][:-1]
+        more = line("...> ")
+        if more is None:
+            break
+        parts.append(more)
+    return "\n".join(parts)
+
+
 def chat(model_path: str, *, backend: str = "hf", max_new_tokens: int = 128, temperature: float = 0.7,
          greedy: bool = False, system: str | None = None, history: bool = True, raw: bool = False, seed: int = 0,
          stdin: TextIO = sys.stdin, stdout: TextIO = sys.stdout) -> int:
-    """Read user turns from `stdin`, answer each with the model. `/reset` forgets the
+    """Read user messages from `stdin` (`read_message`: one line, or several joined by trailing
+    backslashes or inside a `BLOCK`), answer each with the model. `/reset` forgets the
     conversation, `/quit` (or end of input) leaves. Models with a chat template see the whole
     conversation through it; others (or with `raw`) see the latest message as a plain prompt."""
     from hpcrlhf.data.sft import encode_prompt
@@ -172,13 +211,9 @@ def chat(model_path: str, *, backend: str = "hf", max_new_tokens: int = 128, tem
     turn = 0
     try:
         while True:
-            if interactive:
-                stdout.write("you> ")
-                stdout.flush()
-            line = stdin.readline()
-            if not line or line.strip() in ("/quit", "/exit"):
+            text = read_message(stdin, stdout, interactive)
+            if text is None or text.strip() in ("/quit", "/exit"):
                 return 0
-            text = line.rstrip("\n")
             if text.strip() == "/reset":
                 messages = messages[:1] if system else []
                 stdout.write("(conversation reset)\n")

@@ -249,10 +249,10 @@ class RewardModelScorer:
 class RewardSet:
     """All sources of a `RewardConfig`; `score` returns the weighted sum and each source's values.
 
-    `load_model(path)` gives a frozen value model (`FrozenModel` of a `ValueModel`) for a reward
-    model folder."""
+    `load_model(path, field)` gives a frozen value model (`FrozenModel` of a `ValueModel`) for a
+    reward model folder named by config field `field`."""
 
-    def __init__(self, cfg: RewardConfig, load_model: Callable[[str], Any], tokenizer, task, device,
+    def __init__(self, cfg: RewardConfig, load_model: Callable[[str, str], Any], tokenizer, task, device,
                  trust_remote_code: bool = False):
         from hpcrlhf.models.loading import load_tokenizer
 
@@ -267,8 +267,10 @@ class RewardSet:
             if i in rules:
                 self.scorers.append(_rule_scorer(rules[i]))
             else:
-                rm_tokenizer = load_tokenizer(source.model, trust_remote_code=trust_remote_code)
-                self.scorers.append(RewardModelScorer(load_model(source.model), rm_tokenizer, tokenizer, source,
+                rm_tokenizer = load_tokenizer(source.model, trust_remote_code=trust_remote_code,
+                                              key=f"reward.sources[{i}].model")
+                self.scorers.append(RewardModelScorer(load_model(source.model, f"reward.sources[{i}].model"), rm_tokenizer,
+                                                      tokenizer, source,
                                                       cfg.batch_size, device))
 
     def score(self, responses: Sequence[Response]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

@@ -30,7 +30,7 @@ def _make_rm(base: str, folder, seed: int, mean: float, std: float) -> str:
     return str(folder)
 
 
-def _load(path: str) -> FrozenModel:
+def _load(path: str, field: str = "reward.sources[0].model") -> FrozenModel:
     tok = load_tokenizer(path)
     return FrozenModel(ValueModel(load_value_model(path, pad_token_id=tok.pad_token_id)), None, CPU)
 

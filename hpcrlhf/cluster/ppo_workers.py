@@ -62,8 +62,9 @@ class TrainedWorker(PPOWorker):
 
     def build(self) -> None:
         cfg, plan = self.cfg, self.plan
-        path, optim = (cfg.model.path, cfg.optim) if self.role == "actor" else (cfg.critic_source()[1], cfg.critic.optim)
-        self.engine = self.models.build_trained_model(path, value_head=self.value_head, optim=optim,
+        (field, path), optim = ((("model.path", cfg.model.path), cfg.optim) if self.role == "actor"
+                                else (cfg.critic_source(), cfg.critic.optim))
+        self.engine = self.models.build_trained_model(path, value_head=self.value_head, optim=optim, key=field,
                                                       **plan.engine_args())
         self.models.engine = self.engine
         self.buffer = ReplayBuffer(cfg.ppo.buffer_limit)
@@ -120,7 +121,8 @@ class CriticWorker(TrainedWorker):
 class ReferenceWorker(PPOWorker):
     def build(self) -> None:
         cfg = self.cfg
-        self.model = self.models.build_frozen_model(cfg.reference_source()[1], value_head=False,
+        field, path = cfg.reference_source()
+        self.model = self.models.build_frozen_model(path, value_head=False, key=field,
                                                     offload=cfg.reference.offload,
                                                     micro_batch_rows=self.plan.micro_batch_rows)
 
@@ -136,7 +138,7 @@ class RewardWorker(PPOWorker):
         from hpcrlhf.rewards import RewardSet
 
         cfg, m = self.cfg, self.models
-        self.rewards = RewardSet(cfg.reward, lambda path: m.build_frozen_model(path, value_head=True), m.tokenizer,
+        self.rewards = RewardSet(cfg.reward, lambda path, field: m.build_frozen_model(path, value_head=True, key=field), m.tokenizer,
                                  build_task(cfg.task, cfg.data), m.device, cfg.model.trust_remote_code)
 
     def names(self) -> list[str]:

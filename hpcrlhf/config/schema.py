@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import math
 import string
+import dataclasses
 from dataclasses import dataclass, field, fields, is_dataclass
-from typing import Literal, Optional
+from typing import ClassVar, Literal, Optional
 
 from hpcrlhf.config.stop_rule import parse_stop_rule
 from hpcrlhf.errors import ConfigError
@@ -130,13 +131,15 @@ class DataSourceConfig:
     """Field of each row holding the prompt."""
     apply_chat_template: bool = False
     """Wrap each prompt as a user turn with the tokenizer's chat template."""
-    max_length: int = 64
-    """Tokens per sample (prompt + response + EOS); longer samples are truncated (and counted)."""
+    max_length: Optional[int] = None
+    """Tokens per sample (prompt + response + EOS); longer samples are truncated (and counted).
+    null: the bundled task's (64) when the task applies, else 1024 (`DEFAULT_MAX_LENGTH`)."""
     max_samples: Optional[int] = None
     """Use only the first N training rows."""
 
     def __post_init__(self) -> None:
-        _require(self.max_length >= 8, "data.max_length", self.max_length, "use at least 8 tokens")
+        _require(self.max_length is None or self.max_length >= 8, "data.max_length", self.max_length,
+                 "use at least 8 tokens, or null for the task's default")
         _require(self.max_samples is None or self.max_samples >= 1, "data.max_samples", self.max_samples,
                  "use at least 1 row, or null for all of them")
 
@@ -214,6 +217,21 @@ class OptimConfig:
         _require(self.max_grad_norm >= 0, "optim.max_grad_norm", self.max_grad_norm, "use >= 0 (0 disables)")
 
 
+MICRO_BATCH_CAP = 64
+"""Largest micro batch (and PPO mini-batch) derived when `train.micro_batch_size` (ppo:
+`train.global_batch_size`) is null."""
+DEFAULT_MAX_LENGTH = 1024
+"""Tokens per sample when `data.max_length` is null and no bundled task sets its own (64)."""
+DEFAULT_NEW_TOKENS = 256
+"""Longest response generated when `rollout.max_new_tokens`/`eval.max_new_tokens` are null and no
+bundled task sets its own answer length (the arithmetic task's answers need 8)."""
+
+
+def largest_divisor(n: int, cap: int) -> int:
+    """The largest divisor of `n` (>= 1) that is at most `cap`."""
+    return max(d for d in range(1, min(n, cap) + 1) if n % d == 0)
+
+
 MAX_STEPS = 2**31 - 1
 """The most optimizer steps (or PPO steps, or epochs) a run may ask for: step counters and the learning-rate
 schedule (warm-up and decay computed in float64 from step counts) stay exact, and at one step a second it is
@@ -226,11 +244,16 @@ class TrainConfig:
     """Passes over the training data (ignored when `max_steps` is set)."""
     max_steps: Optional[int] = None
     """Stop after this many optimizer steps (takes precedence over `epochs`)."""
-    global_batch_size: int = 64
-    """Samples (packed rows with packing) per optimizer step, summed over all data-parallel ranks."""
-    micro_batch_size: int = 64
-    """Samples per forward/backward pass on one rank. Accumulation steps are derived:
-    global_batch_size / (micro_batch_size * ranks), which must be a whole number."""
+    global_batch_size: Optional[int] = 64
+    """Samples (packed rows with packing) per optimizer step, summed over all data-parallel ranks.
+    ppo: sequences per optimizer step (the mini-batch); null (its default) derives it from the
+    rollout: the largest divisor of its sequences (rollout.prompts_per_step x samples_per_prompt)
+    that is at most 64, so changing the rollout size alone never breaks the batch."""
+    micro_batch_size: Optional[int] = None
+    """Samples per forward/backward pass on one rank; null: the largest divisor of each rank's
+    share of the global batch that is at most 64 (`MICRO_BATCH_CAP`; lower it, or set it, when a
+    micro batch does not fit in memory). Accumulation steps are derived: global_batch_size /
+    (micro_batch_size * ranks), which must be a whole number. The start-up log shows both."""
     on_nonfinite: Literal["skip", "stop"] = "skip"
     """A step with NaN/Inf in its rewards, loss or gradients: `skip` leaves weights, optimizer state
     and schedule untouched and goes on (with a warning naming the step and the tensor); `stop` ends
@@ -244,8 +267,18 @@ class TrainConfig:
                  "use >= 0 (0 stops at the first skipped step)")
         _require(self.max_steps is None or 1 <= self.max_steps <= MAX_STEPS, "train.max_steps", self.max_steps,
                  f"use 1 to {MAX_STEPS:,} (2**31 - 1: the schedule's step counts stay exact), or null")
-        _require(self.global_batch_size >= 1, "train.global_batch_size", self.global_batch_size, "use at least 1")
-        _require(self.micro_batch_size >= 1, "train.micro_batch_size", self.micro_batch_size, "use at least 1")
+        _require(self.global_batch_size is None or self.global_batch_size >= 1, "train.global_batch_size",
+                 self.global_batch_size, "use at least 1")
+        _require(self.micro_batch_size is None or self.micro_batch_size >= 1, "train.micro_batch_size",
+                 self.micro_batch_size, "use at least 1, or null to derive it")
+
+    def micro_batch_for(self, ranks: int) -> int:
+        """`micro_batch_size`, or (null) the largest divisor of a rank's share of the global batch that
+        is at most `MICRO_BATCH_CAP` (the share rounded down when it does not split evenly: the batch
+        check then names the problem)."""
+        if self.micro_batch_size is not None:
+            return self.micro_batch_size
+        return largest_divisor(max(1, (self.global_batch_size or 1) // ranks), MICRO_BATCH_CAP)
 
 
 @dataclass(frozen=True)
@@ -288,8 +321,9 @@ class EvalConfig:
     every_steps: int = 50
     """Evaluate (held-out loss and task score) every N optimizer steps, and at the end (0: only at
     the end)."""
-    max_new_tokens: int = 8
-    """Tokens generated per eval prompt for the task score (greedy)."""
+    max_new_tokens: Optional[int] = None
+    """Tokens generated per eval prompt for the task score and `metrics` (greedy); null: the bundled
+    task's answer length (8) when the task applies, else 256 (`DEFAULT_NEW_TOKENS`)."""
     score_prompts: int = 256
     """Held-out prompts answered (greedy) for the task score and `metrics`: the first ones of
     `data.eval_path`, else of the task's eval split."""
@@ -312,7 +346,8 @@ class EvalConfig:
         if parse_stop_rule(self.stop_when) is not None and self.every_steps == 0:
             raise ConfigError(f"eval.stop_when: {self.stop_when!r} is checked at periodic evaluations, but "
                               "eval.every_steps is 0 (only at the end): set eval.every_steps to a step count, e.g. 50")
-        _require(self.max_new_tokens >= 1, "eval.max_new_tokens", self.max_new_tokens, "use at least 1")
+        _require(self.max_new_tokens is None or self.max_new_tokens >= 1, "eval.max_new_tokens", self.max_new_tokens,
+                 "use at least 1, or null for the task's default")
         _require(self.score_prompts >= 0, "eval.score_prompts", self.score_prompts, "use 0 (no task score) or more")
         _require(self.batch_size >= 1, "eval.batch_size", self.batch_size, "use at least 1")
 
@@ -415,9 +450,17 @@ class TrainJobConfig:
     output_dir: str = "runs/train"
     """Run folder: config.yaml, metrics.jsonl, TensorBoard files, checkpoints/, model/."""
 
+    derives_mini_batch: ClassVar[bool] = False
+    """Whether a null `train.global_batch_size` is derived (ppo, from its rollout)."""
+
     def __post_init__(self) -> None:
         if self.task.name is None and self.data.train_path is None:
             raise ConfigError("data.train_path: null needs a task for data: set data.train_path or task.name")
+        _resolve_data_length(self)
+        if self.train.global_batch_size is None and not self.derives_mini_batch:
+            raise ConfigError("train.global_batch_size: null is derived only for ppo (from its rollout); give the "
+                              "samples per optimizer step, e.g. 64")
+        _resolve(self, "eval", max_new_tokens=resolved_new_tokens(self.eval.max_new_tokens, self.task, self.data))
         if self.eval.metrics and not (self.data.eval_path or self.task.resolve(self.data)):
             raise ConfigError(f"eval.metrics: {list(self.eval.metrics)} score answers to held-out prompts, but with "
                               "data.train_path and no data.eval_path (and no bundled task) there are none: set "
@@ -447,7 +490,7 @@ class RMConfig(TrainJobConfig):
     """Preference pairs for training and evaluation."""
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-3))
     """Optimizer and learning-rate schedule."""
-    train: TrainConfig = field(default_factory=lambda: TrainConfig(global_batch_size=32, micro_batch_size=32))
+    train: TrainConfig = field(default_factory=lambda: TrainConfig(global_batch_size=32))
     """Batch sizes (in pairs) and length of training."""
     output_dir: str = "runs/rm"
     """Run folder; `model/` holds the reward model with its reward mean/std in config.json."""
@@ -466,7 +509,7 @@ class PolicyJobConfig(TrainJobConfig):
 
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=2e-4))
     """Optimizer and learning-rate schedule."""
-    train: TrainConfig = field(default_factory=lambda: TrainConfig(global_batch_size=32, micro_batch_size=32))
+    train: TrainConfig = field(default_factory=lambda: TrainConfig(global_batch_size=32))
     """Batch sizes (in pairs or samples) and length of training."""
     reference: ReferenceConfig = field(default_factory=ReferenceConfig)
     """The frozen reference model."""
@@ -616,8 +659,9 @@ class RolloutConfig:
     """Nucleus sampling: keep the smallest token set with this much probability (1.0: off)."""
     top_k: int = 0
     """Sample among the k most likely tokens (0: off)."""
-    max_new_tokens: int = 8
-    """Longest response; responses cut here have no EOS (see reward.missing_eos_penalty)."""
+    max_new_tokens: Optional[int] = None
+    """Longest response; responses cut here have no EOS (see reward.missing_eos_penalty). null: the
+    bundled task's answer length (8) when the task applies, else 256 (`DEFAULT_NEW_TOKENS`)."""
     min_new_tokens: int = 0
     """EOS is suppressed before this many tokens; `= max_new_tokens` gives fixed-length responses
     (what throughput benchmarks use, so every system generates the same tokens)."""
@@ -648,9 +692,11 @@ class RolloutConfig:
                  "use a positive temperature (sampling is what makes on-policy RL explore)")
         _require(0 < self.top_p <= 1, "rollout.top_p", self.top_p, "use a value in (0, 1]")
         _require(self.top_k >= 0, "rollout.top_k", self.top_k, "use 0 (off) or a positive k")
-        _require(self.max_new_tokens >= 1, "rollout.max_new_tokens", self.max_new_tokens, "use at least 1")
-        _require(0 <= self.min_new_tokens <= self.max_new_tokens, "rollout.min_new_tokens", self.min_new_tokens,
-                 f"use a value from 0 to rollout.max_new_tokens ({self.max_new_tokens})")
+        _require(self.max_new_tokens is None or self.max_new_tokens >= 1, "rollout.max_new_tokens",
+                 self.max_new_tokens, "use at least 1, or null for the task's default")
+        if self.max_new_tokens is not None:  # null is resolved by the job's config (resolved_new_tokens)
+            _require(0 <= self.min_new_tokens <= self.max_new_tokens, "rollout.min_new_tokens", self.min_new_tokens,
+                     f"use a value from 0 to rollout.max_new_tokens ({self.max_new_tokens})")
         _require(self.hf_batch_size >= 1, "rollout.hf_batch_size", self.hf_batch_size, "use at least 1")
         _require(self.vllm_kv_cache_gb > 0, "rollout.vllm_kv_cache_gb", self.vllm_kv_cache_gb, "use a positive size")
         for name in ("vllm_max_num_seqs", "vllm_max_num_batched_tokens"):
@@ -685,6 +731,39 @@ class RewardSourceConfig:
 
 TASK_RULES = ("task", "task_partial")
 """Rules that score answers to the bundled task; any other rule is `package.module:function`."""
+
+
+def _task_default(given: Optional[int], task: TaskConfig, data: "DataSourceConfig", attribute: str,
+                  default: int) -> int:
+    """`given`, or (null) the bundled task's own value (`attribute` of its class) when the task
+    applies to a job with `data`, else `default`."""
+    if given is not None:
+        return given
+    from hpcrlhf.data.tasks import TASKS
+
+    name = task.resolve(data)
+    return getattr(TASKS[name], attribute) if name is not None else default
+
+
+def resolved_new_tokens(given: Optional[int], task: TaskConfig, data: "DataSourceConfig") -> int:
+    """`given`, or the bundled task's answer length when it applies, else `DEFAULT_NEW_TOKENS`."""
+    return _task_default(given, task, data, "answer_tokens", DEFAULT_NEW_TOKENS)
+
+
+def _resolve_data_length(cfg) -> None:
+    """A null `data.max_length`: the bundled task's sample length when it applies, else
+    `DEFAULT_MAX_LENGTH`."""
+    _resolve(cfg, "data", max_length=_task_default(cfg.data.max_length, cfg.task, cfg.data, "sample_tokens",
+                                                   DEFAULT_MAX_LENGTH))
+
+
+def _resolve(cfg, section: str, **values) -> None:
+    """Fill derived values into a section of a config being built (its `__post_init__`): the section
+    is rebuilt (and checked again) with them; values equal to the section's are left alone."""
+    current = getattr(cfg, section)
+    changed = {k: v for k, v in values.items() if getattr(current, k) != v}
+    if changed:
+        object.__setattr__(cfg, section, dataclasses.replace(current, **changed))
 
 
 def _require_task_for_rules(reward: Optional["RewardConfig"], task: TaskConfig, data: DataSourceConfig) -> None:
@@ -891,6 +970,11 @@ class PlacementConfig:
     their own."""
     allow_idle_gpus: bool = False
     """Accept an allocation with GPUs no role uses (otherwise the plan is rejected)."""
+    simulated_gpus: bool = False
+    """Let the local Ray cluster (runtime ray without RAY_ADDRESS) declare GPUs this host does not
+    have, e.g. 2 nodes x 4 GPUs on a CPU-only machine: every role then runs on CPU, which suits tiny
+    models only (the ppo-tiny-ray recipes test layouts so). Off, a map this host's GPUs cannot hold
+    fails before anything starts. A Ray cluster at RAY_ADDRESS is checked against its own GPUs."""
     runtime: Literal["local", "ray"] = "local"
     """local: every role inside the training process (or each torchrun rank); the layout above is
     only planned. ray: every role on its own Ray workers, placed as the node map says, on the
@@ -964,6 +1048,7 @@ class OnlineJobConfig(TrainJobConfig):
             raise ConfigError("reference.precompute: true needs the training sequences in advance; online jobs "
                               "generate them as they go: set reference.precompute=false")
         _require_task_for_rules(self.reward, self.task, self.data)
+        _resolve(self, "rollout", max_new_tokens=resolved_new_tokens(self.rollout.max_new_tokens, self.task, self.data))
 
 
 @dataclass(frozen=True)
@@ -973,10 +1058,11 @@ class PPOConfig(OnlineJobConfig):
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=3e-5, scheduler="constant", warmup_ratio=0.0))
     """The actor's optimizer and schedule (RL wants small steps: a fresh Adam moves every weight by
     about lr at first, which at SFT learning rates undoes what SFT taught)."""
-    train: TrainConfig = field(default_factory=lambda: TrainConfig(max_steps=100, global_batch_size=64,
-                                                                   micro_batch_size=64))
+    train: TrainConfig = field(default_factory=lambda: TrainConfig(max_steps=100, global_batch_size=None))
     """`max_steps`/`epochs` count rollouts (PPO steps) and passes over the prompts;
-    `global_batch_size` is the mini-batch (sequences per optimizer step)."""
+    `global_batch_size` is the mini-batch (sequences per optimizer step; null: derived from the
+    rollout, see TrainConfig)."""
+    derives_mini_batch: ClassVar[bool] = True
     ppo: PPOSectionConfig = field(default_factory=PPOSectionConfig)
     """The PPO objective and its tricks."""
     critic: CriticConfig = field(default_factory=CriticConfig)
@@ -1005,6 +1091,8 @@ class PPOConfig(OnlineJobConfig):
             raise ConfigError(f"rollout.samples_per_prompt: {n} gives {est} no group to compare within: "
                               f"use at least 2 (e.g. 4), or ppo.advantage_estimator=gae")
         sequences = self.rollout.prompts_per_step * n
+        if self.train.global_batch_size is None:
+            _resolve(self, "train", global_batch_size=largest_divisor(sequences, MICRO_BATCH_CAP))
         if sequences % self.train.global_batch_size:
             raise ConfigError(
                 f"train.global_batch_size: {_shown(self.train.global_batch_size)} does not divide the "
@@ -1059,7 +1147,7 @@ class RSConfig(OnlineJobConfig):
 
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-4, scheduler="constant", warmup_ratio=0.0))
     """Optimizer and learning-rate schedule."""
-    train: TrainConfig = field(default_factory=lambda: TrainConfig(global_batch_size=32, micro_batch_size=32))
+    train: TrainConfig = field(default_factory=lambda: TrainConfig(global_batch_size=32))
     """Batch sizes (responses or pairs per optimizer step); the length comes from the rs section."""
     rollout: RolloutConfig = field(default_factory=lambda: RolloutConfig(samples_per_prompt=8))
     """How candidate responses are generated."""
@@ -1106,6 +1194,8 @@ class GenerateConfig:
 
     def __post_init__(self) -> None:
         _require(self.batch_size >= 1, "batch_size", self.batch_size, "use at least 1")
+        _resolve_data_length(self)
+        _resolve(self, "rollout", max_new_tokens=resolved_new_tokens(self.rollout.max_new_tokens, self.task, self.data))
         _require_metrics(self.metrics, "metrics")
         _require_task_for_rules(self.reward, self.task, self.data)
 

@@ -72,6 +72,11 @@ class ArithmeticTask:
     """Multi-digit integer addition: prompt "12+345=", response "357"."""
 
     name: ClassVar[str] = "arithmetic"
+    answer_tokens: ClassVar[int] = 8
+    """Generation budget for an answer (`rollout/eval.max_new_tokens` when left null): up to 3 digits
+    plus EOS, with room for a wrong longer one."""
+    sample_tokens: ClassVar[int] = 64
+    """Tokens per sample (`data.max_length` when left null): prompt, answer and EOS, with room."""
 
     max_operand: int = 99
     """Largest operand; operands are drawn uniformly from 0..max_operand."""

@@ -54,6 +54,7 @@ import os
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal, Protocol
 
 import torch
@@ -307,6 +308,21 @@ def _repack_cpu_experts(model: torch.nn.Module) -> int:
 _EXTENSION = f"{__name__}._WeightSyncExtension"
 
 
+def model_positions(model_dir: str) -> int | None:
+    """The longest sequence a Hugging Face model folder's config allows (None when it does not say)."""
+    import json
+
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    text = config.get("text_config", config)  # multimodal configs nest the language model's
+    for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        if isinstance(text.get(key), int):
+            return text[key]
+    return None
+
+
 def vllm_batching(*, on_cpu: bool, max_model_len: int, max_num_seqs: int | None = None,
                   max_num_batched_tokens: int | None = None, chunked_prefill: bool | None = None) -> dict[str, Any]:
     """vLLM's batching arguments for an engine (`LLM(**...)`); None leaves a limit to vLLM.
@@ -389,6 +405,11 @@ class VLLMRollout:
                  max_num_seqs: int | None = None, max_num_batched_tokens: int | None = None,
                  chunked_prefill: bool | None = None):
         kwargs: dict[str, Any] = {}
+        positions = model_positions(model_dir)
+        if positions is not None and max_model_len > positions:
+            log.info(f"vLLM engine: longest sequence {max_model_len} > the model's {positions} positions; the engine "
+                     f"holds {positions} (longer prompts are refused by the data checks)")
+            max_model_len = positions
         if distributed_executor_backend is not None:
             kwargs["distributed_executor_backend"] = distributed_executor_backend
         if kv_cache_bytes is not None:

@@ -62,15 +62,16 @@ def last_token_values(values: torch.Tensor, attention_mask: torch.Tensor) -> tor
 
 
 def load_value_model(path: str, *, pad_token_id: int, attn_implementation: str = "auto", dtype: str = "fp32",
-                     trust_remote_code: bool = False, quantization_config=None):
-    """A one-label sequence-classification model from a reward-model or causal-LM folder."""
+                     trust_remote_code: bool = False, quantization_config=None, key: str = "model.path"):
+    """A one-label sequence-classification model from a reward-model or causal-LM folder (`key`: the
+    config field that names it, for errors)."""
     from transformers import AutoModelForSequenceClassification
 
     from hpcrlhf.models.loading import from_pretrained
 
     return from_pretrained(AutoModelForSequenceClassification, path, attn_implementation=attn_implementation,
                            dtype=dtype, trust_remote_code=trust_remote_code, quantization_config=quantization_config,
-                           num_labels=1, pad_token_id=pad_token_id)
+                           num_labels=1, pad_token_id=pad_token_id, key=key)
 
 
 def reward_stats(config) -> tuple[float, float] | None:

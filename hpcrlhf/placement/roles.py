@@ -125,7 +125,7 @@ def _role_memory(cfg: PPOConfig, name: str, shapes: list[ModelShape], ranks: int
     if name not in TRAINED:
         return params, frozen_memory(params, ranks=ranks, zero_stage=stage, precision=precision,
                                      offload_params=offload_params)
-    acts = activation_bytes(shapes[0], tokens=sequence_tokens(cfg), micro_batch=cfg.train.micro_batch_size,
+    acts = activation_bytes(shapes[0], tokens=sequence_tokens(cfg), micro_batch=cfg.train.micro_batch_for(ranks),
                             checkpointing=cfg.engine.gradient_checkpointing)
     return params, trained_memory(params, ranks=ranks, zero_stage=stage, precision=precision,
                                   offload_optimizer=offload_optimizer, offload_params=offload_params, activations=acts)
@@ -200,11 +200,12 @@ def _drop_fix(name: str, cfg: PPOConfig) -> str:
 
 def check_batches(cfg: PPOConfig, roles: dict[str, RolePlan], problems: list[Problem]) -> None:
     """Mini-batches split evenly over the trained roles' ranks, and prompts over the actor's."""
-    g, m = cfg.train.global_batch_size, cfg.train.micro_batch_size
+    g = cfg.train.global_batch_size
     for name in TRAINED:
         if name not in roles:
             continue
         ranks = roles[name].ranks
+        m = cfg.train.micro_batch_for(ranks)
         if g % (m * ranks):
             step = m * ranks
             options = sorted({max(step, g // step * step), (g // step + 1) * step})

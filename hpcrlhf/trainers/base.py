@@ -21,14 +21,15 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 
 from hpcrlhf.config.stop_rule import parse_stop_rule
+from hpcrlhf.diskspace import out_of_space_is_an_error
 from hpcrlhf.data.sources import Row
 from hpcrlhf.engines.distributed import all_reduce_sum, init_distributed
 from hpcrlhf.engines.hf_generate import generate_greedy
 from hpcrlhf.errors import ConfigError
 from hpcrlhf.logs import get_logger
 from hpcrlhf.metrics import read_metrics
-from hpcrlhf.trainers.guard import SKIPPED_SUFFIX, NonFiniteGuard, SkipStep
-from hpcrlhf.trainers.plan import BatchPlan, eval_shards
+from hpcrlhf.trainers.guard import SKIPPED_SUFFIX, NonFiniteGuard, SkipStep, require_finite_start
+from hpcrlhf.trainers.plan import BatchPlan, eval_shards, key_settings
 from hpcrlhf.trainers.run import Run
 
 log = get_logger()
@@ -80,15 +81,17 @@ class Trainer:
         self.tokenizer = load_tokenizer(cfg.model.path, trust_remote_code=cfg.model.trust_remote_code)
         self.pad_id = self.tokenizer.pad_token_id
 
-    def load_model(self, path: str, value_head: bool | None = None) -> torch.nn.Module:
-        """A transformers model from `path`: a causal LM, or (`value_head`, default: the trainer's)
-        a one-label sequence-classification model (no LoRA, not yet in an engine)."""
+    def load_model(self, path: str, value_head: bool | None = None, key: str = "model.path") -> torch.nn.Module:
+        """A transformers model from `path` (named by config field `key`): a causal LM, or
+        (`value_head`, default: the trainer's) a one-label sequence-classification model (no LoRA,
+        not yet in an engine)."""
         from hpcrlhf.models.loading import load_causal_lm
         from hpcrlhf.models.lora import quantization_config
         from hpcrlhf.models.value import load_value_model
 
         kw = dict(attn_implementation=self.cfg.model.attn_implementation, dtype=self.cfg.engine.precision,
-                  trust_remote_code=self.cfg.model.trust_remote_code, quantization_config=quantization_config(self.cfg.lora))
+                  trust_remote_code=self.cfg.model.trust_remote_code, quantization_config=quantization_config(self.cfg.lora),
+                  key=key)
         if self.value_head if value_head is None else value_head:
             return load_value_model(path, pad_token_id=self.pad_id, **kw)
         return load_causal_lm(path, **kw)
@@ -105,9 +108,11 @@ class Trainer:
                  f"{self.plan.micro_batch_rows} rows x {self.plan.grad_accum_steps} accumulation, ZeRO-{cfg.engine.zero_stage}"
                  + (f", LoRA rank {cfg.lora.rank} ({self.trainable_parameters(self.engine)} trainable parameters)"
                     if cfg.lora.rank else ""))
+        log.info(key_settings(cfg, ranks=self.env.world_size, micro_batch_rows=self.plan.micro_batch_rows,
+                              grad_accum_steps=self.plan.grad_accum_steps))
 
     def build_trained_model(self, path: str, *, value_head: bool, optim, micro_batch_rows: int, grad_accum_steps: int,
-                            total_steps: int):
+                            total_steps: int, key: str = "model.path"):
         """A model from `path` (causal LM or value model, LoRA when configured) in a DeepSpeed
         training engine with its own optimizer and schedule."""
         from hpcrlhf.engines.deepspeed_engine import (TrainingEngine, build_deepspeed_config,
@@ -120,7 +125,7 @@ class Trainer:
                                            grad_accum_steps=grad_accum_steps, world_size=self.env.world_size)
         prepare_extensions(ds_config)
         self._zero3_ctx = maybe_zero3_init_context(ds_config)  # alive while models load
-        model = self.load_model(path, value_head)
+        model = self.load_model(path, value_head, key)
         if cfg.lora.rank:
             model = apply_lora(model, cfg.lora, value_head=value_head,
                                gradient_checkpointing=cfg.engine.gradient_checkpointing)
@@ -133,7 +138,8 @@ class Trainer:
     def trainable_parameters(engine) -> int:
         return sum(p.numel() for p in engine.module.parameters() if p.requires_grad)
 
-    def build_frozen_model(self, path: str, *, value_head: bool, offload: bool = False, micro_batch_rows: int = 1):
+    def build_frozen_model(self, path: str, *, value_head: bool, offload: bool = False, micro_batch_rows: int = 1,
+                           key: str = "model.path"):
         """A model used for forward passes only (reference, reward model): replicated at ZeRO 0-2,
         sharded like the trained model at ZeRO-3 (optionally with its weights kept on the CPU)."""
         from hpcrlhf.engines.deepspeed_engine import (FrozenModel, build_frozen_deepspeed_config,
@@ -143,7 +149,7 @@ class Trainer:
         ds_config = build_frozen_deepspeed_config(self.cfg.engine, offload=offload, micro_batch_size=micro_batch_rows,
                                                   world_size=self.env.world_size)
         ctx = maybe_zero3_init_context(ds_config) if ds_config else None  # shard while loading
-        model = self.load_model(path, value_head)
+        model = self.load_model(path, value_head, key)
         frozen = FrozenModel(ValueModel(model) if value_head else model, ds_config, self.device)
         if ctx is not None and getattr(self, "_zero3_ctx", None) is not None:
             # give transformers back the trained model's ZeRO-3 config
@@ -157,6 +163,16 @@ class Trainer:
         from hpcrlhf.engines.distributed import device_for
 
         return device_for(self.env.local_rank)
+
+    def evaluated_models(self) -> dict[str, str]:
+        """Config field -> path of each model evaluation runs, the trained one first (named when the
+        first evaluation is NaN/Inf)."""
+        return {"model.path": self.cfg.model.path}
+
+    def trained_weights(self):
+        """The trained model's (name, tensor) pairs, None when this process does not hold them whole
+        (ZeRO-3 shards)."""
+        return None if self.engine.zero_stage == 3 else self.engine.module.named_parameters()
 
     @property
     def checkpointable(self):
@@ -264,6 +280,7 @@ class Trainer:
         stop_rule = parse_stop_rule(self.cfg.eval.stop_when)
         if step == 0:
             before = self.evaluate()
+            require_finite_start(before, self.evaluated_models(), self.trained_weights(), self.cfg.engine.precision)
             if stop_rule is not None:  # a misspelt metric fails here, not after hours of training
                 stop_rule.require_metric(before)
             run.log(0, before)
@@ -307,7 +324,9 @@ class Trainer:
         run = self.run
         self._checkpoint_once(step)
         if self.cfg.checkpoint.save_model:
-            self.save_outputs()
+            with out_of_space_is_an_error(run.dir, "the exported model (model/)",
+                                          resume_hint=": the run is checkpointed at its last step and exports again"):
+                self.save_outputs()
         summary = {"status": "done", "step": step, "before": before, "after": after, **extra}
         run.write_summary(summary)
         log.info("after training: " + format_metrics(after))

@@ -194,8 +194,12 @@ class OnlineTrainer(Trainer):
         return VLLMRollout(**vllm_engine_args(self.cfg))
 
     def build_rewards(self) -> None:
-        self.rewards = RewardSet(self.cfg.reward, lambda path: self.build_frozen_model(path, value_head=True),
+        self.rewards = RewardSet(self.cfg.reward, lambda path, field: self.build_frozen_model(path, value_head=True, key=field),
                                  self.tokenizer, self.task, self.device, self.cfg.model.trust_remote_code)
+
+    def evaluated_models(self) -> dict[str, str]:
+        return {**super().evaluated_models(), **{f"reward.sources[{i}].model": s.model
+                                                 for i, s in enumerate(self.cfg.reward.sources) if s.model}}
 
     def sync_rollout(self) -> None:
         """Push the actor's weights into the rollout engine (nothing to do for the HF backend,

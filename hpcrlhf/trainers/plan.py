@@ -40,7 +40,7 @@ class BatchPlan:
 
     @classmethod
     def build(cls, train: TrainConfig, *, num_rows: int, data_parallel_size: int) -> "BatchPlan":
-        g, m, w = train.global_batch_size, train.micro_batch_size, data_parallel_size
+        g, m, w = train.global_batch_size, train.micro_batch_for(data_parallel_size), data_parallel_size
         if g % (m * w):
             options = sorted({m * w * k for k in (max(1, g // (m * w)), g // (m * w) + 1)})
             raise ConfigError(
@@ -113,7 +113,7 @@ class PPOPlan:
     @classmethod
     def build(cls, train: TrainConfig, *, prompts_per_step: int, samples_per_prompt: int, ppo_epochs: int,
               num_prompts: int, data_parallel_size: int) -> "PPOPlan":
-        w, g, m = data_parallel_size, train.global_batch_size, train.micro_batch_size
+        w, g, m = data_parallel_size, train.global_batch_size, train.micro_batch_for(data_parallel_size)
         if prompts_per_step % w:
             raise ConfigError(f"rollout.prompts_per_step: {prompts_per_step} does not split over {w} ranks; "
                               f"use a multiple of {w}")
@@ -132,6 +132,26 @@ class PPOPlan:
         total = train.max_steps if train.max_steps is not None else steps_per_epoch * train.epochs
         return cls(w, prompts_per_step // w, samples_per_prompt, g // w, m, g // (m * w), ppo_epochs * (sequences // g),
                    steps_per_epoch, total)
+
+
+def key_settings(cfg, *, ranks: int, micro_batch_rows: int, grad_accum_steps: int) -> str:
+    """The settings that decide whether a run on new data learns, in one line for the start-up log
+    (README: "Choosing the key settings"): model, data, learning rate, batch arithmetic and lengths."""
+    data = cfg.data
+    task = cfg.task.resolve(data)
+    source = f"data {data.train_path}" + (f" (eval {data.eval_path})" if data.eval_path else "") if data.train_path \
+        else f"the bundled {task} task"
+    micro = f"{micro_batch_rows} (micro batch{', derived' if cfg.train.micro_batch_size is None else ''})"
+    parts = [f"model {cfg.model.path}", source,
+             f"lr {cfg.optim.lr:g} ({cfg.optim.scheduler}, warm-up {cfg.optim.warmup_ratio:g})",
+             f"{cfg.train.global_batch_size} per optimizer step = {ranks} rank(s) x {micro} x {grad_accum_steps} "
+             "accumulation", f"data.max_length {data.max_length}"]
+    rollout = getattr(cfg, "rollout", None)
+    if rollout is not None:
+        parts.append(f"rollout {rollout.prompts_per_step} prompts x {rollout.samples_per_prompt} samples of up to "
+                     f"{rollout.max_new_tokens} tokens")
+    parts.append(f"eval answers up to {cfg.eval.max_new_tokens} tokens")
+    return "key settings: " + "; ".join(parts)
 
 
 def eval_shards(items: Sequence, env: DistEnv, batch_size: int) -> list[tuple[list, bool]]:

@@ -33,11 +33,16 @@ class PolicyTrainer(Trainer):
         """Load the reference; with `reference.precompute`, score every sequence of `self.train`
         and `self.evals` (`sequences(item)` gives an item's) now and free the model."""
         ref = self.cfg.reference
-        self.reference = Reference(self, ref.path or self.cfg.model.path, offload=ref.offload)
+        self.reference = Reference(self, ref.path or self.cfg.model.path, offload=ref.offload,
+                                   key="reference.path" if ref.path else "model.path")
         if ref.precompute:
             tables = {name: [s for item in items for s in sequences(item)]
                       for name, items in (("train", self.train), ("eval", self.evals))}
             self.reference.precompute(tables, self.run.dir)
+
+    def evaluated_models(self) -> dict[str, str]:
+        ref = self.cfg.reference.path
+        return {**super().evaluated_models(), **({"reference.path": ref} if ref else {})}
 
     def sequence_ids(self, indices: Sequence[int], part: int) -> list[int]:
         return [self.SEQUENCES_PER_ITEM * i + part for i in indices]
@@ -71,6 +76,7 @@ def task_pairs(trainer: Trainer) -> list[PairSample]:
     """Held-out (prompt, correct, wrong) pairs from the bundled task (none without a task)."""
     from hpcrlhf.config.schema import PairDataConfig
     from hpcrlhf.data.preference import tokenize_pairs
+    from hpcrlhf.data.sft import keep_usable
     from hpcrlhf.data.sources import rows_from_records
     from hpcrlhf.data.tasks import build_task
 
@@ -81,4 +87,4 @@ def task_pairs(trainer: Trainer) -> list[PairSample]:
                                                          cfg.task.near_miss),
                              f"task:{task.name}[eval]")
     data = PairDataConfig(max_length=cfg.data.max_length, apply_chat_template=cfg.data.apply_chat_template)
-    return tokenize_pairs(rows, trainer.tokenizer, data)[0]
+    return keep_usable(*tokenize_pairs(rows, trainer.tokenizer, data), split="eval", path=None)

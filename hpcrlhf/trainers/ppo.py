@@ -45,7 +45,7 @@ from hpcrlhf.logs import get_logger
 from hpcrlhf.trainers.base import Stats, add_stats, reduce_means
 from hpcrlhf.trainers.experience import ExperienceBatch, ReplayBuffer
 from hpcrlhf.trainers.online import OnlineTrainer, Prompt, Rollout
-from hpcrlhf.trainers.plan import PPOPlan
+from hpcrlhf.trainers.plan import PPOPlan, key_settings
 from hpcrlhf.trainers.ppo_learner import PPOLearner, Sums, forward_logps, forward_values
 from hpcrlhf.trainers.sequences import model_batch
 
@@ -64,12 +64,13 @@ class PPOTrainer(OnlineTrainer):
         self.engine = self.build_trained_model(cfg.model.path, value_head=False, optim=cfg.optim, **self.plan.engine_args())
         self.critic = None
         if ppo.uses_critic:
-            self.critic = self.build_trained_model(cfg.critic_source()[1], value_head=True, optim=cfg.critic.optim,
+            field, path = cfg.critic_source()
+            self.critic = self.build_trained_model(path, value_head=True, optim=cfg.critic.optim, key=field,
                                                    **self.plan.engine_args())
         self.reference = None
         if ppo.uses_reference:
-            self.reference = self.build_frozen_model(cfg.reference_source()[1], value_head=False,
-                                                     offload=cfg.reference.offload,
+            field, path = cfg.reference_source()
+            self.reference = self.build_frozen_model(path, value_head=False, key=field, offload=cfg.reference.offload,
                                                      micro_batch_rows=self.plan.micro_batch_rows)
         self.build_rewards()
         self.build_rollout()
@@ -107,6 +108,8 @@ class PPOTrainer(OnlineTrainer):
                  f"{cfg.rollout.prompts_per_step} prompts x {cfg.rollout.samples_per_prompt} samples, "
                  f"{plan.updates_per_step} optimizer step(s) per rollout, {where}, "
                  f"rewards: {', '.join(self.rewards.names)}")
+        log.info(key_settings(cfg, ranks=plan.data_parallel_size, micro_batch_rows=plan.micro_batch_rows,
+                              grad_accum_steps=plan.grad_accum_steps))
 
     @property
     def checkpointable(self):

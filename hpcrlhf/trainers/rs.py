@@ -93,7 +93,8 @@ class RSTrainer(OnlineTrainer):
                                                grad_accum_steps=plan.grad_accum_steps, total_steps=total)
         self.reference = None
         if rs.mode == "dpo":
-            self.reference = self.build_frozen_model(cfg.reference_source()[1], value_head=False,
+            field, path = cfg.reference_source()
+            self.reference = self.build_frozen_model(path, value_head=False, key=field,
                                                      offload=cfg.reference.offload, micro_batch_rows=plan.micro_batch_rows)
         self.build_rewards()
         self.build_rollout()

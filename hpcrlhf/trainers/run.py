@@ -169,16 +169,16 @@ class Run:
 
     def _checkpoint_to_resume(self) -> Path | None:
         policy = self.cfg.checkpoint.resume
-        latest = self.checkpoints.latest_intact() if policy == "auto" else self.checkpoints.latest()
         if policy == "never":
-            if latest is not None:
+            existing = self.checkpoints.complete()  # whatever `latest` says
+            if existing:
                 raise ConfigError(
-                    f"checkpoint.resume: 'never' but {self.dir} already holds checkpoints ({latest.name}); "
+                    f"checkpoint.resume: 'never' but {self.dir} already holds checkpoints ({existing[-1].name}); "
                     "use a new --output-dir, or checkpoint.resume=auto to continue that run"
                 )
             return None
         if policy == "auto":
-            return latest
+            return self.checkpoints.latest_intact()
         path = Path(policy)
         if not (path.is_dir() and any(path.glob("*model_states.pt"))):
             raise ConfigError(f"checkpoint.resume: '{policy}' is not a checkpoint folder (e.g. {self.dir}/checkpoints/step_000100)")

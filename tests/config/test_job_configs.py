@@ -71,3 +71,43 @@ def test_metric_mistakes_fail_when_the_config_loads(kind, overrides, needle):
     with pytest.raises(ConfigError) as err:
         load_config(GenerateConfig if kind == "generate" else JOB_CONFIGS[kind], overrides=overrides)
     assert needle in str(err.value), str(err.value)
+
+
+def test_one_intent_one_edit_batches_follow_the_rollout():
+    """Changing the rollout size alone used to fail on train.global_batch_size, then on
+    train.micro_batch_size: left null they are derived (largest divisor <= 64), set they are kept."""
+    from hpcrlhf.config.schema import PPOConfig
+    from hpcrlhf.trainers.plan import BatchPlan, PPOPlan
+
+    for prompts, mini in [(32, 64), (20, 40), (7, 28), (100, 50)]:
+        cfg = load_config(PPOConfig, overrides=[f"rollout.prompts_per_step={prompts}"])
+        assert cfg.train.global_batch_size == mini and (prompts * 4) % mini == 0
+        plan = PPOPlan.build(cfg.train, prompts_per_step=prompts, samples_per_prompt=4, ppo_epochs=1,
+                             num_prompts=10_000, data_parallel_size=1)
+        assert plan.micro_batch_rows == mini and plan.grad_accum_steps == 1
+    with pytest.raises(ConfigError, match="train.global_batch_size: 64 does not divide the 80 sequences"):
+        load_config(PPOConfig, overrides=["rollout.prompts_per_step=20", "train.global_batch_size=64"])  # set: kept
+    sft = load_config(SFTConfig)  # 64 per step on 2 ranks: the derived micro batch is 32 (was: an error)
+    plan = BatchPlan.build(sft.train, num_rows=1000, data_parallel_size=2)
+    assert (plan.micro_batch_rows, plan.grad_accum_steps) == (32, 1)
+    big = load_config(SFTConfig, overrides=["train.global_batch_size=512"])
+    assert BatchPlan.build(big.train, num_rows=10_000, data_parallel_size=2).micro_batch_rows == 64  # capped
+    with pytest.raises(ConfigError, match="null is derived only for ppo"):
+        load_config(SFTConfig, overrides=["train.global_batch_size=null"])
+
+
+def test_lengths_follow_the_task_unless_set():
+    """The demo's lengths (8 new tokens, 64-token samples) apply to the bundled task only; your data
+    gets general defaults, and what you set is kept."""
+    from hpcrlhf.config.schema import DEFAULT_MAX_LENGTH, DEFAULT_NEW_TOKENS, GenerateConfig, PPOConfig
+
+    demo = load_config(PPOConfig)
+    assert (demo.rollout.max_new_tokens, demo.eval.max_new_tokens, demo.data.max_length) == (8, 8, 64)
+    own = load_config(PPOConfig, overrides=["data.train_path=p.jsonl", "reward.sources=[{rule: m:f}]"])
+    assert (own.rollout.max_new_tokens, own.eval.max_new_tokens, own.data.max_length) == \
+        (DEFAULT_NEW_TOKENS, DEFAULT_NEW_TOKENS, DEFAULT_MAX_LENGTH)
+    set_ = load_config(SFTConfig, overrides=["data.train_path=t.jsonl", "data.max_length=300", "eval.max_new_tokens=12"])
+    assert (set_.data.max_length, set_.eval.max_new_tokens) == (300, 12)
+    assert load_config(GenerateConfig, overrides=["data.train_path=p.jsonl"]).rollout.max_new_tokens == DEFAULT_NEW_TOKENS
+    with pytest.raises(ConfigError, match="rollout.min_new_tokens: 16 is invalid"):
+        load_config(PPOConfig, overrides=["rollout.min_new_tokens=16"])  # against the task's 8

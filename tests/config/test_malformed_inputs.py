@@ -691,7 +691,7 @@ def test_huge_integers_are_shown_by_their_size(kind, recipe, expected):
     ("data.max_samples=-2", "data.max_samples: -2 is invalid: use at least 1 row, or null for all of them"),
     ("log.every_steps=0", "log.every_steps: 0 is invalid: use at least 1 (every step)"),
     ("eval.every_steps=-1", "eval.every_steps: -1 is invalid: use 0 (only at the end) or a step count"),
-    ("eval.max_new_tokens=0", "eval.max_new_tokens: 0 is invalid: use at least 1"),
+    ("eval.max_new_tokens=0", "eval.max_new_tokens: 0 is invalid: use at least 1, or null for the task's default"),
     ("eval.score_prompts=-1", "eval.score_prompts: -1 is invalid: use 0 (no task score) or more"),
     ("eval.batch_size=0", "eval.batch_size: 0 is invalid: use at least 1"),
     # loaded, then refused by torch's AdamW with a bare ValueError when the engine starts

@@ -9,6 +9,7 @@ import pytest
 
 from hpcrlhf.config.schema import PairDataConfig, UnpairedDataConfig
 from hpcrlhf.data.preference import check_pair_rows, check_unpaired_rows, tokenize_pairs, tokenize_unpaired
+from hpcrlhf.data.sft import keep_usable
 from hpcrlhf.data.sources import Row, read_rows
 from hpcrlhf.data.tasks import ArithmeticTask
 from hpcrlhf.errors import DataError
@@ -32,14 +33,14 @@ def write_jsonl(path, rows):
 def test_malformed_pairs_are_named_by_file_and_line(tmp_path, bad, needle):
     path = write_jsonl(tmp_path / "pairs.jsonl", [GOOD, GOOD, bad])
     with pytest.raises(DataError) as e:
-        check_pair_rows(read_rows(str(path)), PairDataConfig())
+        check_pair_rows(read_rows(str(path)), PairDataConfig(max_length=64))
     assert f"{path}:3:" in str(e.value) and needle in str(e.value)
 
 
 def test_margin_must_be_a_number(tmp_path):
     path = write_jsonl(tmp_path / "pairs.jsonl", [{**GOOD, "m": 1.5}, {**GOOD, "m": "big"}])
     with pytest.raises(DataError, match=rf"{path}:2: field 'm' \(data.margin_key\) must be a finite number"):
-        check_pair_rows(read_rows(str(path)), PairDataConfig(margin_key="m"))
+        check_pair_rows(read_rows(str(path)), PairDataConfig(margin_key="m", max_length=64))
 
 
 @pytest.mark.parametrize("label", ["yes", 2, None])
@@ -47,7 +48,7 @@ def test_unpaired_label_must_be_boolean(tmp_path, label):
     path = write_jsonl(tmp_path / "kto.jsonl", [{"prompt": "1+2=", "completion": "3", "label": True},
                                                 {"prompt": "1+2=", "completion": "4", "label": label}])
     with pytest.raises(DataError, match=rf"{path}:2: field 'label' \(data.label_key\) must be true or false"):
-        check_unpaired_rows(read_rows(str(path)), UnpairedDataConfig())
+        check_unpaired_rows(read_rows(str(path)), UnpairedDataConfig(max_length=64))
 
 
 def test_cli_reports_bad_preference_file_before_training(tmp_path):
@@ -60,29 +61,36 @@ def test_cli_reports_bad_preference_file_before_training(tmp_path):
 
 def test_pairs_tokenise_like_sft_samples(tokenizer):
     rows = [Row({**GOOD, "difficulty": "hard"}, "x:1")]
-    (pair,), truncated = tokenize_pairs(rows, tokenizer, PairDataConfig())
+    (pair,), truncation = tokenize_pairs(rows, tokenizer, PairDataConfig(max_length=64))
     prompt = tokenizer("1+2=", add_special_tokens=True)["input_ids"]
     assert list(pair.chosen.input_ids) == prompt + tokenizer("3", add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
     assert pair.chosen.loss_mask == (False,) * len(prompt) + (True,) * (len(pair.chosen.input_ids) - len(prompt))
-    assert pair.tag == "hard" and pair.margin == 0.0 and truncated == 0
+    assert pair.tag == "hard" and pair.margin == 0.0 and truncation.cut == 0 and truncation.usable == (True,)
 
 
-def test_pairs_identical_after_truncation_are_an_error(tokenizer):
-    rows = [Row({"prompt": "1+2+3+4+5+6+7+8+9=", "chosen": "45", "rejected": "46"}, "x:7")]
-    with pytest.raises(DataError, match="x:7: chosen and rejected are identical after truncation to data.max_length=8"):
-        tokenize_pairs(rows, tokenizer, PairDataConfig(max_length=8))
+def test_pairs_identical_after_truncation_are_left_out_and_none_left_is_an_error(tokenizer):
+    """A prompt filling data.max_length leaves chosen and rejected the same tokens: such a pair
+    teaches nothing and is left out; when no pair is left the error names the setting."""
+    long = Row({"prompt": "1+2+3+4+5+6+7+8+9=", "chosen": "45", "rejected": "46"}, "x:7")
+    pairs, truncation = tokenize_pairs([long, Row(GOOD, "x:8")], tokenizer, PairDataConfig(max_length=8))
+    assert truncation.usable == (False, True) and truncation.prompt_tokens[0] > 8
+    assert keep_usable(pairs, truncation, split="training", path="x.jsonl") == pairs[1:]
+    with pytest.raises(DataError, match=r"data.max_length=8 tokens leaves nothing to learn from in any of the 1 "
+                                        r"training rows of x.jsonl \(data.train_path\): each lost the difference "
+                                        r"between chosen and rejected"):
+        keep_usable(*tokenize_pairs([long], tokenizer, PairDataConfig(max_length=8)), split="training", path="x.jsonl")
 
 
 def test_kto_mismatched_sequence_is_own_prompt_plus_next_rows_completion(tokenizer):
     rows = [Row({"prompt": f"{i}+1=", "completion": str(i + 1), "label": i % 2 == 0}, f"x:{i}") for i in range(3)]
-    samples, _ = tokenize_unpaired(rows, tokenizer, UnpairedDataConfig())
+    samples = tokenize_unpaired(rows, tokenizer, UnpairedDataConfig(max_length=64))
     enc = lambda text, special: tokenizer(text, add_special_tokens=special)["input_ids"]  # noqa: E731
     for i, s in enumerate(samples):
         j = (i + 1) % 3
         assert list(s.mismatched.input_ids) == enc(f"{i}+1=", True) + enc(str(j + 1), False) + [tokenizer.eos_token_id]
         assert s.desirable == (i % 2 == 0)
     with pytest.raises(DataError, match="at least 2 rows"):
-        tokenize_unpaired(rows[:1], tokenizer, UnpairedDataConfig())
+        tokenize_unpaired(rows[:1], tokenizer, UnpairedDataConfig(max_length=64))
 
 
 def test_mixed_preference_rows():

@@ -62,6 +62,10 @@ def test_sft_on_own_data_scores_no_arithmetic(tmp_path):
                     *SFT], timeout=300)
     assert "eval/loss" in eval_keys(out) and "eval/task_score" not in eval_keys(out), eval_keys(out)
     assert "task.name=auto: data.train_path is set, so the bundled task is off" in proc.stderr, proc.stderr[-3000:]
+    # The start-up log says what decides learning, with the lengths for your data, not the demo's.
+    settings = next(line for line in proc.stderr.splitlines() if "key settings: " in line)
+    assert f"data {train}" in settings and "lr " in settings and "per optimizer step = 1 rank(s) x" in settings
+    assert "eval answers up to 3 tokens" in settings and "data.max_length 1024" in settings, settings
 
 
 def test_ppo_on_own_prompts_with_the_task_reward_fails_when_the_config_loads(tmp_path):

@@ -65,7 +65,7 @@ def test_exported_reward_model_scores_as_reward_and_initialises_a_critic(rm_run)
     critic = ValueModel(model).eval()
     saved = load_file(f"{path}/model.safetensors")
     assert torch.equal(critic.hf_model.score.weight, saved["score.weight"])
-    _, evals = load_pairs(PairDataConfig(), TaskConfig(eval_size=256), tok)
+    _, evals = load_pairs(PairDataConfig(max_length=64), TaskConfig(eval_size=256), tok)
     seqs = [p.chosen for p in evals] + [p.rejected for p in evals]
     batch = model_batch(seqs, tok.pad_token_id, torch.device("cpu"))
     with torch.no_grad():
