@@ -64,6 +64,16 @@ class ModelConfig:
     used, else sdpa. Asking for flash_attention_2 without flash-attn is an error."""
     trust_remote_code: bool = False
     """Allow model code from the model folder (only for models you trust)."""
+    router_aux_loss_coef: float = 0.0
+    """Mixture-of-experts models (Mixtral, Qwen2-MoE, ...): weight of the router's load-balancing
+    loss (Switch Transformer's, as transformers computes it; hpcrlhf.models.moe) added to the
+    trained model's loss in sft and for the ppo actor, reported as train/router_aux_loss. 0: off
+    (router logits not computed). Mixtral was trained with 0.02; refused for a model without a router."""
+
+    def __post_init__(self) -> None:
+        _require_finite(self, "model")
+        _require(self.router_aux_loss_coef >= 0, "model.router_aux_loss_coef", self.router_aux_loss_coef,
+                 "use 0 (off) or a positive weight, e.g. 0.02")
 
 
 DEFAULT_TASK = "arithmetic"
@@ -452,11 +462,16 @@ class TrainJobConfig:
 
     derives_mini_batch: ClassVar[bool] = False
     """Whether a null `train.global_batch_size` is derived (ppo, from its rollout)."""
+    uses_router_loss: ClassVar[bool] = False
+    """Whether the job adds `model.router_aux_loss_coef` x the router loss (sft, ppo)."""
 
     def __post_init__(self) -> None:
         if self.task.name is None and self.data.train_path is None:
             raise ConfigError("data.train_path: null needs a task for data: set data.train_path or task.name")
         _resolve_data_length(self)
+        if self.model.router_aux_loss_coef and not self.uses_router_loss:
+            raise ConfigError(f"model.router_aux_loss_coef: {self.model.router_aux_loss_coef} is used by sft and the ppo "
+                              "actor only; use 0 for this job")
         if self.train.global_batch_size is None and not self.derives_mini_batch:
             raise ConfigError("train.global_batch_size: null is derived only for ppo (from its rollout); give the "
                               "samples per optimizer step, e.g. 64")
@@ -477,6 +492,7 @@ class TrainJobConfig:
 class SFTConfig(TrainJobConfig):
     """Supervised fine-tuning: next-token loss on the response tokens of (prompt, response) rows."""
 
+    uses_router_loss: ClassVar[bool] = True
     output_dir: str = "runs/sft"
     """Run folder: config.yaml, metrics.jsonl, TensorBoard files, checkpoints/, model/."""
 
@@ -1063,6 +1079,7 @@ class PPOConfig(OnlineJobConfig):
     `global_batch_size` is the mini-batch (sequences per optimizer step; null: derived from the
     rollout, see TrainConfig)."""
     derives_mini_batch: ClassVar[bool] = True
+    uses_router_loss: ClassVar[bool] = True
     ppo: PPOSectionConfig = field(default_factory=PPOSectionConfig)
     """The PPO objective and its tricks."""
     critic: CriticConfig = field(default_factory=CriticConfig)

@@ -126,6 +126,13 @@ class Trainer:
         prepare_extensions(ds_config)
         self._zero3_ctx = maybe_zero3_init_context(ds_config)  # alive while models load
         model = self.load_model(path, value_head, key)
+        if cfg.model.router_aux_loss_coef and not value_head:
+            from hpcrlhf.models.moe import has_router
+
+            if not has_router(model.config):
+                raise ConfigError(f"model.router_aux_loss_coef: {cfg.model.router_aux_loss_coef}, but {key} {path} "
+                                  f"({model.config.model_type}) is no mixture-of-experts model: it has no router to "
+                                  "balance; use 0")
         if cfg.lora.rank:
             model = apply_lora(model, cfg.lora, value_head=value_head,
                                gradient_checkpointing=cfg.engine.gradient_checkpointing)

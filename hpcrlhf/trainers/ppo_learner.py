@@ -19,6 +19,7 @@ import torch
 from hpcrlhf.algos.logprobs import IGNORE, token_logprobs
 from hpcrlhf.algos.ppo import aggregate_loss, entropy_from_logits, kl_estimate, masked_sum, policy_loss, value_loss
 from hpcrlhf.engines.distributed import all_reduce_sum
+from hpcrlhf.models.moe import router_kwargs
 from hpcrlhf.trainers.base import add_stats
 from hpcrlhf.trainers.experience import ReplayBuffer, collate_experience
 from hpcrlhf.trainers.guard import SKIPPED_SUFFIX
@@ -94,8 +95,9 @@ class PPOLearner:
         return max(all_reduce_sum([float(local)])[0], 1.0)
 
     def actor_loss(self, batch: dict[str, torch.Tensor], normalizer: float):
-        ppo, mask = self.cfg.ppo, batch["action_mask"]
-        logits = self.engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        ppo, mask, coef = self.cfg.ppo, batch["action_mask"], self.cfg.model.router_aux_loss_coef
+        out = self.engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], **router_kwargs(coef))
+        logits = out.logits
         logp = token_logprobs(logits, batch["labels"])
         loss, st = policy_loss(logp, batch["old_logps"], batch["advantages"], mask, clip_eps_low=ppo.clip_eps,
                                clip_eps_high=ppo.clip_eps_high, dual_clip=ppo.dual_clip,
@@ -113,6 +115,10 @@ class PPOLearner:
             kl_loss = aggregate_loss(kl, mask, ppo.loss_aggregation, normalizer)
             loss = loss + ppo.kl_loss_coef * kl_loss
             stats["train/kl_loss"] = (float(kl_loss.detach()), 0.0)
+        if coef:  # a mean per forward, weighted by the micro-batch's share of the global mini-batch
+            rows = batch["input_ids"].shape[0]
+            loss = loss + coef * out.aux_loss * (rows / self.cfg.train.global_batch_size)
+            stats["train/router_aux_loss"] = (float(out.aux_loss.detach()) * rows, float(rows))
         return loss, stats
 
     def critic_loss(self, batch: dict[str, torch.Tensor], normalizer: float):

@@ -18,6 +18,7 @@ from hpcrlhf.data.sft import TokenizedSample, keep_usable, tokenize_sft
 from hpcrlhf.data.loading import load_rows
 from hpcrlhf.data.sources import Row, require_text
 from hpcrlhf.engines.distributed import all_reduce_sum
+from hpcrlhf.models.moe import router_kwargs
 from hpcrlhf.trainers.base import Trainer, merge_evaluation
 from hpcrlhf.trainers.sequences import model_batch
 
@@ -91,21 +92,29 @@ class SFTTrainer(Trainer):
 def nll_step(trainer: Trainer, rows: list[list[TokenizedSample]], packed: bool) -> dict[str, float]:
     """One optimizer step of `trainer.engine` on the mean token NLL of this rank's `rows` and
     every other rank's (normalised by the global token count)."""
-    engine, micro_rows = trainer.engine, trainer.plan.micro_batch_rows
+    engine, micro_rows, world = trainer.engine, trainer.plan.micro_batch_rows, trainer.env.world_size
+    coef = trainer.cfg.model.router_aux_loss_coef
     micro = [collate(rows[i : i + micro_rows], trainer.pad_id, packed) for i in range(0, len(rows), micro_rows)]
     local_tokens = sum(int((b["labels"] != -100).sum()) for b in micro)
-    global_tokens, global_samples = all_reduce_sum([local_tokens, sum(len(r) for r in rows)])
+    global_tokens, global_samples, global_micro = all_reduce_sum([local_tokens, sum(len(r) for r in rows), len(micro)])
     engine.train()
-    loss_sum = 0.0
+    loss_sum = aux_sum = 0.0
     for batch in micro:
         batch = {k: v.to(engine.device) for k, v in batch.items()}
         labels = batch.pop("labels")
-        nll, _ = nll_sum(engine(**batch).logits, labels)
-        engine.backward(nll * trainer.env.world_size / global_tokens)
+        out = engine(**batch, **router_kwargs(coef))
+        nll, _ = nll_sum(out.logits, labels)
+        loss = nll * world / global_tokens
+        if coef:  # the router loss is a mean per forward: averaged over every micro-batch of every rank
+            loss = loss + coef * out.aux_loss * world / global_micro
+            aux_sum += float(out.aux_loss.detach())
+        engine.backward(loss)
         engine.step()
         loss_sum += float(nll.detach())
-    (total_loss,) = all_reduce_sum([loss_sum])
-    return {"train/loss": total_loss / global_tokens, "train/tokens": global_tokens, "train/samples": global_samples}
+    total_loss, total_aux = all_reduce_sum([loss_sum, aux_sum])
+    router = {"train/router_aux_loss": total_aux / global_micro} if coef else {}
+    return {"train/loss": total_loss / global_tokens, "train/tokens": global_tokens, "train/samples": global_samples,
+            **router}
 
 
 def run_sft(cfg: SFTConfig) -> dict:
