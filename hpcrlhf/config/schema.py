@@ -712,7 +712,7 @@ class RolloutConfig:
                  self.max_new_tokens, "use at least 1, or null for the task's default")
         if self.max_new_tokens is not None:  # null is resolved by the job's config (resolved_new_tokens)
             _require(0 <= self.min_new_tokens <= self.max_new_tokens, "rollout.min_new_tokens", self.min_new_tokens,
-                     f"use a value from 0 to rollout.max_new_tokens ({self.max_new_tokens})")
+                     f"use a value from 0 to rollout.max_new_tokens ({_shown(self.max_new_tokens)})")
         _require(self.hf_batch_size >= 1, "rollout.hf_batch_size", self.hf_batch_size, "use at least 1")
         _require(self.vllm_kv_cache_gb > 0, "rollout.vllm_kv_cache_gb", self.vllm_kv_cache_gb, "use a positive size")
         for name in ("vllm_max_num_seqs", "vllm_max_num_batched_tokens"):
@@ -721,7 +721,7 @@ class RolloutConfig:
         if self.vllm_max_num_seqs is not None and self.vllm_max_num_batched_tokens is not None:
             _require(self.vllm_max_num_batched_tokens >= self.vllm_max_num_seqs, "rollout.vllm_max_num_batched_tokens",
                      self.vllm_max_num_batched_tokens,
-                     f"use at least rollout.vllm_max_num_seqs ({self.vllm_max_num_seqs}): each running sequence "
+                     f"use at least rollout.vllm_max_num_seqs ({_shown(self.vllm_max_num_seqs)}): each running sequence "
                      "needs one token per step")
 
 

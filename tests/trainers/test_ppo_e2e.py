@@ -60,15 +60,15 @@ def task_reward_model(full_sft_run, tmp_path_factory) -> str:
     base = tmp_path_factory.mktemp("rm_for_ppo")
     run_cli(["train", "rm", "-o", str(base / "rm"), "--set", f"model.path={full_sft_run / 'model'}", *QUIET,
              "--set", "task.near_miss=offset", "--set", "task.hard_pair_fraction=1.0", "--set", "task.train_size=160000",
-             "--set", "optim.lr=3e-4", "--set", "train.max_steps=4800", "--set", "eval.every_steps=200",
-             "--set", "eval.stop_when=eval/accuracy>=0.88"])  # measured: 0.80 at step 400, 0.90 by 4800
+             "--set", "optim.lr=3e-4", "--set", "train.max_steps=4800"])  # measured: 0.80 at step 400, 0.90 by 4800;
+    # stopped at 0.88 instead, the policy learned to please it at the task's expense (0.57 -> 0.51, AMD EPYC)
     rm = summary(base / "rm")
     assert rm["after"]["eval/accuracy"] > 0.85, rm  # held-out near-miss pairs ranked right
     return str(base / "rm" / "model")
 
 
 @pytest.mark.slow
-def test_ppo_with_the_learned_reward_model_alone_raises_the_task_score(task_reward_model, policy_model, tmp_path):
+def test_ppo_with_the_learned_reward_model_alone_raises_its_reward_and_keeps_the_task(task_reward_model, policy_model, tmp_path):
     out = tmp_path / "run"
     run_cli(["train", "ppo", "-o", str(out), "--set", f"model.path={policy_model}", "--set", "train.max_steps=60",
              "--set", f"reward.sources=[{{model: {task_reward_model}}}]", *RL])
