@@ -2,7 +2,8 @@
 
 An engine actor runs on its group's node and sees exactly the group's GPUs; vLLM starts its TP
 workers itself with multiprocessing (never Ray: that would escape the map, and vLLM's CPU build
-does not support it). Weights arrive as a full state dict after every actor update.
+does not support it). Weights arrive after every actor update, broadcast in a weight-sync group
+(`receive_weights`) or as a full state dict (`load_weights`).
 """
 
 from __future__ import annotations
@@ -49,6 +50,12 @@ class EngineWorker(RoleWorker):
     def load_weights(self, state: Mapping[str, Any]) -> None:
         self.engine.load_weights(state)
 
+    def join_weight_group(self, spec, first_rank: int) -> list[int]:
+        return self.engine.join_weight_group(spec, first_rank)
+
+    def receive_weights(self) -> int:
+        return self.engine.receive_weights()
+
     def close(self) -> None:
         self.engine.close()
 
@@ -59,7 +66,7 @@ class EngineFleet:
     seeds follow its prompts' positions in the whole batch, so the samples do not depend on how
     many engines there are -- nor on whether an engine was restarted and redid its part.
 
-    `push(handles)` loads the actor's current weights into those engines. An engine that dies
+    `push(handles)` loads the actor's current weights into those engines (always all of them). An engine that dies
     while its node stays up (Ray: ActorDiedError) is restarted up to `max_restarts` times in all:
     same GPUs, weights pushed, its part of the batch (or the weight sync) redone."""
 
@@ -118,7 +125,7 @@ class EngineFleet:
         handle = self.group.respawn(rank)
         ray.get(handle.node_ip.remote())  # constructed: vLLM is up
         if pushed:
-            self.push([handle])
+            self.push(self.handles)  # all: a collective weight sync re-forms its group with the new engine
         log.info(f"{self.group.name(rank)} restarted in {time.monotonic() - began:.0f} s; redoing its share")
 
     def close(self) -> None:

@@ -5,10 +5,10 @@ A rank builds its model exactly as the single-machine trainer does (`Trainer.bui
 code (`trainers.ppo_learner`): the only difference is that its process group holds its role's
 ranks alone. The driver (`trainers.ppo_ray`) moves one typed batch between the roles.
 
-Weight sync: every actor rank takes part in gathering the full state dict (ZeRO-3), rank 0 puts
-it in Ray's object store once and every vLLM engine loads it from there. (On GPU clusters a
-direct NCCL broadcast from actor rank 0 to the engines' workers would avoid the copy through host
-memory; it needs a GPU to test and is not built yet.)
+Weight sync (`placement.vllm.weight_sync`): by default actor rank 0 broadcasts the weights to
+every engine worker in a process group made for it (`hpcrlhf.engines.weight_sync`), every actor
+rank walking the state dict chunk by chunk (ZeRO-3 gathers); as a fallback rank 0 gathers the
+full state dict, puts it in Ray's object store once and every engine loads it from there.
 """
 
 from __future__ import annotations
@@ -101,6 +101,40 @@ class ActorWorker(TrainedWorker):
             state = checkpoint_names(self.engine.module, state)
             ref = ray.put({k: v.detach().cpu() for k, v in state.items()})
             gather([engine.load_weights.remote(ref) for engine in engines])
+
+    def serve_weight_group(self) -> tuple[str, int]:
+        """Rank 0: a store for a new weight-sync group (address, port); `open_weight_group` next."""
+        from hpcrlhf.engines import weight_sync
+
+        address = self.node_ip()
+        self._weight_store, port = weight_sync.serve_store(address)
+        return address, port
+
+    def open_weight_group(self, spec) -> None:
+        """Rank 0 joins the group `spec` as its rank 0 (returns when every engine worker has joined)."""
+        from hpcrlhf.engines import weight_sync
+
+        group = weight_sync.join(spec, 0, self._weight_store)
+        self._weight_sender = weight_sync.WeightSender(group, self.cfg.placement.vllm.sync_bucket_mb << 20)
+
+    def broadcast_weights(self) -> dict[str, float] | None:
+        """The actor's weights to the group's engine workers (all actor ranks call: ZeRO-3 gathers
+        chunk by chunk); rank 0 returns what it sent."""
+        from hpcrlhf.models.export import checkpoint_stream
+
+        tensors = checkpoint_stream(self.engine, self.cfg.placement.vllm.sync_bucket_mb << 20)
+        if self.rank != 0:
+            for _ in tensors:
+                pass
+            return None
+        try:
+            stats = self._weight_sender.send(tensors)
+        except Exception:
+            # an engine worker is gone mid-broadcast: close the group so that the others stop waiting
+            # in it (their receive fails at once instead of at the group's timeout)
+            self._weight_sender = None
+            raise
+        return dataclasses.asdict(stats)
 
     def optimizer_stats(self) -> dict[str, float | None]:
         return self.models.optimizer_stats()

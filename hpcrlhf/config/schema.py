@@ -944,9 +944,19 @@ class VLLMPlacementConfig:
     engine starts on the same GPUs, takes the actor's current weights and redoes its share of the
     step, so no sample is lost or changed. 0, or once used up: the run ends as a lost worker (exit
     4) and a requeued job resumes from the last checkpoint."""
+    weight_sync: Literal["collective", "object_store"] = "collective"
+    """How the actor's weights reach the engines after each update (Ray runtime). collective: one
+    process group of actor rank 0 and every engine worker (NCCL on GPUs, gloo on CPU), the
+    weights streamed in buckets out of the actor's (ZeRO-3: gathered chunk by chunk) and loaded
+    layer by layer as they arrive. object_store: the whole state dict gathered on actor rank 0,
+    put in Ray's object store and loaded by each engine from there (the fallback)."""
+    sync_bucket_mb: int = 256
+    """Collective weight sync: the most megabytes broadcast at once (bigger tensors go alone)."""
 
     def __post_init__(self) -> None:
         _require_finite(self, "placement.vllm")
+        _require(self.sync_bucket_mb >= 1, "placement.vllm.sync_bucket_mb", self.sync_bucket_mb,
+                 "use at least 1 (megabytes per broadcast)")
         _require(self.max_restarts >= 0, "placement.vllm.max_restarts", self.max_restarts,
                  "use 0 (a dead engine ends the run) or more restarts")
         _require(self.engines >= 0, "placement.vllm.engines", self.engines, "use 0 (no vLLM) or more engines")

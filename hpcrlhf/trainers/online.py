@@ -96,7 +96,8 @@ def vllm_engine_args(cfg) -> dict[str, Any]:
     r = cfg.rollout
     return dict(model_dir=resolve_model_path(cfg.model.path), seed=cfg.seed,
                 max_model_len=cfg.data.max_length + max(r.max_new_tokens, cfg.eval.max_new_tokens),
-                dtype="bfloat16" if cfg.engine.precision == "bf16" else "float32", **vllm_rollout_args(r))
+                dtype="bfloat16" if cfg.engine.precision == "bf16" else "float32",
+                bucket_bytes=cfg.placement.vllm.sync_bucket_mb << 20, **vllm_rollout_args(r))
 
 
 def vllm_rollout_args(r) -> dict[str, Any]:
@@ -129,9 +130,12 @@ class Rank0Rollout:
         dist.broadcast_object_list(parts, src=0)
         return parts[0][self.env.rank]
 
-    def load_weights(self, state) -> None:
+    def load_weights(self, tensors):
         if self.env.is_main:
-            self.engine.load_weights(state)
+            return self.engine.load_weights(tensors)
+        for _ in tensors:  # the stream's gathers are collective: walk it to the end
+            pass
+        return None
 
     def close(self) -> None:
         if self.engine is not None:
@@ -162,6 +166,9 @@ class Rollout:
 
 class OnlineTrainer(Trainer):
     """Base of trainers that learn from their own generations."""
+
+    sync_metrics: dict[str, float] = {}
+    """What the last weight sync moved (`weight_sync/bytes`, ...), where the sync path measures it."""
 
     def setup_online(self) -> None:
         """Training prompts and the held-out prompts `setup` read, as token ids; call after `setup`."""
@@ -203,15 +210,15 @@ class OnlineTrainer(Trainer):
 
     def sync_rollout(self) -> None:
         """Push the actor's weights into the rollout engine (nothing to do for the HF backend,
-        which generates with the trained module itself)."""
-        from hpcrlhf.models.export import checkpoint_names
+        which generates with the trained module itself): streamed out of the engine chunk by
+        chunk, every rank taking part (ZeRO-3 gathers), into the vLLM engine on rank 0."""
+        from hpcrlhf.models.export import checkpoint_stream
 
         if self.rollout is self.hf_rollout:
             return
-        state = self.engine.full_state_dict()  # every rank takes part (ZeRO-3 gathers)
-        if state is not None:
-            state = checkpoint_names(self.engine.module, state)
-        self.rollout.load_weights(state)
+        sent = self.rollout.load_weights(checkpoint_stream(self.engine, self.cfg.placement.vllm.sync_bucket_mb << 20))
+        if sent is not None:
+            self.sync_metrics = {"weight_sync/bytes": float(sent.bytes), "weight_sync/buckets": float(sent.buckets)}
         self.rollout_synced = True
 
     def sampling(self, step: int, n: int) -> SamplingParams:

@@ -124,7 +124,7 @@ class PPOTrainer(OnlineTrainer):
             sums = self.learn(experience, step)
         with self.run.timed("weight_sync"):
             self.sync_rollout()
-        return self.step_metrics(rollout, stats, sums)
+        return {**self.step_metrics(rollout, stats, sums), **self.sync_metrics}
 
     def skipped_updates(self) -> None:
         return None  # each learner reports its engine's in the step's metrics

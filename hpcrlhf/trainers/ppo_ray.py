@@ -9,7 +9,10 @@ advantages, metrics, the KL controller, checkpoints), with the role hooks pointe
                     role's ranks on equal row shards
     learn           actor and critic updates at once, rank r on the experiences of its prompts
                     (as rank r of a single-machine run); timed per role from the same start
-    sync_rollout    actor ranks gather the weights, rank 0 hands them to every engine
+    sync_rollout    actor ranks gather the weights chunk by chunk, rank 0 broadcasts them to every
+                    engine worker in a weight-sync group (`WeightPush`; or, as the
+                    `placement.vllm.weight_sync=object_store` fallback, hands the whole state dict to
+                    every engine through Ray's object store)
 
 Data crosses between the driver and the roles as typed batches: padded tensors for forward
 passes, `ExperienceBatch` shards for updates, `Response`s for reward models.
@@ -103,7 +106,9 @@ class RayPPOTrainer(PPOTrainer):
                 plan)
         engines = WorkerGroup.for_engines(EngineWorker, reservation, tensor_parallel_size=node_map.vllm.tensor_parallel_size,
                                           **vllm_engine_args(cfg))
-        self.rollout = EngineFleet(engines, self.push_weights, max_restarts=cfg.placement.vllm.max_restarts)
+        self.weight_push = WeightPush(self.groups["actor"], node_map.vllm.tensor_parallel_size,
+                                      cfg.placement.vllm.weight_sync)
+        self.rollout = EngineFleet(engines, self.weight_push, max_restarts=cfg.placement.vllm.max_restarts)
         gather([ref for g in self.groups.values() for ref in g.call_async("setup")])
         self.rollout_synced = False  # engines start from model.path; the actor's weights go in before use
         if "reward" in self.groups:
@@ -185,12 +190,10 @@ class RayPPOTrainer(PPOTrainer):
                 add_stats(sums, part)
         return sums
 
-    def push_weights(self, engines: list[Any]) -> None:
-        gather(self.groups["actor"].call_async("push_weights", engines))
-
     def sync_rollout(self) -> None:
         self.rollout.sync()
         self.rollout_synced = True
+        self.sync_metrics = self.weight_push.last
 
     def greedy_rollout(self):
         if not self.rollout_synced:
@@ -219,6 +222,45 @@ class RayPPOTrainer(PPOTrainer):
         self.rollout.close()
         for group in self.groups.values():
             group.kill()
+
+
+class WeightPush:
+    """`push(engines)`: the actor's current weights into `engines` (all the fleet's), by the
+    `placement.vllm.weight_sync` path. The collective path's group spans actor rank 0 and every
+    worker of those engines; it is formed at the first push and again whenever the engines are not
+    the ones it was formed with (an engine restarted). `last`: the last push's metrics."""
+
+    def __init__(self, actor: WorkerGroup, tensor_parallel_size: int, mode: str) -> None:
+        self.actor, self.tp, self.mode = actor, tensor_parallel_size, mode
+        self.members: list[str] | None = None
+        self.formed = 0
+        self.last: dict[str, float] = {}
+
+    def __call__(self, engines: list[Any]) -> None:
+        if self.mode == "object_store":
+            gather(self.actor.call_async("push_weights", engines))
+            return
+        if self.members != [e._actor_id.hex() for e in engines]:
+            self.form(engines)
+        sent = gather([*self.actor.call_async("broadcast_weights"), *[e.receive_weights.remote() for e in engines]])[0]
+        self.last = {"weight_sync/bytes": float(sent["bytes"]), "weight_sync/buckets": float(sent["buckets"]),
+                     "weight_sync/broadcast_s": sent["seconds"]}
+
+    def form(self, engines: list[Any]) -> None:
+        import ray
+
+        from hpcrlhf.engines.weight_sync import SyncGroup
+
+        self.members = None
+        rank0 = self.actor.workers[0]
+        host, port = ray.get(rank0.serve_weight_group.remote())
+        self.formed += 1
+        spec = SyncGroup(host, port, 1 + len(engines) * self.tp, f"hpcrlhf-weights-{self.formed}")
+        gather([rank0.open_weight_group.remote(spec),
+                *[e.join_weight_group.remote(spec, 1 + i * self.tp) for i, e in enumerate(engines)]])
+        self.members = [e._actor_id.hex() for e in engines]
+        log.info(f"weight-sync group {spec.name}: actor rank 0 and {len(engines)} engine(s) x TP {self.tp} "
+                 f"({spec.world_size} members, {'NCCL' if torch.cuda.is_available() else 'gloo'}) at {host}:{port}")
 
 
 class RayPPOState:

@@ -9,6 +9,7 @@ import torch
 from hpcrlhf.cli import resolve_recipe
 from hpcrlhf.config.loader import load_config
 from hpcrlhf.config.schema import PPOConfig
+from hpcrlhf.engines import weight_sync
 from hpcrlhf.placement import build_node_map
 
 pytestmark = pytest.mark.slow
@@ -18,8 +19,24 @@ def greedy_tokens(gens) -> list[list[int]]:
     return [s[0].response_ids for s in gens]
 
 
+def weight_group(engines, tp: int):
+    """A weight-sync group of this process (rank 0) and every worker of `engines`."""
+    import ray
+
+    store, port = weight_sync.serve_store("127.0.0.1")
+    spec = weight_sync.SyncGroup("127.0.0.1", port, 1 + len(engines) * tp, "test-weights", timeout_s=120)
+    joined = [e.join_weight_group.remote(spec, 1 + i * tp) for i, e in enumerate(engines)]
+    group = weight_sync.join(spec, 0, store)
+    assert ray.get(joined) == [[1, 2], [3, 4]]  # each worker's rank in the group
+    return group
+
+
 def test_engines_on_tp_groups_follow_weight_syncs(ray_cluster, tiny_llama):
+    """Both sync paths, alternated: the whole state dict through Ray's object store, and a
+    broadcast in a weight-sync group of every engine worker (TP 2: each worker gets the full
+    tensors and vLLM shards them)."""
     pytest.importorskip("vllm")
+    import ray
     from transformers import AutoModelForCausalLM
 
     from hpcrlhf.cluster.engines import EngineWorker
@@ -47,12 +64,19 @@ def test_engines_on_tp_groups_follow_weight_syncs(ray_cluster, tiny_llama):
             assert where.visible_devices == ",".join(str(d.gpu) for d in devices) == "2,3"
         before = greedy_tokens(hf.generate(prompts, params))
         assert [greedy_tokens(g) for g in engines.call("generate", prompts, params)] == [before, before]
-        for update in range(2):  # two "optimizer steps", each followed by a sync
-            with torch.no_grad():
+        group = None
+        for update, path in enumerate(["object_store", "collective", "collective", "object_store"]):
+            with torch.no_grad():  # an "optimizer step", then a sync by one path or the other
                 gen = torch.Generator().manual_seed(update)
                 for p in model.parameters():
                     p.add_(torch.randn(p.shape, generator=gen) * 0.05)
-            engines.call("load_weights", {k: v.clone() for k, v in model.state_dict().items()})
+            if path == "object_store":
+                engines.call("load_weights", {k: v.clone() for k, v in model.state_dict().items()})
+            else:  # this process is the group's rank 0 (as actor rank 0 is in a run), tiny buckets
+                group = group or weight_group(engines.workers, tp=2)
+                receiving = engines.call_async("receive_weights")
+                sent = weight_sync.WeightSender(group, 1 << 14).send(model.state_dict().items())
+                assert ray.get(receiving) == [len(model.state_dict())] * 2 and sent.buckets > 4
             after = greedy_tokens(hf.generate(prompts, params))
             assert [greedy_tokens(g) for g in engines.call("generate", prompts, params)] == [after, after]
             assert after != before  # the update changed the greedy answers, so equality is evidence

@@ -310,3 +310,25 @@ def test_resumed_after_a_kill_matches_the_uninterrupted_run(killed_runs, runs):
     ref = train_rows(runs[COLOCATED])[:len(rows)]
     for key in ("rollout/score", "train/value_loss", "train/policy_loss"):
         assert [r[key] for r in rows] == pytest.approx([r[key] for r in ref], abs=1e-6), key
+
+
+@pytest.mark.slow
+def test_zero3_actor_syncs_its_engine_alike_by_either_path(ray_cluster, policy_model, tmp_path):
+    """ZeRO-3 with 2 actor ranks (parameters gathered chunk by chunk for the broadcast; buckets of
+    1 MB so the 1.7 MB model goes in several) and an engine of TP 2: the collective path and the
+    object-store fallback give the same steps, and the engine's log-probs are the actor's after
+    every sync (a large lr, so that an engine left with stale weights could not pass)."""
+    args = ["--set", f"model.path={policy_model}", *RUN, "--set", "train.max_steps=3", "--set", "engine.zero_stage=3",
+            "--set", "optim.lr=1e-3", "--set", "placement.vllm.sync_bucket_mb=1"]
+    rows = {}
+    for path in ("collective", "object_store"):
+        folder = tmp_path / path
+        run_cli(["train", "ppo", "--config", COLOCATED, "-o", str(folder), *args,
+                 "--set", f"placement.vllm.weight_sync={path}"], env={"RAY_ADDRESS": ray_cluster.address}, timeout=900)
+        rows[path] = train_rows(folder)
+        assert max(r["rollout/logprob_max_diff"] for r in rows[path]) < 1e-4, path
+        assert max(abs(r["train/approx_kl"]) for r in rows[path]) > 1e-4  # the updates were not negligible
+    assert all(r["weight_sync/buckets"] >= 2 and r["weight_sync/bytes"] > 1.6e6 for r in rows["collective"])
+    assert all("weight_sync/bytes" not in r for r in rows["object_store"])
+    for key in ("rollout/score", "train/policy_loss", "train/value_loss"):
+        assert [r[key] for r in rows["collective"]] == pytest.approx([r[key] for r in rows["object_store"]], abs=1e-6)

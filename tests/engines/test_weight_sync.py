@@ -4,11 +4,16 @@ The trainer holds weights as transformers keeps them in memory; vLLM loads check
 layouts. The two differ for some families (transformers 5 fuses Mixtral's experts into 3-D
 tensors), and vLLM's CPU mixture-of-experts kernel needs its weights packed again after a
 reload. Each family: new weights pushed the way the trainers push them (`checkpoint_names`,
-then `load_weights`), after which the engine's greedy responses and log-probs equal the
-trainer's own model's.
+then `load_weights`: a broadcast to the engine's workers in buckets), after which the engine's
+greedy responses and log-probs equal the trainer's own model's.
+
+The broadcast itself (`hpcrlhf.engines.weight_sync`) is checked without vLLM: three processes,
+every dtype and size case, bit-exact.
 """
 
 from __future__ import annotations
+
+import io
 
 import pytest
 import torch
@@ -38,7 +43,9 @@ def test_weight_sync_follows_the_trainer_for_each_family(family):
         before = engine.generate(prompts, greedy)
         assert tokens(before) == tokens(hf.generate(prompts, greedy))
         model.load_state_dict(perturbed(model.state_dict(), std=0.05, seed=1))
-        engine.load_weights(checkpoint_names(model, model.state_dict()))
+        engine.bucket_bytes = 1 << 14  # many buckets, and tensors larger than one
+        sent = engine.load_weights(checkpoint_names(model, model.state_dict()))
+        assert sent.buckets > 4
         after = engine.generate(prompts, greedy)
         assert tokens(after) != tokens(before)  # the update reached the engine ...
         assert tokens(after) == tokens(hf.generate(prompts, greedy))  # ... whole and in the right layout
@@ -59,3 +66,71 @@ def test_checkpoint_names_are_the_saved_names(tmp_path):
     sent = checkpoint_names(model, model.state_dict())
     assert sorted(sent) == sorted(saved)
     assert all(torch.equal(sent[k], saved[k]) for k in saved)
+
+
+def _tensors():
+    """Every case a bucket must handle: dtypes of 1-8 bytes, a scalar, a tensor larger than the
+    bucket (sent alone), a non-contiguous one, and a bucket filled exactly."""
+    g = torch.Generator().manual_seed(0)
+    yield "a.weight", torch.randn(3, 5, generator=g)
+    yield "a.half", torch.randn(7, generator=g).to(torch.bfloat16)
+    yield "big.weight", torch.randn(100, 10, generator=g)  # 4000 bytes > the 200-byte buckets
+    yield "b.index", torch.arange(6, dtype=torch.int64).reshape(2, 3)
+    yield "b.mask", torch.tensor([True, False, True])
+    yield "c.scalar", torch.tensor(2.5, dtype=torch.float64)
+    yield "c.transposed", torch.randn(4, 6, generator=g).t()
+    yield "d.exact", torch.randn(50, generator=g)  # 200 bytes: a bucket of its own, full
+
+
+def _member(spec, rank, queue) -> None:
+    from hpcrlhf.engines import weight_sync
+
+    group = weight_sync.join(spec, rank)
+    for _ in range(2):  # two syncs in the same group
+        buffer = io.BytesIO()  # as bytes: a tensor put in a queue is shared with its sender, who exits
+        torch.save([(k, v.clone()) for k, v in weight_sync.receive(group)], buffer)
+        queue.put((rank, buffer.getvalue()))
+
+
+def test_broadcast_delivers_every_tensor_bit_exact_in_order():
+    import multiprocessing
+
+    from hpcrlhf.engines import weight_sync
+
+    ctx = multiprocessing.get_context("spawn")
+    store, port = weight_sync.serve_store("127.0.0.1", timeout_s=120)
+    spec = weight_sync.SyncGroup("127.0.0.1", port, 3, "test", timeout_s=120)
+    queue = ctx.Queue()
+    members = [ctx.Process(target=_member, args=(spec, rank, queue)) for rank in (1, 2)]
+    for m in members:
+        m.start()
+    try:
+        group = weight_sync.join(spec, 0, store)
+        want = list(_tensors())
+        sizes = [t.numel() * t.element_size() for _, t in want]
+        for _ in range(2):
+            sent = weight_sync.WeightSender(group, 200).send(_tensors())
+            assert sent.tensors == len(want) and sum(sizes) <= sent.bytes < sum(sizes) + 16 * len(want)
+            assert sent.buckets == 4  # [a.weight a.half] [big] [b.* c.* ] [d.exact]
+            for _ in members:
+                rank, blob = queue.get(timeout=120)
+                got = torch.load(io.BytesIO(blob), weights_only=True)
+                assert [k for k, _ in got] == [k for k, _ in want], rank
+                for (name, t), (_, expected) in zip(got, want):
+                    assert t.dtype == expected.dtype and t.shape == expected.shape and torch.equal(t, expected), name
+    finally:
+        for m in members:
+            m.join(timeout=60)
+            m.kill()
+
+
+def test_state_chunks_cut_between_modules_only():
+    from hpcrlhf.engines.deepspeed_engine import _module_chunks
+
+    state = {"m.0.q.weight": torch.zeros(10), "m.0.q.bias": torch.zeros(10), "m.0.k.weight": torch.zeros(30),
+             "m.1.experts.gate_up": torch.zeros(5), "m.1.experts.down": torch.zeros(5), "head.weight": torch.zeros(1)}
+    chunks = list(_module_chunks(state, 60))
+    assert [n for c in chunks for n in c] == list(state)  # all, in order, once
+    assert chunks == [["m.0.q.weight", "m.0.q.bias"], ["m.0.k.weight"], ["m.1.experts.gate_up", "m.1.experts.down",
+                                                                           "head.weight"]]
+    assert list(_module_chunks(state, 10**9)) == [list(state)]

@@ -1,0 +1,186 @@
+"""Weight sync by a collective: the actor's weights broadcast into every vLLM worker.
+
+One process group is made for the purpose: actor rank 0 is its rank 0, every worker of every
+engine a further rank (engine e, tensor-parallel rank t: `1 + e * tp + t`). Gloo on CPU, NCCL on
+GPUs, the same code. It is separate from the actor's own group (ZeRO's) and from each engine's
+(vLLM's TP group): a `TCPStore` served by actor rank 0 and a process group built on it
+directly, so nobody's default group is touched.
+
+A sync streams. Every actor rank walks the state dict chunk by chunk (under ZeRO-3 gathering one
+chunk's parameters at a time: the whole state dict never exists twice); rank 0 copies each
+chunk's tensors, in checkpoint names (`checkpoint_names`), into a bucket of at most
+`bucket_bytes` and broadcasts it, preceded by a header (names, dtypes, shapes); a tensor larger
+than a bucket goes alone, uncopied. An empty header ends the sync. Each engine worker turns the
+broadcasts back into `(name, tensor)` pairs as they arrive and feeds them, as one iterator, to
+vLLM's in-place `reload_weights`, which loads each layer when its weights are complete (fused
+q/k/v and gate/up layers, TP sharding and the CPU build's repacking handled there). So the engine
+never holds a second copy of the model either.
+
+The header travels as a length then UTF-8 JSON bytes, both as tensors on the group's device,
+so the only thing that crosses a process boundary outside the group is a method name.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+
+ALIGN = 16
+"""Byte alignment of each tensor in a bucket (a tensor is viewed in place as its dtype)."""
+
+
+@dataclass(frozen=True)
+class SyncGroup:
+    """Where a weight-sync group meets: actor rank 0's store, the group's size and name (each
+    re-formed group, e.g. after an engine restart, gets a new one)."""
+
+    host: str
+    port: int
+    world_size: int
+    name: str
+    timeout_s: float = 1800.0
+    kind: str = "trainer"
+    """"trainer" (a trainer's rank 0 and engines' workers) or "local" (an engine's own process and
+    its workers): an engine worker can be in one group of each kind."""
+
+
+@dataclass
+class SyncStats:
+    """What one sync moved: bytes, buckets (broadcasts of weights) and tensors."""
+
+    bytes: int = 0
+    buckets: int = 0
+    tensors: int = 0
+    seconds: float = 0.0
+
+
+class Group:
+    """A member's handle on a weight-sync group (keeps the store alive with the group)."""
+
+    def __init__(self, store, pg, device: torch.device) -> None:
+        self.store, self.pg, self.device = store, pg, device
+
+    def broadcast(self, tensor: torch.Tensor) -> None:
+        self.pg.broadcast(tensor, 0).wait()
+
+
+def backend() -> str:
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def serve_store(host: str, timeout_s: float = 1800.0):
+    """The group's store on rank 0, on a port the system picks: (store, port)."""
+    from torch.distributed import TCPStore
+
+    store = TCPStore(host, 0, None, True, datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
+    return store, store.port
+
+
+def join(spec: SyncGroup, rank: int, store=None) -> Group:
+    """Join the group as `rank` (rank 0 passes the store it serves; the others connect to it).
+    Returns when every member has joined."""
+    from torch.distributed import PrefixStore, ProcessGroupGloo, TCPStore
+
+    timeout = datetime.timedelta(seconds=spec.timeout_s)
+    if store is None:
+        store = TCPStore(spec.host, spec.port, None, False, timeout)
+    prefixed = PrefixStore(spec.name, store)
+    if backend() == "gloo":
+        return Group(store, ProcessGroupGloo(prefixed, rank, spec.world_size, timeout), torch.device("cpu"))
+    from torch.distributed import ProcessGroupNCCL  # GPU, unverified here (benchmarks/README.md)
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    options = ProcessGroupNCCL.Options()
+    options._timeout = timeout
+    pg = ProcessGroupNCCL(prefixed, rank, spec.world_size, options)
+    return Group(store, pg, device)
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def _send_header(group: Group, entries: list[dict]) -> None:
+    data = json.dumps(entries).encode() if entries else b""
+    group.broadcast(torch.tensor([len(data)], dtype=torch.int64, device=group.device))
+    if data:
+        group.broadcast(torch.frombuffer(bytearray(data), dtype=torch.uint8).to(group.device))
+
+
+def _receive_header(group: Group) -> list[dict]:
+    size = torch.zeros(1, dtype=torch.int64, device=group.device)
+    group.broadcast(size)
+    if not int(size.item()):
+        return []
+    data = torch.empty(int(size.item()), dtype=torch.uint8, device=group.device)
+    group.broadcast(data)
+    return json.loads(bytes(data.cpu().numpy()).decode())
+
+
+class WeightSender:
+    """Rank 0's side: `send(named tensors)` streams them in buckets, then the end marker."""
+
+    def __init__(self, group: Group, bucket_bytes: int) -> None:
+        if bucket_bytes < 1:
+            raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+        self.group, self.bucket_bytes = group, bucket_bytes
+        self._bucket: torch.Tensor | None = None
+
+    def send(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> SyncStats:
+        """Each tensor is copied into the bucket (or sent alone) before the next is asked for, so
+        a tensor may be freed (a ZeRO-3 gather released) as soon as the iterator moves on."""
+        began, stats = time.perf_counter(), SyncStats()
+        entries: list[dict] = []
+        used = 0
+        for name, tensor in tensors:
+            raw = _as_bytes(tensor.to(self.group.device))
+            entry = {"name": name, "dtype": str(tensor.dtype).removeprefix("torch."), "shape": list(tensor.shape),
+                     "offset": 0}
+            if raw.numel() > self.bucket_bytes:  # alone, uncopied
+                self._flush(entries, used, stats)
+                entries, used = [], 0
+                self._broadcast([entry], raw, stats)
+                continue
+            start = -(-used // ALIGN) * ALIGN
+            if start + raw.numel() > self.bucket_bytes:
+                self._flush(entries, used, stats)
+                entries, used, start = [], 0, 0
+            if self._bucket is None:
+                self._bucket = torch.empty(self.bucket_bytes, dtype=torch.uint8, device=self.group.device)
+            self._bucket[start : start + raw.numel()].copy_(raw)
+            entries.append({**entry, "offset": start})
+            used = start + raw.numel()
+        self._flush(entries, used, stats)
+        _send_header(self.group, [])
+        self._bucket = None  # not kept between syncs: training needs the memory
+        stats.seconds = time.perf_counter() - began
+        return stats
+
+    def _flush(self, entries: list[dict], used: int, stats: SyncStats) -> None:
+        if entries:
+            self._broadcast(entries, self._bucket[:used], stats)
+
+    def _broadcast(self, entries: list[dict], payload: torch.Tensor, stats: SyncStats) -> None:
+        _send_header(self.group, entries)
+        self.group.broadcast(payload)
+        stats.bytes += payload.numel()
+        stats.buckets += 1
+        stats.tensors += len(entries)
+
+
+def receive(group: Group) -> Iterator[tuple[str, torch.Tensor]]:
+    """A member's side: the sent tensors, in order, as their buckets arrive; ends at the end
+    marker. Tensors are views of their bucket (no copy)."""
+    while entries := _receive_header(group):
+        sizes = [torch.Size(e["shape"]).numel() * getattr(torch, e["dtype"]).itemsize for e in entries]
+        payload = torch.empty(entries[-1]["offset"] + sizes[-1], dtype=torch.uint8, device=group.device)
+        group.broadcast(payload)
+        for e, size in zip(entries, sizes):
+            part = payload[e["offset"] : e["offset"] + size]
+            yield e["name"], part.view(getattr(torch, e["dtype"])).reshape(e["shape"])
