@@ -136,22 +136,23 @@ def kl_estimate(
     """Per-token estimate of KL(pi || ref) from tokens sampled from pi (Schulman's k1/k2/k3).
 
     log_ratio = logp - ref_logp; k1 = log_ratio, k2 = log_ratio^2 / 2,
-    k3 = exp(-log_ratio) - 1 + log_ratio. For k3 the log-ratio is first clamped to [-20, 20]:
-    exp(-log_ratio) overflows to inf in fp32 for log_ratio < -88 (and a -inf reference
-    log-prob gives exactly that), and a single inf would poison the reward or loss of the
-    whole batch; k3 stays non-negative for the clamped value. Gradients flow to both inputs
-    (GRPO puts k3 in the loss); 0 where mask is 0.
+    k3 = exp(-log_ratio) - 1 + log_ratio. For every estimator the log-ratio is first clamped
+    to [-20, 20]: a token the reference (or the policy) gives log-prob -inf makes it +-inf, so
+    k1 and k2 would be inf and k3's exp(-log_ratio) overflows in fp32 already below -88; a single
+    inf poisons the reward or loss of the whole batch. (OpenRLHF bounds its estimates to
+    [-10, 10], verl its k3 likewise.) The bound is far outside what PPO's updates reach (its
+    ratio clip); k2 and k3 stay non-negative. Gradients flow to both inputs inside the bound
+    (GRPO puts k3 in the loss), none outside; 0 where mask is 0.
     """
     if estimator not in KL_ESTIMATORS:
         raise ValueError(f"estimator must be one of {KL_ESTIMATORS}, got {estimator!r}")
     out, dt = _dtypes(logp, ref_logp)
-    log_ratio = logp.to(dt) - ref_logp.to(dt)
+    lr = (logp.to(dt) - ref_logp.to(dt)).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
     if estimator == "k1":
-        kl = log_ratio
+        kl = lr
     elif estimator == "k2":
-        kl = 0.5 * log_ratio.square()
+        kl = 0.5 * lr.square()
     else:
-        lr = log_ratio.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
         # expm1 keeps precision for small lr, where exp(-lr) - 1 and lr nearly cancel.
         kl = torch.expm1(-lr) + lr
     if mask is not None:

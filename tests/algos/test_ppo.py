@@ -135,12 +135,11 @@ def test_masked_whiten_constant_and_empty():
 
 
 def ref_kl(lp, rp, est):
-    lr = lp - rp
+    lr = min(max(lp - rp, -20.0), 20.0)  # every estimator bounded (a -inf log-prob must not give inf)
     if est == "k1":
         return lr
     if est == "k2":
         return 0.5 * lr * lr
-    lr = min(max(lr, -20.0), 20.0)
     return math.exp(-lr) - 1 + lr
 
 
@@ -178,6 +177,19 @@ def test_k3_is_nonnegative_and_finite_at_extremes():
     assert torch.isfinite(inf_ref).all()
     with pytest.raises(ValueError, match=r"k1.*k2.*k3.*'k4'"):
         kl_estimate(lr, lr, "k4")
+
+
+@pytest.mark.parametrize("est", KL_ESTIMATORS)
+def test_every_kl_estimator_is_bounded_where_a_log_prob_is_minus_inf(est):
+    """A token the reference cannot produce (log-prob -inf), or the policy cannot, or a huge
+    finite gap: each estimate is the float64 formula at the clamped log-ratio (+-20), never inf."""
+    logp = torch.tensor([-1.0, float("-inf"), -1.0, -3.0, -1e4, 0.0])
+    ref = torch.tensor([float("-inf"), -1.0, -1e4, -1.0, 0.0, -30.0])
+    out = kl_estimate(logp, ref, est)
+    assert torch.isfinite(out).all(), out
+    want = [ref_kl(a, b, est) for a, b in zip(logp.tolist(), ref.tolist())]
+    assert out.tolist() == pytest.approx(want, rel=1e-6)
+    assert out[0].item() == pytest.approx({"k1": 20.0, "k2": 200.0, "k3": math.exp(-20) + 19}[est], rel=1e-6)
 
 
 def test_kl_estimate_gradient_flows_to_policy():
