@@ -4,9 +4,11 @@
   advantages optionally whitened over the global batch.
 * grpo (Shao et al. 2024, DeepSeekMath): no critic; each response's score is compared with the
   other samples of its prompt, A_i = (s_i - mean_group) / (std_group + eps), with the unbiased
-  sample std (torch.std's default, as in DeepSeekMath's code and TRL). std_normalize=False gives
-  s_i - mean_group (Dr. GRPO, Liu et al. 2025), which does not up-weight prompts whose samples
-  barely differ.
+  sample std (torch.std's default, as in DeepSeekMath's code and TRL).
+* dr_grpo (Liu et al. 2025, "Understanding R1-Zero-Like Training"): A_i = s_i - mean_group, no
+  division by the group's std, which up-weights prompts whose samples barely differ. The paper
+  pairs it with a loss normalised by a constant rather than each response's length
+  (`ppo.loss_aggregation=seq-mean-token-sum`).
 * rloo (Ahmadian et al. 2024, "Back to Basics"): REINFORCE with a leave-one-out baseline,
   A_i = s_i - mean of the other n - 1 scores of its group (an unbiased baseline, since it does
   not depend on sample i).
@@ -27,9 +29,9 @@ from collections.abc import Callable
 
 import torch
 
+from hpcrlhf.algos.estimators import ADVANTAGE_ESTIMATORS, CRITIC_FREE, ESTIMATORS  # noqa: F401 (re-exported)
 from hpcrlhf.algos.ppo import Reduce, discounted_returns, gae_advantages, masked_whiten
 
-CRITIC_FREE = frozenset({"grpo", "rloo", "reinforce++"})
 
 
 def _groups(scores: torch.Tensor, group_size: int, name: str) -> torch.Tensor:
@@ -99,6 +101,12 @@ def _grpo(*, mask, scores, group_size, **_) -> tuple[torch.Tensor, torch.Tensor]
     return adv, adv
 
 
+def _dr_grpo(*, mask, scores, group_size, **_) -> tuple[torch.Tensor, torch.Tensor]:
+    adv = grpo_advantages(_need_scores(scores, "dr_grpo"), group_size, std_normalize=False)
+    adv = broadcast_to_tokens(adv, mask)
+    return adv, adv
+
+
 def _rloo(*, mask, scores, group_size, whiten, reduce, **_) -> tuple[torch.Tensor, torch.Tensor]:
     adv = broadcast_to_tokens(rloo_advantages(_need_scores(scores, "rloo"), group_size), mask)
     if whiten:
@@ -117,13 +125,14 @@ def _need_scores(scores: torch.Tensor | None, name: str) -> torch.Tensor:
     return scores
 
 
-_ESTIMATORS: dict[str, Callable[..., tuple[torch.Tensor, torch.Tensor]]] = {
+_COMPUTE: dict[str, Callable[..., tuple[torch.Tensor, torch.Tensor]]] = {
     "gae": _gae,
     "grpo": _grpo,
+    "dr_grpo": _dr_grpo,
     "rloo": _rloo,
     "reinforce++": _reinforce_pp,
 }
-ADVANTAGE_ESTIMATORS = tuple(_ESTIMATORS)
+"""How each estimator of `algos.estimators.ESTIMATORS` (what it needs) computes."""
 
 
 def compute_advantages(
@@ -145,16 +154,17 @@ def compute_advantages(
                  whitening; advantages whitened globally (via `reduce`) if `whiten`.
     grpo:        group-normalised `scores` broadcast to tokens; `whiten` ignored (already
                  normalised per group); returns = advantages (there is no critic to fit).
+    dr_grpo:     group-centred `scores` (no std division) broadcast to tokens; `whiten` ignored.
     rloo:        leave-one-out `scores` broadcast to tokens, whitened globally if `whiten`;
                  returns = advantages.
     reinforce++: whitened returns-to-go of token `rewards`; whitening is part of the estimator,
                  so `whiten` is ignored; returns = the unwhitened returns-to-go.
-    For grpo and rloo the token-level KL penalty is not in the advantage (see module docstring);
+    For the sequence-level ones (grpo, dr_grpo, rloo) the token-level KL penalty is not in the advantage (see module docstring);
     `rewards` is unused by them.
     """
-    if estimator not in _ESTIMATORS:
+    if estimator not in ESTIMATORS:
         raise ValueError(f"advantage estimator must be one of {ADVANTAGE_ESTIMATORS}, got {estimator!r}")
-    return _ESTIMATORS[estimator](
+    return _COMPUTE[estimator](
         rewards=rewards,
         mask=mask,
         scores=scores,

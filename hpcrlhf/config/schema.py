@@ -15,6 +15,7 @@ import dataclasses
 from dataclasses import dataclass, field, fields, is_dataclass
 from typing import ClassVar, Literal, Optional
 
+from hpcrlhf.algos.estimators import ADVANTAGE_ESTIMATORS, ESTIMATORS, Estimator
 from hpcrlhf.config.stop_rule import parse_stop_rule
 from hpcrlhf.errors import ConfigError
 
@@ -831,10 +832,12 @@ class CriticConfig:
 
 @dataclass(frozen=True)
 class PPOSectionConfig:
-    advantage_estimator: Literal["gae", "grpo", "rloo", "reinforce++"] = "gae"
-    """gae: a critic and GAE (PPO); grpo: group-normalised scores (Shao et al. 2024); rloo: leave-
-    one-out baseline (Ahmadian et al. 2024); reinforce++: globally whitened returns (Hu 2025).
-    The last three need no critic; grpo and rloo need rollout.samples_per_prompt >= 2."""
+    advantage_estimator: Literal[ADVANTAGE_ESTIMATORS] = "gae"
+    """gae: a critic and GAE (PPO); grpo: group-normalised scores (Shao et al. 2024); dr_grpo:
+    group-centred scores, no std division (Liu et al. 2025; pair it with
+    ppo.loss_aggregation=seq-mean-token-sum, the paper's constant normaliser); rloo: leave-one-out
+    baseline (Ahmadian et al. 2024); reinforce++: globally whitened returns (Hu 2025). All but gae
+    need no critic; grpo, dr_grpo and rloo need rollout.samples_per_prompt >= 2."""
     epochs: int = 1
     """Passes over each rollout's experience (mini-batches of train.global_batch_size sequences)."""
     clip_eps: float = 0.2
@@ -892,8 +895,12 @@ class PPOSectionConfig:
         _require(self.freeze_actor_steps >= 0, "ppo.freeze_actor_steps", self.freeze_actor_steps, "use >= 0")
 
     @property
+    def estimator(self) -> Estimator:
+        return ESTIMATORS[self.advantage_estimator]
+
+    @property
     def uses_critic(self) -> bool:
-        return self.advantage_estimator == "gae"
+        return self.estimator.needs_critic
 
     @property
     def uses_reference(self) -> bool:
@@ -1114,7 +1121,7 @@ class PPOConfig(OnlineJobConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         est, n = self.ppo.advantage_estimator, self.rollout.samples_per_prompt
-        if est in ("grpo", "rloo") and n < 2:
+        if self.ppo.estimator.needs_groups and n < 2:
             raise ConfigError(f"rollout.samples_per_prompt: {n} gives {est} no group to compare within: "
                               f"use at least 2 (e.g. 4), or ppo.advantage_estimator=gae")
         sequences = self.rollout.prompts_per_step * n

@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
+from hpcrlhf.algos.estimators import CRITIC_FREE_NAMES
 from hpcrlhf.config.schema import PPOConfig, RoleConfig
 from hpcrlhf.placement.layout import MAX_GPUS_PER_NODE, MAX_NODES, MODEL_ROLES, shape_text
 from hpcrlhf.placement.memory import (GIB, EngineMemory, MemoryParts, activation_bytes, engine_memory, frozen_memory,
@@ -185,7 +186,7 @@ def _give_fix(name: str, cfg: PPOConfig) -> str:
     if name == "vllm":
         return ("set placement.vllm.engines (e.g. 1 engine colocated with the actor, or engines on GPUs of their "
                 "own), or rollout.backend=hf to generate with the actor")
-    alternative = {"critic": "; or use a critic-free ppo.advantage_estimator (grpo, rloo, reinforce++)",
+    alternative = {"critic": f"; or use a critic-free ppo.advantage_estimator ({', '.join(CRITIC_FREE_NAMES)})",
                    "ref": "; or set ppo.init_kl_coef=0 and ppo.kl_loss_coef=0 (no KL to a reference)",
                    "reward": "; or score with rules only"}.get(name, "")
     return (f"set placement.{name}.nodes and gpus_per_node (e.g. {actor.nodes} x {actor.gpus_per_node} and add "

@@ -168,7 +168,7 @@ class PPOTrainer(OnlineTrainer):
         scores = clip_rewards(scores, cfg.reward.clip)
         kl = kl_estimate(old, ref, ppo.kl_estimator, mask) if ref is not None else torch.zeros_like(old)
         kl_coef = self.kl_ctl.value if ppo.init_kl_coef > 0 else 0.0
-        if ppo.advantage_estimator in ("grpo", "rloo"):
+        if ppo.estimator.sequence_level:
             # Sequence-level estimators: the KL penalty joins the score before the group baseline.
             scores = scores - kl_coef * masked_sum(kl, mask, dim=-1)
             rewards = shape_rewards(scores, torch.zeros_like(kl), mask, 0.0)

@@ -164,8 +164,31 @@ def test_reinforce_pp_is_whitened_over_the_global_batch():
 
 
 def test_registry_names():
-    assert ADVANTAGE_ESTIMATORS == ("gae", "grpo", "rloo", "reinforce++")
-    assert CRITIC_FREE == {"grpo", "rloo", "reinforce++"} and CRITIC_FREE < set(ADVANTAGE_ESTIMATORS)
+    from hpcrlhf.algos.advantages import _COMPUTE
+
+    assert ADVANTAGE_ESTIMATORS == ("gae", "grpo", "dr_grpo", "rloo", "reinforce++")
+    assert CRITIC_FREE == {"grpo", "dr_grpo", "rloo", "reinforce++"} and CRITIC_FREE < set(ADVANTAGE_ESTIMATORS)
+    assert tuple(_COMPUTE) == ADVANTAGE_ESTIMATORS  # every record has its maths and no maths lacks a record
+
+
+def test_estimator_records_drive_config_and_trainer():
+    """What the records say is what validation enforces: a group-based estimator refuses one
+    sample per prompt; a critic-free one needs no critic; the type's choices are the records'."""
+    import typing
+
+    from hpcrlhf.algos.estimators import ESTIMATORS
+    from hpcrlhf.config.loader import load_config
+    from hpcrlhf.config.schema import PPOConfig, PPOSectionConfig
+    from hpcrlhf.errors import ConfigError
+
+    assert typing.get_args(typing.get_type_hints(PPOSectionConfig)["advantage_estimator"]) == ADVANTAGE_ESTIMATORS
+    for name, record in ESTIMATORS.items():
+        overrides = [f"ppo.advantage_estimator={name}", "rollout.samples_per_prompt=1"]
+        if record.needs_groups:
+            with pytest.raises(ConfigError, match=f"rollout.samples_per_prompt: 1 gives {name} no group"):
+                load_config(PPOConfig, overrides=overrides)
+        else:
+            assert load_config(PPOConfig, overrides=overrides).ppo.uses_critic == record.needs_critic
 
 
 def _batch(seed, B=6):
@@ -217,6 +240,20 @@ def test_compute_advantages_grpo():
 
 
 @pytest.mark.parametrize("whiten", [True, False])
+def test_compute_advantages_dr_grpo(whiten):
+    """Dr. GRPO: score minus its group's mean, no std division (float64 reference by hand), the
+    same for every token of the response; whiten does not apply."""
+    mask, rewards, _, scores = _batch(9)
+    adv, ret = compute_advantages("dr_grpo", rewards=rewards, mask=mask, scores=scores, group_size=3, whiten=whiten)
+    s = scores.tolist()
+    want = [s[b] - statistics.fmean(s[b // 3 * 3 : b // 3 * 3 + 3]) for b in range(len(s))]
+    close(adv, [[want[b] if m else 0.0 for m in row] for b, row in enumerate(mask.tolist())], torch.float64)
+    assert torch.equal(ret, adv)
+    grpo, _ = compute_advantages("grpo", rewards=rewards, mask=mask, scores=scores, group_size=3)
+    assert not torch.allclose(grpo, adv)  # grpo divides by each group's std
+
+
+@pytest.mark.parametrize("whiten", [True, False])
 def test_compute_advantages_rloo(whiten):
     mask, rewards, _, scores = _batch(6)
     adv, ret = compute_advantages("rloo", rewards=rewards, mask=mask, scores=scores, group_size=2, whiten=whiten)
@@ -241,11 +278,11 @@ def test_compute_advantages_reinforce_pp(whiten):
 
 def test_compute_advantages_errors():
     mask, rewards, values, scores = _batch(8)
-    with pytest.raises(ValueError, match=r"'gae', 'grpo', 'rloo', 'reinforce\+\+'.*'ppo'"):
+    with pytest.raises(ValueError, match=r"'gae', 'grpo', 'dr_grpo', 'rloo', 'reinforce\+\+'.*'ppo'"):
         compute_advantages("ppo", rewards=rewards, mask=mask, values=values)
     with pytest.raises(ValueError, match="'gae' needs critic values"):
         compute_advantages("gae", rewards=rewards, mask=mask)
-    for name in ("grpo", "rloo"):
+    for name in ("grpo", "dr_grpo", "rloo"):
         with pytest.raises(ValueError, match=f"'{name}' needs per-sequence scores"):
             compute_advantages(name, rewards=rewards, mask=mask, group_size=2)
         with pytest.raises(ValueError, match="group_size >= 2"):
