@@ -13,7 +13,7 @@ import os
 import time
 from typing import Any, Callable, Mapping, Sequence
 
-from hpcrlhf.cluster.worker_group import (RoleWorker, WorkerGroup, dead_worker_message, even_bounds, gather,
+from hpcrlhf.cluster.worker_group import (RoleWorker, WorkerGroup, busy, dead_worker_message, even_bounds, gather,
                                           lost_worker_error)
 from hpcrlhf.logs import get_logger
 
@@ -44,15 +44,18 @@ class EngineWorker(RoleWorker):
         self.engine = VLLMRollout(model_dir, seed=seed + rank, tensor_parallel_size=tensor_parallel_size,
                                   distributed_executor_backend="mp", **engine_kwargs)
 
+    @busy
     def generate(self, prompts: Sequence[Sequence[int]], params) -> list:
         return self.engine.generate(prompts, params)
 
+    @busy
     def load_weights(self, state: Mapping[str, Any]) -> None:
         self.engine.load_weights(state)
 
     def join_weight_group(self, spec, first_rank: int) -> list[int]:
         return self.engine.join_weight_group(spec, first_rank)
 
+    @busy
     def receive_weights(self) -> int:
         return self.engine.receive_weights()
 

@@ -19,7 +19,7 @@ from typing import Any, Sequence
 
 import torch
 
-from hpcrlhf.cluster.worker_group import RoleWorker, gather
+from hpcrlhf.cluster.worker_group import RoleWorker, busy, gather
 from hpcrlhf.trainers.base import Trainer
 from hpcrlhf.trainers.experience import ExperienceBatch, ReplayBuffer
 from hpcrlhf.trainers.plan import PPOPlan
@@ -70,6 +70,7 @@ class TrainedWorker(PPOWorker):
         self.buffer = ReplayBuffer(cfg.ppo.buffer_limit)
         self.learner = PPOLearner(self.role, self.engine, cfg, plan, self.models.pad_id, self.buffer)
 
+    @busy
     def learn(self, experience: ExperienceBatch, step: int) -> Sums:
         """This rank's share of a rollout's experience -> PPO epochs on it; returns metric sums."""
         self.buffer.add(experience.rows())
@@ -86,10 +87,12 @@ class TrainedWorker(PPOWorker):
 
 
 class ActorWorker(TrainedWorker):
+    @busy
     def logps(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         self.engine.eval()
         return self._logps(self.engine, batch)
 
+    @busy
     def push_weights(self, engines: Sequence[Any]) -> None:
         """The actor's full weights into every vLLM engine (all actor ranks call: ZeRO-3 gathers)."""
         import ray
@@ -117,6 +120,7 @@ class ActorWorker(TrainedWorker):
         group = weight_sync.join(spec, 0, self._weight_store)
         self._weight_sender = weight_sync.WeightSender(group, self.cfg.placement.vllm.sync_bucket_mb << 20)
 
+    @busy
     def broadcast_weights(self) -> dict[str, float] | None:
         """The actor's weights to the group's engine workers (all actor ranks call: ZeRO-3 gathers
         chunk by chunk); rank 0 returns what it sent."""
@@ -147,6 +151,7 @@ class ActorWorker(TrainedWorker):
 class CriticWorker(TrainedWorker):
     value_head = True
 
+    @busy
     def values(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         self.engine.eval()
         return forward_values(self.engine, batch, self.cfg.eval.batch_size, self.models.device)
@@ -160,6 +165,7 @@ class ReferenceWorker(PPOWorker):
                                                     offload=cfg.reference.offload,
                                                     micro_batch_rows=self.plan.micro_batch_rows)
 
+    @busy
     def logps(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         return self._logps(self.model, batch)
 
@@ -178,6 +184,7 @@ class RewardWorker(PPOWorker):
     def names(self) -> list[str]:
         return list(self.rewards.names)
 
+    @busy
     def score(self, responses: list) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         return self.rewards.score(responses)
 

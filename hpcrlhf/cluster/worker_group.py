@@ -7,10 +7,12 @@ on every rank and returns their results in rank order.
 
 from __future__ import annotations
 
+import functools
 import os
 import socket
+import time
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from hpcrlhf.cluster.reservation import Reservation
 from hpcrlhf.placement import Device
@@ -34,11 +36,32 @@ class Whereabouts:
     pid: int
 
 
+def busy(method: Callable) -> Callable:
+    """Count the wall time of a RoleWorker method as the worker's busy time (`pop_busy`)."""
+
+    @functools.wraps(method)
+    def timed(self, *args: Any, **kwargs: Any) -> Any:
+        began = time.perf_counter()
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            self.busy_s += time.perf_counter() - began
+
+    return timed
+
+
 class RoleWorker:
-    """Base of every role's Ray actor: knows its role and rank, joins its role's process group."""
+    """Base of every role's Ray actor: knows its role and rank, joins its role's process group,
+    and counts the seconds its work methods (`@busy`) ran."""
 
     def __init__(self, role: str, rank: int, world_size: int) -> None:
         self.role, self.rank, self.world_size = role, rank, world_size
+        self.busy_s = 0.0
+
+    def pop_busy(self) -> float:
+        """Seconds spent in work methods since the last call."""
+        out, self.busy_s = self.busy_s, 0.0
+        return out
 
     def free_port(self) -> int:
         with socket.socket() as s:

@@ -274,6 +274,17 @@ class _WeightSyncExtension:
     Only the method's *name* crosses the process boundary in `collective_rpc`, so no pickled
     callables (and no VLLM_ALLOW_INSECURE_SERIALIZATION) are involved."""
 
+    def hpcrlhf_spin_when_idle(self, seconds: float) -> int:
+        """How long this worker busy-waits for the next request after one (vLLM's shared-memory
+        queue readers spin 1 s, yielding the CPU only with sched_yield, before they sleep on a
+        socket). Returns the number of queue readers changed."""
+        from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
+
+        readers = [o for o in gc.get_objects() if isinstance(o, SpinCondition) and o.is_reader]
+        for reader in readers:
+            reader.busy_loop_s = seconds
+        return len(readers)
+
     def hpcrlhf_join_weight_group(self, spec: dict, first_rank: int) -> int:
         """Join a weight-sync group (`hpcrlhf.engines.weight_sync`) as rank `first_rank` + this
         worker's rank in its engine. A worker may be in two groups: its engine's own (`load_weights`)
@@ -338,6 +349,9 @@ def _repack_cpu_experts(model: torch.nn.Module) -> int:
 
 
 _EXTENSION = f"{__name__}._WeightSyncExtension"
+CPU_IDLE_SPIN_S = 0.005
+"""How long a CPU engine's TP workers busy-wait for the next request before they sleep on a socket
+(vLLM: 1 s). A request arriving later wakes them through that socket at once."""
 
 
 def model_positions(model_dir: str) -> int | None:
@@ -468,6 +482,13 @@ class VLLMRollout:
                 logprobs_mode="raw_logprobs",  # vLLM's default, stated: log-probs before temperature/top-p/top-k
                 worker_extension_cls=_EXTENSION, **kwargs,
             )
+
+        self.spin_readers: list[int] = []
+        if tensor_parallel_size > 1 and current_platform.is_cpu():
+            # vLLM's TP workers busy-wait 1 s for the next request after each one; on a CPU host that
+            # is cores taken from the trainer, Ray and the driver: a TP-2 engine's result reached a
+            # Ray driver ~1 s after it was ready (2 cores, measured), 5 ms with this
+            self.spin_readers = self.llm.collective_rpc("hpcrlhf_spin_when_idle", args=(CPU_IDLE_SPIN_S,))
 
     @property
     def llm(self):

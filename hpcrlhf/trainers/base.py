@@ -38,6 +38,14 @@ Stats = dict[str, tuple[float, float]]
 """Metric name -> (sum, count) over some samples; means are taken after summing over ranks."""
 
 
+def idle_shares(timings: dict[str, float]) -> dict[str, float]:
+    """`util/<role>_idle` = 1 - `timing/busy_<role>` / `timing/step`: the share of a step a role's
+    workers waited (verl's idle_ratio), where the runtime measures busy time."""
+    step = timings.get("timing/step", 0.0)
+    return {f"util/{key.removeprefix('timing/busy_')}_idle": min(max(1.0 - value / step, 0.0), 1.0)
+            for key, value in timings.items() if key.startswith("timing/busy_") and step > 0}
+
+
 class Trainer:
     kind = "train"
     progress_key = "train/loss"
@@ -369,11 +377,12 @@ class Trainer:
         samples = sum(window.pop("train/samples", [0.0]))
         n = max(len(window.get("train/loss", ())), 1)
         skipped = {"train/skipped_steps": float(self.guard.skipped)} if self.guard.skipped else {}
+        timings = {k: v / n for k, v in self.run.pop_timings().items()}
         self.run.log(step, {**{k: sum(v) / len(v) for k, v in window.items()}, **self.optimizer_stats(), **skipped,
                             "train/epoch": step / self.plan.steps_per_epoch,
                             "throughput/tokens_per_sec": tokens / elapsed_s,
                             "throughput/samples_per_sec": samples / elapsed_s,
-                            **{k: v / n for k, v in self.run.pop_timings().items()}})
+                            **timings, **idle_shares(timings)})
 
     def optimizer_stats(self) -> dict[str, float | None]:
         """The trained model's learning rate and last gradient norm."""

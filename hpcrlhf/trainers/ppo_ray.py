@@ -123,6 +123,21 @@ class RayPPOTrainer(PPOTrainer):
     def trained_weights(self) -> None:
         return None  # on the actor's workers
 
+    def train_step(self, step: int) -> dict[str, float]:
+        """The PPO step, plus how long each role's workers were busy in it (`timing/busy_<role>`,
+        the mean over its ranks; `util/<role>_idle` in the log is 1 - busy / step)."""
+        self.pop_busy()  # what evaluation used is not this step's
+        metrics = super().train_step(step)
+        for role, seconds in self.pop_busy().items():
+            self.run.add_timing(f"busy_{role}", seconds)
+        return metrics
+
+    def pop_busy(self) -> dict[str, float]:
+        """Each role's (and the engines', `vllm`) busy seconds since the last call, mean over ranks."""
+        groups = self.all_groups
+        seconds = iter(gather([w.pop_busy.remote() for g in groups for w in g.workers]))
+        return {g.role: sum(next(seconds) for _ in g.workers) / max(len(g.workers), 1) for g in groups}
+
     # -- placement ---------------------------------------------------------------------------
     def check_placement(self) -> None:
         """Every worker's node and visible GPUs, read back from the worker, must be the map's."""

@@ -111,6 +111,13 @@ def test_ppo_on_ray_learns_the_task_like_single_machine_ppo(runs):
     rows = train_rows(runs[SEPARATED])
     assert len(rows) == STEPS
     assert all(key in rows[-1] for key in PHASES), sorted(rows[-1])
+    # each role's busy time (its workers' own clocks) fits in the step, and so its idle share is a share
+    for role in ("actor", "critic", "ref", "vllm"):
+        for r in rows:
+            assert 0 < r[f"timing/busy_{role}"] <= r["timing/step"] and 0 <= r[f"util/{role}_idle"] < 1, (role, r)
+            assert r[f"util/{role}_idle"] == pytest.approx(1 - r[f"timing/busy_{role}"] / r["timing/step"])
+    # the engines work while generating and loading weights, and only then
+    assert all(r["timing/busy_vllm"] >= r["timing/generate"] * 0.5 for r in rows)
     assert rows[-1]["train/value_loss"] < rows[0]["train/value_loss"]  # the critic learns the returns
     # the engines' log-probs (TP 2, weights synced from the actor) are the actor's own
     assert max(r["rollout/logprob_max_diff"] for r in rows) < 1e-4
