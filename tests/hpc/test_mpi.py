@@ -59,17 +59,18 @@ def test_mpirun_ranks_train_like_one_rank(tmp_path):
 def test_mpirun_runs_a_module_with_torchrun_variables(tmp_path):
     """`python -m hpcrlhf.hpc.mpi -m MODULE ARGS` (how the benchmark starts TRL across nodes): the
     module runs as __main__ on every rank, with its arguments and torchrun's variables."""
-    (tmp_path / "show_rank.py").write_text(
+    (tmp_path / "show_rank.py").write_text(  # a file per rank: mpirun may join the ranks' stdout lines
         "import json, os, sys\n"
         "if __name__ == '__main__':\n"
-        "    print(json.dumps({'argv': sys.argv[1:], **{k: os.environ[k] for k in ('RANK', 'WORLD_SIZE', 'LOCAL_RANK')}}))\n"
+        f"    with open(os.path.join({str(tmp_path)!r}, 'rank' + os.environ['RANK'] + '.json'), 'w') as f:\n"
+        "        json.dump({'argv': sys.argv[1:], **{k: os.environ[k] for k in ('RANK', 'WORLD_SIZE', 'LOCAL_RANK')}}, f)\n"
         "    sys.exit(3 if '--fail' in sys.argv else 0)\n")
     base = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-n", "2", sys.executable, "-m", "hpcrlhf.hpc.mpi",
             "-m", "show_rank"]
     env = cli_env(PYTHONPATH=f"{tmp_path}:{ROOT}")
     proc = subprocess.run([*base, "--x", "1"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = sorted((json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")), key=lambda r: r["RANK"])
+    rows = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert rows == [{"argv": ["--x", "1"], "RANK": str(r), "WORLD_SIZE": "2", "LOCAL_RANK": str(r)} for r in range(2)]
     failed = subprocess.run([*base, "--fail"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert failed.returncode != 0  # the module's exit status is the rank's
