@@ -52,6 +52,7 @@ Reduce = Callable[[list[float]], list[float]]
 
 LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 KL_ESTIMATORS = ("k1", "k2", "k3")
+RATIO_LEVELS = ("token", "sequence")
 
 # exp(20) ~ 4.9e8: far beyond any ratio that carries a useful signal, yet finite in fp32/bf16
 # (exp overflows there beyond ~88) and, squared or multiplied by a reward, still finite.
@@ -387,6 +388,7 @@ def policy_loss(
     dual_clip: float | None = None,
     aggregation: str = "token-mean",
     normalizer: float | None = None,
+    ratio_level: str = "token",
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO clipped surrogate loss (Schulman et al. 2017), optionally asymmetric and dual-clipped.
 
@@ -398,12 +400,20 @@ def policy_loss(
     0 * inf gradients would be NaN); tokens that far off are clipped anyway. old_logp and
     advantages are detached. The scalar loss is `aggregate_loss(l, mask, aggregation, normalizer)`.
 
+    ratio_level="sequence" is GSPO (Zheng et al. 2025): one ratio per response, the geometric
+    mean of its token ratios, s_i = exp(mean_t (logp - old_logp)), clipped as a whole. It is
+    written in GSPO-token form, s_i,t = sg[s_i] * pi(y_t) / sg[pi(y_t)]: each token's ratio has
+    the value s_i and the gradient s_i * grad log pi(y_t). With per-response advantages and
+    aggregation "seq-mean-token-mean" that is exactly GSPO's objective and gradient,
+    1/G sum_i min(s_i A_i, clip(s_i) A_i). (GSPO's clip ranges are ~1000x smaller than PPO's:
+    the paper uses 3e-4 / 4e-4.)
+
     Stats (detached sums over masked tokens, not means, so that micro-batches and ranks can be
     summed exactly before dividing by "tokens"):
         clipfrac_sum   tokens where clipping is active (l2 > l1: the gradient through the ratio
                        is cut)
         approx_kl_sum  sum of 0.5 (logp - old_logp)^2 (the k2 estimate of KL(old || new))
-        ratio_sum      sum of ratios
+        ratio_sum      sum of ratios (sequence level: each token counts its response's s_i)
         tokens         number of masked tokens
     """
     high = clip_eps_low if clip_eps_high is None else clip_eps_high
@@ -412,9 +422,15 @@ def policy_loss(
     if dual_clip is not None and not dual_clip > 1:
         raise ValueError(f"dual_clip must be > 1 (or None), got {dual_clip}")
     out, dt = _dtypes(logp, old_logp, advantages)
+    if ratio_level not in RATIO_LEVELS:
+        raise ValueError(f"ratio_level must be one of {RATIO_LEVELS}, got {ratio_level!r}")
     keep = mask.bool()
     adv = advantages.detach().to(dt)
-    log_ratio = logp.to(dt) - old_logp.detach().to(dt)
+    token_log_ratio = logp.to(dt) - old_logp.detach().to(dt)
+    log_ratio = token_log_ratio
+    if ratio_level == "sequence":
+        sequence = masked_mean(token_log_ratio.detach(), keep, dim=-1).unsqueeze(-1)  # log s_i, (B, 1)
+        log_ratio = sequence + token_log_ratio - token_log_ratio.detach()  # value log s_i, gradient grad log pi(y_t)
     ratio = torch.exp(log_ratio.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO))
     l1 = -adv * ratio
     l2 = -adv * ratio.clamp(1.0 - clip_eps_low, 1.0 + high)
@@ -425,7 +441,7 @@ def policy_loss(
     with torch.no_grad():
         stats = {
             "clipfrac_sum": (keep & (l2 > l1)).sum().to(dt),
-            "approx_kl_sum": masked_sum(0.5 * log_ratio.square(), keep),
+            "approx_kl_sum": masked_sum(0.5 * token_log_ratio.square(), keep),
             "ratio_sum": masked_sum(ratio, keep),
             "tokens": keep.sum().to(dt),
         }

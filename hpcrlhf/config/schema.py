@@ -844,6 +844,11 @@ class PPOSectionConfig:
     """Clip the probability ratio to [1 - clip_eps, 1 + clip_eps_high]."""
     clip_eps_high: Optional[float] = None
     """Upper clip range (null: clip_eps); a larger value lets rare good tokens grow (DAPO)."""
+    ratio_level: Literal["token", "sequence"] = "token"
+    """token: PPO's per-token probability ratio; sequence: GSPO (Zheng et al. 2025), one ratio per
+    response (the geometric mean of its token ratios) clipped as a whole -- use it with a
+    sequence-level estimator (grpo, dr_grpo, rloo), clip ranges like the paper's (clip_eps 3e-4,
+    clip_eps_high 4e-4) and loss_aggregation seq-mean-token-mean."""
     dual_clip: Optional[float] = None
     """Dual-clip constant c > 1 bounding the loss of negative-advantage tokens (Ye et al. 2020)."""
     value_clip: Optional[float] = 0.2

@@ -632,6 +632,49 @@ def test_policy_loss_invalid_arguments():
         policy_loss(x, x, x, m, clip_eps_low=0.2, aggregation="sum")
 
 
+@pytest.mark.parametrize("dual", [None, 3.0])
+def test_gspo_is_the_sequence_ratio_objective_and_its_gradient(dual):
+    """ratio_level="sequence" against GSPO written directly in float64 (Zheng et al. 2025, eq. 5-7):
+    s_i = exp(mean over the response of log pi - log pi_old), loss = mean_i max(-A_i s_i,
+    -A_i clip(s_i, 1 - low, 1 + high)) (dual clip on A_i < 0), autograd through s_i. Value and
+    gradient with respect to every token log-prob must agree, with whole responses clipped."""
+    g = torch.Generator().manual_seed(3)
+    B, T = 6, 5
+    old = -torch.rand(B, T, generator=g, dtype=torch.float64) * 3
+    shift = torch.tensor([0.3, -0.3, 0.01, -0.02, 0.2, 1.5], dtype=torch.float64).unsqueeze(-1)
+    logp = (old + shift + 0.05 * torch.randn(B, T, generator=g, dtype=torch.float64)).requires_grad_()
+    mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0], [1, 0, 0, 0, 0], [1, 1, 1, 1, 0], [1, 1, 0, 0, 0],
+                         [1, 1, 1, 1, 1]], dtype=torch.bool)
+    seq_adv = torch.tensor([1.0, -0.5, 2.0, -1.5, -1.0, -0.7], dtype=torch.float64)
+    adv = seq_adv.unsqueeze(-1).expand(B, T) * mask
+    low, high = 0.05, 0.08
+    loss, stats = policy_loss(logp, old, adv, mask, clip_eps_low=low, clip_eps_high=high, dual_clip=dual,
+                              aggregation="seq-mean-token-mean", ratio_level="sequence")
+    loss.backward()
+
+    reference = logp.detach().clone().requires_grad_()
+    terms, clipped = [], 0
+    for i in range(B):
+        m = mask[i].double()
+        s_i = torch.exp(((reference[i] - old[i]) * m).sum() / m.sum())
+        term = torch.maximum(-seq_adv[i] * s_i, -seq_adv[i] * s_i.clamp(1 - low, 1 + high))
+        if dual is not None and seq_adv[i] < 0:
+            term = torch.minimum(term, -seq_adv[i] * dual)
+        clipped += int(not (1 - low <= s_i.item() <= 1 + high))
+        terms.append(term)
+    want = torch.stack(terms).mean()
+    want.backward()
+    assert clipped >= 2 and clipped < B  # the case has clipped and unclipped responses
+    assert loss.item() == pytest.approx(want.item(), rel=1e-12)
+    assert torch.allclose(logp.grad, reference.grad, rtol=1e-10, atol=1e-14)
+    assert torch.all(logp.grad[~mask] == 0)
+    token_level, _ = policy_loss(logp.detach(), old, adv, mask, clip_eps_low=low, clip_eps_high=high, dual_clip=dual,
+                                 aggregation="seq-mean-token-mean")
+    assert token_level.item() != pytest.approx(loss.item(), rel=1e-6)  # not the per-token ratio
+    with pytest.raises(ValueError, match="ratio_level must be one of"):
+        policy_loss(logp, old, adv, mask, clip_eps_low=low, ratio_level="group")
+
+
 def test_policy_loss_extreme_ratio_stays_finite():
     logp = torch.tensor([[0.0, 0.0]], requires_grad=True)
     old = torch.tensor([[-200.0, 200.0]])

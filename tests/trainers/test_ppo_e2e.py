@@ -33,6 +33,8 @@ def train_rows(out) -> list[dict]:
     ("dr_grpo", ["--set", "rollout.samples_per_prompt=8", "--set", "ppo.init_kl_coef=0",
                  "--set", "ppo.loss_aggregation=seq-mean-token-sum"]),  # as the paper: a constant normaliser
     ("rloo", ["--set", "rollout.samples_per_prompt=8", "--set", "ppo.init_kl_coef=0.01"]),
+    pytest.param("grpo", ["--set", "rollout.samples_per_prompt=8", "--set", "ppo.init_kl_coef=0", "--set",
+                          "ppo.ratio_level=sequence", "--set", "ppo.loss_aggregation=seq-mean-token-mean"], id="gspo"),
     ("reinforce++", ["--set", "rollout.samples_per_prompt=4", "--set", "ppo.kl_estimator=k2"]),
     ("gae", ["--set", "rollout.samples_per_prompt=4"]),
 ])
