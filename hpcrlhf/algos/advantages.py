@@ -12,6 +12,9 @@
 * rloo (Ahmadian et al. 2024, "Back to Basics"): REINFORCE with a leave-one-out baseline,
   A_i = s_i - mean of the other n - 1 scores of its group (an unbiased baseline, since it does
   not depend on sample i).
+* reinforce_baseline (OpenRLHF's `reinforce_baseline`): REINFORCE with a per-prompt baseline,
+  A_i = s_i - mean_group, then whitened over the global batch (if `whiten`): Dr. GRPO's centring
+  with one batch-wide scale instead of none.
 * reinforce++ (Hu 2025): token-level rewards (KL penalty per token, score at the last token, as
   `ppo.shape_rewards` builds them) -> discounted returns-to-go -> whitened over all masked
   tokens of the global batch; the whitening mean is the baseline.
@@ -107,6 +110,14 @@ def _dr_grpo(*, mask, scores, group_size, **_) -> tuple[torch.Tensor, torch.Tens
     return adv, adv
 
 
+def _reinforce_baseline(*, mask, scores, group_size, whiten, reduce, **_) -> tuple[torch.Tensor, torch.Tensor]:
+    adv = grpo_advantages(_need_scores(scores, "reinforce_baseline"), group_size, std_normalize=False)
+    adv = broadcast_to_tokens(adv, mask)
+    if whiten:
+        adv = masked_whiten(adv, mask, reduce=reduce)
+    return adv, adv
+
+
 def _rloo(*, mask, scores, group_size, whiten, reduce, **_) -> tuple[torch.Tensor, torch.Tensor]:
     adv = broadcast_to_tokens(rloo_advantages(_need_scores(scores, "rloo"), group_size), mask)
     if whiten:
@@ -131,6 +142,7 @@ _COMPUTE: dict[str, Callable[..., tuple[torch.Tensor, torch.Tensor]]] = {
     "dr_grpo": _dr_grpo,
     "rloo": _rloo,
     "reinforce++": _reinforce_pp,
+    "reinforce_baseline": _reinforce_baseline,
 }
 """How each estimator of `algos.estimators.ESTIMATORS` (what it needs) computes."""
 
@@ -155,11 +167,12 @@ def compute_advantages(
     grpo:        group-normalised `scores` broadcast to tokens; `whiten` ignored (already
                  normalised per group); returns = advantages (there is no critic to fit).
     dr_grpo:     group-centred `scores` (no std division) broadcast to tokens; `whiten` ignored.
+    reinforce_baseline: group-centred `scores` broadcast to tokens, whitened globally if `whiten`.
     rloo:        leave-one-out `scores` broadcast to tokens, whitened globally if `whiten`;
                  returns = advantages.
     reinforce++: whitened returns-to-go of token `rewards`; whitening is part of the estimator,
                  so `whiten` is ignored; returns = the unwhitened returns-to-go.
-    For the sequence-level ones (grpo, dr_grpo, rloo) the token-level KL penalty is not in the advantage (see module docstring);
+    For the sequence-level ones (grpo, dr_grpo, rloo, reinforce_baseline) the token-level KL penalty is not in the advantage (see module docstring);
     `rewards` is unused by them.
     """
     if estimator not in ESTIMATORS:

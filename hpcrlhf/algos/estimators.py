@@ -31,6 +31,8 @@ ESTIMATORS: dict[str, Estimator] = {e.name: e for e in (
               summary="leave-one-out baseline (Ahmadian et al. 2024)"),
     Estimator("reinforce++", needs_critic=False, needs_groups=False, sequence_level=False,
               summary="globally whitened returns (Hu 2025)"),
+    Estimator("reinforce_baseline", needs_critic=False, needs_groups=True, sequence_level=True,
+              summary="REINFORCE with a per-prompt mean baseline, whitened over the batch (OpenRLHF)"),
 )}
 ADVANTAGE_ESTIMATORS = tuple(ESTIMATORS)
 CRITIC_FREE = frozenset(name for name, e in ESTIMATORS.items() if not e.needs_critic)

@@ -836,8 +836,10 @@ class PPOSectionConfig:
     """gae: a critic and GAE (PPO); grpo: group-normalised scores (Shao et al. 2024); dr_grpo:
     group-centred scores, no std division (Liu et al. 2025; pair it with
     ppo.loss_aggregation=seq-mean-token-sum, the paper's constant normaliser); rloo: leave-one-out
-    baseline (Ahmadian et al. 2024); reinforce++: globally whitened returns (Hu 2025). All but gae
-    need no critic; grpo, dr_grpo and rloo need rollout.samples_per_prompt >= 2."""
+    baseline (Ahmadian et al. 2024); reinforce++: globally whitened returns (Hu 2025);
+    reinforce_baseline: score minus its prompt's mean, whitened over the batch (OpenRLHF). All but
+    gae need no critic; grpo, dr_grpo, rloo and reinforce_baseline need
+    rollout.samples_per_prompt >= 2."""
     epochs: int = 1
     """Passes over each rollout's experience (mini-batches of train.global_batch_size sequences)."""
     clip_eps: float = 0.2
@@ -858,7 +860,7 @@ class PPOSectionConfig:
     lam: float = 0.95
     """GAE lambda (bias/variance trade-off of the advantages)."""
     whiten_advantages: bool = True
-    """Standardise advantages over the rollout (gae, rloo; reinforce++ always does)."""
+    """Standardise advantages over the rollout (gae, rloo, reinforce_baseline; reinforce++ always does)."""
     entropy_coef: float = 0.0
     """Bonus on the policy's token entropy (0: none)."""
     loss_aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "token-mean"

@@ -166,8 +166,8 @@ def test_reinforce_pp_is_whitened_over_the_global_batch():
 def test_registry_names():
     from hpcrlhf.algos.advantages import _COMPUTE
 
-    assert ADVANTAGE_ESTIMATORS == ("gae", "grpo", "dr_grpo", "rloo", "reinforce++")
-    assert CRITIC_FREE == {"grpo", "dr_grpo", "rloo", "reinforce++"} and CRITIC_FREE < set(ADVANTAGE_ESTIMATORS)
+    assert ADVANTAGE_ESTIMATORS == ("gae", "grpo", "dr_grpo", "rloo", "reinforce++", "reinforce_baseline")
+    assert CRITIC_FREE == set(ADVANTAGE_ESTIMATORS) - {"gae"} and CRITIC_FREE < set(ADVANTAGE_ESTIMATORS)
     assert tuple(_COMPUTE) == ADVANTAGE_ESTIMATORS  # every record has its maths and no maths lacks a record
 
 
@@ -254,6 +254,24 @@ def test_compute_advantages_dr_grpo(whiten):
 
 
 @pytest.mark.parametrize("whiten", [True, False])
+def test_compute_advantages_reinforce_baseline(whiten):
+    """Score minus its prompt's mean (float64 by hand), broadcast to the response's tokens, then
+    whitened over every masked token of the batch when asked."""
+    mask, rewards, _, scores = _batch(10)
+    adv, ret = compute_advantages("reinforce_baseline", rewards=rewards, mask=mask, scores=scores, group_size=2,
+                                  whiten=whiten)
+    s = scores.tolist()
+    want = [s[b] - (s[b // 2 * 2] + s[b // 2 * 2 + 1]) / 2 for b in range(len(s))]
+    tokens = [[want[b] if m else 0.0 for m in row] for b, row in enumerate(mask.tolist())]
+    if whiten:
+        vals = [v for row, mr in zip(tokens, mask.tolist()) for v, m in zip(row, mr) if m]
+        mean, sd = statistics.fmean(vals), math.sqrt(statistics.pvariance(vals) + 1e-8)
+        tokens = [[(v - mean) / sd if m else 0.0 for v, m in zip(row, mr)] for row, mr in zip(tokens, mask.tolist())]
+    close(adv, tokens, torch.float64)
+    assert torch.equal(ret, adv)
+
+
+@pytest.mark.parametrize("whiten", [True, False])
 def test_compute_advantages_rloo(whiten):
     mask, rewards, _, scores = _batch(6)
     adv, ret = compute_advantages("rloo", rewards=rewards, mask=mask, scores=scores, group_size=2, whiten=whiten)
@@ -278,11 +296,11 @@ def test_compute_advantages_reinforce_pp(whiten):
 
 def test_compute_advantages_errors():
     mask, rewards, values, scores = _batch(8)
-    with pytest.raises(ValueError, match=r"'gae', 'grpo', 'dr_grpo', 'rloo', 'reinforce\+\+'.*'ppo'"):
+    with pytest.raises(ValueError, match=r"'gae', 'grpo', 'dr_grpo', 'rloo', 'reinforce\+\+', 'reinforce_baseline'.*'ppo'"):
         compute_advantages("ppo", rewards=rewards, mask=mask, values=values)
     with pytest.raises(ValueError, match="'gae' needs critic values"):
         compute_advantages("gae", rewards=rewards, mask=mask)
-    for name in ("grpo", "dr_grpo", "rloo"):
+    for name in ("grpo", "dr_grpo", "rloo", "reinforce_baseline"):
         with pytest.raises(ValueError, match=f"'{name}' needs per-sequence scores"):
             compute_advantages(name, rewards=rewards, mask=mask, group_size=2)
         with pytest.raises(ValueError, match="group_size >= 2"):

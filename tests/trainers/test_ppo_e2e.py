@@ -36,6 +36,7 @@ def train_rows(out) -> list[dict]:
     pytest.param("grpo", ["--set", "rollout.samples_per_prompt=8", "--set", "ppo.init_kl_coef=0", "--set",
                           "ppo.ratio_level=sequence", "--set", "ppo.loss_aggregation=seq-mean-token-mean"], id="gspo"),
     ("reinforce++", ["--set", "rollout.samples_per_prompt=4", "--set", "ppo.kl_estimator=k2"]),
+    ("reinforce_baseline", ["--set", "rollout.samples_per_prompt=4"]),
     ("gae", ["--set", "rollout.samples_per_prompt=4"]),
 ])
 def test_estimator_with_rule_reward_raises_the_task_score(estimator, extra, policy_model, tmp_path):
