@@ -191,6 +191,13 @@ def test_estimator_records_drive_config_and_trainer():
             assert load_config(PPOConfig, overrides=overrides).ppo.uses_critic == record.needs_critic
 
 
+def ref_whitened(tokens, mask):
+    """Token values standardised over every masked token of the batch (population variance + 1e-8)."""
+    vals = [v for row, mr in zip(tokens, mask) for v, m in zip(row, mr) if m]
+    mean, sd = statistics.fmean(vals), math.sqrt(statistics.pvariance(vals) + 1e-8)
+    return [[(v - mean) / sd if m else 0.0 for v, m in zip(row, mr)] for row, mr in zip(tokens, mask)]
+
+
 def _batch(seed, B=6):
     g = torch.Generator().manual_seed(seed)
     mask = response_mask(g, B)
@@ -264,9 +271,7 @@ def test_compute_advantages_reinforce_baseline(whiten):
     want = [s[b] - (s[b // 2 * 2] + s[b // 2 * 2 + 1]) / 2 for b in range(len(s))]
     tokens = [[want[b] if m else 0.0 for m in row] for b, row in enumerate(mask.tolist())]
     if whiten:
-        vals = [v for row, mr in zip(tokens, mask.tolist()) for v, m in zip(row, mr) if m]
-        mean, sd = statistics.fmean(vals), math.sqrt(statistics.pvariance(vals) + 1e-8)
-        tokens = [[(v - mean) / sd if m else 0.0 for v, m in zip(row, mr)] for row, mr in zip(tokens, mask.tolist())]
+        tokens = ref_whitened(tokens, mask.tolist())
     close(adv, tokens, torch.float64)
     assert torch.equal(ret, adv)
 
@@ -278,9 +283,7 @@ def test_compute_advantages_rloo(whiten):
     want = ref_rloo(scores.tolist(), 2)
     tokens = [[want[b] if m else 0.0 for m in row] for b, row in enumerate(mask.tolist())]
     if whiten:
-        vals = [v for row, mr in zip(tokens, mask.tolist()) for v, m in zip(row, mr) if m]
-        mean, sd = statistics.fmean(vals), math.sqrt(statistics.pvariance(vals) + 1e-8)
-        tokens = [[(v - mean) / sd if m else 0.0 for v, m in zip(row, mr)] for row, mr in zip(tokens, mask.tolist())]
+        tokens = ref_whitened(tokens, mask.tolist())
     close(adv, tokens, torch.float64)
     assert torch.equal(ret, adv)
 
