@@ -289,9 +289,21 @@ def _rule_scorer(rule: Rule) -> Callable[[Sequence[Response]], torch.Tensor]:
     return score
 
 
-def adjust_scores(scores: torch.Tensor, lengths: torch.Tensor, finished: torch.Tensor, cfg: RewardConfig) -> torch.Tensor:
-    """Scores with the length penalty (per response token) and the missing-EOS penalty applied."""
+def adjust_scores(scores: torch.Tensor, lengths: torch.Tensor, finished: torch.Tensor, cfg: RewardConfig,
+                  max_new_tokens: int) -> torch.Tensor:
+    """Scores with the length penalty (per response token), the missing-EOS penalty and DAPO's
+    overlong shaping (`overlong_penalty`) applied."""
     out = scores - cfg.length_penalty * lengths.float()
     if cfg.missing_eos_penalty is not None:
         out = out + cfg.missing_eos_penalty * (~finished.bool()).float()
+    if cfg.overlong_buffer:
+        out = out + overlong_penalty(lengths, max_new_tokens, cfg.overlong_buffer, cfg.overlong_penalty).to(out.dtype)
     return out
+
+
+def overlong_penalty(lengths: torch.Tensor, max_new_tokens: int, buffer: int, penalty: float) -> torch.Tensor:
+    """DAPO's soft overlong punishment (Yu et al. 2025, eq. 13), per response: 0 up to
+    max_new_tokens - buffer tokens, then falling linearly to -penalty at max_new_tokens (and
+    below it past the limit, which a cut response never is)."""
+    expected = max_new_tokens - buffer
+    return torch.clamp(-(lengths.double() - expected) / buffer * penalty, max=0.0)

@@ -3,6 +3,7 @@ transformers' own sequence-classification pooling in float64), rules, penalties 
 
 from __future__ import annotations
 
+import re
 import sys
 
 import pytest
@@ -115,9 +116,33 @@ def test_source_needs_exactly_one_kind():
 
 def test_penalties_by_hand():
     cfg = RewardConfig(length_penalty=0.1, missing_eos_penalty=-1.0)
-    out = adjust_scores(torch.tensor([1.0, 1.0, 0.0]), torch.tensor([2, 8, 3]), torch.tensor([True, False, True]), cfg)
+    out = adjust_scores(torch.tensor([1.0, 1.0, 0.0]), torch.tensor([2, 8, 3]), torch.tensor([True, False, True]), cfg, 8)
     torch.testing.assert_close(out, torch.tensor([0.8, -0.8, -0.3]))
-    assert adjust_scores(torch.tensor([1.0]), torch.tensor([5]), torch.tensor([False]), RewardConfig()).tolist() == [1.0]
+    assert adjust_scores(torch.tensor([1.0]), torch.tensor([5]), torch.tensor([False]), RewardConfig(), 8).tolist() == [1.0]
+
+
+def test_overlong_shaping_is_dapos_linear_ramp():
+    """DAPO eq. 13 with L_max = 20, L_cache = 4, penalty 0.5, by hand: free up to 16 tokens, then
+    -0.5 * (length - 16) / 4 down to -0.5 at 20; on top of the other penalties."""
+    cfg = RewardConfig(overlong_buffer=4, overlong_penalty=0.5, missing_eos_penalty=-1.0)
+    lengths = torch.tensor([3, 16, 17, 18, 19, 20])
+    finished = torch.tensor([True, True, True, True, True, False])
+    out = adjust_scores(torch.ones(6), lengths, finished, cfg, 20)
+    want = [1.0, 1.0, 1.0 - 0.125, 1.0 - 0.25, 1.0 - 0.375, 1.0 - 0.5 - 1.0]
+    assert out.tolist() == pytest.approx(want, abs=1e-7)
+    assert adjust_scores(torch.ones(6), lengths, finished, RewardConfig(), 20).tolist() == [1.0] * 5 + [1.0]
+
+
+@pytest.mark.parametrize("override, message", [
+    ("reward.overlong_buffer=-1", "reward.overlong_buffer: -1 is invalid: use 0 (off)"),
+    ("reward.overlong_buffer=8", "reward.overlong_buffer: 8 is invalid: use fewer tokens than rollout.max_new_tokens (8)"),
+    ("reward.overlong_penalty=-0.5", "reward.overlong_penalty: -0.5 is invalid: use >= 0"),
+])
+def test_overlong_settings_are_checked_against_the_response_limit(override, message):
+    from hpcrlhf.config.schema import PPOConfig
+
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config(PPOConfig, None, [override, "rollout.max_new_tokens=8"])
 
 
 # ---------------------------------------------------------------- a user's rule: what it may return, how it fails

@@ -810,6 +810,12 @@ class RewardConfig:
     """Added to the score of a response cut at rollout.max_new_tokens (e.g. -1.0); null: none."""
     length_penalty: float = 0.0
     """Subtracted from the score per response token (discourages long answers)."""
+    overlong_buffer: int = 0
+    """DAPO's overlong reward shaping (Yu et al. 2025): a response within the last `overlong_buffer`
+    tokens before rollout.max_new_tokens loses a penalty rising linearly from 0 to
+    `overlong_penalty` at the limit (0: off). DAPO used 4096 of 20480."""
+    overlong_penalty: float = 1.0
+    """The overlong penalty at rollout.max_new_tokens (with reward.overlong_buffer > 0)."""
     batch_size: int = 128
     """Sequences per reward-model forward pass."""
 
@@ -818,6 +824,9 @@ class RewardConfig:
         _require(len(self.sources) >= 1, "reward.sources", list(self.sources), "give at least one reward model or rule")
         _require(self.clip is None or self.clip > 0, "reward.clip", self.clip, "use a positive bound, or null")
         _require(self.length_penalty >= 0, "reward.length_penalty", self.length_penalty, "use >= 0")
+        _require(self.overlong_buffer >= 0, "reward.overlong_buffer", self.overlong_buffer,
+                 "use 0 (off) or a number of tokens below rollout.max_new_tokens")
+        _require(self.overlong_penalty >= 0, "reward.overlong_penalty", self.overlong_penalty, "use >= 0")
         _require(self.batch_size >= 1, "reward.batch_size", self.batch_size, "use at least 1")
 
 
@@ -1089,6 +1098,9 @@ class OnlineJobConfig(TrainJobConfig):
                               "generate them as they go: set reference.precompute=false")
         _require_task_for_rules(self.reward, self.task, self.data)
         _resolve(self, "rollout", max_new_tokens=resolved_new_tokens(self.rollout.max_new_tokens, self.task, self.data))
+        _require(self.reward.overlong_buffer < self.rollout.max_new_tokens, "reward.overlong_buffer",
+                 self.reward.overlong_buffer,
+                 f"use fewer tokens than rollout.max_new_tokens ({_shown(self.rollout.max_new_tokens)}), e.g. a fifth")
 
 
 @dataclass(frozen=True)

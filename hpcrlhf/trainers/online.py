@@ -234,7 +234,7 @@ class OnlineTrainer(Trainer):
         with self.run.timed("reward"):
             rollout = Rollout(*flatten_generations(prompts, generations, self.tokenizer), None, {})
             total, rollout.parts = self.rewards.score(rollout.responses)
-            rollout.scores = adjust_scores(total, rollout.lengths, rollout.finished, self.cfg.reward)
+            rollout.scores = adjust_scores(total, rollout.lengths, rollout.finished, self.cfg.reward, params.max_new_tokens)
         # before anything learns from them; every rank decides alike
         self.guard.check_inputs({**{f"reward/{name}": v for name, v in rollout.parts.items()}, "rollout/score": rollout.scores},
                                 all_ranks=lambda flag: all_reduce_sum([flag])[0])
