@@ -7,10 +7,21 @@ can normalise over a whole global batch (exact across ranks, micro-batches and p
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
 IGNORE = -100
+
+
+def float_dtypes(*tensors: torch.Tensor) -> tuple[torch.dtype, torch.dtype]:
+    """(output dtype, compute dtype) of a loss over `tensors`: their promoted dtype, and that
+    promoted to at least fp32 (half-precision inputs are computed in fp32, returned as given)."""
+    out = functools.reduce(torch.promote_types, (t.dtype for t in tensors))
+    if not out.is_floating_point:
+        raise TypeError(f"expected floating-point tensors, got {out}")
+    return out, torch.promote_types(out, torch.float32)
 
 
 def token_logprobs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -43,10 +43,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from functools import reduce as _fold
 from typing import Literal
 
 import torch
+
+from hpcrlhf.algos.logprobs import float_dtypes
 
 Reduce = Callable[[list[float]], list[float]]
 
@@ -60,14 +61,6 @@ _MAX_LOG_RATIO = 20.0
 
 
 # ---- helpers ---------------------------------------------------------------------------------
-
-
-def _dtypes(*tensors: torch.Tensor) -> tuple[torch.dtype, torch.dtype]:
-    """(output dtype, compute dtype): the promoted input dtype and at least fp32."""
-    out = _fold(torch.promote_types, (t.dtype for t in tensors))
-    if not out.is_floating_point:
-        raise TypeError(f"expected floating-point tensors, got {out}")
-    return out, torch.promote_types(out, torch.float32)
 
 
 def _local_sums(*sums: torch.Tensor) -> list[float]:
@@ -110,7 +103,7 @@ def masked_whiten(
     """(x - mean) / sqrt(var + eps) with the mean and population variance of the masked entries
     of the global batch; with shift_mean=False the mean is added back (rescaling only). 0 where
     mask is 0."""
-    out, dt = _dtypes(x)
+    out, dt = float_dtypes(x)
     keep = mask.bool()
     xk = torch.where(keep, x.detach(), 0).double()
     n, s, ss = _global(_local_sums(keep.sum(), xk.sum(), xk.square().sum()), reduce)
@@ -147,7 +140,7 @@ def kl_estimate(
     """
     if estimator not in KL_ESTIMATORS:
         raise ValueError(f"estimator must be one of {KL_ESTIMATORS}, got {estimator!r}")
-    out, dt = _dtypes(logp, ref_logp)
+    out, dt = float_dtypes(logp, ref_logp)
     lr = (logp.to(dt) - ref_logp.to(dt)).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
     if estimator == "k1":
         kl = lr
@@ -222,7 +215,7 @@ def shape_rewards(scores: torch.Tensor, kl: torch.Tensor, mask: torch.Tensor, kl
     """Per-token rewards (B, T): -kl_coef * kl at every masked token, plus scores[b] at the last
     masked token of row b (the reward model judges the whole response, so its score arrives when
     the episode ends). Rows without masked tokens get all zeros."""
-    out, dt = _dtypes(scores, kl)
+    out, dt = float_dtypes(scores, kl)
     keep = mask.bool()
     pos = torch.arange(keep.shape[-1], device=keep.device)
     last = torch.where(keep, pos, -1).amax(-1, keepdim=True)  # -1 for an empty row: never matches
@@ -242,7 +235,7 @@ def gae_advantages(
     row, however many masked-out positions lie between. Returns (advantages, returns) with
     returns = advantages + values, both 0 where mask is 0. Inputs are detached.
     """
-    out, dt = _dtypes(rewards, values)
+    out, dt = float_dtypes(rewards, values)
     keep = mask.bool()
     r, v = rewards.detach().to(dt), values.detach().to(dt)
     adv = torch.zeros_like(r)
@@ -264,7 +257,7 @@ def gae_advantages(
 def discounted_returns(rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
     """Returns-to-go G_t = r_t + gamma G_{t+1} over the masked tokens of each row (same "next
     masked token" rule as `gae_advantages`), 0 where mask is 0. Inputs are detached."""
-    out, dt = _dtypes(rewards)
+    out, dt = float_dtypes(rewards)
     keep = mask.bool()
     r = rewards.detach().to(dt)
     ret = torch.zeros_like(r)
@@ -332,7 +325,7 @@ class RunningMoments:
 
 def normalize_scores(scores: torch.Tensor, moments: RunningMoments, eps: float = 1e-8) -> torch.Tensor:
     """(scores - mean) / (std + eps) with the moments' current values."""
-    out, dt = _dtypes(scores)
+    out, dt = float_dtypes(scores)
     return ((scores.to(dt) - moments.mean) / (moments.std + eps)).to(out)
 
 
@@ -362,7 +355,7 @@ def aggregate_loss(
         raise ValueError(f"loss aggregation must be one of {LOSS_AGGREGATIONS}, got {mode!r}")
     if normalizer is not None and not normalizer > 0:
         raise ValueError(f"normalizer must be > 0 or None, got {normalizer}")
-    out, dt = _dtypes(loss)
+    out, dt = float_dtypes(loss)
     keep = mask.bool()
     row_sums = torch.where(keep, loss.to(dt), 0).sum(-1)
     row_counts = keep.sum(-1)
@@ -421,7 +414,7 @@ def policy_loss(
         raise ValueError(f"clip_eps_low and clip_eps_high must be >= 0, got {clip_eps_low}, {high}")
     if dual_clip is not None and not dual_clip > 1:
         raise ValueError(f"dual_clip must be > 1 (or None), got {dual_clip}")
-    out, dt = _dtypes(logp, old_logp, advantages)
+    out, dt = float_dtypes(logp, old_logp, advantages)
     if ratio_level not in RATIO_LEVELS:
         raise ValueError(f"ratio_level must be one of {RATIO_LEVELS}, got {ratio_level!r}")
     keep = mask.bool()
@@ -465,7 +458,7 @@ def value_loss(
     term is the larger one) and "tokens"."""
     if clip_eps is not None and not clip_eps > 0:
         raise ValueError(f"value clip_eps must be > 0 or None, got {clip_eps}")
-    out, dt = _dtypes(values, old_values, returns)
+    out, dt = float_dtypes(values, old_values, returns)
     keep = mask.bool()
     v, target = values.to(dt), returns.detach().to(dt)
     err = (v - target).square()

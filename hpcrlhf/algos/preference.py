@@ -16,11 +16,12 @@ compute those with `token_logprobs` + `sequence_logprobs`. Conventions shared by
 
 from __future__ import annotations
 
-from functools import reduce
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+
+from hpcrlhf.algos.logprobs import float_dtypes
 
 LOSS_TYPES = ("dpo", "ipo", "cdpo")
 
@@ -40,14 +41,6 @@ class KTOLossOutput(NamedTuple):
     kl: torch.Tensor  # z0 = clamp(kl_estimate, min=0), detached
 
 
-def _dtypes(*tensors: torch.Tensor) -> tuple[torch.dtype, torch.dtype]:
-    """(output dtype, compute dtype): the promoted input dtype and at least fp32."""
-    out = reduce(torch.promote_types, (t.dtype for t in tensors))
-    if not out.is_floating_point:
-        raise TypeError(f"expected floating-point tensors, got {out}")
-    return out, torch.promote_types(out, torch.float32)
-
-
 def sequence_logprobs(token_logps: torch.Tensor, mask: torch.Tensor, average: bool = False) -> torch.Tensor:
     """Per-sequence log-probability from per-token ones, reducing the last dimension.
 
@@ -55,7 +48,7 @@ def sequence_logprobs(token_logps: torch.Tensor, mask: torch.Tensor, average: bo
     average: sum_t mask_t * logp_t / max(sum_t mask_t, 1)   (IPO uses this length-normalised form)
     A sequence with no masked-in tokens gets 0 (not NaN) in both modes.
     """
-    out, dt = _dtypes(token_logps)
+    out, dt = float_dtypes(token_logps)
     keep = mask.bool()
     # `where`, not multiplication: a -inf log-prob at a padded position would give -inf * 0 = NaN.
     total = torch.where(keep, token_logps.to(dt), 0).sum(-1)  # accumulate in >= fp32
@@ -73,7 +66,7 @@ def pairwise_rm_loss(
                the margin m is the Llama-2 variant, Touvron et al. 2023; m = 0 if None)
     accuracy = mean_i [r_c,i > r_r,i]   (ties count as wrong; the margin does not enter)
     """
-    out, dt = _dtypes(chosen_rewards, rejected_rewards)
+    out, dt = float_dtypes(chosen_rewards, rejected_rewards)
     diff = chosen_rewards.to(dt) - rejected_rewards.to(dt)
     if margin is not None:
         diff = diff - torch.as_tensor(margin, dtype=dt, device=diff.device)
@@ -115,7 +108,7 @@ def dpo_loss(
             f"label_smoothing must be 0 for loss_type={loss_type!r}, got {label_smoothing}; "
             "use loss_type='cdpo' for label smoothing"
         )
-    out, dt = _dtypes(policy_chosen_logps, policy_rejected_logps, ref_chosen_logps, ref_rejected_logps)
+    out, dt = float_dtypes(policy_chosen_logps, policy_rejected_logps, ref_chosen_logps, ref_rejected_logps)
     chosen_ratio = policy_chosen_logps.to(dt) - ref_chosen_logps.detach().to(dt)
     rejected_ratio = policy_rejected_logps.to(dt) - ref_rejected_logps.detach().to(dt)
     h = chosen_ratio - rejected_ratio
@@ -156,7 +149,7 @@ def kto_kl_estimate(policy_mismatched_logps: torch.Tensor, ref_mismatched_logps:
     Ethayarajh et al. 2024. Left unclamped so callers can all-reduce (average) it across ranks
     first; `kto_loss` applies the clamp at 0.
     """
-    out, dt = _dtypes(policy_mismatched_logps, ref_mismatched_logps)
+    out, dt = float_dtypes(policy_mismatched_logps, ref_mismatched_logps)
     return (policy_mismatched_logps.to(dt) - ref_mismatched_logps.to(dt)).mean().detach().to(out)
 
 
@@ -187,7 +180,7 @@ def kto_loss(
         raise ValueError(
             f"desirable_weight and undesirable_weight must be >= 0, got {desirable_weight}, {undesirable_weight}"
         )
-    out, dt = _dtypes(policy_logps, ref_logps, kl_estimate)
+    out, dt = float_dtypes(policy_logps, ref_logps, kl_estimate)
     r = policy_logps.to(dt) - ref_logps.detach().to(dt)
     z0 = kl_estimate.detach().to(dt).clamp(min=0)
     # 1 - sigmoid(x) == sigmoid(-x), without cancellation once sigmoid(x) rounds to 1.

@@ -1,9 +1,9 @@
 """What PPO and rejection sampling share: prompts, a rollout engine, rewards, and evaluation by
 greedy generation.
 
-`OnlineTrainer.rollout_step(step, params)` is the generate-and-score half of an online step:
-this rank's prompts for the step, `n` responses each from the rollout engine, and their scores
-from the reward set. With the vLLM backend on several training ranks, rank 0 runs the engine
+`OnlineTrainer.rollout_step(prompts, params)` is the generate-and-score half of an online step:
+`params.n` responses to each of this rank's prompts from the rollout engine, and their scores
+from the reward set (with the length, missing-EOS and overlong adjustments). With the vLLM backend on several training ranks, rank 0 runs the engine
 for everyone (`Rank0Rollout`); the Ray launcher replaces that with engine actors.
 """
 

@@ -41,6 +41,7 @@ from hpcrlhf.errors import PlacementError, WorkerLost
 from hpcrlhf.logs import get_logger
 from hpcrlhf.placement import NodeMap
 from hpcrlhf.placement.problems import Problem, raise_problems
+from hpcrlhf.placement.roles import TRAINED
 from hpcrlhf.trainers.experience import ExperienceBatch
 from hpcrlhf.trainers.online import Prompt, vllm_engine_args
 from hpcrlhf.trainers.ppo import PPOTrainer
@@ -49,7 +50,6 @@ from hpcrlhf.trainers.ppo_learner import Sums
 
 log = get_logger()
 
-TRAINED = ("actor", "critic")
 NODE_VERDICT_S = 60.0
 """How long a run that lost contact with a worker waits for Ray to say whether the worker's node died
 (hpcrlhf.cluster.bootstrap.HEALTH_CHECKS decide in 10-30 s), to name the node in its error."""
