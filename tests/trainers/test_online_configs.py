@@ -19,7 +19,8 @@ from hpcrlhf.trainers.plan import PPOPlan
     (["ppo.dual_clip=0.5"], "ppo.dual_clip: 0.5 is invalid: use c > 1"),
     (["ppo.clip_eps=1.5"], "ppo.clip_eps"),
     (["rollout.temperature=0"], "rollout.temperature: 0"),
-    (["ppo.advantage_estimator=ppo"], "'ppo' is not one of 'gae', 'grpo', 'rloo', 'reinforce++'"),
+    (["ppo.advantage_estimator=ppo"],
+     "'ppo' is not one of 'gae', 'grpo', 'dr_grpo', 'rloo', 'reinforce++', 'reinforce_baseline'"),
     (["reward.sources=[]"], "reward.sources: [] is invalid: give at least one"),
     (["reward.sources=[{model: a, rule: task}]"], "exactly one of `model`"),
 ])
