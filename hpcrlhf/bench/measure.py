@@ -10,6 +10,9 @@ every figure is the median over the remaining steps. Phases:
 - weight_sync:     actor weights into the rollout engines (`timing/weight_sync`)
 - other:           the rest of the step (metrics, the KL controller, Python)
 
+Idle shares (`util/<role>_idle`, the share of a step a role's workers waited) and the bytes of a
+weight sync are reported where the run measures them (Ray runs; the collective sync).
+
 samples/s = samples per step / median step seconds; samples/device/s divides by the devices of
 the allocation; tokens/s counts prompt + response tokens; MFU = training FLOPs per step /
 (median train seconds x devices x the measured matmul peak of one device).
@@ -18,7 +21,7 @@ the allocation; tokens/s counts prompt + response tokens; MFU = training FLOPs p
 from __future__ import annotations
 
 import statistics
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Mapping, Sequence
 
 from hpcrlhf.errors import HpcrlhfError
@@ -44,6 +47,10 @@ class Throughput:
     train_flops_per_step: float
     mfu: float | None
     """Training-phase model FLOPs utilisation against the measured peak (None: no train time)."""
+    idle: dict[str, float] = field(default_factory=dict)
+    """Median share of a step each role's workers waited (`util/<role>_idle`; Ray runs measure it)."""
+    sync_bytes: float | None = None
+    """Median bytes of a weight sync (`weight_sync/bytes`; None where the run does not report it)."""
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -82,4 +89,9 @@ def summarize(rows: Sequence[Mapping[str, float]], *, warmup: int, samples: int,
         tokens_per_s=samples * (prompt_tokens + response) / step_s, generated_tokens_per_s=samples * response / step_s,
         generation_share=phases["generate"] / step_s, train_flops_per_step=train_flops_per_step,
         mfu=train_flops_per_step / (train_s * devices * peak_flops) if train_s > 0 else None,
+        idle={key.removeprefix("util/").removesuffix("_idle"): median([float(r[key]) for r in measured])
+              for key in sorted(measured[-1]) if key.startswith("util/") and key.endswith("_idle")
+              and all(key in r for r in measured)},
+        sync_bytes=(median([float(r["weight_sync/bytes"]) for r in measured])
+                    if all("weight_sync/bytes" in r for r in measured) else None),
     )

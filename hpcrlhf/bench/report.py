@@ -53,8 +53,26 @@ def markdown(doc: dict) -> str:
                      f"{t['tokens_per_s']:.0f} | {t['step_s']:.2f} | "
                      + " | ".join(f"{t['phases_s'][p]:.2f}" for p in PHASES)
                      + f" | {100 * t['generation_share']:.0f} % | {mfu} | {up} |")
+    lines += utilisation_lines(doc)
     lines += ["", "Systems:", ""] + [f"- `{s['name']}`: {s['about']}" for s in doc["systems"]]
     return "\n".join(lines) + "\n"
+
+
+def utilisation_lines(doc: dict) -> list[str]:
+    """A table of each system's median idle share per role and weight-sync size, where measured."""
+    rows = [s for s in _ok(doc) if s["throughput"].get("idle")]
+    if not rows:
+        return []
+    roles = sorted({role for s in rows for role in s["throughput"]["idle"]})
+    lines = ["", "Idle share of a step per role (median; 1 - the role's busy seconds / step seconds) and weight-sync size:",
+             "", "| system | " + " | ".join(f"{r} idle" for r in roles) + " | weight sync MB |",
+             "|" + " --- |" * (len(roles) + 2)]
+    for s in rows:
+        t = s["throughput"]
+        cells = [f"{100 * t['idle'][r]:.0f} %" if r in t["idle"] else "" for r in roles]
+        size = "n/a" if t.get("sync_bytes") is None else f"{t['sync_bytes'] / 1e6:.1f}"
+        lines.append(f"| {s['name']} | " + " | ".join(cells) + f" | {size} |")
+    return lines
 
 
 def plot(doc: dict, out: Path) -> list[Path]:

@@ -39,6 +39,26 @@ def test_summary_drops_warmup_and_takes_medians():
     assert t.mfu == pytest.approx(6e9 / (3.0 * 2 * 1e9))
 
 
+def test_idle_shares_and_sync_size_are_medians_where_measured():
+    """util/<role>_idle and weight_sync/bytes: medians over the measured steps; a role (or the
+    sync size) that some step lacks is not reported, and the report's table shows what is."""
+    from hpcrlhf.bench.report import utilisation_lines
+
+    rows = [{"step": 0}]
+    for i, (actor, vllm, sync) in enumerate([(0.9, 0.1, 5e6), (0.2, 0.6, 4e6), (0.4, 0.5, 3e6), (0.3, 0.7, 2e6)], 1):
+        rows.append({**row(i, 1, 0, 0, 1, 0), "util/actor_idle": actor, "util/vllm_idle": vllm, "weight_sync/bytes": sync})
+    rows[2]["util/ref_idle"] = 0.5  # one step only: not reported
+    t = summarize(rows, warmup=1, samples=8, prompt_tokens=4, devices=1, train_flops_per_step=1, peak_flops=1)
+    assert t.idle == pytest.approx({"actor": 0.3, "vllm": 0.6}) and t.sync_bytes == pytest.approx(3e6)
+    plain = summarize([{"step": 0}, row(1, 1, 0, 0, 1, 0), row(2, 1, 0, 0, 1, 0)], warmup=1, samples=1, prompt_tokens=1,
+                      devices=1, train_flops_per_step=1, peak_flops=1)
+    assert plain.idle == {} and plain.sync_bytes is None
+    doc = {"systems": [{"name": "a", "status": "ok", "throughput": t.to_dict()},
+                       {"name": "b", "status": "ok", "throughput": plain.to_dict()}]}
+    assert utilisation_lines(doc)[-1] == "| a | 30 % | 60 % | 3.0 |"
+    assert utilisation_lines({"systems": doc["systems"][1:]}) == []
+
+
 def test_too_few_steps_is_a_clear_error():
     with pytest.raises(HpcrlhfError, match="1 timed step.*warm-up"):
         summarize([{"step": 0}, row(1, 1, 1, 1, 1, 1)], warmup=1, samples=1, prompt_tokens=1, devices=1,
