@@ -135,8 +135,11 @@ class ActorWorker(TrainedWorker):
             stats = self._weight_sender.send(tensors)
         except Exception:
             # an engine worker is gone mid-broadcast: close the group so that the others stop waiting
-            # in it (their receive fails at once instead of at the group's timeout)
+            # in it (their receive fails at once instead of at the group's timeout), and walk the rest
+            # of the state dict, whose ZeRO-3 gathers the other actor ranks are in
             self._weight_sender = None
+            for _ in tensors:
+                pass
             raise
         return dataclasses.asdict(stats)
 
