@@ -544,6 +544,8 @@ class VLLMRollout:
                 stats = weight_sync.WeightSender(group, self.bucket_bytes).send(tensors)
             except BaseException:
                 self._group = None  # closes the group: the workers' receive fails instead of waiting
+                for _ in tensors:  # a stream of ZeRO-3 gathers: keep step with the other ranks to its end
+                    pass
                 raise
             received.result()
         return stats
