@@ -264,7 +264,7 @@ class WeightPush:
     def form(self, engines: list[Any]) -> None:
         import ray
 
-        from hpcrlhf.engines.weight_sync import SyncGroup
+        from hpcrlhf.engines.weight_sync import SyncGroup, backend
 
         self.members = None
         rank0 = self.actor.workers[0]
@@ -275,7 +275,7 @@ class WeightPush:
                 *[e.join_weight_group.remote(spec, 1 + i * self.tp) for i, e in enumerate(engines)]])
         self.members = [e._actor_id.hex() for e in engines]
         log.info(f"weight-sync group {spec.name}: actor rank 0 and {len(engines)} engine(s) x TP {self.tp} "
-                 f"({spec.world_size} members, {'NCCL' if torch.cuda.is_available() else 'gloo'}) at {host}:{port}")
+                 f"({spec.world_size} members, {backend()}) at {host}:{port}")
 
 
 class RayPPOState:
