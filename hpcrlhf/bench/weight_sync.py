@@ -33,29 +33,6 @@ from hpcrlhf.logs import get_logger
 log = get_logger()
 
 
-def build_model(folder: Path, params_m: float) -> int:
-    """A Llama of about `params_m` million parameters in `folder` (the bundled tokenizer);
-    returns the parameter count."""
-    import transformers
-
-    from hpcrlhf.models.tiny import tiny_tokenizer_dir
-
-    tokenizer = transformers.AutoTokenizer.from_pretrained(str(tiny_tokenizer_dir()))
-    hidden, inter = 768, 2048
-    per_layer = 2 * hidden * hidden + 2 * hidden * hidden // 4 + 3 * hidden * inter  # q,o + k,v (GQA 4) + MLP
-    layers = max(1, round(params_m * 1e6 / per_layer))
-    config = transformers.LlamaConfig(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=inter,
-                                      num_hidden_layers=layers, num_attention_heads=12, num_key_value_heads=3,
-                                      max_position_embeddings=256, tie_word_embeddings=False,
-                                      bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                                      pad_token_id=tokenizer.pad_token_id)
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.save_pretrained(str(folder))
-    tokenizer.save_pretrained(str(folder))
-    return sum(p.numel() for p in model.parameters())
-
-
 def perturb(state: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return {k: v + 0.02 * torch.randn(v.shape, generator=g) for k, v in state.items()}
@@ -69,12 +46,13 @@ def run(out: Path, params_m: float, engines: int, repeats: int, bucket_mb: int) 
     from hpcrlhf.engines import weight_sync
     from hpcrlhf.engines.rollout import HFRollout, SamplingParams
     from hpcrlhf.models.loading import load_causal_lm
+    from hpcrlhf.models.tiny import build_sized_llama_dir
 
     out.mkdir(parents=True, exist_ok=True)
     root = Path(tempfile.mkdtemp(prefix="ray", dir="/tmp"))
-    folder = root / "model"
-    n_params = build_model(folder, params_m)
+    folder = build_sized_llama_dir(params_m)
     model = load_causal_lm(str(folder), attn_implementation="sdpa")
+    n_params = sum(p.numel() for p in model.parameters())
     state = model.state_dict()
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
     log.info(f"model: {n_params / 1e6:.1f}M parameters, {nbytes / 2**20:.0f} MiB in fp32; {engines} engine(s)")

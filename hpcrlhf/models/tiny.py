@@ -16,6 +16,10 @@ the bundled tokenizer on the corpus, prompts and chat template.
 
 Names of the form `builtin:tiny-<family>` (e.g. `builtin:tiny-llama`) can stand wherever a model
 path is accepted; `resolve_model_path` turns them into the built folder.
+
+`builtin:llama-<N>m` (e.g. `builtin:llama-20m`, `builtin:llama-500m`) names a llama of about N
+million parameters with the bundled tokenizer, for benchmarks where arithmetic rather than process
+overhead must set the step time (`sized_llama_dims` says its shape; built once, cached, seeded).
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from hpcrlhf.models.tokenizer import tiny_tokenizer_dir, tokenizer_key
 
 TINY_FAMILIES = ("llama", "mistral", "mixtral", "qwen2", "gpt2")
 BUILTIN_PREFIX = "builtin:tiny-"
+SIZED_PREFIX = "builtin:llama-"
 
 # Bump when a family's config or initialisation changes, so stale cache entries are not reused.
 # 2: version 1 could cache a folder without weights when built by rank > 0 of a distributed job.
@@ -114,14 +119,19 @@ def build_tiny_model_dir(family: str = "llama") -> Path:
     final = cache_dir("models") / f"tiny-{family}-{tiny_model_key(family)}"
     if final.is_dir():
         return final
-    tok_dir = tiny_tokenizer_dir()
-    tokenizer = AutoTokenizer.from_pretrained(str(tok_dir))
+    return _build(final, f"builtin:tiny-{family}", lambda vocab, special: _config(family, vocab, special))
+
+
+def _build(final: Path, name: str, make_config) -> Path:
+    """Write the model `make_config(vocab_size, special_token_ids)` describes, with the bundled
+    tokenizer, into the cache folder `final` (atomically): float32 weights drawn under INIT_SEED."""
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_tokenizer_dir()))
     special = dict(
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
-    config = _config(family, len(tokenizer), special)
+    config = make_config(len(tokenizer), special)
     with atomic_dir(final) as tmp:
         # Initialise on CPU in float32 under a fixed seed: the same bytes on every machine.
         with torch.random.fork_rng(devices=[]):
@@ -133,15 +143,58 @@ def build_tiny_model_dir(family: str = "llama") -> Path:
         model.should_save_on_this_rank = lambda is_main_process: is_main_process
         model.save_pretrained(str(tmp))
         tokenizer.save_pretrained(str(tmp))
-        missing = [name for name in ("config.json", "model.safetensors") if not (tmp / name).is_file()]
+        weights = "model.safetensors" if (tmp / "model.safetensors").is_file() else "model.safetensors.index.json"
+        missing = [file for file in ("config.json", weights) if not (tmp / file).is_file()]
         if missing:
-            raise ModelError(f"building builtin:tiny-{family}: transformers {transformers.__version__} did not write "
+            raise ModelError(f"building {name}: transformers {transformers.__version__} did not write "
                              f"{', '.join(missing)}; nothing was cached. Use the transformers version in constraints.txt")
     return final
 
 
+def sized_llama_dims(params_m: float) -> dict[str, int]:
+    """Width, depth and heads of `builtin:llama-<params_m>m`: a width class by size (head dim 64 or
+    128, grouped-query attention), then as many layers as bring the count nearest to params_m
+    million (embeddings are small: the bundled tokenizer has few tokens)."""
+    if not params_m > 0:
+        raise ModelError(f"builtin:llama-{params_m:g}m: the size must be a positive number of millions of parameters "
+                         "(e.g. builtin:llama-20m)")
+    hidden, inter, heads, kv = ((768, 2048, 12, 4) if params_m <= 100 else (1536, 4096, 12, 4) if params_m <= 1500
+                                else (2048, 5504, 16, 4))
+    head_dim = hidden // heads
+    per_layer = 2 * hidden * hidden + 2 * hidden * kv * head_dim + 3 * hidden * inter + 2 * hidden
+    return dict(hidden_size=hidden, intermediate_size=inter, num_attention_heads=heads, num_key_value_heads=kv,
+                num_hidden_layers=max(1, round(params_m * 1e6 / per_layer)))
+
+
+def _sized(name: str) -> float:
+    """N of `builtin:llama-<N>m`."""
+    size = name[len(SIZED_PREFIX):]
+    try:
+        if not size.endswith("m"):
+            raise ValueError
+        return float(size[:-1])
+    except ValueError:
+        raise ModelError(f"model name {name!r}: sized builtin llamas are named builtin:llama-<N>m with N millions of "
+                         "parameters, e.g. builtin:llama-20m or builtin:llama-500m") from None
+
+
+def build_sized_llama_dir(params_m: float) -> Path:
+    """The folder of `builtin:llama-<params_m>m` with the bundled tokenizer, built once and cached
+    (float32 weights drawn under a fixed seed)."""
+    dims = sized_llama_dims(params_m)
+    digest = hashlib.sha256(f"{tokenizer_key()}|{sorted(dims.items())}|{INIT_SEED}".encode()).hexdigest()[:10]
+    final = cache_dir("models") / f"llama-{params_m:g}m-v{BUILDER_VERSION}-tf{transformers.__version__}-{digest}"
+    if final.is_dir():
+        return final
+    return _build(final, f"builtin:llama-{params_m:g}m", lambda vocab, special: transformers.LlamaConfig(
+        vocab_size=vocab, max_position_embeddings=4096, tie_word_embeddings=False, **dims, **special))
+
+
 def resolve_model_path(name_or_path: str) -> str:
-    """Map `builtin:tiny-<family>` to its built folder; return anything else unchanged."""
+    """Map `builtin:tiny-<family>` and `builtin:llama-<N>m` to their built folders; return anything
+    else unchanged."""
+    if name_or_path.startswith(SIZED_PREFIX):
+        return str(build_sized_llama_dir(_sized(name_or_path)))
     if not name_or_path.startswith(BUILTIN_PREFIX):
         return name_or_path
     family = name_or_path[len(BUILTIN_PREFIX) :]

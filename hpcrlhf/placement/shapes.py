@@ -1,7 +1,7 @@
 """Model shapes for planning: parameter count and the dimensions the memory maths needs.
 
 The node map is built before anything is loaded, so a model's size comes from its config.json
-alone: a local folder's file, a bundled tiny model's (`builtin:tiny-*`), or the published config
+alone: a local folder's file, a bundled model's (`builtin:tiny-*`, `builtin:llama-<N>m`), or the published config
 numbers of a few well-known hub models (`KNOWN_CONFIGS`), since planning runs where the hub may
 be out of reach. Parameters are counted with the exact formula of each supported architecture
 (llama, mistral, qwen2, mixtral, gpt2); tests check it against models transformers builds.
@@ -16,7 +16,7 @@ from typing import Any
 
 from hpcrlhf.errors import ConfigError
 
-BUILTIN_PREFIX = "builtin:tiny-"  # as hpcrlhf.models.tiny; not imported, it pulls in torch
+BUILTIN_PREFIX = "builtin:"  # hpcrlhf.models.tiny's names; not imported, it pulls in torch
 
 
 class ShapeError(ConfigError):

@@ -171,3 +171,34 @@ def test_resolve_model_path():
         resolve_model_path("builtin:tiny-falcon")
     with pytest.raises(ModelError, match="gpt2"):
         build_tiny_model_dir("falcon")
+
+
+@pytest.mark.parametrize("size", [20, 60, 500, 3000])
+def test_sized_llama_dims_count_the_parameters_asked_for(size):
+    """`builtin:llama-<N>m`'s shape against the count transformers makes of it (built on the meta
+    device: no memory): within one layer's worth of N million."""
+    import transformers
+
+    from hpcrlhf.models.tiny import sized_llama_dims
+
+    dims = sized_llama_dims(size)
+    config = transformers.LlamaConfig(vocab_size=512, tie_word_embeddings=False, **dims)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    count = sum(p.numel() for p in model.parameters())
+    layer = count / dims["num_hidden_layers"]
+    assert abs(count - size * 1e6) < layer, (size, count, dims)
+    assert dims["hidden_size"] % dims["num_attention_heads"] == 0
+    assert dims["num_attention_heads"] % dims["num_key_value_heads"] == 0
+
+
+def test_sized_llama_builds_once_and_bad_names_say_the_form():
+    path = Path(resolve_model_path("builtin:llama-20m"))
+    assert path == Path(resolve_model_path("builtin:llama-20m"))  # cached, not rebuilt
+    model = AutoModelForCausalLM.from_pretrained(str(path))
+    assert 19e6 < sum(p.numel() for p in model.parameters()) < 21e6
+    assert AutoTokenizer.from_pretrained(str(path)).get_vocab() == AutoTokenizer.from_pretrained(
+        str(tiny_tokenizer_dir())).get_vocab()
+    for bad in ("builtin:llama-20", "builtin:llama-xm", "builtin:llama-0m", "builtin:llama--5m"):
+        with pytest.raises(ModelError, match="builtin:llama-"):
+            resolve_model_path(bad)
