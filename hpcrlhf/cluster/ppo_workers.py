@@ -113,12 +113,14 @@ class ActorWorker(TrainedWorker):
         self._weight_store, port = weight_sync.serve_store(address)
         return address, port
 
-    def open_weight_group(self, spec) -> None:
-        """Rank 0 joins the group `spec` as its rank 0 (returns when every engine worker has joined)."""
+    def open_weight_group(self, spec) -> str:
+        """Rank 0 joins the group `spec` as its rank 0 (returns when every engine worker has joined):
+        the backend the members chose."""
         from hpcrlhf.engines import weight_sync
 
         group = weight_sync.join(spec, 0, self._weight_store)
         self._weight_sender = weight_sync.WeightSender(group, self.cfg.placement.vllm.sync_bucket_mb << 20)
+        return group.backend
 
     @busy
     def broadcast_weights(self) -> dict[str, float] | None:

@@ -1,8 +1,9 @@
 """Weight sync by a collective: the actor's weights broadcast into every vLLM worker.
 
 One process group is made for the purpose: actor rank 0 is its rank 0, every worker of every
-engine a further rank (engine e, tensor-parallel rank t: `1 + e * tp + t`). Gloo on CPU, NCCL on
-GPUs, the same code. It is separate from the actor's own group (ZeRO's) and from each engine's
+engine a further rank (engine e, tensor-parallel rank t: `1 + e * tp + t`). NCCL when every member
+has a GPU of its own, else gloo (CPU hosts; and members sharing a GPU -- a colocated engine beside
+actor rank 0 -- which NCCL refuses: the weights then go through host memory); the same code. It is separate from the actor's own group (ZeRO's) and from each engine's
 (vLLM's TP group): a `TCPStore` served by actor rank 0 and a process group built on it
 directly, so nobody's default group is touched.
 
@@ -63,15 +64,27 @@ class SyncStats:
 class Group:
     """A member's handle on a weight-sync group (keeps the store alive with the group)."""
 
-    def __init__(self, store, pg, device: torch.device) -> None:
-        self.store, self.pg, self.device = store, pg, device
+    def __init__(self, store, pg, device: torch.device, backend: str) -> None:
+        self.store, self.pg, self.device, self.backend = store, pg, device, backend
 
     def broadcast(self, tensor: torch.Tensor) -> None:
         self.pg.broadcast(tensor, 0).wait()
 
 
-def backend() -> str:
-    return "nccl" if torch.cuda.is_available() else "gloo"
+def device_key() -> str:
+    """Which device this process computes on: the GPU's UUID (the same GPU seen by two processes
+    under different indices has one UUID), or "cpu"."""
+    if not torch.cuda.is_available():
+        return "cpu"
+    return str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
+
+
+def choose_backend(devices: list[str]) -> str:
+    """NCCL when every member has a GPU and no two share one (NCCL refuses two ranks on one
+    device); else gloo over host memory."""
+    if "cpu" in devices or len(set(devices)) < len(devices):
+        return "gloo"
+    return "nccl"
 
 
 def serve_store(host: str, timeout_s: float = 1800.0):
@@ -84,6 +97,7 @@ def serve_store(host: str, timeout_s: float = 1800.0):
 
 def join(spec: SyncGroup, rank: int, store=None) -> Group:
     """Join the group as `rank` (rank 0 passes the store it serves; the others connect to it).
+    Every member first posts its device, so all of them pick the same backend (`choose_backend`).
     Returns when every member has joined."""
     from torch.distributed import PrefixStore, ProcessGroupGloo, TCPStore
 
@@ -91,15 +105,18 @@ def join(spec: SyncGroup, rank: int, store=None) -> Group:
     if store is None:
         store = TCPStore(spec.host, spec.port, None, False, timeout)
     prefixed = PrefixStore(spec.name, store)
-    if backend() == "gloo":
-        return Group(store, ProcessGroupGloo(prefixed, rank, spec.world_size, timeout), torch.device("cpu"))
-    from torch.distributed import ProcessGroupNCCL  # GPU, unverified here (benchmarks/README.md)
+    prefixed.set(f"device/{rank}", device_key())
+    kind = choose_backend([prefixed.get(f"device/{r}").decode() for r in range(spec.world_size)])
+    prefixed = PrefixStore("pg", prefixed)
+    if kind == "gloo":
+        return Group(store, ProcessGroupGloo(prefixed, rank, spec.world_size, timeout), torch.device("cpu"), kind)
+    from torch.distributed import ProcessGroupNCCL  # GPU, verified on 2 GPUs only by tests/gpu (benchmarks/README.md)
 
     device = torch.device("cuda", torch.cuda.current_device())
     options = ProcessGroupNCCL.Options()
     options._timeout = timeout
     pg = ProcessGroupNCCL(prefixed, rank, spec.world_size, options)
-    return Group(store, pg, device)
+    return Group(store, pg, device, kind)
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:

@@ -264,18 +264,18 @@ class WeightPush:
     def form(self, engines: list[Any]) -> None:
         import ray
 
-        from hpcrlhf.engines.weight_sync import SyncGroup, backend
+        from hpcrlhf.engines.weight_sync import SyncGroup
 
         self.members = None
         rank0 = self.actor.workers[0]
         host, port = ray.get(rank0.serve_weight_group.remote())
         self.formed += 1
         spec = SyncGroup(host, port, 1 + len(engines) * self.tp, f"hpcrlhf-weights-{self.formed}")
-        gather([rank0.open_weight_group.remote(spec),
-                *[e.join_weight_group.remote(spec, 1 + i * self.tp) for i, e in enumerate(engines)]])
+        chosen = gather([rank0.open_weight_group.remote(spec),
+                         *[e.join_weight_group.remote(spec, 1 + i * self.tp) for i, e in enumerate(engines)]])[0]
         self.members = [e._actor_id.hex() for e in engines]
         log.info(f"weight-sync group {spec.name}: actor rank 0 and {len(engines)} engine(s) x TP {self.tp} "
-                 f"({spec.world_size} members, {backend()}) at {host}:{port}")
+                 f"({spec.world_size} members, {chosen}) at {host}:{port}")
 
 
 class RayPPOState:
