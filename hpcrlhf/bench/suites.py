@@ -51,6 +51,9 @@ class System:
     scaling: Optional[tuple[str, float]] = None
     """(axis, value) when the system is a point of the scaling plot, e.g. ("vLLM engines", 2)."""
     about: str = ""
+    needs: tuple[str, ...] = ()
+    """Python packages the system cannot run without (e.g. vllm): where one is missing the runner
+    skips the system and says which, rather than failing half-way."""
 
     @property
     def all_ranks(self) -> bool:
@@ -131,20 +134,23 @@ class Suite:
         return suite
 
 
-def dschat_style(ranks: int, *, offload_reference: bool = False) -> System:
+def dschat_style(ranks: int, *, offload_reference: bool = False, zero_stage: int = 3) -> System:
+    """DSChat step 3's design; `zero_stage`: 3 as its multi-GPU scripts, 0 as its single-GPU ones
+    (training_scripts/*/single_gpu: actor and critic ZeRO stage 0)."""
     extra = ("reference.offload=true",) if offload_reference else ()
     return System("dschat-style", "dschat-style", None,
-                  ("placement.runtime=local", "rollout.backend=hf", "engine.zero_stage=3",
+                  ("placement.runtime=local", "rollout.backend=hf", f"engine.zero_stage={zero_stage}",
                    f"rollout.hf_batch_size={DSCHAT_PER_DEVICE_BATCH}", f"train.micro_batch_size={DSCHAT_PER_DEVICE_BATCH}",
                    *extra),
-                  about=f"DeepSpeed-Chat step 3 design: 4 models x {ranks} ranks, ZeRO-3, HF generate by the actor")
+                  about=f"DeepSpeed-Chat step 3 design: 4 models x {ranks} rank(s), ZeRO-{zero_stage}, HF generate by "
+                        "the actor")
 
 
 def trl_grpo(*args: str) -> System:
     """TRL's GRPOTrainer on every rank; `args`: trl_system options (ZeRO stage, vLLM)."""
     how = "TRL's colocated vLLM" if "--use-vllm" in args else "HF generate by the policy"
     zero = next((f"ZeRO-{a.split('=')[1]}" for a in args if a.startswith("--zero-stage=")), "DDP")
-    return System("trl-grpo", "trl", None, tuple(args),
+    return System("trl-grpo", "trl", None, tuple(args), needs=("trl",),
                   about=f"TRL GRPOTrainer on every rank ({zero}): {how}, reference + reward model, no critic "
                         "(less work per sample than PPO)")
 
@@ -188,10 +194,31 @@ def _gpu_systems(recipe: str, nodes: int, gpus: int, engines_tp: tuple[int, int]
     )
 
 
+# -- GPU, one device: what a lent single-GPU machine can show (benchmarks/gpu-check.sh) --------------
+_GPU1_EVERY = "{nodes: 1, gpus_per_node: 1}"
+_GPU1_SYSTEMS = (
+    System("hpcrlhf-colocated", "hpcrlhf", None,
+           ("placement.runtime=ray", "rollout.backend=vllm", "placement.nodes=1", "placement.gpus_per_node=1",
+            *(f"placement.{r}={_GPU1_EVERY}" for r in ("actor", "critic", "ref", "reward")),
+            "placement.vllm={engines: 1, tensor_parallel_size: 1, gpu_memory_utilization: 0.3}",
+            "placement.colocate=[[actor, critic, ref, reward, vllm]]", f"train.micro_batch_size={DSCHAT_PER_DEVICE_BATCH}"),
+           needs=("vllm",), about="Ray: every role and one vLLM engine on the one GPU"),
+    System("hpcrlhf-local", "hpcrlhf", None,
+           ("placement.runtime=local", "rollout.backend=hf", "engine.zero_stage=0", "rollout.hf_batch_size=64",
+            f"train.micro_batch_size={DSCHAT_PER_DEVICE_BATCH}"),
+           about="one process, HF generate by the actor in batches of 64 (no vLLM), ZeRO-0"),
+    dschat_style(1, zero_stage=0),
+    trl_grpo(),
+)
+
 SUITES: dict[str, Suite] = {s.name: s for s in (
     Suite("cpu", "recorded CPU comparison: tiny llama, 32-token prompts and answers, 64 prompts per step",
           "cpu", 2, 4, prompt_tokens=32, response_tokens=32, prompts_per_step=64, warmup_steps=1, steps=4,
           systems=_CPU_SYSTEMS + (_CPU_SCALING,), dschat_ranks=2),
+    Suite("cpu-small", "compute-bound CPU comparison: a 20M llama built from config, 64-token prompts, 128 fixed new "
+          "tokens, 32 prompts per step", "cpu", 2, 4, prompt_tokens=64, response_tokens=128, prompts_per_step=32,
+          warmup_steps=1, steps=2, systems=_CPU_SYSTEMS, model="builtin:llama-20m", dschat_ranks=2,
+          extra=("placement.gpu_memory_gb=8.0",)),  # declared GPUs: the colocated roles' activations need > 4 GiB
     Suite("cpu-tiny", "harness check (CI): the cpu suite's systems on 16-token answers, 2 measured steps",
           "cpu", 2, 4, prompt_tokens=16, response_tokens=16, prompts_per_step=32, warmup_steps=1, steps=2,
           systems=_CPU_SYSTEMS, dschat_ranks=2),
@@ -201,6 +228,9 @@ SUITES: dict[str, Suite] = {s.name: s for s in (
     Suite("gpu-70b", "70B on 4 x 8 GPUs (ZeRO-3, Adam in CPU memory)", nodes=4, gpus_per_node=8,
           systems=_gpu_systems("ppo-70b", 4, 8, (4, 8), ("--zero-stage=3", "--offload-optimizer", "--use-vllm")),
           **_GPU),
+    Suite("gpu-1", "one GPU: a 0.5B llama built from config, 256-token prompts and answers, 64 prompts per step",
+          "gpu", 1, 1, prompt_tokens=256, response_tokens=256, prompts_per_step=64, warmup_steps=1, steps=3,
+          systems=_GPU1_SYSTEMS, model="builtin:llama-500m", precision="bf16"),
 )}
 
 

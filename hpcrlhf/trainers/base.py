@@ -113,7 +113,8 @@ class Trainer:
                                                grad_accum_steps=self.plan.grad_accum_steps,
                                                total_steps=self.plan.total_steps)
         log.info(f"{self.kind}: {num_rows} training rows, {self.plan.total_steps} steps, {self.env.world_size} rank(s) x "
-                 f"{self.plan.micro_batch_rows} rows x {self.plan.grad_accum_steps} accumulation, ZeRO-{cfg.engine.zero_stage}"
+                 f"{self.plan.micro_batch_rows} rows x {self.plan.grad_accum_steps} accumulation, ZeRO-{cfg.engine.zero_stage}, "
+                 f"{cfg.engine.precision} on {self.device}"
                  + (f", LoRA rank {cfg.lora.rank} ({self.trainable_parameters(self.engine)} trainable parameters)"
                     if cfg.lora.rank else ""))
         log.info(key_settings(cfg, ranks=self.env.world_size, micro_batch_rows=self.plan.micro_batch_rows,

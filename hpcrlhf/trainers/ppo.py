@@ -78,7 +78,8 @@ class PPOTrainer(OnlineTrainer):
         self.learners = {"actor": PPOLearner("actor", self.engine, cfg, self.plan, self.pad_id, self.buffer)}
         if self.critic is not None:
             self.learners["critic"] = PPOLearner("critic", self.critic, cfg, self.plan, self.pad_id, self.buffer)
-        self.log_start(f"{self.env.world_size} rank(s), rollout backend {cfg.rollout.backend}")
+        self.log_start(f"{self.env.world_size} rank(s), ZeRO-{cfg.engine.zero_stage}, {cfg.engine.precision} on {self.device}, "
+                       f"rollout backend {cfg.rollout.backend}")
 
     def build_plan(self, data_parallel_size: int) -> PPOPlan:
         """The batch plan of a trained role with `data_parallel_size` ranks."""

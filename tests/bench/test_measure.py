@@ -150,3 +150,19 @@ def test_dschat_log_parsed_into_steps():
     t = summarize([{"step": 0}, *rows], warmup=1, samples=128, prompt_tokens=256, devices=8,
                   train_flops_per_step=1.0, peak_flops=1.0)
     assert t.samples_per_s == pytest.approx(12.8) and t.phases_s["make_experience"] == 0.0
+
+
+def test_results_table_rows_have_the_header_s_cells():
+    """The recorded gpu-1 results (one system skipped): every row of the table, the separator and
+    the skipped one included, has as many cells as the header."""
+    import json
+    from pathlib import Path
+
+    from hpcrlhf.bench.report import markdown
+
+    doc = json.loads((Path(__file__).parents[2] / "benchmarks/results/gpu-1-h100/results.json").read_text())
+    assert any(s["status"] == "skipped" for s in doc["systems"])
+    table = [line for line in markdown(doc).splitlines() if line.startswith("| system | samples/s")
+             or line.startswith("| ---") or any(line.startswith(f"| {s['name']} |") for s in doc["systems"])]
+    assert len(table) == 2 + len(doc["systems"])
+    assert {line.count("|") for line in table} == {table[0].count("|")}, table
