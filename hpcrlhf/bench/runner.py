@@ -78,7 +78,7 @@ def system_command(suite: Suite, system: System, run_dir: Path, prompts: Path,
         module, args = "hpcrlhf.bench.trl_system", trl_args(suite, system, run_dir, prompts)
     else:
         module, args = "hpcrlhf", ["train", "ppo", *(["--config", system.recipe] if system.recipe else [])]
-        for value in suite.common_overrides(str(prompts)) + list(system.overrides):
+        for value in suite.overrides_for(system, str(prompts)):
             args += ["--set", value]
         args += ["--output-dir", str(run_dir)]
     if not system.all_ranks:
@@ -124,7 +124,7 @@ def check_systems(suite: Suite, systems: Sequence[System], prompts: Path) -> Non
             if system.kind == "trl":
                 rounds_layout(suite.prompts_per_step, DSCHAT_PER_DEVICE_BATCH, suite.ranks)
                 continue
-            cfg = build_config("ppo", system.recipe, suite.common_overrides(str(prompts)) + list(system.overrides), None)
+            cfg = build_config("ppo", system.recipe, suite.overrides_for(system, str(prompts)), None)
             if cfg.placement.runtime == "ray":
                 build_node_map(cfg)
         except HpcrlhfError as e:
@@ -276,7 +276,7 @@ def run_suite(suite: Suite, out: Path, *, systems: Sequence[System], env: Option
                 entry["throughput"] = summarize(
                     read_metrics(run.run_dir), warmup=suite.warmup_steps, samples=suite.prompts_per_step,
                     prompt_tokens=suite.prompt_tokens, devices=suite.devices,
-                    train_flops_per_step=flops if system.kind != "trl" else step_train_flops(suite, critic=False),
+                    train_flops_per_step=flops if system.trains_critic else step_train_flops(suite, critic=False),
                     peak_flops=peak.matmul_flops).to_dict()
             except HpcrlhfError as e:
                 entry.update(status="failed", error=str(e))

@@ -51,9 +51,24 @@ class System:
     scaling: Optional[tuple[str, float]] = None
     """(axis, value) when the system is a point of the scaling plot, e.g. ("vLLM engines", 2)."""
     about: str = ""
+    samples_per_prompt: int = 1
+    """Responses per distinct prompt. The suite's prompts_per_step counts responses, so every
+    system generates and trains on as many sequences per step; a group estimator (GRPO: 2, TRL's
+    smallest group) draws them for prompts_per_step / samples_per_prompt distinct prompts."""
     needs: tuple[str, ...] = ()
     """Python packages the system cannot run without (e.g. vllm): where one is missing the runner
     skips the system and says which, rather than failing half-way."""
+
+    @property
+    def trains_critic(self) -> bool:
+        """Whether a critic is trained each step (PPO with GAE); TRL's GRPO and the hpcrlhf GRPO
+        systems train the actor alone."""
+        from hpcrlhf.algos.estimators import CRITIC_FREE
+
+        if self.kind == "trl":
+            return False
+        chosen = [o.split("=", 1)[1] for o in self.overrides if o.startswith("ppo.advantage_estimator=")]
+        return not (chosen and chosen[-1] in CRITIC_FREE)
 
     @property
     def all_ranks(self) -> bool:
@@ -125,6 +140,13 @@ class Suite:
             "log.progress=false", "checkpoint.save_model=false", *DSCHAT_PPO, *self.extra,
         ]
 
+    def overrides_for(self, system: System, prompts_path: str) -> list[str]:
+        """Every `--set` value of `system`'s job: the suite's, then the system's own."""
+        group = [] if system.samples_per_prompt == 1 else [
+            f"rollout.prompts_per_step={self.prompts_per_step // system.samples_per_prompt}",
+            f"rollout.samples_per_prompt={system.samples_per_prompt}"]
+        return self.common_overrides(prompts_path) + group + list(system.overrides)
+
     def with_model(self, model: Optional[str], reward_model: Optional[str]) -> "Suite":
         """The suite on the user's models; a suite without a model needs one."""
         suite = replace(self, model=model or self.model, reward_model=reward_model or self.reward_model)
@@ -146,11 +168,20 @@ def dschat_style(ranks: int, *, offload_reference: bool = False, zero_stage: int
                         "the actor")
 
 
+# GRPO as TRL's GRPOTrainer runs it by default (trl 1.16 GRPOConfig): group-normalised scores
+# (scale_rewards="group"), no critic, the KL to the reference as a k3 term in the loss with
+# beta = the suite's KL coefficient, clip 0.2, every token of the batch weighted alike
+# (loss_type="dapo": token-mean), one epoch, 2 responses per prompt (trl_system.py).
+GRPO_GROUP = 2  # GRPO's smallest group: responses per prompt of trl-grpo and the hpcrlhf GRPO systems
+GRPO_AS_TRL = ("ppo.advantage_estimator=grpo", "ppo.init_kl_coef=0", f"ppo.kl_loss_coef={DSCHAT_KL}",
+               "ppo.kl_estimator=k3", "ppo.loss_aggregation=token-mean", "ppo.clip_eps=0.2")
+
+
 def trl_grpo(*args: str) -> System:
     """TRL's GRPOTrainer on every rank; `args`: trl_system options (ZeRO stage, vLLM)."""
     how = "TRL's colocated vLLM" if "--use-vllm" in args else "HF generate by the policy"
     zero = next((f"ZeRO-{a.split('=')[1]}" for a in args if a.startswith("--zero-stage=")), "DDP")
-    return System("trl-grpo", "trl", None, tuple(args), needs=("trl",),
+    return System("trl-grpo", "trl", None, tuple(args), needs=("trl",), samples_per_prompt=GRPO_GROUP,
                   about=f"TRL GRPOTrainer on every rank ({zero}): {how}, reference + reward model, no critic "
                         "(less work per sample than PPO)")
 
@@ -167,6 +198,11 @@ _CPU_SYSTEMS = (
            about="Ray: every role and one vLLM engine (TP 2) on the same 2 devices"),
     dschat_style(2),
     trl_grpo(),
+    System("hpcrlhf-colocated-grpo", "hpcrlhf", "ppo-tiny-ray-colocated",
+           ("placement.reward={nodes: 1, gpus_per_node: 2}", "placement.critic.gpus_per_node=0",
+            "placement.colocate=[[actor, ref, reward, vllm]]", _CPU_MICRO, *GRPO_AS_TRL),
+           samples_per_prompt=GRPO_GROUP,
+           about="hpcrlhf-colocated running GRPO with trl-grpo's settings (no critic): the row to compare with TRL"),
 )
 _CPU_SCALING = System("hpcrlhf-distributed-1-engine", "hpcrlhf", "ppo-tiny-ray",
                       (*_CPU_REWARD, _CPU_MICRO, "placement.vllm.engines=1", "placement.allow_idle_gpus=true"),
@@ -209,6 +245,11 @@ _GPU1_SYSTEMS = (
            about="one process, HF generate by the actor in batches of 64 (no vLLM), ZeRO-0"),
     dschat_style(1, zero_stage=0),
     trl_grpo(),
+    System("hpcrlhf-local-grpo", "hpcrlhf", None,
+           ("placement.runtime=local", "rollout.backend=hf", "engine.zero_stage=0", "rollout.hf_batch_size=64",
+            f"train.micro_batch_size={DSCHAT_PER_DEVICE_BATCH}", *GRPO_AS_TRL), samples_per_prompt=GRPO_GROUP,
+           about="hpcrlhf-local running GRPO with trl-grpo's settings (no critic, HF generate): the row to compare "
+                 "with TRL"),
 )
 
 SUITES: dict[str, Suite] = {s.name: s for s in (

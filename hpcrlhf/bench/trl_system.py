@@ -33,7 +33,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Optional, Sequence
 
-SAMPLES_PER_PROMPT = 2  # GRPO's smallest group
+from hpcrlhf.bench.suites import GRPO_GROUP as SAMPLES_PER_PROMPT
 
 
 def trl_version() -> Optional[str]:

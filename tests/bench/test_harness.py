@@ -66,11 +66,19 @@ def test_each_system_ran_as_designed(cpu_tiny):
     setup = json.loads((out / "trl-grpo" / "trl_setup.json").read_text())  # read back from TRL's trainer
     assert setup["world_size"] == 2 and setup["zero_stage"] == 0 and not setup["use_vllm"]
     assert setup["generation_batch_size"] == 32 and setup["per_device_train_batch_size"] == 16 and setup["beta"] == 0.1
-    # same work everywhere
+    # same work everywhere: as many responses of the same length per step, the same optimizer batch
     for key in ("rollout", "train"):
-        for field in ("prompts_per_step", "max_new_tokens", "min_new_tokens", "global_batch_size"):
+        for field in ("max_new_tokens", "min_new_tokens", "global_batch_size"):
             values = {c[key][field] for c in cfg.values() if field in c[key]}
             assert len(values) <= 1, (key, field, values)
+    assert {c["rollout"]["prompts_per_step"] * c["rollout"]["samples_per_prompt"] for c in cfg.values()} == {32}
+    # the GRPO row is TRL's settings: group of 2, k3 KL in the loss at TRL's beta, no critic, token-mean
+    grpo = cfg["hpcrlhf-colocated-grpo"]
+    assert grpo["rollout"]["samples_per_prompt"] == setup["num_generations"] == 2
+    assert (grpo["ppo"]["advantage_estimator"], grpo["ppo"]["kl_estimator"], grpo["ppo"]["loss_aggregation"]) == \
+        ("grpo", "k3", "token-mean")
+    assert grpo["ppo"]["kl_loss_coef"] == setup["beta"] and grpo["ppo"]["init_kl_coef"] == 0
+    assert grpo["placement"]["critic"]["gpus_per_node"] == 0
 
 
 def test_report_has_table_and_plots(cpu_tiny):
