@@ -95,6 +95,25 @@ def maybe_zero3_init_context(ds_config: dict[str, Any]):
     return HfDeepSpeedConfig(ds_config)
 
 
+def forget_state_making_step(optimizer) -> int:
+    """Undo the step count of the optimizer step DeepSpeed's 16-bit optimizers without ZeRO take at
+    start-up with zero gradients to create the Adam state (`FP16_UnfusedOptimizer`, which bf16 at
+    ZeRO-0 uses: `initialize_optimizer_states`). Left alone, the first real update is Adam's second
+    -- bias corrections for t=2: 0.735 x lr instead of lr with betas (0.9, 0.95), smaller ever after
+    at the start, so a bf16 ZeRO-0 run follows neither fp32 nor bf16 under ZeRO-2/3 (measured on an
+    H100 and here: norms at 1.0 did not move at all in the first step). Only states that are still
+    untouched (all moments zero) are reset; returns how many."""
+    inner = getattr(optimizer, "optimizer", None)
+    reset = 0
+    for state in getattr(inner, "state", {}).values():
+        step = state.get("step")
+        moments = [v for k, v in state.items() if k != "step" and torch.is_tensor(v)]
+        if step is not None and float(step) > 0 and moments and not any(bool(m.any()) for m in moments):
+            state["step"] = torch.zeros_like(step) if torch.is_tensor(step) else 0
+            reset += 1
+    return reset
+
+
 class TrainingEngine:
     """A model, its optimizer and schedule, trained under DeepSpeed."""
 
@@ -115,6 +134,7 @@ class TrainingEngine:
             config=ds_config,
             lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, factor),
         )
+        forget_state_making_step(self.engine.optimizer)
         self._untracked_norm = ds_config["zero_optimization"]["stage"] == 0 and not ds_config["bf16"]["enabled"]
         self._last_norm: float | None = None
 

@@ -33,10 +33,11 @@ def sft(tmp_path, name: str, *overrides: str, steps: int) -> tuple[list[dict], d
 
 def test_bf16_sft_learns_on_the_gpu_under_zero_0_2_3_as_fp32_does(tmp_path):
     """20 steps of the same data, seed and schedule: fp32 ZeRO-0 on the GPU is the reference each
-    bf16 stage is held to. Measured on an H100: bf16 under ZeRO-2 and ZeRO-3 (fp32 master weights in
-    DeepSpeed's ZeRO optimizer) follows fp32 within 0.1 %; bf16 under ZeRO-0 (DeepSpeed's
-    BF16_Optimizer) departs from the first update on, by up to 4.4 % (cause not established; it
-    learns as fast). A wrong schedule or lost gradients moves the curve by 10-40 %."""
+    bf16 stage is held to. Measured on an H100: bf16 under ZeRO-2 and ZeRO-3 follows fp32 within
+    0.17 %; bf16 under ZeRO-0 departed by up to 4.4 % from the first update on -- DeepSpeed's
+    start-up step with zero gradients (fixed since by `forget_state_making_step`, reproduced and
+    tested on CPU in tests/engines/test_deepspeed_config.py). A wrong schedule or lost gradients
+    moves the curve by 10-40 %."""
     losses = {}
     for name, overrides in (("fp32", ("engine.precision=fp32", "engine.zero_stage=0")),
                             *((f"zero{s}", ("engine.precision=bf16", f"engine.zero_stage={s}")) for s in (0, 2, 3))):
@@ -46,7 +47,7 @@ def test_bf16_sft_learns_on_the_gpu_under_zero_0_2_3_as_fp32_does(tmp_path):
         assert summary["after"]["eval/loss"] < 0.5 * summary["before"]["eval/loss"], (name, summary)  # it learns
         losses[name] = [r["train/loss"] for r in rows]
         assert len(losses[name]) == 20
-    for name, rel in (("zero0", 0.06), ("zero2", 0.01), ("zero3", 0.01)):
+    for name, rel in (("zero0", 0.01), ("zero2", 0.01), ("zero3", 0.01)):
         assert losses[name] == pytest.approx(losses["fp32"], rel=rel), (name, losses[name], losses["fp32"])
 
 
