@@ -230,10 +230,15 @@ _INSTALL_HINT = {"trl": "pip install trl (or hpcrlhf[bench]) to compare with TRL
 
 
 def missing_needs(system: System) -> Optional[str]:
-    """Why `system` cannot run here (a package it needs is not installed), or None."""
-    import importlib.util
+    """Why `system` cannot run here (a package it needs does not import), or None."""
+    import importlib
 
-    missing = [m for m in system.needs if importlib.util.find_spec(m) is None]
+    missing = []
+    for module in system.needs:
+        try:
+            importlib.import_module(module)
+        except Exception:  # not installed, or installed broken: either way the system cannot run
+            missing.append(module)
     if not missing:
         return None
     return "; ".join(f"{m} is not installed: {_INSTALL_HINT.get(m, f'pip install {m}')}" for m in missing)
