@@ -51,6 +51,9 @@ class StopFlag:
             signal.signal(sig, self._handle)
         if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
             signal.signal(signal.SIGINT, self._interrupt)
+        # A parent (launcher, library thread set-up) may have left these blocked in this thread, and
+        # the block is inherited: the handlers above would then never run (or run late, elsewhere).
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, *STOP_SIGNALS})
         return self
 
     def _handle(self, signum, frame) -> None:

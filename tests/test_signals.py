@@ -86,3 +86,17 @@ def test_cli_second_ctrl_c_stops_at_once_without_a_traceback(tmp_path):
     assert status == EXIT_INTERRUPTED and "Traceback" not in log, log[-3000:]
     assert "hpcrlhf: interrupted (Ctrl-C); stopped at once, without a new checkpoint" in log, log[-3000:]
     assert "stop requested" not in log and not (out / "checkpoints" / "latest").exists()
+
+
+def test_a_blocked_stop_signal_is_unblocked_by_install(handlers):
+    """Seen in CI: SIGINT left blocked in the main thread by an earlier in-process user; the flag must
+    still see Ctrl-C (and children must not inherit the block)."""
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    try:
+        flag = StopFlag().install()
+        assert signal.SIGINT not in signal.pthread_sigmask(signal.SIG_BLOCK, set())
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert flag.requested and flag.signal == signal.SIGTERM
+    finally:
+        release_interrupt()
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
