@@ -45,10 +45,13 @@ def job_config(argv: Sequence[str]):
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    from hpcrlhf.cluster.session import isolate_local_cluster
     from hpcrlhf.signals import EXIT_REQUEUE
-    from hpcrlhf.trainers import TRAINERS
 
     cfg = build_config(args.kind, args.config, args.set, args.output_dir)
+    isolate_local_cluster(args.kind, cfg)
+    from hpcrlhf.trainers import TRAINERS
+
     result = TRAINERS[args.kind](cfg)
     return EXIT_REQUEUE if result.get("status") == "stopped" else 0
 

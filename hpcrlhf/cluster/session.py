@@ -7,6 +7,8 @@ are given (measured: `::` for --node-ip-address 127.0.0.2, and 127.0.0.1 is rewr
 host's external address), so without a token anyone who can reach the host could list the GCS and
 run code as the user. The token is a fresh random file (0600) in the cluster's own folder (0700),
 given only to the nodes and to this driver, and deleted when the cluster stops (its logs stay).
+Before any of that, `isolate_local_cluster` moves the job into a private network namespace (only
+loopback; hpcrlhf.cluster.netns), so the open ports are not even on the host's interfaces.
 
 The local cluster is this host, so `local_cluster_problem` checks the node map against the host's
 own GPUs before one is started (unless the recipe simulates its GPUs: placement.simulated_gpus)."""
@@ -19,6 +21,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator, Optional
 
+from hpcrlhf.errors import ConfigError
 from hpcrlhf.logs import get_logger
 from hpcrlhf.placement.layout import plural, shape_text
 from hpcrlhf.placement.problems import Problem
@@ -52,6 +55,24 @@ def local_cluster_problem(nodes: int, gpus_per_node: int, *, gpus_here: int, sim
            f"sbatch RECIPE`, with the same --set options), attach to a running Ray cluster that has them "
            f"(RAY_ADDRESS=HOST:PORT), or use {smaller}")
     return Problem("placement", shape_text(nodes, gpus_per_node), reason, fix)
+
+
+def isolate_local_cluster(kind: str, cfg) -> None:
+    """First thing of a job that will start its own Ray cluster (a Ray PPO job without RAY_ADDRESS):
+    move the process into a private network as placement.local_network asks (hpcrlhf.cluster.netns),
+    while it is still single-threaded. Other jobs are left alone."""
+    placement = getattr(cfg, "placement", None)
+    if kind != "ppo" or placement is None or placement.runtime != "ray" or os.environ.get("RAY_ADDRESS"):
+        return
+    from hpcrlhf.cluster import netns
+
+    try:
+        netns.isolate(placement.local_network)
+    except OSError as e:
+        raise ConfigError(f"placement.local_network=private: this job cannot enter a private network namespace "
+                          f"({e.strerror or e}); have the administrator allow unprivileged user namespaces, run "
+                          "the job on a Slurm allocation (`hpcrlhf submit`/`sbatch`), or set "
+                          "placement.local_network=auto (the host's network, with a warning) or host") from None
 
 
 @contextmanager

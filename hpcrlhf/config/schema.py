@@ -1029,6 +1029,13 @@ class PlacementConfig:
     only planned. ray: every role on its own Ray workers, placed as the node map says, on the
     Ray cluster at RAY_ADDRESS, else on a local one of `nodes` x `gpus_per_node` started for the
     job (GPUs declared, nodes on loopback addresses)."""
+    local_network: Literal["auto", "private", "host"] = "auto"
+    """The network of a local Ray cluster (runtime ray without RAY_ADDRESS), whose servers listen on
+    every interface: private -- the job moves into its own network namespace before Ray starts, so
+    nothing of it is reachable from other hosts (nor can it reach them: models and data must be
+    local or cached); auto -- private where the kernel allows unprivileged user namespaces, else the
+    host's network with a warning; host -- the host's network, guarded by the cluster's token only
+    (for runs that must download). A Slurm job's cluster is the allocation's, token-guarded."""
 
     def __post_init__(self) -> None:
         _require_finite(self, "placement")

@@ -47,8 +47,8 @@ def environment_record(env: DistEnv) -> dict[str, Any]:
 
 SAFE_CHANGES = ("train.max_steps", "train.on_nonfinite", "train.max_consecutive_skips", "eval.every_steps",
                 "eval.stop_when", "eval.batch_size", "log.", "checkpoint.every_steps", "checkpoint.keep_last",
-                "checkpoint.verify", "checkpoint.save_model", "placement.vllm.max_restarts", "rollout.vllm_kv_cache_gb",
-                "rollout.vllm_enforce_eager", "rollout.vllm_max_num_seqs", "rollout.vllm_max_num_batched_tokens")
+                "checkpoint.verify", "checkpoint.save_model", "placement.vllm.max_restarts", "placement.local_network",
+                "rollout.vllm_kv_cache_gb", "rollout.vllm_enforce_eager", "rollout.vllm_max_num_seqs", "rollout.vllm_max_num_batched_tokens")
 """Settings a rerun may change on a run that has checkpoints (a prefix ends with a dot): how long it
 trains (a new `train.max_steps` stretches the rest of the learning-rate schedule to the new end),
 how often it evaluates, logs and checkpoints, and engine limits that change neither what is
@@ -63,11 +63,15 @@ def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
     return {prefix[:-1]: tree}
 
 
-def config_changes(before: dict[str, Any], after: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
-    """Dotted key -> (folder's value, new value) for every setting that differs (pure)."""
-    old, new = _flatten(before), _flatten(after)
+def config_changes(before: dict[str, Any], after: dict[str, Any],
+                   defaults: dict[str, Any] | None = None) -> dict[str, tuple[Any, Any]]:
+    """Dotted key -> (folder's value, new value) for every setting that differs (pure). A key the
+    folder's config lacks while the new value is its default (`defaults`) is no change: a setting
+    added by a later hpcrlhf, which the run used without its name."""
+    old, new, default = _flatten(before), _flatten(after), _flatten(defaults or {})
+    added = {k for k in new if k not in old and k in default and new[k] == default[k]}
     return {k: (old.get(k), new.get(k)) for k in sorted(set(old) | set(new))
-            if old.get(k) != new.get(k) and not k.startswith(IGNORED_CHANGES)}
+            if old.get(k) != new.get(k) and not k.startswith(IGNORED_CHANGES) and k not in added}
 
 
 def is_safe_change(key: str) -> bool:
@@ -142,7 +146,7 @@ class Run:
         except (OSError, yaml.YAMLError) as e:
             raise ConfigError(f"{saved} cannot be read ({e}): the run's own config is damaged; restore it, or use a new "
                               "--output-dir") from None
-        changes = config_changes(before if isinstance(before, dict) else {}, to_dict(self.cfg))
+        changes = config_changes(before if isinstance(before, dict) else {}, to_dict(self.cfg), to_dict(type(self.cfg)()))
         unsafe = {k: v for k, v in changes.items() if not is_safe_change(k)}
         if unsafe:
             raise ConfigError(

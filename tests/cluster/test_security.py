@@ -243,8 +243,11 @@ def test_every_port_open_to_other_hosts_is_in_the_jobs_own_block(secure):
 
 SESSION = textwrap.dedent("""
     import os, sys
-    from hpcrlhf.cluster.session import ray_session
+    from hpcrlhf.cli import build_config
+    from hpcrlhf.cluster.session import isolate_local_cluster, ray_session
 
+    # what `hpcrlhf train ppo` does first, then the cluster it starts
+    isolate_local_cluster("ppo", build_config("ppo", "ppo-tiny-ray-colocated", sys.argv[1:], None))
     with ray_session(1, 0) as ips:
         import ray
         print("SESSION", ray.get_runtime_context().gcs_address, os.environ.get("RAY_AUTH_TOKEN_PATH"), flush=True)
@@ -253,15 +256,38 @@ SESSION = textwrap.dedent("""
 """)
 
 
-def test_a_jobs_own_local_cluster_admits_only_its_driver(tmp_path):
+def network_of(pid: int) -> tuple[str, list[str], set[tuple[str, int]]]:
+    """The network namespace of process `pid`, its interfaces, and every TCP (address, port) listening
+    in it, as /proc/<pid>/net shows them (that namespace's view, not this process's)."""
+    import ipaddress
+
+    net = Path(f"/proc/{pid}/net")
+    interfaces = [line.split(":")[0].strip() for line in (net / "dev").read_text().splitlines()[2:]]
+    found = set()
+    for table in ("tcp", "tcp6"):
+        for line in (net / table).read_text().splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            if state == "0A":  # LISTEN
+                hex_ip, hex_port = local.split(":")
+                raw = bytes.fromhex(hex_ip)
+                raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))  # little-endian words
+                found.add((str(ipaddress.ip_address(raw)), int(hex_port, 16)))
+    return os.readlink(f"/proc/{pid}/ns/net"), interfaces, found
+
+
+@pytest.mark.parametrize("network", ["auto", "host"])
+def test_a_jobs_own_local_cluster_admits_only_its_driver(tmp_path, network):
     """`hpcrlhf train ppo` without RAY_ADDRESS starts its own cluster (`ray_session`): token-
     authenticated like a Slurm job's, Ray's world-writable temp folder inside a folder only the
-    user can enter, and the token gone when the run ends. (Ray 2.60's servers listen on every
-    interface whatever node address they get, see hpcrlhf.cluster.session: the token is what
-    keeps others out, not the binding.)"""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
-    proc = subprocess.Popen([sys.executable, "-c", SESSION], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    user can enter, and the token gone when the run ends. Ray 2.60's servers listen on every
+    interface whatever node address they get (hpcrlhf.cluster.session), so by default (auto) the job
+    first moves into a private network namespace whose only interface is loopback: nothing listens
+    on the host for it, and its GCS cannot be reached from the host at all. With
+    placement.local_network=host the token is what keeps others out."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_") and k != "HPCRLHF_PRIVATE_NETWORK"}
+    proc = subprocess.Popen([sys.executable, "-c", SESSION, f"placement.local_network={network}"], env=env,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
     try:
         lines = []
         for line in proc.stdout:
@@ -275,7 +301,20 @@ def test_a_jobs_own_local_cluster_admits_only_its_driver(tmp_path):
         assert stat.S_IMODE(token.stat().st_mode) == 0o600 and stat.S_IMODE(root.stat().st_mode) == 0o700
         assert [p for p in root.iterdir() if p.is_dir() and stat.S_IMODE(p.stat().st_mode) == 0o777], \
             "Ray's own temp folder (made 0777 by Ray) should sit inside the private folder"
-        assert_refused(client(tmp_path, address))
+        namespace, interfaces, ports = network_of(proc.pid)
+        host, gcs_port = address.rsplit(":", 1)
+        if network == "host":
+            assert namespace == os.readlink("/proc/self/ns/net")
+            assert_refused(client(tmp_path, address))
+        else:
+            assert namespace != os.readlink("/proc/self/ns/net"), "the job stayed on the host's network"
+            assert interfaces == ["lo"], interfaces
+            assert ("::", int(gcs_port)) in ports or (host, int(gcs_port)) in ports, ports  # the GCS, in there
+            import psutil
+
+            every = [p for p in psutil.process_iter() if str(root) in " ".join(_cmdline(p))]  # the cluster's daemons
+            assert every and all(os.readlink(f"/proc/{p.pid}/ns/net") == namespace for p in every), every
+            assert not answers(host, int(gcs_port)), "the GCS answers from the host's network"
         proc.stdin.write("\n")
         proc.stdin.flush()
         rest = proc.communicate(timeout=120)[0]
@@ -285,3 +324,10 @@ def test_a_jobs_own_local_cluster_admits_only_its_driver(tmp_path):
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
+
+
+def _cmdline(p) -> list[str]:
+    try:
+        return p.cmdline()
+    except Exception:  # gone, or not ours to read
+        return []

@@ -56,6 +56,18 @@ def test_config_changes_and_which_are_safe():
     assert not is_safe_change("logits.x") and is_safe_change("log.progress")
 
 
+def test_a_setting_added_after_the_run_started_is_no_change_at_its_default():
+    """A folder written by an older hpcrlhf lacks the newer settings: at their defaults they are what
+    the run used all along; set to something else (or a setting the folder has, changed) they count."""
+    before = {"optim": {"lr": 1e-4}}
+    defaults = {"optim": {"lr": 3e-5, "warmup": 0}, "placement": {"local_network": "auto"}}
+    same = {"optim": {"lr": 1e-4, "warmup": 0}, "placement": {"local_network": "auto"}}
+    assert config_changes(before, same, defaults) == {}
+    assert config_changes(before, same) == {"optim.warmup": (None, 0), "placement.local_network": (None, "auto")}
+    other = {"optim": {"lr": 3e-5, "warmup": 5}, "placement": {"local_network": "auto"}}
+    assert config_changes(before, other, defaults) == {"optim.lr": (1e-4, 3e-5), "optim.warmup": (None, 5)}
+
+
 # --- one job per folder -----------------------------------------------------------------------
 
 
