@@ -95,6 +95,23 @@ def slurm_cluster():
         cluster.stop()
 
 
+def pytest_collection_finish(session) -> None:
+    """A session that will need hpcrlhf's CPU image (~5 min to build when its sources changed, as
+    on every CI run) starts building it now, in the background, so that the build overlaps the
+    tests before the first one that needs it instead of adding to the run."""
+    if any("cpu_image" in getattr(item, "fixturenames", ()) for item in session.items):
+        from tests.images import start_cpu_image_build, unavailable_reason
+
+        if unavailable_reason() is None:
+            start_cpu_image_build()
+
+
+def pytest_sessionfinish(session, exitstatus) -> None:
+    from tests.images import stop_cpu_image_build
+
+    stop_cpu_image_build()
+
+
 @pytest.fixture(scope="session")
 def cpu_image() -> str:
     """hpcrlhf's CPU Apptainer image, built from apptainer/hpcrlhf-cpu.def by apptainer/build.sh

@@ -6,7 +6,9 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+import signal
 import subprocess
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -30,25 +32,73 @@ def source_digest() -> str:
     return h.hexdigest()[:16]
 
 
+class ImageBuild:
+    """A build of the CPU image of the current sources running in the background (apptainer/build.sh,
+    ~5 min): started as soon as the session knows a test will need the image, so that the build
+    overlaps the tests that run before it; `wait()` gives the image."""
+
+    def __init__(self, image: Path):
+        CACHE.mkdir(parents=True, exist_ok=True)
+        for old in CACHE.glob("hpcrlhf-cpu-*.sif"):
+            old.unlink()  # one image kept: they are 1.3 GB each
+        self.image, self.log = image, CACHE / "build.log"
+        self.partial = image.with_suffix(".partial.sif")
+        self.started = time.monotonic()
+        with open(self.log, "w") as sink:
+            # fast compression: the test image is read a few times, then rebuilt for the next sources
+            self.proc = subprocess.Popen(["bash", str(ROOT / "apptainer" / "build.sh"), "cpu", str(self.partial),
+                                          "--mksquashfs-args", "-Xcompression-level 1"], stdout=sink,
+                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+
+    def wait(self, timeout_s: float = 1800) -> Path:
+        try:
+            status = self.proc.wait(timeout=max(1.0, timeout_s - (time.monotonic() - self.started)))
+        except subprocess.TimeoutExpired:
+            self.stop()
+            raise AssertionError(f"apptainer/build.sh cpu ran past {timeout_s:.0f} s:\n{self.log.read_text()[-6000:]}")
+        if status != 0:
+            raise AssertionError(f"apptainer/build.sh cpu failed ({status}):\n{self.log.read_text()[-6000:]}")
+        if not self.image.exists():
+            self.partial.rename(self.image)
+        return self.image
+
+    def stop(self) -> None:
+        """End a build still running (the session ended before a test needed the image)."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+
+
+_build: ImageBuild | None = None
+
+
+def start_cpu_image_build() -> None:
+    """Start building the CPU image of the current sources in the background, unless it is cached
+    or already being built."""
+    global _build
+    image = CACHE / f"hpcrlhf-cpu-{source_digest()}.sif"
+    if _build is None and not image.exists():
+        _build = ImageBuild(image)
+
+
+def stop_cpu_image_build() -> None:
+    if _build is not None:
+        _build.stop()
+
+
 def build_cpu_image() -> Path:
-    """The CPU image of the current sources (built by apptainer/build.sh unless already cached)."""
+    """The CPU image of the current sources (built by apptainer/build.sh unless already cached; a
+    background build started by `start_cpu_image_build` is waited for)."""
     image = CACHE / f"hpcrlhf-cpu-{source_digest()}.sif"
     if image.exists():
         return image
-    CACHE.mkdir(parents=True, exist_ok=True)
-    for old in CACHE.glob("hpcrlhf-cpu-*.sif"):
-        old.unlink()  # one image kept: they are 1.3 GB each
-    log = CACHE / "build.log"
-    partial = image.with_suffix(".partial.sif")
-    with open(log, "w") as sink:
-        # fast compression: the test image is read a few times, then rebuilt for the next sources
-        proc = subprocess.run(["bash", str(ROOT / "apptainer" / "build.sh"), "cpu", str(partial),
-                               "--mksquashfs-args", "-Xcompression-level 1"], stdout=sink, stderr=subprocess.STDOUT,
-                              stdin=subprocess.DEVNULL, timeout=1800)
-    if proc.returncode != 0:
-        raise AssertionError(f"apptainer/build.sh cpu failed ({proc.returncode}):\n{log.read_text()[-6000:]}")
-    partial.rename(image)
-    return image
+    start_cpu_image_build()
+    assert _build is not None
+    return _build.wait()
 
 
 def busybox_image(folder: Path) -> Path:
