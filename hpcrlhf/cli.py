@@ -5,50 +5,18 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import Sequence
 
 from hpcrlhf import __version__
+from hpcrlhf.config.jobspec import (TrainJob, add_bench_arguments, add_config_arguments, add_train_arguments,
+                                    build_config, resolve_recipe)
 from hpcrlhf.errors import ConfigError, HpcrlhfError, WorkerLost
 from hpcrlhf.signals import EXIT_INTERRUPTED, EXIT_LOST, release_interrupt
-
-RECIPES = Path(__file__).parent / "recipes"
-
-
-def resolve_recipe(spec: str | None) -> str | None:
-    """A recipe is a YAML path, or the name of one shipped in hpcrlhf/recipes/ (without .yaml)."""
-    if spec is None or Path(spec).exists():
-        return spec
-    shipped = RECIPES / f"{spec}.yaml"
-    if shipped.exists():
-        return str(shipped)
-    names = ", ".join(sorted(p.stem for p in RECIPES.glob("*.yaml"))) or "none"
-    raise ConfigError(f"--config: '{spec}' is neither a file nor a shipped recipe; shipped recipes: {names}")
-
-
-def build_config(kind: str, recipe: str | None, overrides: list[str], output_dir: str | None):
-    from hpcrlhf.config.loader import load_config
-    from hpcrlhf.config.schema import JOB_CONFIGS
-
-    overrides = list(overrides) + ([f"output_dir={output_dir}"] if output_dir else [])
-    return load_config(JOB_CONFIGS[kind], resolve_recipe(recipe), overrides)
-
-
-def job_config(argv: Sequence[str]):
-    """(kind, config) of the job `hpcrlhf <argv>` (a `train` command line), as `train` would build it."""
-    try:
-        args = build_parser().parse_args(list(argv))
-    except SystemExit:
-        raise ConfigError(f"not a valid `hpcrlhf train` command line: hpcrlhf {' '.join(argv)}") from None
-    if args.command != "train":
-        raise ConfigError(f"cluster jobs run `hpcrlhf train KIND ...`, not `hpcrlhf {args.command}`")
-    return args.kind, build_config(args.kind, args.config, args.set, args.output_dir)
-
 
 def cmd_train(args: argparse.Namespace) -> int:
     from hpcrlhf.cluster.session import isolate_local_cluster
     from hpcrlhf.signals import EXIT_REQUEUE
 
-    cfg = build_config(args.kind, args.config, args.set, args.output_dir)
+    cfg = TrainJob.from_args(args).config()
     isolate_local_cluster(args.kind, cfg)
     from hpcrlhf.trainers import TRAINERS
 
@@ -215,13 +183,6 @@ def _add_slurm_args(p: argparse.ArgumentParser) -> None:
                    help="requeue from the last checkpoint at most N times (default: 3)")
 
 
-def _add_config_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", "-c", metavar="RECIPE",
-                   help="YAML recipe overriding the defaults (a path, or a shipped recipe name)")
-    p.add_argument("--set", "-s", action="append", default=[], metavar="KEY=VALUE",
-                   help="override one setting, e.g. --set optim.lr=3e-4 (repeatable; applied after the recipe)")
-
-
 def build_parser() -> argparse.ArgumentParser:
     from hpcrlhf.config.schema import JOB_CONFIGS
 
@@ -240,23 +201,21 @@ def build_parser() -> argparse.ArgumentParser:
                                    "or mpirun for several ranks. Exit status 3 means the job stopped on a "
                                    "signal (SIGUSR1/SIGUSR2/SIGTERM, or Ctrl-C once) after checkpointing: run it "
                                    "again to resume. A second Ctrl-C stops at once (exit status 130).")
-    p.add_argument("kind", choices=kinds, help="job kind")
-    _add_config_args(p)
-    p.add_argument("--output-dir", "-o", metavar="DIR", help="run folder (same as --set output_dir=DIR)")
+    add_train_arguments(p)
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("config", help="print a job kind's settings with their documentation",
                        description="Print every setting of a job kind with its default and documentation, "
                                    "or, with --config/--set, the resolved config that `train` would use.")
     p.add_argument("kind", choices=kinds + ["generate"], help="job kind")
-    _add_config_args(p)
+    add_config_arguments(p)
     p.set_defaults(func=cmd_config)
 
     p = sub.add_parser("generate", help="batch generation over a dataset, optionally scored, to JSONL",
                        description="Answer every prompt of a dataset (data.train_path, or the bundled task's held-out "
                                    "prompts) and write one JSON line per response; with a `reward` section each "
                                    "response is also scored. `hpcrlhf config generate` lists the settings.")
-    _add_config_args(p)
+    add_config_arguments(p)
     p.add_argument("--model", "-m", metavar="PATH", help="model folder (same as --set model.path=PATH)")
     p.add_argument("--output", "-o", metavar="FILE", help="JSONL file to write (same as --set output=FILE)")
     p.set_defaults(func=cmd_generate)
@@ -329,17 +288,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "DeepSpeed-Chat with --dschat-dir) on the same "
                                    "models, prompts, fixed lengths and hardware, one after the other, and write "
                                    "results.json, results.md and PNG plots. --list shows the suites.")
-    p.add_argument("--suite", metavar="NAME", help="suite to run (cpu, cpu-small, cpu-tiny, gpu-1, gpu-7b, gpu-13b, gpu-70b)")
-    p.add_argument("--output", "-o", metavar="DIR", help="results folder (default: runs/bench-SUITE)")
-    p.add_argument("--systems", metavar="A,B", help="run only these systems of the suite")
-    p.add_argument("--steps", type=int, metavar="N", help="measured steps (after warm-up; default: the suite's)")
-    p.add_argument("--model", metavar="PATH", help="actor/reference model folder (gpu suites need one)")
-    p.add_argument("--reward-model", metavar="PATH", help="reward model (and critic) folder (default: --model)")
-    p.add_argument("--dschat-dir", metavar="DIR",
-                   help="a DeepSpeedExamples checkout: also run real DeepSpeed-Chat step 3 (GPU) and parse its log")
-    p.add_argument("--dschat-critic", metavar="DIR",
-                   help="DeepSpeed-Chat step-2 output (its critic/reward model, with pytorch_model.bin)")
-    p.add_argument("--list", action="store_true", help="list the suites and their systems")
+    add_bench_arguments(p)
     p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("demo", help="the main job on the embedded defaults (tiny bundled model and task)",

@@ -41,11 +41,11 @@ def early_stopped_sft(tmp_path_factory, name: str, overrides: tuple[str, ...], b
     have stopped early with a task score under `below`: the folder of its exported model."""
     import json
 
-    from hpcrlhf.config.loader import override_args
+    from hpcrlhf.config.jobspec import TrainJob
     from tests.launch_helpers import run_cli
 
     out = tmp_path_factory.mktemp(name) / "run"
-    run_cli(["train", "sft", "-o", str(out), *override_args(overrides), "--set", "log.tensorboard=false"])
+    run_cli(TrainJob("sft", None, (*overrides, "log.tensorboard=false"), str(out)).argv())
     summary = json.loads((out / "summary.json").read_text())
     assert summary.get("stopped_early") and summary["after"]["eval/task_score"] < below, summary
     return str(out / "model")

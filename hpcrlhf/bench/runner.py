@@ -16,6 +16,7 @@ from typing import Optional, Sequence
 from hpcrlhf.bench.flops import Shape, causal_context, train_flops
 from hpcrlhf.bench.measure import summarize
 from hpcrlhf.bench.suites import DSCHAT_KL, DSCHAT_PER_DEVICE_BATCH, Suite, System
+from hpcrlhf.config.jobspec import BenchJob
 from hpcrlhf.errors import ConfigError, HpcrlhfError
 from hpcrlhf.logs import get_logger
 from hpcrlhf.metrics import read_metrics
@@ -113,7 +114,7 @@ def step_train_flops(suite: Suite, *, critic: bool = True) -> float:
 def check_systems(suite: Suite, systems: Sequence[System], prompts: Path) -> None:
     """Build every system's config (and node map for Ray) before anything runs: a bad suite or
     override fails here, naming the system, not half-way through the benchmark."""
-    from hpcrlhf.cli import build_config
+    from hpcrlhf.config.jobspec import build_config
     from hpcrlhf.placement import build_node_map
 
     from hpcrlhf.bench.trl_system import rounds_layout
@@ -133,35 +134,18 @@ def check_systems(suite: Suite, systems: Sequence[System], prompts: Path) -> Non
         raise ConfigError(f"suite {suite.name}: " + "; ".join(problems))
 
 
-BENCH_SETTINGS = ("model", "reward_model", "systems", "steps")
-
-
-def bench_args(suite_name: str, overrides: Sequence[str], output_dir: str) -> list[str]:
-    """`hpcrlhf bench ...` arguments of a cluster benchmark job (`hpcrlhf sbatch --kind bench SUITE
-    --set model=PATH ...`): the --set keys are the bench options model, reward_model, systems, steps."""
-    args = ["bench", "--suite", suite_name, "--output", output_dir]
-    for item in overrides:
-        key, sep, value = item.partition("=")
-        if not sep or key not in BENCH_SETTINGS:
-            raise ConfigError(f"--set {item}: a bench job takes --set KEY=VALUE with KEY one of {', '.join(BENCH_SETTINGS)}")
-        args += [f"--{key.replace('_', '-')}", value]
-    return args
-
-
-def bench_fits(args: Sequence[str], nodes: int, gpus_per_node: int, where: str) -> None:
-    """Raise unless the benchmark `hpcrlhf <args>` fits nodes x gpus_per_node (every system checked)."""
+def bench_fits(job: BenchJob, nodes: int, gpus_per_node: int, where: str) -> None:
+    """Raise unless the benchmark `job` fits nodes x gpus_per_node (every system checked)."""
     from hpcrlhf.bench.suites import get_suite
-    from hpcrlhf.cli import build_parser
     from hpcrlhf.errors import PlacementError
 
-    a = build_parser().parse_args(list(args))
-    suite = get_suite(a.suite).with_model(a.model, a.reward_model)
+    suite = get_suite(job.suite).with_model(job.model, job.reward_model)
     if suite.nodes > nodes or suite.gpus_per_node > gpus_per_node:
         raise PlacementError(f"suite {suite.name} runs on {suite.nodes} node(s) x {suite.gpus_per_node} GPU(s) but {where} "
                              f"has {nodes} x {gpus_per_node}: ask for --nodes {suite.nodes} --gpus-per-node "
                              f"{suite.gpus_per_node}")
-    systems = [suite.system(n) for n in a.systems.split(",")] if a.systems else list(suite.systems)
-    check_systems(suite, systems, Path(a.output or ".") / "prompts.jsonl")
+    systems = [suite.system(n) for n in job.systems.split(",")] if job.systems else list(suite.systems)
+    check_systems(suite, systems, Path(job.output or ".") / "prompts.jsonl")
 
 
 @dataclass

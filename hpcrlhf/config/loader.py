@@ -41,7 +41,7 @@ import yaml
 
 from hpcrlhf.errors import ConfigError
 
-__all__ = ["load_config", "from_dict", "apply_overrides", "override_args", "to_dict", "to_yaml", "field_docs", "describe"]
+__all__ = ["load_config", "from_dict", "apply_overrides", "to_dict", "to_yaml", "field_docs", "describe"]
 
 T = TypeVar("T")
 _FORM = "expected the form --set section.key=value"
@@ -533,11 +533,6 @@ def from_dict(cls: type[T], mapping: Mapping[str, Any], *, source: str = "<dict>
 def apply_overrides(cfg: T, overrides: Iterable[str]) -> T:
     """A new config: `cfg` with `a.b.c=VALUE` overrides applied (same rules as `load_config`)."""
     return _finish(type(cfg), cfg, _overrides(type(cfg), overrides))
-
-
-def override_args(overrides: Iterable[str]) -> list[str]:
-    """The command-line form of `section.key=value` overrides: `--set` before each."""
-    return [arg for o in overrides for arg in ("--set", o)]
 
 
 def _plain(value: Any) -> Any:

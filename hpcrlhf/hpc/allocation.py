@@ -108,13 +108,14 @@ def check_fits(args: Sequence[str], nodes: int, gpus_per_node: int, *, launcher:
     """Raise unless the job `hpcrlhf <args>` fits `nodes` x `gpus_per_node` under `launcher`.
 
     `where` names what is checked against ("the allocation of job 42", "--nodes/--gpus-per-node")."""
-    from hpcrlhf.cli import job_config
+    from hpcrlhf.config.jobspec import BenchJob, job_from_argv
 
-    if args and args[0] == "bench":
+    job = job_from_argv(args)
+    if isinstance(job, BenchJob):
         from hpcrlhf.bench.runner import bench_fits
 
-        return bench_fits(args, nodes, gpus_per_node, where)
-    kind, cfg = job_config(args)
+        return bench_fits(job, nodes, gpus_per_node, where)
+    kind, cfg = job.kind, job.config()
     if launcher == "ray":
         from hpcrlhf.placement import build_node_map
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, fields, is_dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
-from hpcrlhf.config.loader import override_args
+from hpcrlhf.config.jobspec import BenchJob, TrainJob, resolve_recipe
 from hpcrlhf.errors import ConfigError
 from hpcrlhf.hpc.allocation import check_fits
 from hpcrlhf.hpc.sbatch import SlurmOptions
@@ -96,8 +96,6 @@ def cluster_job(kind: str, recipe: Optional[str], overrides: Sequence[str], outp
                 **slurm: object) -> ClusterJob:
     """The job `hpcrlhf train KIND --config RECIPE --set ...` on Slurm, with options `slurm` (None:
     the default; nodes/GPUs default to the recipe's placement for Ray, 1 x 1 for MPI)."""
-    from hpcrlhf.cli import build_config, resolve_recipe
-
     recipe_path = resolve_recipe(recipe) if kind != "bench" else None
     if recipe_path is not None and Path(recipe_path).exists() and recipe == recipe_path:
         recipe = str(Path(recipe_path).resolve())  # the job runs elsewhere: a user's file by absolute path
@@ -106,18 +104,17 @@ def cluster_job(kind: str, recipe: Optional[str], overrides: Sequence[str], outp
     if given.get("cache_dir"):  # like the run folder: relative to here, written absolute
         given["cache_dir"] = os.path.abspath(str(given["cache_dir"]))
     if kind == "bench":  # a benchmark suite: its systems run one after the other on one Ray cluster
-        from hpcrlhf.bench.runner import bench_args
         from hpcrlhf.bench.suites import get_suite
 
         if given.get("launcher", "ray") != "ray":
             raise ConfigError("--launcher: a bench job runs on Ray (its all-ranks baseline starts its own srun step)")
         suite = get_suite(recipe or "")
-        argv, cfg, shape = bench_args(suite.name, overrides, run_dir), None, (suite.nodes, suite.gpus_per_node)
+        argv = BenchJob.from_settings(suite.name, overrides, run_dir).argv()
+        cfg, shape = None, (suite.nodes, suite.gpus_per_node)
         given["launcher"] = "ray"
     else:
-        argv = ["train", kind] + (["--config", recipe] if recipe else [])
-        argv += override_args(overrides) + ["--output-dir", run_dir]
-        cfg = build_config(kind, recipe, list(overrides), run_dir)
+        job = TrainJob(kind, recipe, tuple(overrides), run_dir)
+        argv, cfg = job.argv(), job.config()
         ray = kind == "ppo" and cfg.placement.runtime == "ray"
         given.setdefault("launcher", "ray" if ray else "mpi")
         shape = (cfg.placement.nodes, cfg.placement.gpus_per_node) if kind == "ppo" else (1, 1)

@@ -71,21 +71,14 @@ def discover(comm=None) -> RankInfo:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Discover the ranks, then run `hpcrlhf ARGS...` (or, given `-m MODULE ARGS...`, that module
     as `python -m` would: e.g. the benchmark's TRL system) with torchrun's variables set."""
-    from hpcrlhf.cli import main as cli_main
+    from hpcrlhf.hpc.program import CLI, run_module
 
     args = list(sys.argv[1:] if argv is None else argv)
     info = discover()
     os.environ.update(info.torch_env())
     if args[:1] == ["-m"] and len(args) > 1:
-        import runpy
-
-        sys.argv = [args[1], *args[2:]]
-        try:
-            runpy.run_module(args[1], run_name="__main__", alter_sys=True)
-        except SystemExit as e:
-            return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-        return 0
-    return cli_main(args)
+        return run_module(args[1], args[2:])
+    return run_module(CLI, args)
 
 
 if __name__ == "__main__":

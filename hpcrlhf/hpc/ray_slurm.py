@@ -153,12 +153,12 @@ def prepare_driver(argv: Sequence[str], alloc: Optional[Allocation] = None) -> d
 
 
 def run_driver(argv: Sequence[str]) -> int:
-    from hpcrlhf.cli import main as cli_main
+    from hpcrlhf.hpc.program import CLI, run_module
     from hpcrlhf.signals import catch_early_stop_signals
 
     catch_early_stop_signals()
     os.environ.update(prepare_driver(argv))
-    return cli_main(list(argv))
+    return run_module(CLI, argv)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hpcrlhf.cli import resolve_recipe
+from hpcrlhf.config.jobspec import resolve_recipe
 from hpcrlhf.config.loader import load_config
 from hpcrlhf.config.schema import PPOConfig
 from hpcrlhf.engines import weight_sync

@@ -15,7 +15,7 @@ import threading
 
 import pytest
 
-from hpcrlhf.cli import build_config
+from hpcrlhf.config.jobspec import build_config
 from hpcrlhf.cluster import netns
 from hpcrlhf.cluster.session import isolate_local_cluster
 from hpcrlhf.errors import ConfigError

@@ -15,7 +15,7 @@ from hpcrlhf.config.loader import load_config
 from hpcrlhf.config.schema import PPOConfig
 from hpcrlhf.errors import HpcrlhfError, PlacementError
 from hpcrlhf.placement import Device, build_node_map
-from hpcrlhf.cli import resolve_recipe
+from hpcrlhf.config.jobspec import resolve_recipe
 
 
 def tiny_map(*overrides: str):

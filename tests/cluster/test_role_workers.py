@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hpcrlhf.cli import resolve_recipe
+from hpcrlhf.config.jobspec import resolve_recipe
 from hpcrlhf.cluster.ppo_workers import RewardWorker, role_config
 from hpcrlhf.cluster.reservation import reserve
 from hpcrlhf.cluster.worker_group import WorkerGroup

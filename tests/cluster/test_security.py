@@ -243,7 +243,7 @@ def test_every_port_open_to_other_hosts_is_in_the_jobs_own_block(secure):
 
 SESSION = textwrap.dedent("""
     import os, sys
-    from hpcrlhf.cli import build_config
+    from hpcrlhf.config.jobspec import build_config
     from hpcrlhf.cluster.session import isolate_local_cluster, ray_session
 
     # what `hpcrlhf train ppo` does first, then the cluster it starts

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from hpcrlhf.cli import resolve_recipe
+from hpcrlhf.config.jobspec import resolve_recipe
 from hpcrlhf.cluster.session import host_gpus, local_cluster_problem
 from hpcrlhf.config.loader import load_config
 from hpcrlhf.config.schema import PPOConfig

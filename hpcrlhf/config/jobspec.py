@@ -1,0 +1,177 @@
+"""A job as data: what `hpcrlhf train KIND --config RECIPE --set K=V -o DIR` and `hpcrlhf bench
+--suite S ...` ask for, with the one conversion to and from their command lines.
+
+The CLI builds its `train` and `bench` arguments here (`add_train_arguments`,
+`add_bench_arguments`), and the code that writes a job into a Slurm script, checks it against an
+allocation or runs a benchmark system reads it back with `TrainJob.from_argv` /
+`BenchJob.from_argv` -- so a cluster job, the benchmark and the `hpcrlhf` command always agree on
+what a command line means, and none of them needs the CLI module."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Sequence
+
+from hpcrlhf.errors import ConfigError
+
+RECIPES = Path(__file__).resolve().parents[1] / "recipes"
+"""The recipes shipped with hpcrlhf (`--config ppo-7b` names hpcrlhf/recipes/ppo-7b.yaml)."""
+BENCH_SETTINGS = ("model", "reward_model", "systems", "steps")
+"""What a cluster benchmark job takes as --set KEY=VALUE (its `hpcrlhf bench` options)."""
+
+
+def resolve_recipe(spec: Optional[str]) -> Optional[str]:
+    """A recipe is a YAML path, or the name of one shipped in hpcrlhf/recipes/ (without .yaml)."""
+    if spec is None or Path(spec).exists():
+        return spec
+    shipped = RECIPES / f"{spec}.yaml"
+    if shipped.exists():
+        return str(shipped)
+    names = ", ".join(sorted(p.stem for p in RECIPES.glob("*.yaml"))) or "none"
+    raise ConfigError(f"--config: '{spec}' is neither a file nor a shipped recipe; shipped recipes: {names}")
+
+
+def build_config(kind: str, recipe: Optional[str], overrides: Sequence[str], output_dir: Optional[str]):
+    """The typed config of job `kind`: its defaults, then the recipe, then the overrides (and the run
+    folder, as `output_dir=`)."""
+    from hpcrlhf.config.loader import load_config
+    from hpcrlhf.config.schema import JOB_CONFIGS
+
+    overrides = list(overrides) + ([f"output_dir={output_dir}"] if output_dir else [])
+    return load_config(JOB_CONFIGS[kind], resolve_recipe(recipe), overrides)
+
+
+def add_config_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", "-c", metavar="RECIPE",
+                   help="YAML recipe overriding the defaults (a path, or a shipped recipe name)")
+    p.add_argument("--set", "-s", action="append", default=[], metavar="KEY=VALUE",
+                   help="override one setting, e.g. --set optim.lr=3e-4 (repeatable; applied after the recipe)")
+
+
+def add_train_arguments(p: argparse.ArgumentParser) -> None:
+    """The arguments of `hpcrlhf train` (after the command name)."""
+    from hpcrlhf.config.schema import JOB_CONFIGS
+
+    p.add_argument("kind", choices=sorted(JOB_CONFIGS), help="job kind")
+    add_config_arguments(p)
+    p.add_argument("--output-dir", "-o", metavar="DIR", help="run folder (same as --set output_dir=DIR)")
+
+
+def add_bench_arguments(p: argparse.ArgumentParser) -> None:
+    """The arguments of `hpcrlhf bench` (after the command name)."""
+    p.add_argument("--suite", metavar="NAME", help="suite to run (cpu, cpu-small, cpu-tiny, gpu-1, gpu-7b, gpu-13b, gpu-70b)")
+    p.add_argument("--output", "-o", metavar="DIR", help="results folder (default: runs/bench-SUITE)")
+    p.add_argument("--systems", metavar="A,B", help="run only these systems of the suite")
+    p.add_argument("--steps", type=int, metavar="N", help="measured steps (after warm-up; default: the suite's)")
+    p.add_argument("--model", metavar="PATH", help="actor/reference model folder (gpu suites need one)")
+    p.add_argument("--reward-model", metavar="PATH", help="reward model (and critic) folder (default: --model)")
+    p.add_argument("--dschat-dir", metavar="DIR",
+                   help="a DeepSpeedExamples checkout: also run real DeepSpeed-Chat step 3 (GPU) and parse its log")
+    p.add_argument("--dschat-critic", metavar="DIR",
+                   help="DeepSpeed-Chat step-2 output (its critic/reward model, with pytorch_model.bin)")
+    p.add_argument("--list", action="store_true", help="list the suites and their systems")
+
+
+def _option(name: str, value: object) -> list[str]:
+    """`--name value`, or `--name=value` when the value would read as an option (it starts with -)."""
+    text = str(value)
+    return [f"{name}={text}"] if text.startswith("-") else [name, text]
+
+
+class _Parser(argparse.ArgumentParser):
+    """A parser that raises instead of printing and exiting."""
+
+    def error(self, message: str):
+        raise ConfigError(message)
+
+
+def _parse(command: str, add, argv: Sequence[str]) -> argparse.Namespace:
+    args = list(argv)
+    if args[:1] != [command]:
+        raise ConfigError(f"cluster jobs run `hpcrlhf {command} ...`, not `hpcrlhf {' '.join(args)}`")
+    parser = _Parser(prog=f"hpcrlhf {command}", add_help=False)
+    add(parser)
+    try:
+        return parser.parse_args(args[1:])
+    except ConfigError as e:
+        raise ConfigError(f"not a valid `hpcrlhf {command}` command line ({e}): hpcrlhf {' '.join(args)}") from None
+
+
+@dataclass(frozen=True)
+class TrainJob:
+    """`hpcrlhf train KIND [--config RECIPE] [--set KEY=VALUE ...] [--output-dir DIR]`."""
+
+    kind: str
+    recipe: Optional[str] = None
+    overrides: tuple[str, ...] = ()
+    output_dir: Optional[str] = None
+
+    def argv(self) -> list[str]:
+        args = ["train", self.kind] + (_option("--config", self.recipe) if self.recipe else [])
+        args += [arg for o in self.overrides for arg in _option("--set", o)]
+        return args + (_option("--output-dir", self.output_dir) if self.output_dir else [])
+
+    @classmethod
+    def from_args(cls, a: argparse.Namespace) -> "TrainJob":
+        return cls(a.kind, a.config, tuple(a.set), a.output_dir)
+
+    @classmethod
+    def from_argv(cls, argv: Sequence[str]) -> "TrainJob":
+        return cls.from_args(_parse("train", add_train_arguments, argv))
+
+    def config(self):
+        return build_config(self.kind, self.recipe, self.overrides, self.output_dir)
+
+
+@dataclass(frozen=True)
+class BenchJob:
+    """`hpcrlhf bench --suite SUITE --output DIR [--model PATH] [--reward-model PATH] [--systems A,B]
+    [--steps N]` (the options a cluster benchmark job may set)."""
+
+    suite: str
+    output: Optional[str] = None
+    model: Optional[str] = None
+    reward_model: Optional[str] = None
+    systems: Optional[str] = None
+    steps: Optional[int] = None
+
+    def argv(self) -> list[str]:
+        args = ["bench", *_option("--suite", self.suite)] + (_option("--output", self.output) if self.output else [])
+        for key in BENCH_SETTINGS:
+            value = getattr(self, key)
+            args += _option(f"--{key.replace('_', '-')}", value) if value is not None else []
+        return args
+
+    @classmethod
+    def from_argv(cls, argv: Sequence[str]) -> "BenchJob":
+        a = _parse("bench", add_bench_arguments, argv)
+        if not a.suite:
+            raise ConfigError(f"a bench job names its suite (--suite NAME): hpcrlhf {' '.join(argv)}")
+        return cls(a.suite, a.output, a.model, a.reward_model, a.systems, a.steps)
+
+    @classmethod
+    def from_settings(cls, suite: str, overrides: Sequence[str], output: str) -> "BenchJob":
+        """The job `hpcrlhf sbatch --kind bench SUITE --set model=PATH ...` asks for: the --set keys are
+        the bench options model, reward_model, systems, steps."""
+        given: dict = {}
+        for item in overrides:
+            key, sep, value = item.partition("=")
+            if not sep or key not in BENCH_SETTINGS:
+                raise ConfigError(f"--set {item}: a bench job takes --set KEY=VALUE with KEY one of "
+                                  f"{', '.join(BENCH_SETTINGS)}")
+            if key == "steps":
+                try:
+                    value = int(value)
+                except ValueError:
+                    raise ConfigError(f"--set {item}: steps is a whole number of measured steps, e.g. steps=5") from None
+            given[key] = value
+        return cls(suite, output, **given)
+
+
+def job_from_argv(argv: Sequence[str]) -> TrainJob | BenchJob:
+    """The job a cluster script runs (`hpcrlhf train ...` or `hpcrlhf bench ...`)."""
+    if list(argv[:1]) == ["bench"]:
+        return BenchJob.from_argv(argv)
+    return TrainJob.from_argv(argv)
