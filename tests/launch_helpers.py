@@ -19,10 +19,16 @@ def cli_command(args: list[str], nproc: int = 1) -> list[str]:
             f"--master_port={free_port()}", "-m", "hpcrlhf", *args]
 
 
+DIST_VARS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
+"""torch.distributed's rendezvous variables: a test that trained in this process set them (a world
+of one, whose store still holds MASTER_PORT); a CLI run inherits none of them unless given."""
+
+
 def cli_env(**extra: str) -> dict[str, str]:
-    """This process's environment for a CLI run: offline hub, unbuffered output; `extra` overrides any
-    of it (HF_HUB_OFFLINE included)."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", **extra}
+    """This process's environment for a CLI run: offline hub, unbuffered output, no rendezvous
+    variables of this process; `extra` overrides any of it (HF_HUB_OFFLINE included)."""
+    inherited = {k: v for k, v in os.environ.items() if k not in DIST_VARS}
+    env = {**inherited, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", **extra}
     env.setdefault("OMP_NUM_THREADS", "1")
     return env
 

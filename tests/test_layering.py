@@ -110,6 +110,15 @@ def test_no_import_circle_passes_through_the_cli():
     assert not through, through
 
 
+def test_the_cluster_runtime_needs_no_trainer():
+    """hpcrlhf.cluster (Ray sessions, worker groups, engines) is a runtime the PPO trainer uses; the
+    PPO role workers live with the PPO code and build their models with hpcrlhf.models.factory."""
+    graph = import_graph()
+    uses = sorted((m, t) for m, targets in graph.items() if m.startswith("hpcrlhf.cluster")
+                  for t in targets if t.startswith("hpcrlhf.trainers"))
+    assert not uses, uses
+
+
 if __name__ == "__main__":
     g = import_graph()
     print("importers of hpcrlhf.cli:", sorted(m for m, t in g.items() if "hpcrlhf.cli" in t))

@@ -199,6 +199,10 @@ class TrainingEngine:
     def lr(self) -> float:
         return float(self.scheduler.get_last_lr()[0])
 
+    def optimizer_stats(self) -> dict[str, float | None]:
+        """The learning rate and the last gradient norm, as the training log shows them."""
+        return {"train/lr": self.lr(), "train/grad_norm": self.grad_norm()}
+
     def save_checkpoint(self, folder: Path, client_state: dict[str, Any]) -> None:
         """Model, optimizer and scheduler (sharded per rank) plus the trainer's client state."""
         # hpcrlhf writes `latest` itself, after every rank has finished (see hpcrlhf.checkpoint).

@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import time
 from collections import defaultdict
-from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
@@ -23,7 +22,7 @@ import torch
 from hpcrlhf.config.stop_rule import parse_stop_rule
 from hpcrlhf.diskspace import out_of_space_is_an_error
 from hpcrlhf.data.sources import Row
-from hpcrlhf.engines.distributed import all_reduce_sum, init_distributed
+from hpcrlhf.engines.distributed import all_reduce_sum
 from hpcrlhf.engines.hf_generate import generate_greedy
 from hpcrlhf.errors import ConfigError
 from hpcrlhf.logs import get_logger
@@ -79,106 +78,34 @@ class Trainer:
                          else held_out_prompt_rows(cfg.data, cfg.task, cfg.eval.score_prompts))
 
     def setup_process(self, cfg) -> None:
-        """This process's rank in its group, seed and tokenizer (no run folder: Ray role workers
-        stop here, their driver owns the run)."""
-        from hpcrlhf.models.loading import load_tokenizer
+        """This process's rank in its group, seed, tokenizer and model factory (hpcrlhf.models.factory)."""
+        from hpcrlhf.models.factory import ModelFactory
 
         self.cfg = cfg
-        self.env = init_distributed()
-        torch.manual_seed(cfg.seed)
-        self.tokenizer = load_tokenizer(cfg.model.path, trust_remote_code=cfg.model.trust_remote_code)
-        self.pad_id = self.tokenizer.pad_token_id
-
-    def load_model(self, path: str, value_head: bool | None = None, key: str = "model.path") -> torch.nn.Module:
-        """A transformers model from `path` (named by config field `key`): a causal LM, or
-        (`value_head`, default: the trainer's) a one-label sequence-classification model (no LoRA,
-        not yet in an engine)."""
-        from hpcrlhf.models.loading import load_causal_lm
-        from hpcrlhf.models.lora import quantization_config
-        from hpcrlhf.models.value import load_value_model
-
-        kw = dict(attn_implementation=self.cfg.model.attn_implementation, dtype=self.cfg.engine.precision,
-                  trust_remote_code=self.cfg.model.trust_remote_code, quantization_config=quantization_config(self.cfg.lora),
-                  key=key)
-        if self.value_head if value_head is None else value_head:
-            return load_value_model(path, pad_token_id=self.pad_id, **kw)
-        return load_causal_lm(path, **kw)
+        self.models = ModelFactory(cfg)
+        self.env, self.tokenizer, self.pad_id = self.models.env, self.models.tokenizer, self.models.pad_id
 
     def build_engine(self, num_rows: int) -> None:
         """The batch plan and the trained model under DeepSpeed (with LoRA when configured)."""
+        from hpcrlhf.models.factory import trainable_parameters
+
         cfg = self.cfg
         self.plan = BatchPlan.build(cfg.train, num_rows=num_rows, data_parallel_size=self.env.world_size)
-        self.engine = self.build_trained_model(cfg.model.path, value_head=self.value_head, optim=cfg.optim,
+        self.engine = self.models.build_trained_model(cfg.model.path, value_head=self.value_head, optim=cfg.optim,
                                                micro_batch_rows=self.plan.micro_batch_rows,
                                                grad_accum_steps=self.plan.grad_accum_steps,
                                                total_steps=self.plan.total_steps)
         log.info(f"{self.kind}: {num_rows} training rows, {self.plan.total_steps} steps, {self.env.world_size} rank(s) x "
                  f"{self.plan.micro_batch_rows} rows x {self.plan.grad_accum_steps} accumulation, ZeRO-{cfg.engine.zero_stage}, "
                  f"{cfg.engine.precision} on {self.device}"
-                 + (f", LoRA rank {cfg.lora.rank} ({self.trainable_parameters(self.engine)} trainable parameters)"
+                 + (f", LoRA rank {cfg.lora.rank} ({trainable_parameters(self.engine)} trainable parameters)"
                     if cfg.lora.rank else ""))
         log.info(key_settings(cfg, ranks=self.env.world_size, micro_batch_rows=self.plan.micro_batch_rows,
                               grad_accum_steps=self.plan.grad_accum_steps))
 
-    def build_trained_model(self, path: str, *, value_head: bool, optim, micro_batch_rows: int, grad_accum_steps: int,
-                            total_steps: int, key: str = "model.path"):
-        """A model from `path` (causal LM or value model, LoRA when configured) in a DeepSpeed
-        training engine with its own optimizer and schedule."""
-        from hpcrlhf.engines.deepspeed_engine import (TrainingEngine, build_deepspeed_config,
-                                                      maybe_zero3_init_context, prepare_extensions)
-        from hpcrlhf.models.lora import apply_lora
-        from hpcrlhf.models.value import ValueModel
-
-        cfg = self.cfg
-        ds_config = build_deepspeed_config(cfg.engine, optim, micro_batch_size=micro_batch_rows,
-                                           grad_accum_steps=grad_accum_steps, world_size=self.env.world_size)
-        prepare_extensions(ds_config)
-        self._zero3_ctx = maybe_zero3_init_context(ds_config)  # alive while models load
-        model = self.load_model(path, value_head, key)
-        if cfg.model.router_aux_loss_coef and not value_head:
-            from hpcrlhf.models.moe import has_router
-
-            if not has_router(model.config):
-                raise ConfigError(f"model.router_aux_loss_coef: {cfg.model.router_aux_loss_coef}, but {key} {path} "
-                                  f"({model.config.model_type}) is no mixture-of-experts model: it has no router to "
-                                  "balance; use 0")
-        if cfg.lora.rank:
-            model = apply_lora(model, cfg.lora, value_head=value_head,
-                               gradient_checkpointing=cfg.engine.gradient_checkpointing)
-        if value_head:
-            model = ValueModel(model)
-        return TrainingEngine(model, ds_config, optim=optim, total_steps=total_steps,
-                              gradient_checkpointing=cfg.engine.gradient_checkpointing)
-
-    @staticmethod
-    def trainable_parameters(engine) -> int:
-        return sum(p.numel() for p in engine.module.parameters() if p.requires_grad)
-
-    def build_frozen_model(self, path: str, *, value_head: bool, offload: bool = False, micro_batch_rows: int = 1,
-                           key: str = "model.path"):
-        """A model used for forward passes only (reference, reward model): replicated at ZeRO 0-2,
-        sharded like the trained model at ZeRO-3 (optionally with its weights kept on the CPU)."""
-        from hpcrlhf.engines.deepspeed_engine import (FrozenModel, build_frozen_deepspeed_config,
-                                                      maybe_zero3_init_context)
-        from hpcrlhf.models.value import ValueModel
-
-        ds_config = build_frozen_deepspeed_config(self.cfg.engine, offload=offload, micro_batch_size=micro_batch_rows,
-                                                  world_size=self.env.world_size)
-        ctx = maybe_zero3_init_context(ds_config) if ds_config else None  # shard while loading
-        model = self.load_model(path, value_head, key)
-        frozen = FrozenModel(ValueModel(model) if value_head else model, ds_config, self.device)
-        if ctx is not None and getattr(self, "_zero3_ctx", None) is not None:
-            # give transformers back the trained model's ZeRO-3 config
-            from transformers.integrations.deepspeed import set_hf_deepspeed_config
-
-            set_hf_deepspeed_config(self._zero3_ctx)
-        return frozen
-
     @property
     def device(self) -> torch.device:
-        from hpcrlhf.engines.distributed import device_for
-
-        return device_for(self.env.local_rank)
+        return self.models.device
 
     def evaluated_models(self) -> dict[str, str]:
         """Config field -> path of each model evaluation runs, the trained one first (named when the
@@ -210,17 +137,8 @@ class Trainer:
     def save_outputs(self) -> None:
         """Write the final model in Hugging Face format into `model/` of the run folder (LoRA
         adapters merged, the adapter alone in `model/adapter/`)."""
-        from hpcrlhf.engines.deepspeed_engine import save_hf_model, zero3_init_paused
-        from hpcrlhf.models.export import export_pretrained
-
-        def build_base():
-            with zero3_init_paused():
-                return self.load_model(self.cfg.model.path)
-
         extra = self.exported_config()  # may need every rank (collectives)
-        save_hf_model(self.engine, lambda state: export_pretrained(
-            self.engine.module, state, Path(self.cfg.output_dir) / "model", self.tokenizer,
-            lora=self.cfg.lora, build_base=build_base, config_updates=extra))
+        self.models.export(self.engine, value_head=self.value_head, config_updates=extra)
 
     # -- shared shapes of a step and of an evaluation ------------------------------------------
     def sample_mean_step(self, step: int, num_rows: int,
@@ -387,7 +305,7 @@ class Trainer:
 
     def optimizer_stats(self) -> dict[str, float | None]:
         """The trained model's learning rate and last gradient norm."""
-        return {"train/lr": self.engine.lr(), "train/grad_norm": self.engine.grad_norm()}
+        return self.engine.optimizer_stats()
 
     def _checkpoint_once(self, step: int) -> None:
         if self.run.checkpoints.latest() != self.run.checkpoints.path_for(step):

@@ -61,16 +61,16 @@ class PPOTrainer(OnlineTrainer):
         self.setup_online()
         ppo = cfg.ppo
         self.plan = self.build_plan(self.env.world_size)
-        self.engine = self.build_trained_model(cfg.model.path, value_head=False, optim=cfg.optim, **self.plan.engine_args())
+        self.engine = self.models.build_trained_model(cfg.model.path, value_head=False, optim=cfg.optim, **self.plan.engine_args())
         self.critic = None
         if ppo.uses_critic:
             field, path = cfg.critic_source()
-            self.critic = self.build_trained_model(path, value_head=True, optim=cfg.critic.optim, key=field,
+            self.critic = self.models.build_trained_model(path, value_head=True, optim=cfg.critic.optim, key=field,
                                                    **self.plan.engine_args())
         self.reference = None
         if ppo.uses_reference:
             field, path = cfg.reference_source()
-            self.reference = self.build_frozen_model(path, value_head=False, key=field, offload=cfg.reference.offload,
+            self.reference = self.models.build_frozen_model(path, value_head=False, key=field, offload=cfg.reference.offload,
                                                      micro_batch_rows=self.plan.micro_batch_rows)
         self.build_rewards()
         self.build_rollout()

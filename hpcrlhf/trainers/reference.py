@@ -30,7 +30,7 @@ CACHE = "reference_logps.pt"
 class Reference:
     def __init__(self, trainer, path: str, *, offload: bool, key: str = "model.path"):
         self.trainer, self.path = trainer, path
-        self.model = trainer.build_frozen_model(path, value_head=False, offload=offload, key=key,
+        self.model = trainer.models.build_frozen_model(path, value_head=False, offload=offload, key=key,
                                                 micro_batch_rows=trainer.plan.micro_batch_rows)
         self.tables: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
 

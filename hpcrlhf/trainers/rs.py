@@ -88,13 +88,13 @@ class RSTrainer(OnlineTrainer):
         plan = BatchPlan.build(dataclasses.replace(cfg.train, max_steps=total), num_rows=cfg.train.global_batch_size,
                                data_parallel_size=w)
         self.plan = dataclasses.replace(plan, steps_per_epoch=rs.steps_per_iteration)  # epoch = round
-        self.engine = self.build_trained_model(cfg.model.path, value_head=False, optim=cfg.optim,
+        self.engine = self.models.build_trained_model(cfg.model.path, value_head=False, optim=cfg.optim,
                                                micro_batch_rows=plan.micro_batch_rows,
                                                grad_accum_steps=plan.grad_accum_steps, total_steps=total)
         self.reference = None
         if rs.mode == "dpo":
             field, path = cfg.reference_source()
-            self.reference = self.build_frozen_model(path, value_head=False, key=field,
+            self.reference = self.models.build_frozen_model(path, value_head=False, key=field,
                                                      offload=cfg.reference.offload, micro_batch_rows=plan.micro_batch_rows)
         self.build_rewards()
         self.build_rollout()

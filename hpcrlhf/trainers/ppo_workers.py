@@ -1,6 +1,6 @@
 """PPO's model roles as Ray actors, one actor per rank, each on its device of the node map.
 
-A rank builds its model exactly as the single-machine trainer does (`Trainer.build_trained_model`
+A rank builds its model exactly as the single-machine trainer does (`ModelFactory.build_trained_model`
 / `build_frozen_model`, with its role's ZeRO settings from the map) and runs the same per-role
 code (`trainers.ppo_learner`): the only difference is that its process group holds its role's
 ranks alone. The driver (`trainers.ppo_ray`) moves one typed batch between the roles.
@@ -20,20 +20,10 @@ from typing import Any, Sequence
 import torch
 
 from hpcrlhf.cluster.worker_group import RoleWorker, busy, gather
-from hpcrlhf.trainers.base import Trainer
+from hpcrlhf.models.factory import ModelFactory
 from hpcrlhf.trainers.experience import ExperienceBatch, ReplayBuffer
 from hpcrlhf.trainers.plan import PPOPlan
 from hpcrlhf.trainers.ppo_learner import PPOLearner, Sums, forward_logps, forward_values
-
-
-class _Models(Trainer):
-    """What a role worker uses of a trainer: process setup and model building; the driver owns
-    the run folder, metrics and progress."""
-
-    kind = "ppo"
-
-    def __init__(self, cfg) -> None:
-        self.setup_process(cfg)
 
 
 class PPOWorker(RoleWorker):
@@ -45,7 +35,7 @@ class PPOWorker(RoleWorker):
         self.cfg, self.plan = cfg, plan
 
     def setup(self) -> None:
-        self.models = _Models(self.cfg)
+        self.models = ModelFactory(self.cfg)  # the driver owns the run folder, metrics and progress
         self.build()
 
     def build(self) -> None:
@@ -66,7 +56,6 @@ class TrainedWorker(PPOWorker):
                                 else (cfg.critic_source(), cfg.critic.optim))
         self.engine = self.models.build_trained_model(path, value_head=self.value_head, optim=optim, key=field,
                                                       **plan.engine_args())
-        self.models.engine = self.engine
         self.buffer = ReplayBuffer(cfg.ppo.buffer_limit)
         self.learner = PPOLearner(self.role, self.engine, cfg, plan, self.models.pad_id, self.buffer)
 
@@ -146,11 +135,11 @@ class ActorWorker(TrainedWorker):
         return dataclasses.asdict(stats)
 
     def optimizer_stats(self) -> dict[str, float | None]:
-        return self.models.optimizer_stats()
+        return self.engine.optimizer_stats()
 
     def save_model(self) -> None:
         """The trained policy as a Hugging Face folder in `model/` of the run (all ranks call)."""
-        self.models.save_outputs()
+        self.models.export(self.engine, value_head=False)
 
 
 class CriticWorker(TrainedWorker):
