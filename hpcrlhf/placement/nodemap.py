@@ -10,10 +10,12 @@ the map says: `role_ranks(role)` gives rank r's device, `engines` each vLLM engi
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from hpcrlhf.algos.estimators import ESTIMATORS
 from hpcrlhf.config.schema import PPOConfig
 from hpcrlhf.placement.layout import (MODEL_ROLES, Device, Layout, allocation_problems, assign, idle_problem,
                                       shape_text)
@@ -65,6 +67,9 @@ class NodeMap:
     """Every GPU of the nodes anything runs on (node, then GPU order) -> what runs on it (empty: idle)."""
     idle_nodes: int = 0
     """The allocation's last nodes, on which nothing runs: counted, not listed in `devices`."""
+    estimator: str = "gae"
+    """ppo.advantage_estimator: what it needs (hpcrlhf.algos.estimators) decides the roles."""
+    samples_per_prompt: int = 1
 
     def role_ranks(self, role: str) -> list[Device]:
         """The device of each rank of `role` (empty for a role without GPUs)."""
@@ -114,7 +119,8 @@ def _plain(m: NodeMap) -> dict[str, Any]:
                 "memory": {**m.memory(d).as_dict(), "total": m.memory(d).total}} for d, occ in m.devices.items()]
     return {"allocation": {"nodes": m.nodes, "gpus_per_node": m.gpus_per_node, "gpu_memory_bytes": m.gpu_memory},
             "roles": roles, "vllm": vllm, "colocated": [list(g) for g in m.colocated], "devices": devices,
-            "idle_nodes": m.idle_nodes}
+            "idle_nodes": m.idle_nodes,
+            "estimator": {**dataclasses.asdict(ESTIMATORS[m.estimator]), "samples_per_prompt": m.samples_per_prompt}}
 
 
 def _occupants(layout: Layout, gpus_per_node: int, tp: int) -> dict[Device, tuple[Occupant, ...]]:
@@ -149,7 +155,8 @@ def build_node_map(cfg: PPOConfig, nodes: Optional[int] = None, gpus_per_node: O
         sequences = cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt
         problems.append(idle_problem(layout, nodes, gpus_per_node, p.vllm.engines, tp, sequences))
     node_map = NodeMap(nodes, gpus_per_node, gpu_memory, roles, engine, layout.ranks, layout.engines, layout.colocated,
-                       _occupants(layout, gpus_per_node, tp), nodes - layout.used_nodes)
+                       _occupants(layout, gpus_per_node, tp), nodes - layout.used_nodes, cfg.ppo.advantage_estimator,
+                       cfg.rollout.samples_per_prompt)
     _check_memory(node_map, cfg.engine.gradient_checkpointing, problems)
     raise_problems(problems, where)
     return node_map

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from hpcrlhf.algos.estimators import ESTIMATORS
 from hpcrlhf.placement.layout import describe_devices, node_range, plural, shape_text
 from hpcrlhf.placement.memory import GIB
 from hpcrlhf.placement.roles import RolePlan
@@ -40,6 +41,16 @@ def _role_row(plan: RolePlan) -> list[str]:
             ", ".join(plan.models) or "-"]
 
 
+def estimator_line(name: str, samples_per_prompt: int) -> str:
+    """What ppo.advantage_estimator is and needs, as the plan shows it."""
+    e = ESTIMATORS[name]
+    needs = ["a critic" if e.needs_critic else "no critic"]
+    needs.append(f"groups of {samples_per_prompt} samples per prompt" if e.needs_groups
+                 else f"{plural(samples_per_prompt, 'sample')} per prompt")
+    needs.append("the KL penalty folded into each response's score" if e.sequence_level else "a per-token KL penalty")
+    return f"estimator: {e.name} -- {e.summary}; {', '.join(needs)}"
+
+
 def render_text(m: "NodeMap") -> str:
     capacity = _gib(m.gpu_memory)
     gpu_rows = []
@@ -65,6 +76,7 @@ def render_text(m: "NodeMap") -> str:
                           e.model])
     lines += ["roles"] + _columns(role_rows)
     lines.append(f"colocated: {', '.join(' + '.join(g) for g in m.colocated) or 'none'}")
+    lines.append(estimator_line(m.estimator, m.samples_per_prompt))
     if m.vllm and m.vllm.memory:
         tokens, kv = m.vllm.memory.kv_cache_tokens, _gib(m.vllm.memory.parts.kv_cache)
         rows = [[f"  vllm{i}", describe_devices(group), f"{kv} GiB per GPU = {tokens:,} tokens"]

@@ -45,3 +45,26 @@ def test_impossible_shape_exits_2_with_every_problem(capsys):
 def test_unknown_recipe_exits_2(capsys):
     assert main(["plan", "ppo-1t"]) == 2
     assert "shipped recipes: " in capsys.readouterr().err
+
+
+def test_plan_says_what_the_estimator_needs_from_its_record(capsys):
+    from hpcrlhf.algos.estimators import ESTIMATORS
+
+    expected = {  # written out here, not derived from the records
+        "gae": "a critic, 4 samples per prompt, a per-token KL penalty",
+        "grpo": "no critic, groups of 4 samples per prompt, the KL penalty folded into each response's score",
+        "dr_grpo": "no critic, groups of 4 samples per prompt, the KL penalty folded into each response's score",
+        "rloo": "no critic, groups of 4 samples per prompt, the KL penalty folded into each response's score",
+        "reinforce++": "no critic, 4 samples per prompt, a per-token KL penalty",
+        "reinforce_baseline": "no critic, groups of 4 samples per prompt, the KL penalty folded into each response's "
+                              "score",
+    }
+    assert sorted(expected) == sorted(ESTIMATORS)
+    for name, needs in expected.items():
+        no_critic = [] if name == "gae" else ["--set", "placement.critic.nodes=0", "--set", "placement.critic.gpus_per_node=0"]
+        assert main(["plan", "ppo-tiny-ray-colocated", "--set", f"ppo.advantage_estimator={name}", *no_critic]) == 0
+        assert f"estimator: {name} -- {ESTIMATORS[name].summary}; {needs}\n" in capsys.readouterr().out
+        assert main(["plan", "ppo-tiny-ray-colocated", "--json", "--set", f"ppo.advantage_estimator={name}",
+                     *no_critic]) == 0
+        record = json.loads(capsys.readouterr().out)["estimator"]
+        assert record["name"] == name and record["needs_critic"] == (name == "gae") and record["samples_per_prompt"] == 4
