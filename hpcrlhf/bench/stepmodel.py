@@ -79,7 +79,9 @@ class Workload:
 
 
 @dataclass(frozen=True)
-class Layout:
+class SystemShape:
+    """How a modelled system spreads one PPO step over its devices (not a node map: counts only)."""
+
     kind: Literal["distributed", "colocated", "dschat-style"]
     devices: int
     actor: int = 0
@@ -91,7 +93,7 @@ class Layout:
     gen_batch: int = 16
 
 
-def predict(w: Workload, lay: Layout, hw: Hardware, eff: Efficiency) -> dict[str, float]:
+def predict(w: Workload, lay: SystemShape, hw: Hardware, eff: Efficiency) -> dict[str, float]:
     """Seconds per phase of one PPO step (keys: measure.PHASES, plus `step`)."""
     bytes_actor = 2 * w.params
     tokens = w.samples * (w.prompt + w.response)
@@ -129,7 +131,7 @@ def predict(w: Workload, lay: Layout, hw: Hardware, eff: Efficiency) -> dict[str
     return phases
 
 
-def fit(w: Workload, lay: Layout, hw: Hardware, measured: dict[str, float], start: Efficiency = Efficiency()) -> Efficiency:
+def fit(w: Workload, lay: SystemShape, hw: Hardware, measured: dict[str, float], start: Efficiency = Efficiency()) -> Efficiency:
     """The efficiencies that make `predict` reproduce `measured` phase seconds (phases absent from
     `measured` keep `start`'s value). Each phase's cost is inversely proportional to the efficiency
     that governs it, so one measurement fixes it: eff = start_eff x predicted / measured."""
@@ -161,12 +163,12 @@ LLAMA2_KV_BYTES = {"7b": 2 * 32 * 4096 * 2, "13b": 2 * 40 * 5120 * 2, "70b": 2 *
 # The shipped layouts (hpcrlhf/recipes/ppo-*.yaml) and the dschat-style baseline on the same GPUs.
 # (The colocated layouts are the gpu-* suites' hpcrlhf-colocated: every GPU in an engine of TP tp.)
 PAPER_LAYOUTS = {
-    "7b": {"distributed": Layout("distributed", 16, actor=4, critic=4, ref=2, reward=2, engines=4, tp=1),
-           "colocated": Layout("colocated", 16, engines=8, tp=2), "dschat-style": Layout("dschat-style", 16)},
-    "13b": {"distributed": Layout("distributed", 32, actor=8, critic=8, ref=4, reward=4, engines=4, tp=2),
-            "colocated": Layout("colocated", 32, engines=8, tp=4), "dschat-style": Layout("dschat-style", 32)},
-    "70b": {"distributed": Layout("distributed", 32, actor=8, critic=8, ref=8, reward=8, engines=4, tp=4),
-            "colocated": Layout("colocated", 32, engines=4, tp=8), "dschat-style": Layout("dschat-style", 32)},
+    "7b": {"distributed": SystemShape("distributed", 16, actor=4, critic=4, ref=2, reward=2, engines=4, tp=1),
+           "colocated": SystemShape("colocated", 16, engines=8, tp=2), "dschat-style": SystemShape("dschat-style", 16)},
+    "13b": {"distributed": SystemShape("distributed", 32, actor=8, critic=8, ref=4, reward=4, engines=4, tp=2),
+            "colocated": SystemShape("colocated", 32, engines=8, tp=4), "dschat-style": SystemShape("dschat-style", 32)},
+    "70b": {"distributed": SystemShape("distributed", 32, actor=8, critic=8, ref=8, reward=8, engines=4, tp=4),
+            "colocated": SystemShape("colocated", 32, engines=4, tp=8), "dschat-style": SystemShape("dschat-style", 32)},
 }
 
 
@@ -176,7 +178,7 @@ def paper_predictions(hw: Hardware = A800_80GB) -> dict:
     def workload(size: str, samples: int = 1024) -> Workload:
         return Workload(LLAMA2_PARAMS[size], LLAMA2_PARAMS[size], 1024, 1024, samples, LLAMA2_KV_BYTES[size])
 
-    eight = Layout("dschat-style", 8)
+    eight = SystemShape("dschat-style", 8)
     eff = fit(workload("7b"), eight, hw, {k: v for k, v in PUBLISHED_DSCHAT["7b"].items() if k != "step"})
     check = predict(workload("13b"), eight, hw, eff)
     out = {"hardware": asdict(hw), "efficiency": asdict(eff), "fitted_on": "published DSChat Llama2-7B, 8 x A800",

@@ -30,11 +30,10 @@ from hpcrlhf.metrics import read_metrics
 from hpcrlhf.trainers.guard import SKIPPED_SUFFIX, NonFiniteGuard, SkipStep, require_finite_start
 from hpcrlhf.trainers.plan import BatchPlan, eval_shards, key_settings
 from hpcrlhf.trainers.run import Run
+from hpcrlhf.trainers.stats import Stats, add_stats, new_stats, reduce_means
 
 log = get_logger()
 
-Stats = dict[str, tuple[float, float]]
-"""Metric name -> (sum, count) over some samples; means are taken after summing over ranks."""
 
 
 def idle_shares(timings: dict[str, float]) -> dict[str, float]:
@@ -155,7 +154,7 @@ class Trainer:
             indices = self.plan.rows_for_step(num_rows, step, self.cfg.seed, self.env.rank)
         global_rows, world = self.plan.global_batch_rows, self.env.world_size
         self.engine.train()
-        sums: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
+        sums = new_stats()
         tokens = 0
         for start in range(0, len(indices), self.plan.micro_batch_rows):
             part = indices[start : start + self.plan.micro_batch_rows]
@@ -171,7 +170,7 @@ class Trainer:
 
     def eval_means(self, items: Sequence, batch_stats: Callable[[list], Stats]) -> dict[str, float]:
         """Means of `batch_stats` over `items`, sharded over ranks (ZeRO-3 safe)."""
-        sums: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
+        sums = new_stats()
         for batch, dummy in eval_shards(items, self.env, self.cfg.eval.batch_size):
             stats = batch_stats(batch)
             add_stats(sums, {k: (0.0, 0.0) for k in stats} if dummy else stats)
@@ -310,28 +309,6 @@ class Trainer:
     def _checkpoint_once(self, step: int) -> None:
         if self.run.checkpoints.latest() != self.run.checkpoints.path_for(step):
             self.run.save_checkpoint(self.checkpointable, step)
-
-
-def add_stats(sums: dict[str, list[float]], stats: Stats) -> dict[str, list[float]]:
-    """Add (sum, count) pairs into running [sum, count] lists (`sums` is a defaultdict)."""
-    for key, (total, count) in stats.items():
-        sums[key][0] += total
-        sums[key][1] += count
-    return sums
-
-
-def reduce_means(sums: dict[str, Sequence[float]], sum_divisor: int | None = None) -> dict[str, float]:
-    """Sum (sum, count) pairs over ranks, then divide. A count of 0 marks a plain sum: divided by
-    `sum_divisor` when given (e.g. mini-batch losses whose parts over micro-batches and ranks add
-    up to one mini-batch's mean, averaged over the updates), else the metric is left out."""
-    keys = sorted(sums)
-    flat = all_reduce_sum([x for k in keys for x in sums[k]])
-    out = {}
-    for i, k in enumerate(keys):
-        total, count = flat[2 * i], flat[2 * i + 1]
-        if count > 0 or sum_divisor:
-            out[k] = total / (count or sum_divisor)
-    return out
 
 
 def merge_evaluation(*parts: Mapping[str, Any]) -> dict[str, Any]:

@@ -4,7 +4,7 @@ greedy generation.
 `OnlineTrainer.rollout_step(prompts, params)` is the generate-and-score half of an online step:
 `params.n` responses to each of this rank's prompts from the rollout engine, and their scores
 from the reward set (with the length, missing-EOS and overlong adjustments). With the vLLM backend on several training ranks, rank 0 runs the engine
-for everyone (`Rank0Rollout`); the Ray launcher replaces that with engine actors.
+for everyone (`engines.shared_rollout.Rank0Rollout`); the Ray launcher replaces that with engine actors.
 """
 
 from __future__ import annotations
@@ -16,10 +16,12 @@ import torch
 
 from hpcrlhf.engines.distributed import all_reduce_sum
 from hpcrlhf.engines.rollout import Generation, SamplingParams
+from hpcrlhf.engines.shared_rollout import Rank0Rollout
 from hpcrlhf.errors import ConfigError, DataError
 from hpcrlhf.logs import get_logger
 from hpcrlhf.rewards import Response, RewardSet, adjust_scores
-from hpcrlhf.trainers.base import Stats, Trainer, merge_evaluation
+from hpcrlhf.trainers.base import Trainer, merge_evaluation
+from hpcrlhf.trainers.stats import Stats
 
 log = get_logger()
 
@@ -105,41 +107,6 @@ def vllm_rollout_args(r) -> dict[str, Any]:
     return dict(kv_cache_bytes=int(r.vllm_kv_cache_gb * (1 << 30)), enforce_eager=r.vllm_enforce_eager,
                 max_num_seqs=r.vllm_max_num_seqs, max_num_batched_tokens=r.vllm_max_num_batched_tokens,
                 chunked_prefill=r.vllm_chunked_prefill)
-
-
-class Rank0Rollout:
-    """One rollout engine on rank 0 generating for every training rank of this machine: prompts
-    are gathered to rank 0 and the generations scattered back."""
-
-    def __init__(self, engine, env):
-        self.engine, self.env = engine, env
-
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[list[Generation]]:
-        import torch.distributed as dist
-
-        gathered: list = [None] * self.env.world_size
-        dist.all_gather_object(gathered, [list(p) for p in prompts])
-        parts: list = [None]
-        if self.env.is_main:
-            flat = [p for part in gathered for p in part]
-            out = self.engine.generate(flat, params)
-            bounds = [0]
-            for part in gathered:
-                bounds.append(bounds[-1] + len(part))
-            parts = [[out[a:b] for a, b in zip(bounds, bounds[1:])]]
-        dist.broadcast_object_list(parts, src=0)
-        return parts[0][self.env.rank]
-
-    def load_weights(self, tensors):
-        if self.env.is_main:
-            return self.engine.load_weights(tensors)
-        for _ in tensors:  # the stream's gathers are collective: walk it to the end
-            pass
-        return None
-
-    def close(self) -> None:
-        if self.engine is not None:
-            self.engine.close()
 
 
 @dataclass

@@ -17,7 +17,8 @@ import torch
 
 from hpcrlhf.data.preference import PairSample
 from hpcrlhf.data.sft import TokenizedSample
-from hpcrlhf.trainers.base import Stats, Trainer
+from hpcrlhf.trainers.base import Trainer
+from hpcrlhf.trainers.stats import Stats
 from hpcrlhf.trainers.reference import Reference
 from hpcrlhf.trainers.sequences import response_logps
 

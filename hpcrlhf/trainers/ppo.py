@@ -28,7 +28,6 @@ node map (`placement.runtime: ray`); the per-role halves both use live in `ppo_l
 
 from __future__ import annotations
 
-from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
@@ -42,11 +41,11 @@ from hpcrlhf.config.schema import PPOConfig
 from hpcrlhf.data.sft import TokenizedSample
 from hpcrlhf.engines.distributed import all_reduce_sum
 from hpcrlhf.logs import get_logger
-from hpcrlhf.trainers.base import Stats, add_stats, reduce_means
+from hpcrlhf.trainers.stats import Stats, add_stats, new_stats, reduce_means
 from hpcrlhf.trainers.experience import ExperienceBatch, ReplayBuffer
 from hpcrlhf.trainers.online import OnlineTrainer, Prompt, Rollout
 from hpcrlhf.trainers.plan import PPOPlan, key_settings
-from hpcrlhf.trainers.ppo_learner import PPOLearner, Sums, forward_logps, forward_values
+from hpcrlhf.trainers.ppo_learner import PPOLearner, forward_logps, forward_values
 from hpcrlhf.trainers.sequences import model_batch
 
 log = get_logger()
@@ -199,11 +198,11 @@ class PPOTrainer(OnlineTrainer):
         return experience, stats
 
     # -- updates ----------------------------------------------------------------------------
-    def learn(self, experience: ExperienceBatch, step: int) -> Sums:
+    def learn(self, experience: ExperienceBatch, step: int) -> Stats:
         """The actor's and the critic's PPO epochs on the new experience (the actor waits out
         `ppo.freeze_actor_steps`); both draw the same mini-batches from one buffer."""
         self.buffer.add(experience.rows())
-        sums: Sums = defaultdict(lambda: [0.0, 0.0])
+        sums: Stats = new_stats()
         for role, learner in self.learners.items():
             if role == "actor" and step < self.cfg.ppo.freeze_actor_steps:
                 continue
@@ -211,7 +210,7 @@ class PPOTrainer(OnlineTrainer):
                 add_stats(sums, learner.update(step, self.env.rank))
         return sums
 
-    def step_metrics(self, rollout: Rollout, stats: Stats, sums: Sums) -> dict[str, float]:
+    def step_metrics(self, rollout: Rollout, stats: Stats, sums: Stats) -> dict[str, float]:
         """The step's means over ranks; updates the KL controller."""
         cfg = self.cfg
         metrics = reduce_means(stats) | reduce_means(sums, sum_divisor=self.plan.updates_per_step)

@@ -11,7 +11,6 @@ rank with N times the batch, wherever they run.
 
 from __future__ import annotations
 
-from collections import defaultdict
 from typing import Callable, Literal
 
 import torch
@@ -20,12 +19,11 @@ from hpcrlhf.algos.logprobs import IGNORE, token_logprobs
 from hpcrlhf.algos.ppo import aggregate_loss, entropy_from_logits, kl_estimate, masked_sum, policy_loss, value_loss
 from hpcrlhf.engines.distributed import all_reduce_sum
 from hpcrlhf.models.moe import router_kwargs
-from hpcrlhf.trainers.base import add_stats
+from hpcrlhf.trainers.stats import Stats, add_stats, new_stats
 from hpcrlhf.trainers.experience import ReplayBuffer, collate_experience
 from hpcrlhf.trainers.guard import SKIPPED_SUFFIX
 from hpcrlhf.trainers.plan import PPOPlan
 
-Sums = dict[str, list[float]]
 """Metric -> [sum, count] over micro-batches (count 0: a plain sum, see `reduce_means`)."""
 
 
@@ -63,10 +61,10 @@ class PPOLearner:
         self.role, self.engine, self.cfg, self.plan, self.pad_id, self.buffer = role, engine, cfg, plan, pad_id, buffer
         self.micro_loss: Callable = self.actor_loss if role == "actor" else self.critic_loss
 
-    def update(self, step: int, rank: int) -> Sums:
+    def update(self, step: int, rank: int) -> Stats:
         plan, ppo, engine = self.plan, self.cfg.ppo, self.engine
         world = plan.data_parallel_size
-        sums: Sums = defaultdict(lambda: [0.0, 0.0])
+        sums: Stats = new_stats()
         skipped_before = engine.skipped_updates
         engine.train()
         generator = torch.Generator().manual_seed(minibatch_seed(self.cfg.seed, step, rank))

@@ -26,7 +26,6 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections import defaultdict
 from typing import Any
 
 import torch
@@ -45,8 +44,7 @@ from hpcrlhf.placement.roles import TRAINED
 from hpcrlhf.trainers.experience import ExperienceBatch
 from hpcrlhf.trainers.online import Prompt, vllm_engine_args
 from hpcrlhf.trainers.ppo import PPOTrainer
-from hpcrlhf.trainers.base import add_stats
-from hpcrlhf.trainers.ppo_learner import Sums
+from hpcrlhf.trainers.stats import Stats, add_stats, new_stats
 
 log = get_logger()
 
@@ -179,7 +177,7 @@ class RayPPOTrainer(PPOTrainer):
         out = {role: torch.cat([next(results) for _ in refs])[:n] for role, (refs, n) in pending.items()}
         return out["actor"], out.get("ref"), out.get("critic")
 
-    def learn(self, experience: ExperienceBatch, step: int) -> Sums:
+    def learn(self, experience: ExperienceBatch, step: int) -> Stats:
         import ray
 
         pending: dict[str, list[Any]] = {}
@@ -199,7 +197,7 @@ class RayPPOTrainer(PPOTrainer):
                     refs.discard(ready)
                     if not refs:
                         self.run.add_timing(f"train_{role}", time.perf_counter() - start)
-        sums: Sums = defaultdict(lambda: [0.0, 0.0])
+        sums: Stats = new_stats()
         for refs in pending.values():
             for part in ray.get(refs):
                 add_stats(sums, part)

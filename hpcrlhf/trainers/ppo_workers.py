@@ -23,7 +23,8 @@ from hpcrlhf.cluster.worker_group import RoleWorker, busy, gather
 from hpcrlhf.models.factory import ModelFactory
 from hpcrlhf.trainers.experience import ExperienceBatch, ReplayBuffer
 from hpcrlhf.trainers.plan import PPOPlan
-from hpcrlhf.trainers.ppo_learner import PPOLearner, Sums, forward_logps, forward_values
+from hpcrlhf.trainers.ppo_learner import PPOLearner, forward_logps, forward_values
+from hpcrlhf.trainers.stats import Stats
 
 
 class PPOWorker(RoleWorker):
@@ -60,7 +61,7 @@ class TrainedWorker(PPOWorker):
         self.learner = PPOLearner(self.role, self.engine, cfg, plan, self.models.pad_id, self.buffer)
 
     @busy
-    def learn(self, experience: ExperienceBatch, step: int) -> Sums:
+    def learn(self, experience: ExperienceBatch, step: int) -> Stats:
         """This rank's share of a rollout's experience -> PPO epochs on it; returns metric sums."""
         self.buffer.add(experience.rows())
         return self.learner.update(step, self.rank)

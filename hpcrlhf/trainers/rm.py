@@ -18,7 +18,8 @@ from hpcrlhf.algos.preference import pairwise_rm_loss
 from hpcrlhf.config.schema import RMConfig
 from hpcrlhf.data.preference import PairSample, load_pairs
 from hpcrlhf.models.value import REWARD_MEAN, REWARD_STD, last_token_values
-from hpcrlhf.trainers.base import Stats, Trainer
+from hpcrlhf.trainers.base import Trainer
+from hpcrlhf.trainers.stats import Stats
 from hpcrlhf.trainers.sequences import model_batch
 
 STATS_SAMPLE = 1024

@@ -8,7 +8,7 @@ import pytest
 from hpcrlhf.bench.dschat import parse_log
 from hpcrlhf.bench.flops import Shape, causal_context, forward_flops, train_flops
 from hpcrlhf.bench.measure import phase_seconds, summarize
-from hpcrlhf.bench.stepmodel import A800_80GB, Efficiency, Layout, Workload, fit, paper_predictions, predict
+from hpcrlhf.bench.stepmodel import A800_80GB, Efficiency, SystemShape, Workload, fit, paper_predictions, predict
 from hpcrlhf.errors import HpcrlhfError
 
 
@@ -101,7 +101,7 @@ def test_flops_count_the_real_model_matmuls(tiny_llama):
 def test_step_model_by_hand_and_fit_inverts_predict():
     hw = A800_80GB
     w = Workload(params=1e9, critic_params=1e9, prompt=100, response=200, samples=64, kv_bytes_per_token=1000.0)
-    lay = Layout("distributed", 8, actor=2, critic=2, ref=1, reward=1, engines=2, tp=1)
+    lay = SystemShape("distributed", 8, actor=2, critic=2, ref=1, reward=1, engines=2, tp=1)
     eff = Efficiency()
     p = predict(w, lay, hw, eff)
     rows = 32
