@@ -891,9 +891,21 @@ class PPOSectionConfig:
     experience (its importance ratio uses the log-probs it was generated with)."""
     freeze_actor_steps: int = 0
     """Train only the critic for the first N steps (warms the value estimates up)."""
+    dynamic_sampling: bool = False
+    """DAPO's dynamic sampling (Yu et al. 2025): drop every prompt whose samples all got the same
+    score (a group-relative estimator learns nothing from it) and refill the step with the groups of
+    further prompts, generated in more rounds, until the step has rollout.prompts_per_step
+    informative prompts. Needs rollout.samples_per_prompt >= 2. Logged: rollout/generation_rounds,
+    rollout/dropped_groups, rollout/extra_samples, rollout/uninformative_kept."""
+    dynamic_sampling_max_rounds: int = 4
+    """Generation rounds per step at most (the first included); a step still short of informative
+    prompts after them is filled with dropped ones (counted in rollout/uninformative_kept) rather
+    than stopping the run."""
 
     def __post_init__(self) -> None:
         _require_finite(self, "ppo")
+        _require(self.dynamic_sampling_max_rounds >= 1, "ppo.dynamic_sampling_max_rounds",
+                 self.dynamic_sampling_max_rounds, "use at least 1 (the step's first round)")
         _require(self.epochs >= 1, "ppo.epochs", self.epochs, "use at least 1")
         _require(0 < self.clip_eps < 1, "ppo.clip_eps", self.clip_eps, "use a value in (0, 1), typically 0.2")
         _require(self.clip_eps_high is None or self.clip_eps_high > 0, "ppo.clip_eps_high", self.clip_eps_high,
@@ -1150,6 +1162,10 @@ class PPOConfig(OnlineJobConfig):
         if self.ppo.estimator.needs_groups and n < 2:
             raise ConfigError(f"rollout.samples_per_prompt: {n} gives {est} no group to compare within: "
                               f"use at least 2 (e.g. 4), or ppo.advantage_estimator=gae")
+        if self.ppo.dynamic_sampling and n < 2:
+            raise ConfigError(f"ppo.dynamic_sampling: true drops prompts whose samples all scored the same, but "
+                              f"rollout.samples_per_prompt is {n}: use at least 2 samples per prompt (e.g. 4), or "
+                              "ppo.dynamic_sampling=false")
         sequences = self.rollout.prompts_per_step * n
         if self.train.global_batch_size is None:
             _resolve(self, "train", global_batch_size=largest_divisor(sequences, MICRO_BATCH_CAP))

@@ -78,6 +78,12 @@ def sampling_params(r, *, n: int, seed: int | None, greedy: bool = False) -> Sam
                           min_new_tokens=r.min_new_tokens, greedy=greedy, seed=seed)
 
 
+def refill_seed(seed: int, round: int) -> int:
+    """The seed of a step's generation round: the run's own for the first, another per refill round
+    of ppo.dynamic_sampling (a prompt order and sampling of its own, the same on every attempt)."""
+    return seed + round * 1_000_033
+
+
 def flatten_generations(prompts: Sequence[Prompt], generations: list[list[Generation]], tokenizer
                         ) -> tuple[list[Prompt], list[Generation], list[Response]]:
     """Prompt-major flat lists (a prompt's samples consecutive) of prompts, generations and the
@@ -188,9 +194,11 @@ class OnlineTrainer(Trainer):
             self.sync_metrics = {"weight_sync/bytes": float(sent.bytes), "weight_sync/buckets": float(sent.buckets)}
         self.rollout_synced = True
 
-    def sampling(self, step: int, n: int) -> SamplingParams:
-        # A seed per (step, rank) makes a resumed run generate exactly what the first run would have.
-        return sampling_params(self.cfg.rollout, n=n, seed=self.cfg.seed * 1_000_003 + step * 7919 + self.env.rank)
+    def sampling(self, step: int, n: int, round: int = 0) -> SamplingParams:
+        # A seed per (step, rank) -- and per dynamic-sampling round -- makes a resumed run generate
+        # exactly what the first run would have.
+        seed = refill_seed(self.cfg.seed, round) * 1_000_003 + step * 7919 + self.env.rank
+        return sampling_params(self.cfg.rollout, n=n, seed=seed)
 
     def rollout_step(self, prompts: Sequence[Prompt], params: SamplingParams) -> Rollout:
         """Generate `params.n` responses per prompt and score them."""

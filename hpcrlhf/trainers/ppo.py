@@ -43,7 +43,7 @@ from hpcrlhf.engines.distributed import all_reduce_sum
 from hpcrlhf.logs import get_logger
 from hpcrlhf.trainers.stats import Stats, add_stats, new_stats, reduce_means
 from hpcrlhf.trainers.experience import ExperienceBatch, ReplayBuffer
-from hpcrlhf.trainers.online import OnlineTrainer, Prompt, Rollout
+from hpcrlhf.trainers.online import OnlineTrainer, Prompt, Rollout, refill_seed
 from hpcrlhf.trainers.plan import PPOPlan, key_settings
 from hpcrlhf.trainers.ppo_learner import PPOLearner, forward_logps, forward_values
 from hpcrlhf.trainers.sequences import model_batch
@@ -117,21 +117,36 @@ class PPOTrainer(OnlineTrainer):
 
     # -- one PPO step ---------------------------------------------------------------------------
     def train_step(self, step: int) -> dict[str, float]:
-        rollout = self.rollout_step(self.step_prompts(step), self.sampling(step, self.cfg.rollout.samples_per_prompt))
+        rollout, sampling_metrics = self.step_rollout(step)
         with self.run.timed("make_experience"):
             experience, stats = self.make_experience(rollout)
         with self.run.timed("train"):  # wall time of the updates (train_actor/critic may overlap)
             sums = self.learn(experience, step)
         with self.run.timed("weight_sync"):
             self.sync_rollout()
-        return {**self.step_metrics(rollout, stats, sums), **self.sync_metrics}
+        return {**self.step_metrics(rollout, stats, sums), **self.sync_metrics, **sampling_metrics}
+
+    def step_rollout(self, step: int) -> tuple[Rollout, dict[str, float]]:
+        """The step's scored rollout: its prompts' groups, or with ppo.dynamic_sampling the step's
+        quota of informative groups gathered over rounds (and what that took)."""
+        n = self.cfg.rollout.samples_per_prompt
+        if not self.cfg.ppo.dynamic_sampling:
+            return self.rollout_step(self.step_prompts(step), self.sampling(step, n)), {}
+        from hpcrlhf.trainers.dynamic_sampling import fill_step
+
+        prompts = self.step_prompts(step)
+        filled = fill_step(lambda r: self.rollout_step(self.step_prompts(step, r), self.sampling(step, n, r)),
+                           quota=len(prompts), n=n, max_rounds=self.cfg.ppo.dynamic_sampling_max_rounds,
+                           missing_anywhere=lambda missing: int(all_reduce_sum([missing])[0]))
+        return filled.rollout, filled.metrics(reduce=all_reduce_sum)
 
     def skipped_updates(self) -> None:
         return None  # each learner reports its engine's in the step's metrics
 
-    def step_prompts(self, step: int) -> list[Prompt]:
-        """This rank's prompts for the step."""
-        indices = self.plan.prompts_for_step(len(self.prompts), step, self.cfg.seed, self.env.rank)
+    def step_prompts(self, step: int, round: int = 0) -> list[Prompt]:
+        """This rank's prompts for the step (`round` > 0: a dynamic-sampling refill, drawn from an
+        order of its own)."""
+        indices = self.plan.prompts_for_step(len(self.prompts), step, refill_seed(self.cfg.seed, round), self.env.rank)
         return [self.prompts[i] for i in indices]
 
     @torch.no_grad()

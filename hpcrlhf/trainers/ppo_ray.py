@@ -42,7 +42,7 @@ from hpcrlhf.placement import NodeMap
 from hpcrlhf.placement.problems import Problem, raise_problems
 from hpcrlhf.placement.roles import TRAINED
 from hpcrlhf.trainers.experience import ExperienceBatch
-from hpcrlhf.trainers.online import Prompt, vllm_engine_args
+from hpcrlhf.trainers.online import Prompt, refill_seed, vllm_engine_args
 from hpcrlhf.trainers.ppo import PPOTrainer
 from hpcrlhf.trainers.stats import Stats, add_stats, new_stats
 
@@ -160,11 +160,10 @@ class RayPPOTrainer(PPOTrainer):
             raise PlacementError("workers are not where the node map puts them:\n" + "\n".join(f"- {x}" for x in wrong))
 
     # -- the role hooks ------------------------------------------------------------------------
-    def step_prompts(self, step: int) -> list[Prompt]:
+    def step_prompts(self, step: int, round: int = 0) -> list[Prompt]:
         """The prompts every actor rank of a single-machine run would take, in rank order."""
-        ranks = self.plan.data_parallel_size
-        return [self.prompts[i] for rank in range(ranks)
-                for i in self.plan.prompts_for_step(len(self.prompts), step, self.cfg.seed, rank)]
+        ranks, seed = self.plan.data_parallel_size, refill_seed(self.cfg.seed, round)
+        return [self.prompts[i] for rank in range(ranks) for i in self.plan.prompts_for_step(len(self.prompts), step, seed, rank)]
 
     def score_tokens(self, batch: dict[str, torch.Tensor]):
         wanted = {"actor": "logps", "ref": "logps", "critic": "values"}

@@ -56,6 +56,31 @@ def test_estimator_with_rule_reward_raises_the_task_score(estimator, extra, poli
         assert rows[-1]["train/value_loss"] < rows[0]["train/value_loss"]
 
 
+@pytest.mark.slow
+def test_dapo_dynamic_sampling_trains_on_informative_groups_and_raises_the_task_score(policy_model, tmp_path):
+    """GRPO with DAPO's dynamic sampling on the bundled task (a 0/1 rule): groups whose 8 samples are
+    all right or all wrong are replaced by further rounds' groups; the step keeps its size."""
+    out = tmp_path / "run"
+    run_cli(["train", "ppo", "-o", str(out), "--set", f"model.path={policy_model}", "--set", "train.max_steps=60",
+             "--set", "ppo.advantage_estimator=grpo", "--set", "rollout.samples_per_prompt=8", "--set",
+             "ppo.init_kl_coef=0", "--set", "ppo.dynamic_sampling=true", "--set", "ppo.dynamic_sampling_max_rounds=3",
+             *RL])
+    s = summary(out)
+    assert s["after"]["eval/task_score"] > s["before"]["eval/task_score"] + 0.05, s
+    rows = train_rows(out)
+    assert len(rows) == 60
+    for r in rows:
+        rounds = r["rollout/generation_rounds"]
+        assert rounds in (1, 2, 3) and 0 < r["rollout/informative_share"] <= 1, r
+        assert r["rollout/extra_samples"] == (rounds - 1) * 32 * 8  # each refill round: a whole step's prompts
+        assert r["rollout/dropped_groups"] == rounds * 32 - 32 and 0 <= r["rollout/uninformative_kept"] <= 32
+        if r["rollout/informative_share"] < 1:
+            assert rounds > 1 or r["rollout/uninformative_kept"] > 0, r  # never an uninformative group unasked
+    assert any(r["rollout/generation_rounds"] > 1 for r in rows)
+    # a step of only informative groups holds right and wrong answers: its score is strictly inside (0, 1)
+    assert all(0 < r["rollout/task_score"] < 1 for r in rows if r["rollout/uninformative_kept"] == 0)
+
+
 @pytest.fixture(scope="module")
 def task_reward_model(full_sft_run, tmp_path_factory) -> str:
     """A reward model that tells the policy's own mistakes from right answers: trained from a fully
@@ -124,19 +149,22 @@ def test_iterative_dpo_pairs_best_and_worst_and_learns(policy_model, tmp_path):
 @pytest.mark.slow
 def test_resumed_ppo_run_equals_an_uninterrupted_one(policy_model, tmp_path):
     """Stop after step 2 (checkpoint), resume to step 4: the same rollouts, losses and KL
-    controller state as a run of 4 steps in one go (replay buffer and adaptive KL included)."""
+    controller state as a run of 4 steps in one go (replay buffer, adaptive KL and the refill rounds
+    of dynamic sampling included)."""
     args = ["--set", f"model.path={policy_model}", "--set", "rollout.prompts_per_step=8", "--set",
             "train.global_batch_size=16", "--set", "train.micro_batch_size=8", "--set", "ppo.buffer_limit=48",
             "--set", "ppo.kl_target=0.01", "--set", "reward.running_norm=true", "--set", "checkpoint.every_steps=2",
-            "--set", "eval.score_prompts=16", *QUIET]
+            "--set", "ppo.dynamic_sampling=true", "--set", "eval.score_prompts=16", *QUIET]
     whole, parts = tmp_path / "whole", tmp_path / "parts"
     run_cli(["train", "ppo", "-o", str(whole), "--set", "train.max_steps=4", *args])
     run_cli(["train", "ppo", "-o", str(parts), "--set", "train.max_steps=2", *args])
     run_cli(["train", "ppo", "-o", str(parts), "--set", "train.max_steps=4", *args])
     a, b = train_rows(whole), train_rows(parts)
     assert [r["step"] for r in b] == [1, 2, 3, 4]
-    for key in ("rollout/score", "rollout/kl", "train/policy_loss", "train/value_loss", "train/kl_coef", "rollout/advantage"):
+    for key in ("rollout/score", "rollout/kl", "train/policy_loss", "train/value_loss", "train/kl_coef", "rollout/advantage",
+                "rollout/generation_rounds", "rollout/dropped_groups"):
         assert [r[key] for r in b] == pytest.approx([r[key] for r in a], rel=1e-5, abs=1e-6), key
+    assert max(r["rollout/generation_rounds"] for r in a) > 1  # a refill round was resumed, not only first rounds
 
 
 @pytest.mark.slow
@@ -145,9 +173,11 @@ def test_two_ranks_zero3_with_critic_reference_and_offload(policy_model, tmp_pat
     run_cli(["train", "ppo", "-o", str(out), "--set", f"model.path={policy_model}", "--set", "train.max_steps=3",
              "--set", "engine.zero_stage=3", "--set", "reference.offload=true", "--set", "rollout.prompts_per_step=8",
              "--set", "train.global_batch_size=16", "--set", "train.micro_batch_size=4", "--set", "eval.score_prompts=16",
-             *QUIET], nproc=2)
+             "--set", "ppo.dynamic_sampling=true", *QUIET], nproc=2)
     rows = train_rows(out)
     assert [r["step"] for r in rows] == [1, 2, 3]
+    # dynamic sampling's rounds run on both ranks together (generation under ZeRO-3 is collective)
+    assert all(r["rollout/dropped_groups"] == (r["rollout/generation_rounds"] - 1) * 8 for r in rows), rows
     assert max(r["rollout/logprob_max_diff"] for r in rows) < 1e-4
     # the actor moved away from the reference: the log-ratio of sampled tokens (k1, either sign) is 0 only before step 1
     assert abs(rows[0]["rollout/kl"]) < 1e-6 and abs(rows[-1]["rollout/kl"]) > 1e-3, [r["rollout/kl"] for r in rows]
