@@ -4,6 +4,8 @@ offline hub settings, and a small CPU thread budget."""
 from __future__ import annotations
 
 import os
+import signal
+import warnings
 
 import pytest
 
@@ -93,6 +95,36 @@ def slurm_cluster():
         yield cluster
     finally:
         cluster.stop()
+
+
+WATCHED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
+_ignored_at_start = {sig: signal.getsignal(sig) is signal.SIG_IGN for sig in WATCHED_SIGNALS}
+
+
+@pytest.fixture(autouse=True)
+def signals_left_usable(request):
+    """No test (or library it runs in this process) may leave a watched signal ignored or blocked:
+    CLI runs started later would inherit that (ignored SIGINT: Ctrl-C does nothing; tests/test_signals
+    failed so in full runs only). What a test leaves is undone here and named in the output."""
+    yield
+    leaks = []
+    for sig in WATCHED_SIGNALS:
+        handler = signal.getsignal(sig)
+        if handler is signal.SIG_IGN and not _ignored_at_start[sig]:
+            handler = signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL
+            leaks.append(f"{sig.name} ignored")
+        if handler is not None:  # set again: also undoes a disposition C code changed behind Python's back
+            signal.signal(sig, handler)
+    blocked = set(signal.pthread_sigmask(signal.SIG_BLOCK, [])) & set(WATCHED_SIGNALS)
+    if blocked:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, blocked)
+        leaks.append(f"{', '.join(sorted(s.name for s in blocked))} blocked")
+    if leaks:
+        reporter = request.config.pluginmanager.get_plugin("terminalreporter")
+        message = f"{request.node.nodeid} left {'; '.join(leaks)} in the test process (restored)"
+        if reporter is not None:
+            reporter.write_line(f"\nsignals: {message}")
+        warnings.warn(message)
 
 
 def pytest_collection_finish(session) -> None:

@@ -100,3 +100,13 @@ def test_a_blocked_stop_signal_is_unblocked_by_install(handlers):
     finally:
         release_interrupt()
         signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+def test_leaves_sigusr1_ignored_on_purpose():
+    """(With the next test:) the suite's guard (tests/conftest.py signals_left_usable) undoes a signal
+    a test left ignored, so no later test or CLI run inherits it."""
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+
+
+def test_the_signal_left_ignored_was_restored_before_this_test():
+    assert signal.getsignal(signal.SIGUSR1) is not signal.SIG_IGN

@@ -260,6 +260,16 @@ def test_compute_advantages_dr_grpo(whiten):
     assert not torch.allclose(grpo, adv)  # grpo divides by each group's std
 
 
+def check_sequence_advantages(adv, ret, want: list[float], mask, whiten: bool) -> None:
+    """A sequence-level estimator's result: each response's value `want[b]` on its tokens (whitened
+    over the batch's tokens when asked), and returns equal to the advantages."""
+    tokens = [[want[b] if m else 0.0 for m in row] for b, row in enumerate(mask.tolist())]
+    if whiten:
+        tokens = ref_whitened(tokens, mask.tolist())
+    close(adv, tokens, torch.float64)
+    assert torch.equal(ret, adv)
+
+
 @pytest.mark.parametrize("whiten", [True, False])
 def test_compute_advantages_reinforce_baseline(whiten):
     """Score minus its prompt's mean (float64 by hand), broadcast to the response's tokens, then
@@ -269,11 +279,7 @@ def test_compute_advantages_reinforce_baseline(whiten):
                                   whiten=whiten)
     s = scores.tolist()
     want = [s[b] - (s[b // 2 * 2] + s[b // 2 * 2 + 1]) / 2 for b in range(len(s))]
-    tokens = [[want[b] if m else 0.0 for m in row] for b, row in enumerate(mask.tolist())]
-    if whiten:
-        tokens = ref_whitened(tokens, mask.tolist())
-    close(adv, tokens, torch.float64)
-    assert torch.equal(ret, adv)
+    check_sequence_advantages(adv, ret, want, mask, whiten)
 
 
 @pytest.mark.parametrize("whiten", [True, False])
@@ -281,11 +287,7 @@ def test_compute_advantages_rloo(whiten):
     mask, rewards, _, scores = _batch(6)
     adv, ret = compute_advantages("rloo", rewards=rewards, mask=mask, scores=scores, group_size=2, whiten=whiten)
     want = ref_rloo(scores.tolist(), 2)
-    tokens = [[want[b] if m else 0.0 for m in row] for b, row in enumerate(mask.tolist())]
-    if whiten:
-        tokens = ref_whitened(tokens, mask.tolist())
-    close(adv, tokens, torch.float64)
-    assert torch.equal(ret, adv)
+    check_sequence_advantages(adv, ret, want, mask, whiten)
 
 
 @pytest.mark.parametrize("whiten", [True, False])

@@ -256,23 +256,45 @@ SESSION = textwrap.dedent("""
 """)
 
 
-def network_of(pid: int) -> tuple[str, list[str], set[tuple[str, int]]]:
-    """The network namespace of process `pid`, its interfaces, and every TCP (address, port) listening
-    in it, as /proc/<pid>/net shows them (that namespace's view, not this process's)."""
+def listening_sockets(pid: int | str) -> dict[int, tuple[str, int]]:
+    """Socket inode -> (address, port) of every TCP socket listening in the network namespace of
+    process `pid`, as /proc/<pid>/net shows them (that namespace's view, like `ss -ltn` run there)."""
     import ipaddress
 
-    net = Path(f"/proc/{pid}/net")
-    interfaces = [line.split(":")[0].strip() for line in (net / "dev").read_text().splitlines()[2:]]
-    found = set()
+    found = {}
     for table in ("tcp", "tcp6"):
-        for line in (net / table).read_text().splitlines()[1:]:
-            local, state = line.split()[1], line.split()[3]
-            if state == "0A":  # LISTEN
-                hex_ip, hex_port = local.split(":")
+        for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A":  # LISTEN
+                hex_ip, hex_port = fields[1].split(":")
                 raw = bytes.fromhex(hex_ip)
                 raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))  # little-endian words
-                found.add((str(ipaddress.ip_address(raw)), int(hex_port, 16)))
-    return os.readlink(f"/proc/{pid}/ns/net"), interfaces, found
+                found[int(fields[9])] = (str(ipaddress.ip_address(raw)), int(hex_port, 16))
+    return found
+
+
+def network_of(pid: int) -> tuple[str, list[str], set[tuple[str, int]]]:
+    """The network namespace of process `pid`, its interfaces, and every TCP (address, port) listening in it."""
+    interfaces = [line.split(":")[0].strip() for line in Path(f"/proc/{pid}/net/dev").read_text().splitlines()[2:]]
+    return os.readlink(f"/proc/{pid}/ns/net"), interfaces, set(listening_sockets(pid).values())
+
+
+def socket_inodes(pids) -> set[int]:
+    """The inodes of every socket the processes `pids` hold open (those still running)."""
+    inodes = set()
+    for pid in pids:
+        try:
+            fds = list(Path(f"/proc/{pid}/fd").iterdir())
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                target = os.readlink(fd)
+            except OSError:
+                continue
+            if target.startswith("socket:["):
+                inodes.add(int(target[8:-1]))
+    return inodes
 
 
 @pytest.mark.parametrize("network", ["auto", "host"])
@@ -314,7 +336,12 @@ def test_a_jobs_own_local_cluster_admits_only_its_driver(tmp_path, network):
 
             every = [p for p in psutil.process_iter() if str(root) in " ".join(_cmdline(p))]  # the cluster's daemons
             assert every and all(os.readlink(f"/proc/{p.pid}/ns/net") == namespace for p in every), every
-            assert not answers(host, int(gcs_port)), "the GCS answers from the host's network"
+            # none of the job's listening sockets is in the host's socket table (`ss -ltn` here): another
+            # local cluster of this host may use the same loopback address and port, the job's are apart
+            mine = socket_inodes([proc.pid, *(p.pid for p in every)])
+            assert mine & set(listening_sockets(proc.pid)), "found none of the job's listening sockets"
+            on_host = {inode: where for inode, where in listening_sockets("self").items() if inode in mine}
+            assert not on_host, f"the job listens on the host's network: {sorted(on_host.values())}"
         proc.stdin.write("\n")
         proc.stdin.flush()
         rest = proc.communicate(timeout=120)[0]
