@@ -103,9 +103,11 @@ _ignored_at_start = {sig: signal.getsignal(sig) is signal.SIG_IGN for sig in WAT
 
 @pytest.fixture(autouse=True)
 def signals_left_usable(request):
-    """No test (or library it runs in this process) may leave a watched signal ignored or blocked:
-    CLI runs started later would inherit that (ignored SIGINT: Ctrl-C does nothing; tests/test_signals
-    failed so in full runs only). What a test leaves is undone here and named in the output."""
+    """No test (or library it runs in this process) may leave a watched signal ignored or blocked
+    that was not so when the session started: CLI runs started later would inherit it (an ignored
+    SIGINT: Ctrl-C does nothing). What a test leaves is undone here and named in the output. (A
+    session started in a script's background has SIGINT ignored from the start: that is kept, and
+    tests/test_signals sets its own.)"""
     yield
     leaks = []
     for sig in WATCHED_SIGNALS:

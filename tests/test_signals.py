@@ -16,8 +16,12 @@ from tests.launch_helpers import ROOT, cli_command, cli_env, run_cli
 
 @pytest.fixture
 def handlers():
-    """Put this process's signal handlers back after the test."""
+    """Ctrl-C as in a terminal's foreground job for the test (this process's and the CLI runs it
+    starts), then this process's handlers back. A test run started in the background of a script
+    (`pytest &`, no job control) has SIGINT ignored, and every process it starts inherits that:
+    those runs rightly ignore Ctrl-C (test_an_ignored_sigint_stays_ignored)."""
     saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, *STOP_SIGNALS)}
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     yield
     for sig, handler in saved.items():
         signal.signal(sig, handler)
@@ -68,7 +72,7 @@ def interrupt(out, presses: int) -> tuple[int, str]:
     return proc.returncode, "".join(lines)
 
 
-def test_cli_ctrl_c_checkpoints_exits_3_and_the_rerun_resumes(tmp_path):
+def test_cli_ctrl_c_checkpoints_exits_3_and_the_rerun_resumes(handlers, tmp_path):
     out = tmp_path / "run"
     status, log = interrupt(out, 1)
     assert status == EXIT_REQUEUE and "Traceback" not in log, log[-3000:]
@@ -80,7 +84,7 @@ def test_cli_ctrl_c_checkpoints_exits_3_and_the_rerun_resumes(tmp_path):
     assert (out / "checkpoints" / "latest").read_text().strip() == "step_000004"
 
 
-def test_cli_second_ctrl_c_stops_at_once_without_a_traceback(tmp_path):
+def test_cli_second_ctrl_c_stops_at_once_without_a_traceback(handlers, tmp_path):
     out = tmp_path / "run"
     status, log = interrupt(out, 2)
     assert status == EXIT_INTERRUPTED and "Traceback" not in log, log[-3000:]
