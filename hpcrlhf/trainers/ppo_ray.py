@@ -308,6 +308,7 @@ def start_problems(cfg: PPOConfig, node_map: NodeMap) -> list[Problem]:
     """What would make the run fail once started, checked before Ray starts: a local cluster (no
     RAY_ADDRESS) this host's GPUs cannot hold, and a model path of a role with GPUs that is neither
     a model folder nor a hub model the hub can provide now."""
+    from hpcrlhf.cluster import netns
     from hpcrlhf.cluster.session import host_gpus, local_cluster_problem
     from hpcrlhf.models.loading import ModelPathError, check_model_source
     from hpcrlhf.models.tiny import resolve_model_path
@@ -327,7 +328,11 @@ def start_problems(cfg: PPOConfig, node_map: NodeMap) -> list[Problem]:
             try:
                 check_model_source(resolve_model_path(path), key)
             except ModelPathError as e:
-                problems.append(Problem(e.key, repr(e.path), e.reason, e.fix))
+                fix = e.fix
+                if "hub" in e.reason and netns.inside():
+                    fix += ("; this job runs in a private network (placement.local_network), where the hub cannot be "
+                            "reached: download the model beforehand, or set placement.local_network=host")
+                problems.append(Problem(e.key, repr(e.path), e.reason, fix))
     return problems
 
 

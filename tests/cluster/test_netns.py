@@ -138,3 +138,20 @@ def test_where_user_namespaces_are_off_private_fails_before_anything_starts(tmp_
             in proc.stderr), proc.stderr[-3000:]
     assert "placement.local_network=auto" in proc.stderr and "Traceback" not in proc.stderr
     assert not run.exists() and "starting a local Ray cluster" not in proc.stderr + proc.stdout
+
+
+def test_a_hub_model_the_private_network_cannot_reach_is_refused_with_the_way_out(tmp_path):
+    """Inside the private network the hub is out of reach: a hub name not in the local cache fails
+    before Ray starts, and the error says why here and what to do (download first, or `host`)."""
+    run = tmp_path / "run"
+    cmd = cli_command(["train", "ppo", "--config", "ppo-tiny-ray-colocated", "-o", str(run),
+                       "--set", "model.path=Qwen/Qwen2.5-0.5B", "--set", "placement.gpu_memory_gb=80",
+                       "--set", "placement.vllm.gpu_memory_utilization=0.5"])
+    env = {k: v for k, v in cli_env(HF_HOME=str(tmp_path / "empty-hub-cache")).items()
+           if k not in ("RAY_ADDRESS", netns.MARKER)}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "runs in a private network namespace" in proc.stderr
+    assert ("this job runs in a private network (placement.local_network), where the hub cannot be reached: download "
+            "the model beforehand, or set placement.local_network=host") in proc.stderr, proc.stderr[-3000:]
+    assert "starting a local Ray cluster" not in proc.stderr
