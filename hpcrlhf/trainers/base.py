@@ -91,9 +91,9 @@ class Trainer:
         cfg = self.cfg
         self.plan = BatchPlan.build(cfg.train, num_rows=num_rows, data_parallel_size=self.env.world_size)
         self.engine = self.models.build_trained_model(cfg.model.path, value_head=self.value_head, optim=cfg.optim,
-                                               micro_batch_rows=self.plan.micro_batch_rows,
-                                               grad_accum_steps=self.plan.grad_accum_steps,
-                                               total_steps=self.plan.total_steps)
+                                                      micro_batch_rows=self.plan.micro_batch_rows,
+                                                      grad_accum_steps=self.plan.grad_accum_steps,
+                                                      total_steps=self.plan.total_steps)
         log.info(f"{self.kind}: {num_rows} training rows, {self.plan.total_steps} steps, {self.env.world_size} rank(s) x "
                  f"{self.plan.micro_batch_rows} rows x {self.plan.grad_accum_steps} accumulation, ZeRO-{cfg.engine.zero_stage}, "
                  f"{cfg.engine.precision} on {self.device}"

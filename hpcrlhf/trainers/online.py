@@ -174,7 +174,8 @@ class OnlineTrainer(Trainer):
         return VLLMRollout(**vllm_engine_args(self.cfg))
 
     def build_rewards(self) -> None:
-        self.rewards = RewardSet(self.cfg.reward, lambda path, field: self.models.build_frozen_model(path, value_head=True, key=field),
+        frozen = self.models.build_frozen_model
+        self.rewards = RewardSet(self.cfg.reward, lambda path, field: frozen(path, value_head=True, key=field),
                                  self.tokenizer, self.task, self.device, self.cfg.model.trust_remote_code)
 
     def evaluated_models(self) -> dict[str, str]:

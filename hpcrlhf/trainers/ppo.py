@@ -41,12 +41,12 @@ from hpcrlhf.config.schema import PPOConfig
 from hpcrlhf.data.sft import TokenizedSample
 from hpcrlhf.engines.distributed import all_reduce_sum
 from hpcrlhf.logs import get_logger
-from hpcrlhf.trainers.stats import Stats, add_stats, new_stats, reduce_means
 from hpcrlhf.trainers.experience import ExperienceBatch, ReplayBuffer
 from hpcrlhf.trainers.online import OnlineTrainer, Prompt, Rollout, refill_seed
 from hpcrlhf.trainers.plan import PPOPlan, key_settings
 from hpcrlhf.trainers.ppo_learner import PPOLearner, forward_logps, forward_values
 from hpcrlhf.trainers.sequences import model_batch
+from hpcrlhf.trainers.stats import Stats, add_stats, new_stats, reduce_means
 
 log = get_logger()
 
@@ -65,12 +65,13 @@ class PPOTrainer(OnlineTrainer):
         if ppo.uses_critic:
             field, path = cfg.critic_source()
             self.critic = self.models.build_trained_model(path, value_head=True, optim=cfg.critic.optim, key=field,
-                                                   **self.plan.engine_args())
+                                                          **self.plan.engine_args())
         self.reference = None
         if ppo.uses_reference:
             field, path = cfg.reference_source()
-            self.reference = self.models.build_frozen_model(path, value_head=False, key=field, offload=cfg.reference.offload,
-                                                     micro_batch_rows=self.plan.micro_batch_rows)
+            self.reference = self.models.build_frozen_model(path, value_head=False, key=field,
+                                                            offload=cfg.reference.offload,
+                                                            micro_batch_rows=self.plan.micro_batch_rows)
         self.build_rewards()
         self.build_rollout()
         self.setup_ppo_state()

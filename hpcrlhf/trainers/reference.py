@@ -31,7 +31,7 @@ class Reference:
     def __init__(self, trainer, path: str, *, offload: bool, key: str = "model.path"):
         self.trainer, self.path = trainer, path
         self.model = trainer.models.build_frozen_model(path, value_head=False, offload=offload, key=key,
-                                                micro_batch_rows=trainer.plan.micro_batch_rows)
+                                                       micro_batch_rows=trainer.plan.micro_batch_rows)
         self.tables: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def logps(self, samples: Sequence[TokenizedSample], table: str, ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:

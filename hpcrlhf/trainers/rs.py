@@ -89,13 +89,14 @@ class RSTrainer(OnlineTrainer):
                                data_parallel_size=w)
         self.plan = dataclasses.replace(plan, steps_per_epoch=rs.steps_per_iteration)  # epoch = round
         self.engine = self.models.build_trained_model(cfg.model.path, value_head=False, optim=cfg.optim,
-                                               micro_batch_rows=plan.micro_batch_rows,
-                                               grad_accum_steps=plan.grad_accum_steps, total_steps=total)
+                                                      micro_batch_rows=plan.micro_batch_rows,
+                                                      grad_accum_steps=plan.grad_accum_steps, total_steps=total)
         self.reference = None
         if rs.mode == "dpo":
             field, path = cfg.reference_source()
             self.reference = self.models.build_frozen_model(path, value_head=False, key=field,
-                                                     offload=cfg.reference.offload, micro_batch_rows=plan.micro_batch_rows)
+                                                            offload=cfg.reference.offload,
+                                                            micro_batch_rows=plan.micro_batch_rows)
         self.build_rewards()
         self.build_rollout()
         self.round, self.selected = -1, []
