@@ -93,8 +93,9 @@ def why_not() -> Optional[str]:
     """Why this process cannot enter a private network now (None: it can try)."""
     if not Path("/proc/self/ns/net").exists():
         return "this system has no Linux namespaces (/proc/self/ns/net)"
-    if _threads() > 1:
-        return (f"the process already runs {_threads()} threads (a user namespace can only be entered by a "
+    threads = _threads()
+    if threads > 1:
+        return (f"the process already runs {threads} threads (a user namespace can only be entered by a "
                 "single-threaded process: run the job with the `hpcrlhf` command)")
     return None
 

@@ -72,32 +72,30 @@ class FilledStep:
                 "rollout/dropped_groups": dropped, "rollout/extra_samples": extra, "rollout/uninformative_kept": kept}
 
 
-def fill_step(generate: Callable[[int], Rollout], quota: int, n: int, max_rounds: int,
+def fill_step(generate: Callable[[int], Rollout], n: int, max_rounds: int,
               missing_anywhere: Callable[[int], int] = lambda missing: missing) -> FilledStep:
-    """Generate rounds (`generate(round)` -> a scored, prompt-major rollout of groups of `n`) until
-    `quota` informative groups are in hand on every rank (`missing_anywhere(missing)`: this rank's
-    missing count summed over the ranks) or `max_rounds` ran; returns the step's `quota` groups."""
-    good: list[Rollout] = []
-    bad: list[Rollout] = []
-    have, rounds, first_share, generated = 0, 0, 0.0, 0
+    """Generate rounds (`generate(round)` -> a scored, prompt-major rollout of groups of `n`, every
+    round as many as the first: the step's quota) until the quota of informative groups is in hand
+    on every rank (`missing_anywhere(missing)`: this rank's missing count summed over the ranks) or
+    `max_rounds` ran; returns the step's quota of groups."""
+    rounds: list[Rollout] = []
+    good: list[tuple[int, int]] = []  # (round, group) of each informative group, in generation order
+    bad: list[tuple[int, int]] = []
     while True:
-        rollout = generate(rounds)
-        generated += len(rollout.generations)
+        rollout = generate(len(rounds))
         mask = informative_groups(rollout.scores, n)
-        if rounds == 0:
-            first_share = sum(mask) / max(len(mask), 1)
-        rounds += 1
-        good.append(take_groups(rollout, [g for g, m in enumerate(mask) if m], n))
-        bad.append(take_groups(rollout, [g for g, m in enumerate(mask) if not m], n))
-        have += sum(mask)
-        if missing_anywhere(max(quota - have, 0)) == 0 or rounds >= max_rounds:
+        good += [(len(rounds), g) for g, m in enumerate(mask) if m]
+        bad += [(len(rounds), g) for g, m in enumerate(mask) if not m]
+        rounds.append(rollout)
+        quota = len(rounds[0].generations) // n
+        if missing_anywhere(max(quota - len(good), 0)) == 0 or len(rounds) >= max_rounds:
             break
-    informative = join_rollouts(good)
-    uninformative = join_rollouts(bad)
-    used_good = min(have, quota)
-    filler = quota - used_good
-    parts = [take_groups(informative, range(used_good), n)]
-    if filler:
-        parts.append(take_groups(uninformative, range(filler), n))
-    first = generated // rounds  # every round generates a full share
-    return FilledStep(join_rollouts(parts), rounds, first_share, generated // n - quota, generated - first, filler)
+    filler = max(quota - len(good), 0)
+
+    def groups(picks: list[tuple[int, int]]) -> list[Rollout]:
+        return [take_groups(rounds[r], [g for rr, g in picks if rr == r], n) for r in sorted({rr for rr, _ in picks})]
+
+    step = join_rollouts(groups(good[:quota]) + groups(bad[:filler]))
+    first_share = sum(1 for r, _ in good if r == 0) / max(quota, 1)
+    generated = len(rounds) * quota
+    return FilledStep(step, len(rounds), first_share, generated - quota, (generated - quota) * n, filler)

@@ -135,9 +135,8 @@ class PPOTrainer(OnlineTrainer):
             return self.rollout_step(self.step_prompts(step), self.sampling(step, n)), {}
         from hpcrlhf.trainers.dynamic_sampling import fill_step
 
-        prompts = self.step_prompts(step)
         filled = fill_step(lambda r: self.rollout_step(self.step_prompts(step, r), self.sampling(step, n, r)),
-                           quota=len(prompts), n=n, max_rounds=self.cfg.ppo.dynamic_sampling_max_rounds,
+                           n=n, max_rounds=self.cfg.ppo.dynamic_sampling_max_rounds,
                            missing_anywhere=lambda missing: int(all_reduce_sum([missing])[0]))
         return filled.rollout, filled.metrics(reduce=all_reduce_sum)
 

@@ -51,7 +51,7 @@ def rounds_of(*scores: list[float]):
 
 def test_the_first_round_suffices_when_every_group_teaches():
     generate, calls = rounds_of([0, 1, 1, 0, 0, 1])
-    filled = fill_step(generate, quota=3, n=2, max_rounds=4)
+    filled = fill_step(generate, n=2, max_rounds=4)
     assert calls == [0] and filled.rounds == 1
     assert filled.rollout.prompts == ["a0", "a1", "a2", "a3", "a4", "a5"]
     assert filled.metrics() == {"rollout/generation_rounds": 1.0, "rollout/informative_share": 1.0,
@@ -63,7 +63,7 @@ def test_uninformative_groups_are_replaced_by_later_rounds_and_the_surplus_dropp
     # round a: groups a01 (1,1: no), a23 (0,1: yes), a45 (0,0: no) -> 1 of 3
     # round b: b01 yes, b23 no, b45 yes -> 3 in hand; round c never runs
     generate, calls = rounds_of([1, 1, 0, 1, 0, 0], [1, 0, 1, 1, 0, 1])
-    filled = fill_step(generate, quota=3, n=2, max_rounds=4)
+    filled = fill_step(generate, n=2, max_rounds=4)
     assert calls == [0, 1]
     assert filled.rollout.prompts == ["a2", "a3", "b0", "b1", "b4", "b5"]
     assert filled.rollout.scores.tolist() == [0, 1, 1, 0, 0, 1]
@@ -75,14 +75,14 @@ def test_uninformative_groups_are_replaced_by_later_rounds_and_the_surplus_dropp
 
 def test_informative_groups_beyond_the_quota_are_dropped_in_generation_order():
     generate, _ = rounds_of([1, 1, 0, 1], [0, 1, 1, 0])  # a: 1 of 2; b: 2 of 2 -> b23 is surplus
-    filled = fill_step(generate, quota=2, n=2, max_rounds=4)
+    filled = fill_step(generate, n=2, max_rounds=4)
     assert filled.rollout.prompts == ["a2", "a3", "b0", "b1"]
     assert filled.dropped_groups == 2 and filled.uninformative_kept == 0  # a01 (uninformative) and b23 (surplus)
 
 
 def test_when_the_rounds_run_out_dropped_groups_fill_the_step_and_are_counted():
     generate, calls = rounds_of([1, 1, 0, 1], [0, 0, 1, 1])  # 1 informative group in 2 rounds, quota 2
-    filled = fill_step(generate, quota=2, n=2, max_rounds=2)
+    filled = fill_step(generate, n=2, max_rounds=2)
     assert calls == [0, 1]
     assert filled.rollout.prompts == ["a2", "a3", "a0", "a1"]  # the informative one, then the first dropped
     assert filled.uninformative_kept == 1 and filled.dropped_groups == 2 and filled.extra_samples == 4
@@ -93,7 +93,7 @@ def test_every_rank_goes_on_while_any_rank_misses_groups():
     this rank generates round b too (its round-b groups are surplus) and then stops with the rest."""
     generate, calls = rounds_of([0, 1, 1, 0], [0, 1, 0, 1], [1, 1, 1, 1])
     others_missing = iter([2, 0])
-    filled = fill_step(generate, quota=2, n=2, max_rounds=4,
+    filled = fill_step(generate, n=2, max_rounds=4,
                        missing_anywhere=lambda mine: mine + next(others_missing))
     assert calls == [0, 1] and filled.rounds == 2
     assert filled.rollout.prompts == ["a0", "a1", "a2", "a3"] and filled.dropped_groups == 2
