@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from hpcrlhf.metrics import read_metrics
+
 from tests.launch_helpers import run_cli
 
 USER_MODULE = '''
@@ -74,10 +76,13 @@ def test_own_task_sft_then_grpo_with_vllm_improves_the_users_metric(tmp_path):
                     "--set", "rollout.backend=vllm", "--set", "rollout.vllm_kv_cache_gb=0.25",
                     "--set", "rollout.prompts_per_step=16", "--set", "rollout.samples_per_prompt=4",
                     "--set", "rollout.max_new_tokens=4", "--set", "optim.lr=2e-4", "--set", "train.max_steps=30",
-                    "--set", "eval.every_steps=0"], env=env)
+                    "--set", "eval.every_steps=0", "--set", "ppo.dynamic_sampling=true"], env=env)
     assert "starting a vLLM engine" in proc.stderr
     result = summary(grpo)
     before, after = result["before"]["eval/exact"], result["after"]["eval/exact"]
     assert before == pytest.approx(learned["after"]["eval/exact"])  # the SFT model, scored the same way
     assert after >= before + 0.1, result
     assert result["after"]["eval/reward"] >= result["before"]["eval/reward"] + 0.1, result
+    # with DAPO's dynamic sampling on the user's rule: refill rounds ran through the vLLM engine
+    rounds = [m["rollout/generation_rounds"] for m in read_metrics(grpo) if "rollout/generation_rounds" in m]
+    assert len(rounds) == 30 and max(rounds) > 1, rounds
