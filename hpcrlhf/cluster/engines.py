@@ -13,8 +13,8 @@ import os
 import time
 from typing import Any, Callable, Mapping, Sequence
 
-from hpcrlhf.cluster.worker_group import (RoleWorker, WorkerGroup, busy, dead_worker_message, even_bounds, gather,
-                                          lost_worker_error)
+from hpcrlhf.cluster.worker_group import (RoleWorker, WorkerGroup, busy, dead_worker_message, death_verdict,
+                                          even_bounds, gather, lost_worker_error)
 from hpcrlhf.logs import get_logger
 
 log = get_logger()
@@ -63,6 +63,12 @@ class EngineWorker(RoleWorker):
         self.engine.close()
 
 
+DEATH_NOTICE_S = 30.0
+"""How long a failed generation or weight sync waits for Ray to say which engine died and why: the
+actor's rank 0 can fail first (its broadcast cut off), and a killed engine stays 'unavailable' to
+Ray until the vLLM processes it started have exited (seconds)."""
+
+
 class EngineFleet:
     """The engine actors as one rollout engine: a batch of prompts is split into contiguous
     parts, one per engine, generated concurrently and joined in order. Each part's sampling
@@ -107,7 +113,7 @@ class EngineFleet:
         try:
             self.push(self.handles)
         except (RayTaskError, RayActorError) as e:
-            lost = lost_worker_error(e, [self.group])
+            lost = lost_worker_error(e, [self.group], probe_s=DEATH_NOTICE_S)
             rank = self.group.rank_of(lost.actor_id) if lost is not None else None
             if rank is None:
                 raise
@@ -119,7 +125,10 @@ class EngineFleet:
         gone) and, when `pushed`, give it the weights the other engines hold."""
         import ray
 
-        if self.restarts_left <= 0 or not isinstance(error, ray.exceptions.ActorDiedError):
+        if self.restarts_left <= 0:
+            raise error
+        error = death_verdict(self.group.workers[rank], error, DEATH_NOTICE_S)
+        if not isinstance(error, ray.exceptions.ActorDiedError) or self.group.reservation.lost_nodes():
             raise error
         self.restarts_left -= 1
         log.warning(f"{dead_worker_message(error, [self.group])}; restarting it on its GPUs "

@@ -108,7 +108,7 @@ class WorkerGroup:
                  *args: Any, env: Optional[dict[str, str]] = None, join: bool = True, **kwargs: Any) -> None:
         import ray
 
-        self.role, self.placements = role, [tuple(p) for p in placements]
+        self.role, self.placements, self.reservation = role, [tuple(p) for p in placements], reservation
         remote_cls = ray.remote(worker_cls)
         world = len(self.placements)
         self._spawn = lambda rank: remote_cls.options(name=None, **reservation.actor_options(
@@ -207,7 +207,9 @@ PROBE_S = 5.0
 def lost_worker_error(error: BaseException, groups: Sequence[WorkerGroup], probe_s: float = PROBE_S):
     """The `RayActorError` of a lost worker behind `error`, or None: `error` itself when it is one;
     when a worker *raised* instead (a peer of a dead rank can fail first, its collective cut off:
-    gloo's 'Connection closed by peer'), the first worker found dead by pinging them all."""
+    gloo's 'Connection closed by peer'), the first worker found dead by pinging them all. The probe
+    ends at the first dead worker; one that neither answers nor is known dead within `probe_s` (busy,
+    or Ray not yet told of its death) counts as alive."""
     import ray
     from ray.exceptions import RayActorError, RayTaskError
 
@@ -215,11 +217,14 @@ def lost_worker_error(error: BaseException, groups: Sequence[WorkerGroup], probe
         return error
     if not isinstance(error, RayTaskError):
         return None
-    pings = [w.node_ip.remote() for g in groups for w in g.workers]
-    answered, _ = ray.wait(pings, num_returns=len(pings), timeout=probe_s)
-    for ref in answered:
+    pending = [w.node_ip.remote() for g in groups for w in g.workers]
+    deadline = time.monotonic() + probe_s
+    while pending:
+        ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+        if not ready:
+            return None
         try:
-            ray.get(ref)
+            ray.get(ready)
         except RayActorError as lost:
             return lost
     return None
@@ -230,6 +235,33 @@ def unreachable(error: BaseException) -> bool:
     from ray.exceptions import ActorUnavailableError
 
     return isinstance(error, ActorUnavailableError)
+
+
+def worker_with_id(actor_id: Optional[str], groups: Sequence[WorkerGroup]) -> Any:
+    """The actor handle of `groups` whose hex id is `actor_id` (None when none is)."""
+    return next((g.workers[rank] for g in groups if (rank := g.rank_of(actor_id)) is not None), None)
+
+
+def death_verdict(worker: Optional[Any], error: BaseException, wait_s: float) -> BaseException:
+    """`error` (a `RayActorError` of `worker`) once Ray knows why the worker is gone: an
+    `ActorUnavailableError` (contact lost, cause not yet known) is replaced by the `ActorDiedError`
+    that follows within `wait_s` if one does. (A killed actor stays 'unavailable' while child
+    processes it started -- vLLM's engine core and workers -- linger: seconds.)"""
+    import ray
+    from ray.exceptions import RayActorError
+
+    deadline = time.monotonic() + wait_s
+    while worker is not None and unreachable(error) and (left := deadline - time.monotonic()) > 0:
+        try:
+            ray.get(worker.node_ip.remote(), timeout=left)
+            return error  # it answers: contact came back, the cause stays unknown
+        except RayActorError as later:
+            error = later
+            if unreachable(error):
+                time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
+        except Exception:  # GetTimeoutError, or Ray itself failing: the cause stays unknown
+            return error
+    return error
 
 
 def lost_node_message(node: str, index: int, groups: Sequence[WorkerGroup]) -> str:

@@ -33,8 +33,8 @@ import torch
 from hpcrlhf.cluster.engines import EngineFleet, EngineWorker
 from hpcrlhf.trainers.ppo_workers import ROLE_WORKERS, role_config
 from hpcrlhf.cluster.reservation import Reservation
-from hpcrlhf.cluster.worker_group import (WorkerGroup, dead_worker_message, even_bounds, gather, lost_node_message,
-                                          lost_worker_error, unreachable)
+from hpcrlhf.cluster.worker_group import (WorkerGroup, dead_worker_message, death_verdict, even_bounds, gather,
+                                          lost_node_message, lost_worker_error, unreachable, worker_with_id)
 from hpcrlhf.config.schema import PPOConfig
 from hpcrlhf.errors import PlacementError, WorkerLost
 from hpcrlhf.logs import get_logger
@@ -357,11 +357,13 @@ def run_ray_ppo(cfg: PPOConfig) -> dict:
             cause = lost_worker_error(e, groups)
             if cause is None:
                 raise
-            message = dead_worker_message(cause, groups)
+            verdict_by = time.monotonic() + NODE_VERDICT_S
             if unreachable(cause):
-                log.info(f"lost contact with a worker: waiting up to {NODE_VERDICT_S:.0f} s for Ray's health checks "
-                         "to tell whether its node died")
-            lost = reservation.lost_nodes(NODE_VERDICT_S if unreachable(cause) else 0.0)
+                log.info(f"lost contact with a worker: waiting up to {NODE_VERDICT_S:.0f} s for Ray to tell whether "
+                         "it or its node died")
+                cause = death_verdict(worker_with_id(cause.actor_id, groups), cause, NODE_VERDICT_S)
+            message = dead_worker_message(cause, groups)
+            lost = reservation.lost_nodes(max(0.0, verdict_by - time.monotonic()) if unreachable(cause) else 0.0)
             if lost:
                 message = "; ".join(lost_node_message(reservation.nodes[i].describe(i), i, groups) for i in lost)
             latest = trainer.run.checkpoints.latest() if trainer is not None else None

@@ -5,12 +5,16 @@ not match the map is refused before anything starts."""
 from __future__ import annotations
 
 import json
+import os
+import signal
+import time
 
 import pytest
 
 from hpcrlhf.cluster.bootstrap import RayPorts, ray_start_args, wait_for_nodes
 from hpcrlhf.cluster.reservation import RayNode, check_cluster, order_nodes, reserve
-from hpcrlhf.cluster.worker_group import RoleWorker, WorkerGroup, dead_worker_message, lost_worker_error
+from hpcrlhf.cluster.worker_group import (RoleWorker, WorkerGroup, dead_worker_message, death_verdict,
+                                          lost_worker_error, unreachable)
 from hpcrlhf.config.loader import load_config
 from hpcrlhf.config.schema import PPOConfig
 from hpcrlhf.errors import HpcrlhfError, PlacementError
@@ -74,6 +78,48 @@ def test_a_peer_that_fails_first_in_a_collective_is_traced_to_the_dead_rank(ray_
         assert lost_worker_error(bug, [healthy]) is None  # every worker answers: a plain failure
         group.kill()
         healthy.kill()
+    finally:
+        reservation.release()
+
+
+class WorkerWithAChild(RoleWorker):
+    """A worker that forks a child process which outlives it, as a vLLM engine's actor starts its
+    engine-core and worker processes (they exit seconds after it dies)."""
+
+    def fork_child(self, seconds: float) -> int:
+        import multiprocessing
+
+        self.child = multiprocessing.get_context("fork").Process(target=time.sleep, args=(seconds,), daemon=True)
+        self.child.start()
+        return self.child.pid
+
+
+@pytest.mark.slow
+def test_a_killed_worker_whose_child_lingers_is_named_dead_once_ray_knows(ray_cluster):
+    """Killed while its child lives on, a worker is not known dead to Ray until the child exits
+    (seconds for a vLLM engine): the probe behind a peer's failure and `death_verdict` (after an
+    'unavailable' error) wait for Ray's word -- which decides between restarting an engine and
+    ending the run -- instead of giving up after a few seconds."""
+    import ray
+    from ray.exceptions import ActorDiedError, ActorUnavailableError, RayTaskError
+
+    ray.cloudpickle.register_pickle_by_value(__import__(__name__))  # the class travels with its code
+    reservation = reserve(tiny_map())
+    try:
+        group = WorkerGroup("vllm", WorkerWithAChild, reservation, [[Device(0, 2)]], join=False)
+        worker = group.workers[0]
+        ray.get(worker.fork_child.remote(8.0))
+        os.kill(group.call("whereabouts")[0].pid, signal.SIGKILL)
+        killed = time.monotonic()
+        cut_off = RayTaskError("broadcast_weights", "Traceback ...", RuntimeError("Connection closed by peer"))
+        assert lost_worker_error(cut_off, [group], probe_s=1.0) is None  # Ray does not know yet
+        cause = lost_worker_error(cut_off, [group], probe_s=30.0)
+        assert isinstance(cause, ActorDiedError) and time.monotonic() - killed > 4, cause
+        assert dead_worker_message(cause, [group]).startswith("vLLM engine 0 (node 0 GPU 2) died (")
+        unavailable = ActorUnavailableError("lost contact", worker._actor_id.binary())
+        assert unreachable(unavailable) and isinstance(death_verdict(worker, unavailable, 30.0), ActorDiedError)
+        assert death_verdict(worker, cause, 30.0) is cause  # a verdict stands
+        assert not reservation.lost_nodes()  # its node lives: an engine may be restarted there
     finally:
         reservation.release()
 
