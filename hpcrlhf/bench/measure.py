@@ -27,7 +27,7 @@ from typing import Mapping, Sequence
 from hpcrlhf.errors import HpcrlhfError
 
 PHASES = ("generate", "make_experience", "train", "weight_sync", "other")
-_PHASE_KEYS = {"generate": ("timing/generate",), "make_experience": ("timing/reward", "timing/make_experience"),
+_PHASE_KEYS = {"generate": ("timing/generate", "timing/generate_ahead_wait"), "make_experience": ("timing/reward", "timing/make_experience"),
                "train": ("timing/train",), "weight_sync": ("timing/weight_sync",)}
 
 
@@ -51,6 +51,9 @@ class Throughput:
     """Median share of a step each role's workers waited (`util/<role>_idle`; Ray runs measure it)."""
     sync_bytes: float | None = None
     """Median bytes of a weight sync (`weight_sync/bytes`; None where the run does not report it)."""
+    overlap_s: float | None = None
+    """Median seconds generation ran during the step's training (`timing/overlap`, rollout.max_staleness
+    1; None where the run does not overlap). `generate` then counts only the seconds the step waited."""
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -92,6 +95,12 @@ def summarize(rows: Sequence[Mapping[str, float]], *, warmup: int, samples: int,
         idle={key.removeprefix("util/").removesuffix("_idle"): median([float(r[key]) for r in measured])
               for key in sorted(measured[-1]) if key.startswith("util/") and key.endswith("_idle")
               and all(key in r for r in measured)},
-        sync_bytes=(median([float(r["weight_sync/bytes"]) for r in measured])
-                    if all("weight_sync/bytes" in r for r in measured) else None),
+        sync_bytes=median_of(measured, "weight_sync/bytes"), overlap_s=median_of(measured, "timing/overlap"),
     )
+
+
+def median_of(rows: Sequence[Mapping[str, float]], key: str) -> float | None:
+    """The median of metric `key` over `rows`, or None unless every row has it."""
+    if not rows or not all(key in r for r in rows):
+        return None
+    return float(statistics.median(float(r[key]) for r in rows))

@@ -64,14 +64,16 @@ def utilisation_lines(doc: dict) -> list[str]:
     if not rows:
         return []
     roles = sorted({role for s in rows for role in s["throughput"]["idle"]})
-    lines = ["", "Idle share of a step per role (median; 1 - the role's busy seconds / step seconds) and weight-sync size:",
-             "", "| system | " + " | ".join(f"{r} idle" for r in roles) + " | weight sync MB |",
-             "|" + " --- |" * (len(roles) + 2)]
+    lines = ["", "Idle share of a step per role (median; 1 - the role's busy seconds / step seconds), weight-sync size "
+             "and seconds of generation overlapped with training (rollout.max_staleness 1):",
+             "", "| system | " + " | ".join(f"{r} idle" for r in roles) + " | weight sync MB | overlap s |",
+             "|" + " --- |" * (len(roles) + 3)]
     for s in rows:
         t = s["throughput"]
         cells = [f"{100 * t['idle'][r]:.0f} %" if r in t["idle"] else "" for r in roles]
         size = "n/a" if t.get("sync_bytes") is None else f"{t['sync_bytes'] / 1e6:.1f}"
-        lines.append(f"| {s['name']} | " + " | ".join(cells) + f" | {size} |")
+        overlap = "n/a" if t.get("overlap_s") is None else f"{t['overlap_s']:.2f}"
+        lines.append(f"| {s['name']} | " + " | ".join(cells) + f" | {size} | {overlap} |")
     return lines
 
 

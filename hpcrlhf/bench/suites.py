@@ -207,6 +207,9 @@ _CPU_SYSTEMS = (
 _CPU_SCALING = System("hpcrlhf-distributed-1-engine", "hpcrlhf", "ppo-tiny-ray",
                       (*_CPU_REWARD, _CPU_MICRO, "placement.vllm.engines=1", "placement.allow_idle_gpus=true"),
                       ("vLLM engines", 1), "hpcrlhf-distributed with one vLLM engine")
+_CPU_STALE = System("hpcrlhf-distributed-stale1", "hpcrlhf", "ppo-tiny-ray",
+                    (*_CPU_REWARD, _CPU_MICRO, "rollout.max_staleness=1"),
+                    about="hpcrlhf-distributed generating each next rollout while the roles train (rollout.max_staleness=1)")
 
 # -- GPU: the shipped OpenRLHF-style layouts against DSChat-style on the same allocation -------------
 # OpenRLHF's benchmark (OpenRLHF/OpenRLHF benchmark/README.md) used 1024-token prompts and answers.
@@ -255,7 +258,7 @@ _GPU1_SYSTEMS = (
 SUITES: dict[str, Suite] = {s.name: s for s in (
     Suite("cpu", "recorded CPU comparison: tiny llama, 32-token prompts and answers, 64 prompts per step",
           "cpu", 2, 4, prompt_tokens=32, response_tokens=32, prompts_per_step=64, warmup_steps=1, steps=4,
-          systems=_CPU_SYSTEMS + (_CPU_SCALING,), dschat_ranks=2),
+          systems=_CPU_SYSTEMS + (_CPU_SCALING, _CPU_STALE), dschat_ranks=2),
     Suite("cpu-small", "compute-bound CPU comparison: a 20M llama built from config, 64-token prompts, 128 fixed new "
           "tokens, 32 prompts per step", "cpu", 2, 4, prompt_tokens=64, response_tokens=128, prompts_per_step=32,
           warmup_steps=1, steps=2, systems=_CPU_SYSTEMS, model="builtin:llama-20m", dschat_ranks=2,

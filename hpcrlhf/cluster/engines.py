@@ -87,24 +87,11 @@ class EngineFleet:
         return list(self.group.workers)
 
     def generate(self, prompts: Sequence[Sequence[int]], params) -> list:
-        import ray
+        return self.launch(prompts, params).result()
 
-        def start(rank: int, a: int, b: int):
-            part = dataclasses.replace(params, first_index=params.first_index + a)
-            return self.group.workers[rank].generate.remote(prompts[a:b], part)
-
-        parts = {rank: (a, b) for rank, (a, b) in enumerate(even_bounds(len(prompts), len(self.group))) if b > a}
-        pending = {start(rank, *bounds): rank for rank, bounds in parts.items()}
-        done: dict[int, list] = {}
-        while pending:
-            (ready,), _ = ray.wait(list(pending), num_returns=1)
-            rank = pending.pop(ready)
-            try:
-                done[rank] = ray.get(ready)
-            except ray.exceptions.RayActorError as e:
-                self.restart(rank, e)  # raises when it may not
-                pending[start(rank, *parts[rank])] = rank
-        return [g for rank in sorted(done) for g in done[rank]]
+    def launch(self, prompts: Sequence[Sequence[int]], params) -> "FleetBatch":
+        """Start generating `prompts` on the engines (each its part); `result()` collects them."""
+        return FleetBatch(self, prompts, params)
 
     def sync(self) -> None:
         """The actor's weights into every engine (restarting one found dead on the way)."""
@@ -149,3 +136,54 @@ class EngineFleet:
             except ray.exceptions.RayActorError:
                 pass  # an engine died (the error being raised says so); kill the others
             self.group.kill()
+
+
+class FleetBatch:
+    """A batch under way on an `EngineFleet`: one contiguous part per engine, each part's sampling
+    seeds following its prompts' positions in the batch. `result()` waits for the parts and redoes
+    the part of an engine that died -- restarting it, or on the engine that already replaced it (a
+    weight sync found it dead first)."""
+
+    def __init__(self, fleet: EngineFleet, prompts: Sequence[Sequence[int]], params) -> None:
+        self.fleet, self.prompts, self.params = fleet, prompts, params
+        self.parts = {rank: (a, b) for rank, (a, b) in enumerate(even_bounds(len(prompts), len(fleet.group))) if b > a}
+        self.sent_to: dict[int, Any] = {}
+        self.current: dict[int, Any] = {}
+        self.done_at: dict[int, float] = {}
+        self.done: dict[int, list] = {}
+        self.pending = {self._start(rank): rank for rank in self.parts}
+        self.launched = time.monotonic()
+
+    def _start(self, rank: int):
+        a, b = self.parts[rank]
+        worker = self.fleet.group.workers[rank]
+        self.sent_to[rank] = worker._actor_id
+        self.done_at.pop(rank, None)
+        part = dataclasses.replace(self.params, first_index=self.params.first_index + a)
+        ref = self.current[rank] = worker.generate.remote(self.prompts[a:b], part)
+        ref.future().add_done_callback(lambda _, rank=rank, ref=ref: self._mark_done(rank, ref))
+        return ref
+
+    def _mark_done(self, rank: int, ref) -> None:
+        """(Ray's callback thread) Part `rank` is done, unless `ref` is a try that was redone."""
+        if self.current.get(rank) is ref:
+            self.done_at[rank] = time.monotonic()
+
+    def finished(self) -> float | None:
+        return max(self.done_at.values()) if len(self.done_at) == len(self.parts) else None
+
+    def result(self) -> list:
+        """The batch's generations in prompt order (waits for them; again: the same list)."""
+        import ray
+
+        done = self.done
+        while self.pending:
+            (ready,), _ = ray.wait(list(self.pending), num_returns=1)
+            rank = self.pending.pop(ready)
+            try:
+                done[rank] = ray.get(ready)
+            except ray.exceptions.RayActorError as e:
+                if self.fleet.group.workers[rank]._actor_id == self.sent_to[rank]:
+                    self.fleet.restart(rank, e)  # raises when it may not
+                self.pending[self._start(rank)] = rank
+        return [g for rank in sorted(done) for g in done[rank]]

@@ -700,6 +700,15 @@ class RolloutConfig:
     """vllm only: split long prompts over engine steps. null: off on CPU (vLLM 0.32 cannot rewind a
     CPU random generator after a split prompt and dies with seeded sampling; true is refused
     there), vLLM's default (on) on GPU."""
+    max_staleness: int = 0
+    """ppo only: 0 generates each step's rollout with the weights of the step before (synchronous);
+    1 overlaps: the engines generate step n+1's rollout -- with the weights step n starts from, one
+    update behind -- while the roles score and train on step n (the Ray runtime's engines then stop
+    idling during training; engines that generate in the training process gain nothing but keep
+    the same samples). The PPO ratio is taken against the log-probs of the weights being trained
+    (recomputed), `rollout/logprob_max_diff` shows how far the generating weights were. No rollout
+    is generated ahead across a checkpoint, so a resumed run equals an uninterrupted one. Logged:
+    rollout/staleness, timing/overlap (seconds generation ran while the step trained)."""
 
     def __post_init__(self) -> None:
         _require_finite(self, "rollout")
@@ -715,6 +724,9 @@ class RolloutConfig:
             _require(0 <= self.min_new_tokens <= self.max_new_tokens, "rollout.min_new_tokens", self.min_new_tokens,
                      f"use a value from 0 to rollout.max_new_tokens ({_shown(self.max_new_tokens)})")
         _require(self.hf_batch_size >= 1, "rollout.hf_batch_size", self.hf_batch_size, "use at least 1")
+        _require(self.max_staleness in (0, 1), "rollout.max_staleness", self.max_staleness,
+                 "use 0 (synchronous) or 1 (the next rollout generated during the current step's training); more "
+                 "steps ahead are not supported")
         _require(self.vllm_kv_cache_gb > 0, "rollout.vllm_kv_cache_gb", self.vllm_kv_cache_gb, "use a positive size")
         for name in ("vllm_max_num_seqs", "vllm_max_num_batched_tokens"):
             value = getattr(self, name)
@@ -1166,6 +1178,10 @@ class PPOConfig(OnlineJobConfig):
             raise ConfigError(f"ppo.dynamic_sampling: true drops prompts whose samples all scored the same, but "
                               f"rollout.samples_per_prompt is {n}: use at least 2 samples per prompt (e.g. 4), or "
                               "ppo.dynamic_sampling=false")
+        if self.ppo.dynamic_sampling and self.rollout.max_staleness:
+            raise ConfigError("rollout.max_staleness: 1 generates the next step's rollout ahead, but ppo.dynamic_sampling "
+                              "decides how many rounds a step generates only once the step's first round is scored: "
+                              "use rollout.max_staleness=0 with dynamic sampling, or ppo.dynamic_sampling=false")
         sequences = self.rollout.prompts_per_step * n
         if self.train.global_batch_size is None:
             _resolve(self, "train", global_batch_size=largest_divisor(sequences, MICRO_BATCH_CAP))
@@ -1237,6 +1253,8 @@ class RSConfig(OnlineJobConfig):
         if self.train.max_steps is not None:
             raise ConfigError("train.max_steps: rejection sampling runs rs.iterations x rs.steps_per_iteration steps; "
                               "leave train.max_steps null and set those instead")
+        _require(not self.rollout.max_staleness, "rollout.max_staleness", self.rollout.max_staleness,
+                 "rejection sampling generates each round with the weights the round before trained: use 0")
         if self.rs.mode == "dpo" and self.rollout.samples_per_prompt < 2:
             raise ConfigError("rollout.samples_per_prompt: iterative DPO pairs a prompt's best and worst responses: "
                               "use at least 2")

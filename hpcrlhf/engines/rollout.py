@@ -53,6 +53,7 @@ import dataclasses
 import gc
 import hashlib
 import os
+import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -148,6 +149,42 @@ class RolloutEngine(Protocol):
     def close(self) -> None:
         """Free the engine's resources (processes, memory)."""
         ...
+
+
+class Pending(Protocol):
+    """A batch of generations under way (`launch`)."""
+
+    launched: float
+    """time.monotonic() when it was handed to the engine."""
+
+    def result(self) -> list[list[Generation]]:
+        """The generations, once done (waits)."""
+        ...
+
+    def finished(self) -> float | None:
+        """time.monotonic() when the last of it was done; None while it is still under way."""
+        ...
+
+
+class Done:
+    """A batch generated at launch (engines that generate in the caller: nothing runs meanwhile)."""
+
+    def __init__(self, generations: list[list[Generation]]) -> None:
+        self.generations, self.launched = generations, time.monotonic()
+
+    def result(self) -> list[list[Generation]]:
+        return self.generations
+
+    def finished(self) -> float:
+        return self.launched
+
+
+def launch(engine, prompts: Sequence[Sequence[int]], params: SamplingParams) -> Pending:
+    """Start generating: on an engine that runs elsewhere (`launch` method: Ray engine actors) the
+    batch is under way when this returns; any other engine generates it here and now."""
+    if hasattr(engine, "launch"):
+        return engine.launch(prompts, params)
+    return Done(engine.generate(prompts, params))
 
 
 def _check_prompts(prompts: Sequence[Sequence[int]]) -> None:

@@ -15,7 +15,7 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from hpcrlhf.engines.distributed import all_reduce_sum
-from hpcrlhf.engines.rollout import Generation, SamplingParams
+from hpcrlhf.engines.rollout import Generation, Pending, SamplingParams, launch
 from hpcrlhf.engines.shared_rollout import Rank0Rollout
 from hpcrlhf.errors import ConfigError, DataError
 from hpcrlhf.logs import get_logger
@@ -115,6 +115,15 @@ def vllm_rollout_args(r) -> dict[str, Any]:
                 chunked_prefill=r.vllm_chunked_prefill)
 
 
+@dataclass(frozen=True)
+class LaunchedRollout:
+    """Generations asked for (`OnlineTrainer.launch_rollout`), not yet scored."""
+
+    prompts: list[Prompt]
+    params: SamplingParams
+    pending: Pending
+
+
 @dataclass
 class Rollout:
     """One step's generations on this rank, flattened prompt-major (the n samples of a prompt
@@ -203,14 +212,26 @@ class OnlineTrainer(Trainer):
 
     def rollout_step(self, prompts: Sequence[Prompt], params: SamplingParams) -> Rollout:
         """Generate `params.n` responses per prompt and score them."""
+        return self.score_rollout(self.launch_rollout(prompts, params))
+
+    def launch_rollout(self, prompts: Sequence[Prompt], params: SamplingParams) -> "LaunchedRollout":
+        """Start generating `params.n` responses per prompt (under way when this returns on engines
+        that run elsewhere, done on the others): `score_rollout` collects and scores them."""
         if not self.rollout_synced:
             self.sync_rollout()
         with self.run.timed("generate"):
-            generations = self.rollout.generate([list(p.ids) for p in prompts], params)
+            pending = launch(self.rollout, [list(p.ids) for p in prompts], params)
+        return LaunchedRollout(list(prompts), params, pending)
+
+    def score_rollout(self, launched: "LaunchedRollout") -> Rollout:
+        """The launched generations (waited for) and their scores."""
+        with self.run.timed("generate"):
+            generations = launched.pending.result()
         with self.run.timed("reward"):
-            rollout = Rollout(*flatten_generations(prompts, generations, self.tokenizer), None, {})
+            rollout = Rollout(*flatten_generations(launched.prompts, generations, self.tokenizer), None, {})
             total, rollout.parts = self.rewards.score(rollout.responses)
-            rollout.scores = adjust_scores(total, rollout.lengths, rollout.finished, self.cfg.reward, params.max_new_tokens)
+            rollout.scores = adjust_scores(total, rollout.lengths, rollout.finished, self.cfg.reward,
+                                           launched.params.max_new_tokens)
         # before anything learns from them; every rank decides alike
         self.guard.check_inputs({**{f"reward/{name}": v for name, v in rollout.parts.items()}, "rollout/score": rollout.scores},
                                 all_ranks=lambda flag: all_reduce_sum([flag])[0])

@@ -12,6 +12,10 @@ One step reads top to bottom, each phase timed under its metric name:
                                                                                 timing/train_actor, timing/train_critic
     sync       actor weights into the rollout engine                            timing/weight_sync
 
+With rollout.max_staleness 1 the next step's rollout is launched as soon as this step's generations
+are in, so engines that run elsewhere (Ray) generate it while this step scores and trains; the sync
+waits for it first (timing/generate_ahead_wait, timing/overlap; see `trainers.overlap`).
+
 The maths are pure functions in `algos.ppo` and `algos.advantages`. Every batch statistic
 (whitening, the KL controller's measured KL, running reward moments, loss normalisers) is
 summed over ranks, so N ranks train like one rank with N times the batch.
@@ -28,6 +32,7 @@ node map (`placement.runtime: ray`); the per-role halves both use live in `ppo_l
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +47,8 @@ from hpcrlhf.data.sft import TokenizedSample
 from hpcrlhf.engines.distributed import all_reduce_sum
 from hpcrlhf.logs import get_logger
 from hpcrlhf.trainers.experience import ExperienceBatch, ReplayBuffer
-from hpcrlhf.trainers.online import OnlineTrainer, Prompt, Rollout, refill_seed
+from hpcrlhf.trainers.overlap import generate_ahead
+from hpcrlhf.trainers.online import LaunchedRollout, OnlineTrainer, Prompt, Rollout, refill_seed
 from hpcrlhf.trainers.plan import PPOPlan, key_settings
 from hpcrlhf.trainers.ppo_learner import PPOLearner, forward_logps, forward_values
 from hpcrlhf.trainers.sequences import model_batch
@@ -94,6 +100,8 @@ class PPOTrainer(OnlineTrainer):
         self.kl_ctl = build_kl_controller(ppo.init_kl_coef, ppo.kl_target, ppo.kl_horizon)
         self.moments = RunningMoments()
         self.buffer = ReplayBuffer(ppo.buffer_limit)
+        self.ahead: tuple[int, LaunchedRollout] | None = None
+        """(step, its rollout) generated ahead (rollout.max_staleness 1), to be scored at that step."""
 
     def controller_state(self) -> dict[str, Any]:
         """What the driver itself must checkpoint: the KL controller and the running reward moments."""
@@ -123,22 +131,49 @@ class PPOTrainer(OnlineTrainer):
             experience, stats = self.make_experience(rollout)
         with self.run.timed("train"):  # wall time of the updates (train_actor/critic may overlap)
             sums = self.learn(experience, step)
+        self.await_ahead()
         with self.run.timed("weight_sync"):
             self.sync_rollout()
         return {**self.step_metrics(rollout, stats, sums), **self.sync_metrics, **sampling_metrics}
 
     def step_rollout(self, step: int) -> tuple[Rollout, dict[str, float]]:
         """The step's scored rollout: its prompts' groups, or with ppo.dynamic_sampling the step's
-        quota of informative groups gathered over rounds (and what that took)."""
+        quota of informative groups gathered over rounds (and what that took). With
+        rollout.max_staleness 1 the rollout may have been generated during the step before, and
+        the next step's is started here, once this one's generations are in."""
         n = self.cfg.rollout.samples_per_prompt
-        if not self.cfg.ppo.dynamic_sampling:
-            return self.rollout_step(self.step_prompts(step), self.sampling(step, n)), {}
-        from hpcrlhf.trainers.dynamic_sampling import fill_step
+        if self.cfg.ppo.dynamic_sampling:
+            from hpcrlhf.trainers.dynamic_sampling import fill_step
 
-        filled = fill_step(lambda r: self.rollout_step(self.step_prompts(step, r), self.sampling(step, n, r)),
-                           n=n, max_rounds=self.cfg.ppo.dynamic_sampling_max_rounds,
-                           missing_anywhere=lambda missing: int(all_reduce_sum([missing])[0]))
-        return filled.rollout, filled.metrics(reduce=all_reduce_sum)
+            filled = fill_step(lambda r: self.rollout_step(self.step_prompts(step, r), self.sampling(step, n, r)),
+                               n=n, max_rounds=self.cfg.ppo.dynamic_sampling_max_rounds,
+                               missing_anywhere=lambda missing: int(all_reduce_sum([missing])[0]))
+            return filled.rollout, filled.metrics(reduce=all_reduce_sum)
+        ahead, self.ahead = self.ahead, None
+        launched = ahead[1] if ahead is not None and ahead[0] == step else None
+        stale = launched is not None
+        if launched is None:
+            launched = self.launch_rollout(self.step_prompts(step), self.sampling(step, n))
+        with self.run.timed("generate"):
+            launched.pending.result()
+        if generate_ahead(step + 1, self.plan.total_steps, self.cfg.checkpoint.every_steps,
+                          self.cfg.rollout.max_staleness):
+            self.ahead = (step + 1, self.launch_rollout(self.step_prompts(step + 1), self.sampling(step + 1, n)))
+        metrics = {"rollout/staleness": float(stale)} if self.cfg.rollout.max_staleness else {}
+        return self.score_rollout(launched), metrics
+
+    def await_ahead(self) -> None:
+        """Wait for the rollout generated ahead (before new weights go into its engines) and log
+        `timing/overlap`: the seconds it was generated while this step scored and trained."""
+        if self.ahead is None:
+            if self.cfg.rollout.max_staleness:
+                self.run.add_timing("overlap", 0.0)
+            return
+        waited = time.monotonic()
+        pending = self.ahead[1].pending
+        with self.run.timed("generate_ahead_wait"):
+            pending.result()
+        self.run.add_timing("overlap", max(0.0, min(pending.finished() or waited, waited) - pending.launched))
 
     def skipped_updates(self) -> None:
         return None  # each learner reports its engine's in the step's metrics

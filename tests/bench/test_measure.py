@@ -7,7 +7,7 @@ import pytest
 
 from hpcrlhf.bench.dschat import parse_log
 from hpcrlhf.bench.flops import Shape, causal_context, forward_flops, train_flops
-from hpcrlhf.bench.measure import phase_seconds, summarize
+from hpcrlhf.bench.measure import PHASES, phase_seconds, summarize
 from hpcrlhf.bench.stepmodel import A800_80GB, Efficiency, SystemShape, Workload, fit, paper_predictions, predict
 from hpcrlhf.errors import HpcrlhfError
 
@@ -46,16 +46,19 @@ def test_idle_shares_and_sync_size_are_medians_where_measured():
 
     rows = [{"step": 0}]
     for i, (actor, vllm, sync) in enumerate([(0.9, 0.1, 5e6), (0.2, 0.6, 4e6), (0.4, 0.5, 3e6), (0.3, 0.7, 2e6)], 1):
-        rows.append({**row(i, 1, 0, 0, 1, 0), "util/actor_idle": actor, "util/vllm_idle": vllm, "weight_sync/bytes": sync})
+        rows.append({**row(i, 1, 0, 0, 1, 0), "util/actor_idle": actor, "util/vllm_idle": vllm, "weight_sync/bytes": sync,
+                     "timing/overlap": 0.1 * i, "timing/generate_ahead_wait": 0.5})
     rows[2]["util/ref_idle"] = 0.5  # one step only: not reported
     t = summarize(rows, warmup=1, samples=8, prompt_tokens=4, devices=1, train_flops_per_step=1, peak_flops=1)
     assert t.idle == pytest.approx({"actor": 0.3, "vllm": 0.6}) and t.sync_bytes == pytest.approx(3e6)
+    assert t.overlap_s == pytest.approx(0.3)  # steps 2-4: 0.2, 0.3, 0.4
+    assert t.phases_s["generate"] == pytest.approx(1.5)  # the step's own wait and the wait for the next one
     plain = summarize([{"step": 0}, row(1, 1, 0, 0, 1, 0), row(2, 1, 0, 0, 1, 0)], warmup=1, samples=1, prompt_tokens=1,
                       devices=1, train_flops_per_step=1, peak_flops=1)
-    assert plain.idle == {} and plain.sync_bytes is None
+    assert plain.idle == {} and plain.sync_bytes is None and plain.overlap_s is None
     doc = {"systems": [{"name": "a", "status": "ok", "throughput": t.to_dict()},
                        {"name": "b", "status": "ok", "throughput": plain.to_dict()}]}
-    assert utilisation_lines(doc)[-1] == "| a | 30 % | 60 % | 3.0 |"
+    assert utilisation_lines(doc)[-1] == "| a | 30 % | 60 % | 3.0 | 0.30 |"
     assert utilisation_lines({"systems": doc["systems"][1:]}) == []
 
 
@@ -111,7 +114,7 @@ def test_step_model_by_hand_and_fit_inverts_predict():
     assert p["generate"] == pytest.approx(200 * decode + prefill)
     tokens = 64 * 300
     assert p["train"] == pytest.approx(8 * 1e9 * tokens / (2 * hw.peak_flops * eff.train_mfu))
-    assert p["step"] == pytest.approx(sum(v for k, v in p.items() if k != "step"))
+    assert p["step"] == pytest.approx(sum(p[k] for k in PHASES))
     measured = {"generate": 2 * p["generate"], "train": 3 * p["train"], "make_experience": 0.5 * p["make_experience"]}
     fitted = fit(w, lay, hw, measured)
     again = predict(w, lay, hw, fitted)
@@ -166,3 +169,16 @@ def test_results_table_rows_have_the_header_s_cells():
              or line.startswith("| ---") or any(line.startswith(f"| {s['name']} |") for s in doc["systems"])]
     assert len(table) == 2 + len(doc["systems"])
     assert {line.count("|") for line in table} == {table[0].count("|")}, table
+
+
+def test_the_overlapped_schedule_hides_generation_behind_training_only_on_separate_engines():
+    """rollout.max_staleness 1 in the model: the distributed layout's step is max(generate,
+    make_experience + train) + weight_sync; layouts whose engines share the training devices gain nothing."""
+    r = paper_predictions()
+    for size, shape in r["shapes"].items():
+        d = shape["phases_s"]["distributed"]
+        assert d["step_overlapped"] == pytest.approx(
+            max(d["generate"], d["make_experience"] + d["train"]) + d["weight_sync"])
+        assert d["step_overlapped"] < d["step"]
+        for name in ("colocated", "dschat-style"):
+            assert shape["phases_s"][name]["step_overlapped"] == shape["phases_s"][name]["step"]

@@ -123,6 +123,23 @@ def test_ppo_on_ray_learns_the_task_like_single_machine_ppo(runs):
     assert max(r["rollout/logprob_max_diff"] for r in rows) < 1e-4
 
 
+@pytest.mark.slow
+def test_one_step_stale_ray_ppo_generates_the_next_rollout_while_it_trains(ray_cluster, policy_model, runs, tmp_path):
+    """rollout.max_staleness 1 on the spread layout: while the roles score and train on step n, the
+    engines (on their own GPUs) already generate step n+1's rollout with the weights step n started
+    from; the first step is the synchronous run's own."""
+    folder = tmp_path / "run"
+    run_cli(["train", "ppo", "--config", SEPARATED, "-o", str(folder), "--set", f"model.path={policy_model}", *RUN,
+             "--set", "train.max_steps=4", "--set", "rollout.max_staleness=1"],
+            env={"RAY_ADDRESS": ray_cluster.address}, timeout=900)
+    rows, sync = train_rows(folder), train_rows(runs[SEPARATED])
+    assert [r["rollout/staleness"] for r in rows] == [0, 1, 1, 1]
+    assert rows[0]["rollout/score"] == pytest.approx(sync[0]["rollout/score"], abs=1e-6)
+    assert rows[0]["rollout/logprob_max_diff"] < 1e-4 < min(r["rollout/logprob_max_diff"] for r in rows[1:])
+    assert all(r["timing/overlap"] > 0 for r in rows[:3]) and rows[3]["timing/overlap"] == 0, rows
+    assert summary(folder)["status"] == "done"
+
+
 def placement(folder, policy_model, ips) -> tuple[dict, dict]:
     """(where `hpcrlhf plan --json` puts each rank and engine, where the workers say they ran):
     {(role, rank): (node address, visible GPUs)}."""

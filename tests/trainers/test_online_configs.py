@@ -23,6 +23,10 @@ from hpcrlhf.trainers.plan import PPOPlan
      "'ppo' is not one of 'gae', 'grpo', 'dr_grpo', 'rloo', 'reinforce++', 'reinforce_baseline'"),
     (["reward.sources=[]"], "reward.sources: [] is invalid: give at least one"),
     (["reward.sources=[{model: a, rule: task}]"], "exactly one of `model`"),
+    (["rollout.max_staleness=2"], "rollout.max_staleness: 2 is invalid: use 0 "),
+    (["rollout.max_staleness=-1"], "rollout.max_staleness: -1 is invalid"),
+    (["rollout.max_staleness=1", "ppo.dynamic_sampling=true"],
+     "rollout.max_staleness: 1 generates the next step's rollout ahead, but ppo.dynamic_sampling"),
 ])
 def test_bad_ppo_settings_fail_with_the_field_and_the_fix(overrides, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace("[", r"\[").replace("+", r"\+")):
@@ -33,6 +37,7 @@ def test_bad_ppo_settings_fail_with_the_field_and_the_fix(overrides, message):
     (["train.max_steps=10"], "rs.iterations x rs.steps_per_iteration"),
     (["rs.mode=dpo", "rollout.samples_per_prompt=1"], "pairs a prompt's best and worst"),
     (["rs.iterations=0"], "rs.iterations: 0 is invalid"),
+    (["rollout.max_staleness=1"], "rollout.max_staleness: 1 is invalid: rejection sampling generates each round"),
 ])
 def test_bad_rs_settings(overrides, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
@@ -60,3 +65,13 @@ def test_ppo_plan_rejects_impossible_shapes(kwargs, message):
     args = dict(prompts_per_step=32, samples_per_prompt=4, ppo_epochs=1, num_prompts=1000, data_parallel_size=1) | kwargs
     with pytest.raises(ConfigError, match=message):
         PPOPlan.build(TrainConfig(global_batch_size=64, micro_batch_size=16), **args)
+
+
+def test_rollouts_are_generated_ahead_only_within_the_run_and_never_across_a_checkpoint():
+    from hpcrlhf.trainers.overlap import generate_ahead
+
+    # 10 steps, a checkpoint after every 4th: step i's rollout (0-based) may be generated during step i-1
+    ahead = [i for i in range(12) if generate_ahead(i, 10, 4, 1)]
+    assert ahead == [1, 2, 3, 5, 6, 7, 9]  # not 4 or 8 (checkpointed before them), nothing past the last step
+    assert [i for i in range(6) if generate_ahead(i, 5, 0, 1)] == [1, 2, 3, 4]  # no checkpoints
+    assert not any(generate_ahead(i, 10, 4, 0) for i in range(10))  # synchronous
