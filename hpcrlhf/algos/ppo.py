@@ -382,6 +382,7 @@ def policy_loss(
     aggregation: str = "token-mean",
     normalizer: float | None = None,
     ratio_level: str = "token",
+    token_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO clipped surrogate loss (Schulman et al. 2017), optionally asymmetric and dual-clipped.
 
@@ -391,7 +392,9 @@ def policy_loss(
     al. 2020, dual_clip = c > 1): where A < 0, l = min(l, -A c). The log-ratio is clamped to
     [-20, 20] before exp so an extreme token gives a large finite ratio instead of inf (whose
     0 * inf gradients would be NaN); tokens that far off are clipped anyway. old_logp and
-    advantages are detached. The scalar loss is `aggregate_loss(l, mask, aggregation, normalizer)`.
+    advantages are detached. `token_weights` (detached) multiply l token by token: the truncated
+    importance weights of `truncated_is_weights`. The scalar loss is `aggregate_loss(l, mask,
+    aggregation, normalizer)`.
 
     ratio_level="sequence" is GSPO (Zheng et al. 2025): one ratio per response, the geometric
     mean of its token ratios, s_i = exp(mean_t (logp - old_logp)), clipped as a whole. It is
@@ -430,6 +433,8 @@ def policy_loss(
     loss = torch.maximum(l1, l2)
     if dual_clip is not None:
         loss = torch.where(adv < 0, torch.minimum(loss, -adv * dual_clip), loss)
+    if token_weights is not None:
+        loss = loss * token_weights.detach().to(dt)
     total = aggregate_loss(loss, keep, aggregation, normalizer)  # type: ignore[arg-type]
     with torch.no_grad():
         stats = {
@@ -439,6 +444,18 @@ def policy_loss(
             "tokens": keep.sum().to(dt),
         }
     return total.to(out), stats
+
+
+def truncated_is_weights(old_logp: torch.Tensor, behaviour_logp: torch.Tensor, mask: torch.Tensor,
+                         cap: float) -> torch.Tensor:
+    """Truncated importance sampling (Yao et al. 2025, "Your efficient RL framework secretly brings
+    you off-policy RL training"): per token min(pi_old(y_t) / pi_behaviour(y_t), cap), pi_behaviour
+    the policy that generated the token (the rollout engine: other numerics, or weights an update
+    behind), pi_old the trainer's recomputation the PPO ratio is taken against. 0 off the mask."""
+    if not cap > 0:
+        raise ValueError(f"cap must be > 0, got {cap}")
+    log_w = (old_logp.detach().double() - behaviour_logp.detach().double()).clamp(max=math.log(cap))
+    return torch.where(mask.bool(), torch.exp(log_w), torch.zeros_like(log_w)).to(old_logp.dtype)
 
 
 def value_loss(

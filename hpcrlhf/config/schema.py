@@ -903,6 +903,12 @@ class PPOSectionConfig:
     experience (its importance ratio uses the log-probs it was generated with)."""
     freeze_actor_steps: int = 0
     """Train only the critic for the first N steps (warms the value estimates up)."""
+    tis_cap: Optional[float] = None
+    """Truncated importance sampling (Yao et al. 2025): weight each token's policy loss by
+    min(pi_old / pi_rollout, tis_cap), pi_rollout the rollout engine's log-prob of the token (it
+    differs from the trainer's recomputation by the engine's numerics -- bf16 vLLM on GPU -- and,
+    with rollout.max_staleness 1, by the update the generating weights missed). null: off; 2 is
+    usual. Logged: rollout/is_weight (mean), rollout/is_truncated (share of tokens at the cap)."""
     dynamic_sampling: bool = False
     """DAPO's dynamic sampling (Yu et al. 2025): drop every prompt whose samples all got the same
     score (a group-relative estimator learns nothing from it) and refill the step with the groups of
@@ -918,6 +924,8 @@ class PPOSectionConfig:
         _require_finite(self, "ppo")
         _require(self.dynamic_sampling_max_rounds >= 1, "ppo.dynamic_sampling_max_rounds",
                  self.dynamic_sampling_max_rounds, "use at least 1 (the step's first round)")
+        _require(self.tis_cap is None or self.tis_cap >= 1, "ppo.tis_cap", self.tis_cap,
+                 "use null (off) or a cap >= 1 such as 2 (a cap below 1 would down-weight every token)")
         _require(self.epochs >= 1, "ppo.epochs", self.epochs, "use at least 1")
         _require(0 < self.clip_eps < 1, "ppo.clip_eps", self.clip_eps, "use a value in (0, 1), typically 0.2")
         _require(self.clip_eps_high is None or self.clip_eps_high > 0, "ppo.clip_eps_high", self.clip_eps_high,

@@ -34,6 +34,8 @@ class Experience:
     """Critic values when the experience was made (value clipping)."""
     ref_logps: Optional[torch.Tensor] = None
     """Reference log-probs (a KL term in the loss)."""
+    is_weights: Optional[torch.Tensor] = None
+    """Truncated importance weights of the actions (ppo.tis_cap), multiplying the policy loss."""
 
 
 @dataclass

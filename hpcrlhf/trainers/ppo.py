@@ -41,7 +41,7 @@ import torch
 from hpcrlhf.algos.advantages import compute_advantages
 from hpcrlhf.algos.logprobs import IGNORE
 from hpcrlhf.algos.ppo import (RunningMoments, build_kl_controller, clip_rewards, kl_estimate, masked_sum,
-                               normalize_scores, shape_rewards)
+                               normalize_scores, shape_rewards, truncated_is_weights)
 from hpcrlhf.config.schema import PPOConfig
 from hpcrlhf.data.sft import TokenizedSample
 from hpcrlhf.engines.distributed import all_reduce_sum
@@ -228,17 +228,22 @@ class PPOTrainer(OnlineTrainer):
             ppo.advantage_estimator, rewards=rewards, mask=mask, scores=scores, values=values,
             group_size=cfg.rollout.samples_per_prompt, gamma=ppo.gamma, lam=ppo.lam,
             whiten=ppo.whiten_advantages, reduce=all_reduce_sum)
-        lengths = [len(r.sequence_ids) for r in rollout.responses]
-        experience = ExperienceBatch({"input_ids": batch["input_ids"], "labels": batch["labels"], "old_logps": old,
-                                      "advantages": advantages, "returns": returns, "values": values,
-                                      "ref_logps": ref if ppo.kl_loss_coef > 0 else None}, lengths)
-
         rollout_logps = torch.zeros_like(old)
         for i, (g, r) in enumerate(zip(rollout.generations, rollout.responses)):
             start = len(r.sequence_ids) - len(g.response_ids)
             rollout_logps[i, start - 1 : start - 1 + len(g.logprobs)] = torch.tensor(g.logprobs)
+        is_weights = truncated_is_weights(old, rollout_logps, mask, ppo.tis_cap) if ppo.tis_cap else None
+        lengths = [len(r.sequence_ids) for r in rollout.responses]
+        experience = ExperienceBatch({"input_ids": batch["input_ids"], "labels": batch["labels"], "old_logps": old,
+                                      "advantages": advantages, "returns": returns, "values": values,
+                                      "ref_logps": ref if ppo.kl_loss_coef > 0 else None,
+                                      "is_weights": is_weights}, lengths)
         n = len(experience)
         stats = self.rollout_stats(rollout)
+        if is_weights is not None:
+            tokens = float(mask.sum())
+            stats["rollout/is_weight"] = (float(masked_sum(is_weights, mask)), tokens)
+            stats["rollout/is_truncated"] = (float((mask & (is_weights >= ppo.tis_cap * (1 - 1e-6))).sum()), tokens)
         stats["rollout/kl"] = (float(masked_sum(kl, mask)), n)
         stats["rollout/logprob_max_diff"] = (float(((rollout_logps - old).abs() * mask).amax(dim=-1).sum()), n)
         stats["rollout/advantage"] = (float(masked_sum(advantages, mask)), float(mask.sum()))

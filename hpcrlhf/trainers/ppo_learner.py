@@ -99,7 +99,8 @@ class PPOLearner:
         logp = token_logprobs(logits, batch["labels"])
         loss, st = policy_loss(logp, batch["old_logps"], batch["advantages"], mask, clip_eps_low=ppo.clip_eps,
                                clip_eps_high=ppo.clip_eps_high, dual_clip=ppo.dual_clip,
-                               aggregation=ppo.loss_aggregation, normalizer=normalizer, ratio_level=ppo.ratio_level)
+                               aggregation=ppo.loss_aggregation, normalizer=normalizer, ratio_level=ppo.ratio_level,
+                               token_weights=batch.get("is_weights"))
         stats = {"train/policy_loss": (float(loss.detach()), 0.0),
                  "train/clipfrac": (float(st["clipfrac_sum"]), float(st["tokens"])),
                  "train/approx_kl": (float(st["approx_kl_sum"]), float(st["tokens"])),

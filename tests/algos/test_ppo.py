@@ -32,6 +32,7 @@ from hpcrlhf.algos.ppo import (
     normalize_scores,
     policy_loss,
     shape_rewards,
+    truncated_is_weights,
     value_loss,
 )
 from tests.algos.fake_ranks import DTYPES, capture_sums, close, plus
@@ -591,6 +592,38 @@ def test_policy_loss_matches_reference(dtype, mode, low, high, dual):
             n = mask.sum().item()
             grads = [[t[2] / n if m else 0.0 for t, m in zip(rt, rm)] for rt, rm in zip(per_tok, keep)]
             close(leaf.grad, grads, dtype)
+
+
+def test_truncated_is_weights_by_hand_and_in_the_loss():
+    """min(exp(old - behaviour), cap) per token, 0 off the mask; the loss takes them as per-token
+    multipliers of the clipped surrogate (value and gradient), whatever the aggregation."""
+    old = torch.tensor([[-1.0, -2.0, -0.5, -3.0]], dtype=torch.float64)
+    behaviour = torch.tensor([[-1.2, -1.0, -0.5, -9.0]], dtype=torch.float64)
+    mask = torch.tensor([[True, True, True, False]])
+    w = truncated_is_weights(old, behaviour, mask, cap=2.0)
+    assert w[0].tolist() == pytest.approx([math.exp(0.2), math.exp(-1.0), 1.0, 0.0], abs=1e-15)
+    assert truncated_is_weights(old, behaviour - 5, mask, cap=2.0)[0, :3].tolist() == pytest.approx([2.0] * 3)
+    with pytest.raises(ValueError, match="cap must be > 0"):
+        truncated_is_weights(old, behaviour, mask, cap=0.0)
+    g = torch.Generator().manual_seed(12)
+    for mode in LOSS_AGGREGATIONS:
+        for mask in make_masks(g).values():
+            old = -torch.rand(mask.shape, generator=g, dtype=torch.float64) * 3
+            logp = (old + torch.randn(mask.shape, generator=g, dtype=torch.float64) * 0.4).requires_grad_()
+            adv = torch.randn(mask.shape, generator=g, dtype=torch.float64)
+            weights = torch.rand(mask.shape, generator=g, dtype=torch.float64) * 2
+            loss, _ = policy_loss(logp, old, adv, mask, clip_eps_low=0.2, aggregation=mode, token_weights=weights)
+            per_tok = [[w * ref_ppo_token(a - b, c, 0.2, 0.2, None)[0] for a, b, c, w in zip(ra, rb, rc, rw)]
+                       for ra, rb, rc, rw in zip(rows(logp.detach()), rows(old), rows(adv), rows(weights))]
+            close(loss, ref_aggregate(per_tok, rows(mask), mode), torch.float64)
+            if mode == "token-mean" and mask.any():
+                loss.backward()
+                n = mask.sum().item()
+                grads = [[w * ref_ppo_token(a - b, c, 0.2, 0.2, None)[2] / n if m else 0.0
+                          for a, b, c, w, m in zip(ra, rb, rc, rw, rm)]
+                         for ra, rb, rc, rw, rm in zip(rows(logp.detach()), rows(old), rows(adv), rows(weights),
+                                                       rows(mask))]
+                close(logp.grad, grads, torch.float64)
 
 
 @pytest.mark.parametrize("mode", LOSS_AGGREGATIONS)

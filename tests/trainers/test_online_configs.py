@@ -23,6 +23,7 @@ from hpcrlhf.trainers.plan import PPOPlan
      "'ppo' is not one of 'gae', 'grpo', 'dr_grpo', 'rloo', 'reinforce++', 'reinforce_baseline'"),
     (["reward.sources=[]"], "reward.sources: [] is invalid: give at least one"),
     (["reward.sources=[{model: a, rule: task}]"], "exactly one of `model`"),
+    (["ppo.tis_cap=0.5"], "ppo.tis_cap: 0.5 is invalid: use null"),
     (["rollout.max_staleness=2"], "rollout.max_staleness: 2 is invalid: use 0 "),
     (["rollout.max_staleness=-1"], "rollout.max_staleness: -1 is invalid"),
     (["rollout.max_staleness=1", "ppo.dynamic_sampling=true"],
