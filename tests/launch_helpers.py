@@ -40,3 +40,24 @@ def run_cli(args: list[str], *, nproc: int = 1, timeout: float = 600, check: boo
     if check and proc.returncode != 0:
         raise AssertionError(f"hpcrlhf {' '.join(args)} exited {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
     return proc
+
+
+def stop_after(args: list[str], out: Path, step: int, key: str = "train/loss") -> int:
+    """Run `hpcrlhf ARGS`, send it the stop signal (SIGUSR1: what Slurm sends before a time limit)
+    once a metrics row of step >= `step` with `key` is logged; the checkpointed step it stopped at."""
+    import signal
+    import time
+
+    from hpcrlhf.metrics import read_metrics
+
+    proc = subprocess.Popen(cli_command(args), cwd=ROOT, env=cli_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    logged = lambda: (out / "metrics.jsonl").exists() and any(
+        m["step"] >= step for m in read_metrics(out) if key in m)
+    deadline = time.monotonic() + 300
+    while not logged() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGUSR1)
+    log = proc.communicate(timeout=300)[0]
+    assert proc.returncode == 3, log[-3000:]
+    return int((out / "checkpoints" / "latest").read_text().strip().split("_")[1])

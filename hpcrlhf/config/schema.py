@@ -706,9 +706,10 @@ class RolloutConfig:
     update behind -- while the roles score and train on step n (the Ray runtime's engines then stop
     idling during training; engines that generate in the training process gain nothing but keep
     the same samples). The PPO ratio is taken against the log-probs of the weights being trained
-    (recomputed), `rollout/logprob_max_diff` shows how far the generating weights were. No rollout
-    is generated ahead across a checkpoint, so a resumed run equals an uninterrupted one. Logged:
-    rollout/staleness, timing/overlap (seconds generation ran while the step trained)."""
+    (recomputed), `rollout/logprob_max_diff` shows how far the generating weights were; see
+    ppo.tis_cap. Checkpoints keep the rollout generated ahead, so a resumed run (after a stop signal
+    too) equals an uninterrupted one. Logged: rollout/staleness, timing/overlap (seconds generation
+    ran while the step trained)."""
 
     def __post_init__(self) -> None:
         _require_finite(self, "rollout")

@@ -45,6 +45,7 @@ from hpcrlhf.algos.ppo import (RunningMoments, build_kl_controller, clip_rewards
 from hpcrlhf.config.schema import PPOConfig
 from hpcrlhf.data.sft import TokenizedSample
 from hpcrlhf.engines.distributed import all_reduce_sum
+from hpcrlhf.engines.rollout import Done
 from hpcrlhf.logs import get_logger
 from hpcrlhf.trainers.experience import ExperienceBatch, ReplayBuffer
 from hpcrlhf.trainers.overlap import generate_ahead
@@ -156,11 +157,26 @@ class PPOTrainer(OnlineTrainer):
             launched = self.launch_rollout(self.step_prompts(step), self.sampling(step, n))
         with self.run.timed("generate"):
             launched.pending.result()
-        if generate_ahead(step + 1, self.plan.total_steps, self.cfg.checkpoint.every_steps,
-                          self.cfg.rollout.max_staleness):
+        if generate_ahead(step + 1, self.plan.total_steps, self.cfg.rollout.max_staleness):
             self.ahead = (step + 1, self.launch_rollout(self.step_prompts(step + 1), self.sampling(step + 1, n)))
         metrics = {"rollout/staleness": float(stale)} if self.cfg.rollout.max_staleness else {}
         return self.score_rollout(launched), metrics
+
+    def save_ahead(self, folder: Path, rank: int) -> None:
+        """Into a checkpoint: the rollout generated ahead for the next step (done by now: the step's
+        sync waited for it), so that a run resumed here scores the samples an uninterrupted one does."""
+        if self.ahead is not None:
+            step, launched = self.ahead
+            torch.save({"step": step, "generations": launched.pending.result()}, folder / f"ahead_rank{rank}.pt")
+
+    def load_ahead(self, folder: Path, rank: int) -> None:
+        path = folder / f"ahead_rank{rank}.pt"
+        self.ahead = None
+        if path.exists():
+            state = torch.load(path, weights_only=False)
+            step, n = state["step"], self.cfg.rollout.samples_per_prompt
+            self.ahead = (step, LaunchedRollout(self.step_prompts(step), self.sampling(step, n),
+                                                Done(state["generations"])))
 
     def await_ahead(self) -> None:
         """Wait for the rollout generated ahead (before new weights go into its engines) and log
@@ -299,6 +315,7 @@ class PPOState:
         if t.critic is not None:
             t.critic.save_checkpoint(folder / "critic", {"step": client_state["step"]})
         t.buffer.save(folder, t.env.rank)
+        t.save_ahead(folder, t.env.rank)
 
     def load_checkpoint(self, folder: Path) -> dict[str, Any]:
         t = self.t
@@ -307,6 +324,7 @@ class PPOState:
             t.critic.load_checkpoint(folder / "critic")
         t.load_controller_state(state)
         t.buffer.load(folder, t.env.rank)
+        t.load_ahead(folder, t.env.rank)
         t.rollout_synced = t.rollout is t.hf_rollout  # push the resumed weights before generating
         return state
 

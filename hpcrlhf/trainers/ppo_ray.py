@@ -294,12 +294,14 @@ class RayPPOState:
         gather([ref for group, sub in self._trained()
                  for ref in group.call_async("save_checkpoint", str(folder / sub),
                                              {"step": client_state["step"]} if sub else state)])
+        t.save_ahead(folder, 0)  # the driver holds every engine's samples
 
     def load_checkpoint(self, folder) -> dict[str, Any]:
         t = self.t
         refs = [group.call_async("load_checkpoint", str(folder / sub)) for group, sub in self._trained()]
         state = gather([ref for more in refs for ref in more])[0]
         t.load_controller_state(state)
+        t.load_ahead(folder, 0)
         t.rollout_synced = False  # push the resumed weights before generating
         return state
 

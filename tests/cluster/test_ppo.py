@@ -130,7 +130,7 @@ def test_one_step_stale_ray_ppo_generates_the_next_rollout_while_it_trains(ray_c
     from; the first step is the synchronous run's own."""
     folder = tmp_path / "run"
     run_cli(["train", "ppo", "--config", SEPARATED, "-o", str(folder), "--set", f"model.path={policy_model}", *RUN,
-             "--set", "train.max_steps=4", "--set", "rollout.max_staleness=1"],
+             "--set", "train.max_steps=4", "--set", "rollout.max_staleness=1", "--set", "checkpoint.every_steps=2"],
             env={"RAY_ADDRESS": ray_cluster.address}, timeout=900)
     rows, sync = train_rows(folder), train_rows(runs[SEPARATED])
     assert [r["rollout/staleness"] for r in rows] == [0, 1, 1, 1]
@@ -138,6 +138,12 @@ def test_one_step_stale_ray_ppo_generates_the_next_rollout_while_it_trains(ray_c
     assert rows[0]["rollout/logprob_max_diff"] < 1e-4 < min(r["rollout/logprob_max_diff"] for r in rows[1:])
     assert all(r["timing/overlap"] > 0 for r in rows[:3]) and rows[3]["timing/overlap"] == 0, rows
     assert summary(folder)["status"] == "done"
+    # the driver keeps the rollout generated ahead in the checkpoint (step 3's, at step 2; none after the last)
+    import torch
+
+    ahead = torch.load(folder / "checkpoints" / "step_000002" / "ahead_rank0.pt", weights_only=False)
+    assert ahead["step"] == 2 and len(ahead["generations"]) == 32 and all(len(g) == 4 for g in ahead["generations"])
+    assert not (folder / "checkpoints" / "step_000004" / "ahead_rank0.pt").exists()
 
 
 def placement(folder, policy_model, ips) -> tuple[dict, dict]:

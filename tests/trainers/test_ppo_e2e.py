@@ -10,7 +10,7 @@ import json
 import pytest
 
 from hpcrlhf.metrics import read_metrics
-from tests.launch_helpers import run_cli
+from tests.launch_helpers import run_cli, stop_after
 
 QUIET = ["--set", "log.tensorboard=false", "--set", "eval.every_steps=0", "--set", "log.every_steps=1"]
 RL = [*QUIET, "--set", "task.eval_size=512", "--set", "eval.score_prompts=512", "--set", "rollout.prompts_per_step=32", "--set", "train.global_batch_size=64",
@@ -70,19 +70,28 @@ def test_estimator_with_rule_reward_raises_the_task_score(estimator, extra, poli
 def test_a_rollout_generated_ahead_comes_from_the_weights_one_update_behind(policy_model, tmp_path):
     """rollout.max_staleness 1: step 2's rollout is generated during step 1, with the initial weights,
     so it is the rollout of a synchronous run whose actor did not learn at step 1
-    (ppo.freeze_actor_steps=1); step 3's comes from the weights after one update. The step after a
-    checkpoint generates its own (nothing under way is lost by a resume)."""
+    (ppo.freeze_actor_steps=1); step 3's comes from the weights after one update. A run stopped by
+    the time-limit signal and resumed scores the rollout it had generated ahead (kept in the
+    checkpoint): it equals the uninterrupted run."""
     args = ["train", "ppo", "--set", f"model.path={policy_model}", "--set", "train.max_steps=5", "--set",
             "ppo.advantage_estimator=grpo", "--set", "rollout.samples_per_prompt=4", "--set", "optim.lr=1e-4", *RL]
-    run_cli([*args, "-o", str(tmp_path / "stale"), "--set", "rollout.max_staleness=1",
-             "--set", "checkpoint.every_steps=3"])
+    stale = [*args, "--set", "rollout.max_staleness=1", "--set", "checkpoint.every_steps=100"]
+    run_cli([*stale, "-o", str(tmp_path / "stale")])
     run_cli([*args, "-o", str(tmp_path / "frozen"), "--set", "ppo.freeze_actor_steps=1"])
-    stale, frozen = train_rows(tmp_path / "stale"), train_rows(tmp_path / "frozen")
-    assert [r["rollout/staleness"] for r in stale] == [0, 1, 1, 0, 1]  # step 4 follows the checkpoint after 3
-    assert [r["rollout/score"] for r in stale[:2]] == [r["rollout/score"] for r in frozen[:2]]
-    assert stale[2]["rollout/score"] != frozen[2]["rollout/score"]
-    assert stale[0]["rollout/logprob_max_diff"] < 1e-4 < min(r["rollout/logprob_max_diff"] for r in stale[1:3])
-    assert all(r["timing/overlap"] == 0 for r in stale)  # the HF engine generates in the training process
+    whole, frozen = train_rows(tmp_path / "stale"), train_rows(tmp_path / "frozen")
+    assert [r["rollout/staleness"] for r in whole] == [0, 1, 1, 1, 1]
+    assert [r["rollout/score"] for r in whole[:2]] == [r["rollout/score"] for r in frozen[:2]]
+    assert whole[2]["rollout/score"] != frozen[2]["rollout/score"]
+    assert whole[0]["rollout/logprob_max_diff"] < 1e-4 < min(r["rollout/logprob_max_diff"] for r in whole[1:3])
+    assert all(r["timing/overlap"] == 0 for r in whole)  # the HF engine generates in the training process
+    parts = tmp_path / "parts"
+    stopped = stop_after([*stale, "-o", str(parts)], parts, 2, key="rollout/score")
+    assert 2 <= stopped < 5 and (parts / "checkpoints" / f"step_{stopped:06d}" / "ahead_rank0.pt").exists()
+    run_cli([*stale, "-o", str(parts)])
+    resumed = train_rows(parts)
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5]
+    for key in ("rollout/score", "rollout/staleness", "train/policy_loss", "rollout/logprob_max_diff"):
+        assert [r[key] for r in resumed] == pytest.approx([r[key] for r in whole], rel=1e-5, abs=1e-6), key
 
 
 @pytest.mark.slow

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from hpcrlhf.metrics import read_metrics
-from tests.launch_helpers import ROOT, cli_command, cli_env, run_cli
+from tests.launch_helpers import ROOT, cli_command, cli_env, run_cli, stop_after
 
 # A short, fully logged run: 24 steps, 2 micro-batches of 16 per step on one rank.
 SHORT = ["--set", "train.max_steps=24", "--set", "train.global_batch_size=32", "--set", "train.micro_batch_size=16",
@@ -78,18 +78,6 @@ def test_two_ranks_agree_with_one(baseline, tmp_path, engine):
         assert two[step] == pytest.approx(one[step], rel=2e-3, abs=2e-3), step
     for step, value in evals(baseline).items():
         assert evals(out)[step] == pytest.approx(value, rel=2e-3)
-
-
-def stop_after(args: list[str], out, step: int) -> int:
-    """Run `hpcrlhf ARGS`, send it the stop signal once step `step` is logged; the checkpointed step."""
-    proc = subprocess.Popen(cli_command(args), cwd=ROOT, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline = time.monotonic() + 300
-    while not any(s >= step for s in losses(out)) and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.2)
-    proc.send_signal(signal.SIGUSR1)  # what Slurm sends before a time limit
-    log = proc.communicate(timeout=300)[0]
-    assert proc.returncode == 3, log[-3000:]
-    return int((out / "checkpoints" / "latest").read_text().strip().split("_")[1])
 
 
 def assert_same_run(baseline, out) -> None:
