@@ -164,8 +164,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from datasets import Dataset
     from trl import GRPOConfig
 
+    from hpcrlhf.engines.deepspeed_engine import skip_shm_comm_build
     from hpcrlhf.models.loading import load_tokenizer, resolve_model_path
 
+    skip_shm_comm_build()  # as hpcrlhf's own ranks: not built, not loaded under torch's lock file
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     processes = int(os.environ.get("WORLD_SIZE", "1"))

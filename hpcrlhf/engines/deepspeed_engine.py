@@ -67,17 +67,19 @@ def ensure_deepspeed_comm() -> None:
 
     ZeRO-3's `zero.Init` (inside `from_pretrained`) reads the world size from deepspeed.comm,
     so this must happen before a model is loaded, not only in `deepspeed.initialize`."""
-    _skip_shm_comm_build()
+    skip_shm_comm_build()
     import deepspeed
 
     deepspeed.init_distributed(dist_backend=torch.distributed.get_backend())
 
 
-def _skip_shm_comm_build() -> None:
+def skip_shm_comm_build() -> None:
     """DeepSpeed JIT-compiles a shared-memory op for CPU inference all-reduce when its comm
-    backend starts (~40 s, minutes on a busy node). Training never uses it, so skip the build.
-    (`import deepspeed.comm.torch as m` would give torch itself: reach the module through
-    sys.modules.)"""
+    backend starts (~40 s, minutes on a busy node), and loads it on every start under torch's
+    plain `lock` file, which a process killed meanwhile leaves behind: every later start on the
+    machine then waits forever (`load_jit_op`'s story, outside hpcrlhf's guarded cache). Training
+    never uses the op, so skip it. (`import deepspeed.comm.torch as m` would give torch itself:
+    reach the module through sys.modules.)"""
     import deepspeed  # noqa: F401  (registers deepspeed.comm.torch)
 
     mod = sys.modules.get("deepspeed.comm.torch")

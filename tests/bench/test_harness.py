@@ -114,7 +114,9 @@ def test_suites_are_valid_and_bad_input_is_refused(tmp_path):
 
 def test_trl_system_under_zero3_and_its_cluster_command(tmp_path):
     """The GPU suites' TRL options: ZeRO-3 through TRL's Trainer really partitions the policy (run
-    here on 2 CPU ranks), and on a multi-node allocation every rank starts under srun + MPI."""
+    here on 2 CPU ranks), and on a multi-node allocation every rank starts under srun + MPI. A torch
+    build lock left in the JIT folder by a killed process (what hung a local CI run) does not stop it:
+    DeepSpeed's CPU shared-memory op is neither built nor loaded, as in hpcrlhf's own ranks."""
     import subprocess
     import sys
     from pathlib import Path
@@ -126,7 +128,11 @@ def test_trl_system_under_zero3_and_its_cluster_command(tmp_path):
     prompts = write_prompts(suite, tmp_path / "prompts.jsonl")
     system = replace(suite.system("trl-grpo"), overrides=("--zero-stage=3",))
     cmd = system_command(replace(suite, steps=1), system, tmp_path / "run", prompts)
-    proc = subprocess.run(cmd, cwd=ROOT, env=cli_env(), capture_output=True, text=True, timeout=600)
+    extensions = tmp_path / "torch_extensions"
+    (extensions / "deepspeed_shm_comm").mkdir(parents=True)
+    (extensions / "deepspeed_shm_comm" / "lock").touch()  # a dead builder's: torch would wait for it forever
+    proc = subprocess.run(cmd, cwd=ROOT, env=cli_env(TORCH_EXTENSIONS_DIR=str(extensions)), capture_output=True,
+                          text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     setup = json.loads((tmp_path / "run" / "trl_setup.json").read_text())
     assert setup["zero_stage"] == 3 and setup["zero3_partitioned"] and setup["world_size"] == 2

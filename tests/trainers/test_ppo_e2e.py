@@ -77,7 +77,7 @@ def test_a_rollout_generated_ahead_comes_from_the_weights_one_update_behind(poli
             "ppo.advantage_estimator=grpo", "--set", "rollout.samples_per_prompt=4", "--set", "optim.lr=1e-4", *RL]
     stale = [*args, "--set", "rollout.max_staleness=1", "--set", "checkpoint.every_steps=100"]
     run_cli([*stale, "-o", str(tmp_path / "stale")])
-    run_cli([*args, "-o", str(tmp_path / "frozen"), "--set", "ppo.freeze_actor_steps=1"])
+    run_cli([*args, "-o", str(tmp_path / "frozen"), "--set", "ppo.freeze_actor_steps=1", "--set", "train.max_steps=3"])
     whole, frozen = train_rows(tmp_path / "stale"), train_rows(tmp_path / "frozen")
     assert [r["rollout/staleness"] for r in whole] == [0, 1, 1, 1, 1]
     assert [r["rollout/score"] for r in whole[:2]] == [r["rollout/score"] for r in frozen[:2]]
