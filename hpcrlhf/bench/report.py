@@ -111,6 +111,10 @@ def plot(doc: dict, out: Path) -> list[Path]:
     ax.tick_params(axis="x", labelrotation=20)
     paths.append(_save(fig, out / "phases.png"))
 
+    measured = [s for s in ok if s["throughput"].get("idle")]
+    if measured:
+        paths.append(idle_plot(doc, measured, out / "idle.png"))
+
     points = sorted((s["scaling"][1], s["throughput"]["samples_per_s"]) for s in ok if s.get("scaling"))
     if len(points) >= 2:
         axis = next(s["scaling"][0] for s in ok if s.get("scaling"))
@@ -122,6 +126,30 @@ def plot(doc: dict, out: Path) -> list[Path]:
         ax.grid(alpha=0.3)
         paths.append(_save(fig, out / "scaling.png"))
     return paths
+
+
+def idle_plot(doc: dict, systems: list[dict], path: Path) -> Path:
+    """Each system's idle share per role (grouped bars), with the seconds of generation overlapped
+    with training written over the systems that overlap (rollout.max_staleness 1)."""
+    import matplotlib.pyplot as plt
+
+    roles = sorted({role for s in systems for role in s["throughput"]["idle"]})
+    width = 0.8 / len(roles)
+    fig, ax = plt.subplots(figsize=(1.6 * len(systems) + 3.5, 3.6))
+    for j, role in enumerate(roles):
+        xs = [i + (j - (len(roles) - 1) / 2) * width for i in range(len(systems))]
+        ax.bar(xs, [100 * s["throughput"]["idle"].get(role, 0.0) for s in systems], width, label=f"{role} idle")
+    for i, s in enumerate(systems):
+        if s["throughput"].get("overlap_s"):
+            ax.annotate(f"{s['throughput']['overlap_s']:.2f} s overlapped", (i, 100), ha="center", va="bottom",
+                        fontsize=8)
+    ax.set_xticks(range(len(systems)), [s["name"] for s in systems])
+    ax.set_ylim(0, 112)
+    ax.set_ylabel("% of a step the role waited (median)")
+    ax.set_title(f"{doc['suite']['name']}: idle share per role")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    ax.tick_params(axis="x", labelrotation=20)
+    return _save(fig, path)
 
 
 def _save(fig, path: Path) -> Path:

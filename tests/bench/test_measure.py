@@ -39,7 +39,7 @@ def test_summary_drops_warmup_and_takes_medians():
     assert t.mfu == pytest.approx(6e9 / (3.0 * 2 * 1e9))
 
 
-def test_idle_shares_and_sync_size_are_medians_where_measured():
+def test_idle_shares_and_sync_size_are_medians_where_measured(tmp_path):
     """util/<role>_idle and weight_sync/bytes: medians over the measured steps; a role (or the
     sync size) that some step lacks is not reported, and the report's table shows what is."""
     from hpcrlhf.bench.report import utilisation_lines
@@ -59,6 +59,11 @@ def test_idle_shares_and_sync_size_are_medians_where_measured():
     doc = {"systems": [{"name": "a", "status": "ok", "throughput": t.to_dict()},
                        {"name": "b", "status": "ok", "throughput": plain.to_dict()}]}
     assert utilisation_lines(doc)[-1] == "| a | 30 % | 60 % | 3.0 | 0.30 |"
+    from hpcrlhf.bench.report import plot
+
+    doc["suite"] = {"name": "t"}
+    drawn = {p.name for p in plot(doc, tmp_path)}
+    assert "idle.png" in drawn and (tmp_path / "idle.png").read_bytes()[:4] == b"\x89PNG"
     assert utilisation_lines({"systems": doc["systems"][1:]}) == []
 
 
