@@ -27,7 +27,8 @@ from typing import Mapping, Sequence
 from hpcrlhf.errors import HpcrlhfError
 
 PHASES = ("generate", "make_experience", "train", "weight_sync", "other")
-_PHASE_KEYS = {"generate": ("timing/generate", "timing/generate_ahead_wait"), "make_experience": ("timing/reward", "timing/make_experience"),
+_PHASE_KEYS = {"generate": ("timing/generate", "timing/generate_ahead_wait"),
+               "make_experience": ("timing/reward", "timing/make_experience"),
                "train": ("timing/train",), "weight_sync": ("timing/weight_sync",)}
 
 

@@ -157,7 +157,7 @@ class FleetBatch:
     def _start(self, rank: int):
         a, b = self.parts[rank]
         worker = self.fleet.group.workers[rank]
-        self.sent_to[rank] = worker._actor_id
+        self.sent_to[rank] = worker
         self.done_at.pop(rank, None)
         part = dataclasses.replace(self.params, first_index=self.params.first_index + a)
         ref = self.current[rank] = worker.generate.remote(self.prompts[a:b], part)
@@ -183,7 +183,7 @@ class FleetBatch:
             try:
                 done[rank] = ray.get(ready)
             except ray.exceptions.RayActorError as e:
-                if self.fleet.group.workers[rank]._actor_id == self.sent_to[rank]:
+                if self.fleet.group.workers[rank] is self.sent_to[rank]:  # not replaced meanwhile
                     self.fleet.restart(rank, e)  # raises when it may not
                 self.pending[self._start(rank)] = rank
         return [g for rank in sorted(done) for g in done[rank]]

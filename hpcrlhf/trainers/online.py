@@ -214,7 +214,7 @@ class OnlineTrainer(Trainer):
         """Generate `params.n` responses per prompt and score them."""
         return self.score_rollout(self.launch_rollout(prompts, params))
 
-    def launch_rollout(self, prompts: Sequence[Prompt], params: SamplingParams) -> "LaunchedRollout":
+    def launch_rollout(self, prompts: Sequence[Prompt], params: SamplingParams) -> LaunchedRollout:
         """Start generating `params.n` responses per prompt (under way when this returns on engines
         that run elsewhere, done on the others): `score_rollout` collects and scores them."""
         if not self.rollout_synced:
@@ -223,7 +223,7 @@ class OnlineTrainer(Trainer):
             pending = launch(self.rollout, [list(p.ids) for p in prompts], params)
         return LaunchedRollout(list(prompts), params, pending)
 
-    def score_rollout(self, launched: "LaunchedRollout") -> Rollout:
+    def score_rollout(self, launched: LaunchedRollout) -> Rollout:
         """The launched generations (waited for) and their scores."""
         with self.run.timed("generate"):
             generations = launched.pending.result()

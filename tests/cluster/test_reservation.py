@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sys
 import time
 
 import pytest
@@ -103,7 +104,7 @@ def test_a_killed_worker_whose_child_lingers_is_named_dead_once_ray_knows(ray_cl
     import ray
     from ray.exceptions import ActorDiedError, ActorUnavailableError, RayTaskError
 
-    ray.cloudpickle.register_pickle_by_value(__import__(__name__))  # the class travels with its code
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the class travels with its code
     reservation = reserve(tiny_map())
     try:
         group = WorkerGroup("vllm", WorkerWithAChild, reservation, [[Device(0, 2)]], join=False)
