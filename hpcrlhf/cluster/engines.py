@@ -29,7 +29,7 @@ def omp_binding(tp: int, cpus: int) -> str:
 
 
 class EngineWorker(RoleWorker):
-    """A VLLMRollout on one TP group: `generate`, `load_weights`, `close`."""
+    """A VLLMRollout on one TP group: `generate`, `load_weights`, `sleep`/`wake`, `close`."""
 
     def __init__(self, role: str, rank: int, world_size: int, model_dir: str, *, tensor_parallel_size: int,
                  seed: int = 0, **engine_kwargs: Any) -> None:
@@ -58,6 +58,14 @@ class EngineWorker(RoleWorker):
     @busy
     def receive_weights(self) -> int:
         return self.engine.receive_weights()
+
+    @busy
+    def sleep(self) -> None:
+        self.engine.sleep()
+
+    @busy
+    def wake(self, tags: Sequence[str]) -> None:
+        self.engine.wake(tags)
 
     def close(self) -> None:
         self.engine.close()
@@ -92,6 +100,15 @@ class EngineFleet:
     def launch(self, prompts: Sequence[Sequence[int]], params) -> "FleetBatch":
         """Start generating `prompts` on the engines (each its part); `result()` collects them."""
         return FleetBatch(self, prompts, params)
+
+    def sleep(self) -> None:
+        """Every engine releases its GPU memory (`VLLMRollout.sleep`)."""
+        gather([w.sleep.remote() for w in self.handles])
+
+    def wake(self, tags: Sequence[str]) -> None:
+        """Every engine restores the memory of `tags` (`VLLMRollout.wake`); an engine restarted
+        since it slept is awake already."""
+        gather([w.wake.remote(list(tags)) for w in self.handles])
 
     def sync(self) -> None:
         """The actor's weights into every engine (restarting one found dead on the way)."""

@@ -980,6 +980,12 @@ class RoleConfig:
     offload_params: Optional[bool] = None
     """Keep this role's weights in CPU memory between uses, ZeRO-3 only (null: actor and critic
     engine.offload_params, ref reference.offload, reward false)."""
+    sleep: bool = False
+    """Trained roles (actor, critic) with vLLM engines: while the engines generate, move this
+    role's DeepSpeed states (weights, gradients, optimizer) to CPU memory and back for scoring and
+    training (DeepSpeed offload_states), so engines colocated with it can use that memory
+    (`hpcrlhf plan` shows the memory of each phase). On GPUs only: on CPU the states are in CPU
+    memory already and this is a no-op. Not with offload_params (those weights never are on the GPU)."""
 
     @property
     def num_gpus(self) -> int:
@@ -1008,6 +1014,12 @@ class VLLMPlacementConfig:
     put in Ray's object store and loaded by each engine from there (the fallback)."""
     sync_bucket_mb: int = 256
     """Collective weight sync: the most megabytes broadcast at once (bigger tensors go alone)."""
+    sleep: bool = False
+    """Between rollouts the engines release their GPU memory (vLLM sleep mode, level 1: weights to
+    CPU memory, KV cache dropped) for the roles colocated with them to score and train in; they wake
+    for the weight sync (weights first, the KV cache once the trained roles sleep again, see
+    placement.<role>.sleep). Needs a platform with vLLM sleep mode (CUDA, ROCm, XPU): on CPU a
+    no-op. Not with rollout.max_staleness 1 (the engines then generate while the roles train)."""
 
     def __post_init__(self) -> None:
         _require_finite(self, "placement.vllm")
@@ -1200,6 +1212,7 @@ class PPOConfig(OnlineJobConfig):
                 f"{_shown(sequences)} sequences of a rollout (rollout.prompts_per_step "
                 f"{_shown(self.rollout.prompts_per_step)} x samples_per_prompt {_shown(n)}); "
                 f"use a divisor of {_shown(sequences)}")
+        _require_sleep_settings(self)
         if self.placement.runtime == "ray":
             _require(self.rollout.backend == "vllm", "rollout.backend", self.rollout.backend,
                      "the Ray runtime generates with vLLM engines on their own workers: set rollout.backend=vllm "
@@ -1207,6 +1220,33 @@ class PPOConfig(OnlineJobConfig):
             _require(not self.lora.rank, "lora.rank", self.lora.rank,
                      "the Ray runtime pushes full weights into vLLM after each update: use lora.rank=0, or "
                      "placement.runtime=local")
+
+
+def _require_sleep_settings(cfg: "PPOConfig") -> None:
+    """Sleep (placement.vllm.sleep, placement.<role>.sleep) swaps GPU memory between generation and
+    training: it needs vLLM engines, trained roles that hold their states on the GPU, and phases
+    that take turns."""
+    p = cfg.placement
+    sleepers = [f"placement.{name}.sleep" for name in ("actor", "critic", "ref", "reward") if getattr(p, name).sleep]
+    sleepers += ["placement.vllm.sleep"] if p.vllm.sleep else []
+    for key in sleepers:
+        role = key.split(".")[1]
+        if role in ("ref", "reward"):
+            raise ConfigError(f"{key}: true, but only trained roles (actor, critic) sleep; a frozen role keeps its "
+                              f"weights in CPU memory with placement.{role}.offload_params=true (ZeRO-3)")
+        if cfg.rollout.backend != "vllm":
+            raise ConfigError(f"{key}: true swaps GPU memory between vLLM generation and training, but "
+                              f"rollout.backend is {cfg.rollout.backend!r} (the actor generates itself): set "
+                              f"{key}=false, or rollout.backend=vllm")
+        if cfg.rollout.max_staleness:
+            raise ConfigError(f"{key}: true swaps GPU memory between generation and training, but "
+                              f"rollout.max_staleness {cfg.rollout.max_staleness} runs them at the same time: use "
+                              f"rollout.max_staleness=0 with sleep, or {key}=false")
+        offload = getattr(p, role).offload_params if role != "vllm" else None
+        if offload or (offload is None and role != "vllm" and cfg.engine.offload_params):
+            source = f"placement.{role}.offload_params" if offload else "engine.offload_params"
+            raise ConfigError(f"{key}: true moves the role's states off the GPU while vLLM generates, but its "
+                              f"weights are kept in CPU memory already ({source}): set {source}=false, or {key}=false")
 
 
 @dataclass(frozen=True)

@@ -139,6 +139,7 @@ class TrainingEngine:
         forget_state_making_step(self.engine.optimizer)
         self._untracked_norm = ds_config["zero_optimization"]["stage"] == 0 and not ds_config["bf16"]["enabled"]
         self._last_norm: float | None = None
+        self.asleep = False
 
     @property
     def module(self) -> torch.nn.Module:
@@ -185,6 +186,20 @@ class TrainingEngine:
                     self.engine.step()
                 return
         self.engine.step()
+
+    def sleep(self) -> None:
+        """Move the engine's states (weights, gradients, optimizer) to CPU memory until `wake`
+        (DeepSpeed offload_states), freeing the GPU for colocated vLLM engines. A no-op where they
+        are in CPU memory already (CPU runs); idempotent."""
+        if not self.asleep and self.device.type != "cpu":
+            self.engine.offload_states()
+        self.asleep = True
+
+    def wake(self) -> None:
+        """Bring the states `sleep` moved back to the GPU; idempotent."""
+        if self.asleep and self.device.type != "cpu":
+            self.engine.reload_states()
+        self.asleep = False
 
     @property
     def skipped_updates(self) -> int:

@@ -305,6 +305,10 @@ class HFRollout:
         """Nothing to free: the module belongs to the trainer."""
 
 
+ENGINE_MEMORY = ("weights", "kv_cache")
+"""vLLM's sleep-mode memory tags, in the order they are woken."""
+
+
 class _WeightSyncExtension:
     """Mixed into vLLM's worker class (`LLM(worker_extension_cls=...)`), in the worker process.
 
@@ -486,7 +490,7 @@ class VLLMRollout:
                  enforce_eager: bool = True, dtype: str = "float32", tensor_parallel_size: int = 1,
                  gpu_memory_utilization: float = 0.5, distributed_executor_backend: str | None = None,
                  max_num_seqs: int | None = None, max_num_batched_tokens: int | None = None,
-                 chunked_prefill: bool | None = None, bucket_bytes: int = 256 << 20):
+                 chunked_prefill: bool | None = None, bucket_bytes: int = 256 << 20, sleep: bool = False):
         kwargs: dict[str, Any] = {}
         self.tensor_parallel_size, self.bucket_bytes = tensor_parallel_size, bucket_bytes
         self._group: weight_sync.Group | None = None
@@ -503,6 +507,10 @@ class VLLMRollout:
             from vllm import LLM  # lazily: importing vLLM takes seconds, prints a lot and sets env variables
             from vllm.platforms import current_platform
 
+            self.sleep_mode = sleep and current_platform.is_sleep_mode_available()
+            if sleep and not self.sleep_mode:
+                log.info(f"placement.vllm.sleep: vLLM on {current_platform.device_type or 'this platform'} has no "
+                         "sleep mode: the engine keeps its memory between rollouts (a no-op here)")
             kwargs.update(vllm_batching(on_cpu=current_platform.is_cpu(), max_model_len=max_model_len,
                                         max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                         chunked_prefill=chunked_prefill))
@@ -517,8 +525,10 @@ class VLLMRollout:
                 enforce_eager=enforce_eager, tensor_parallel_size=tensor_parallel_size,
                 gpu_memory_utilization=gpu_memory_utilization,
                 logprobs_mode="raw_logprobs",  # vLLM's default, stated: log-probs before temperature/top-p/top-k
-                worker_extension_cls=_EXTENSION, **kwargs,
+                worker_extension_cls=_EXTENSION, enable_sleep_mode=self.sleep_mode, **kwargs,
             )
+        self.asleep: set[str] = set()
+        """Sleep-mode memory tags released (`sleep`) and not woken yet."""
 
         self.spin_readers: list[int] = []
         if tensor_parallel_size > 1 and current_platform.is_cpu():
@@ -612,6 +622,21 @@ class VLLMRollout:
         if not self.llm.reset_prefix_cache():
             raise RuntimeError("VLLMRollout: vLLM could not reset its prefix cache after a weight update")
         return counts[0]
+
+    def sleep(self) -> None:
+        """Release the engine's GPU memory until `wake` (vLLM sleep mode, level 1: the weights to CPU
+        memory, the KV cache dropped); a no-op where vLLM has no sleep mode (CPU). Idempotent."""
+        if not self.asleep and self.sleep_mode:
+            self.llm.sleep(level=1)
+        self.asleep = set(ENGINE_MEMORY)
+
+    def wake(self, tags: Sequence[str] = ENGINE_MEMORY) -> None:
+        """Restore the released memory of `tags` (`weights`, `kv_cache`; the weights first: a
+        weight sync needs them, not the KV cache). Idempotent."""
+        tags = [t for t in ENGINE_MEMORY if t in tags and t in self.asleep]
+        if tags and self.sleep_mode:
+            self.llm.wake_up(tags=tags)
+        self.asleep -= set(tags)
 
     def close(self) -> None:
         """Shut the engine's processes down; idempotent."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from hpcrlhf.engines.rollout import Generation, SamplingParams
+from hpcrlhf.engines.rollout import ENGINE_MEMORY, Generation, SamplingParams
 
 
 class Rank0Rollout:
@@ -38,6 +38,14 @@ class Rank0Rollout:
         for _ in tensors:  # the stream's gathers are collective: walk it to the end
             pass
         return None
+
+    def sleep(self) -> None:
+        if self.engine is not None:
+            self.engine.sleep()
+
+    def wake(self, tags=ENGINE_MEMORY) -> None:
+        if self.engine is not None:
+            self.engine.wake(tags)
 
     def close(self) -> None:
         if self.engine is not None:

@@ -20,6 +20,14 @@ What is counted (bytes per GPU; P = parameters, D = the role's data-parallel ran
   gpu_memory_utilization x the GPU's memory on each of its GPUs and keeps the rest of that claim
   (after weights) as KV cache, K and V of every layer for the engine's share of the KV heads.
 
+Phases (`phase_parts`): a PPO step's GPUs hold different things while vLLM generates
+(`generate`), while the roles score and train (`train`) and while the actor's weights go into the
+engines (`weight_sync`). Without sleep every occupant holds its memory in every phase, and a
+trained role's activations exist only in `train`. With `placement.vllm.sleep` an engine holds
+nothing while the roles train, and only its weights during the sync (the KV cache comes back once
+the trained roles sleep); with `placement.<role>.sleep` a trained role holds nothing while vLLM
+generates. A GPU must fit its phase of largest total.
+
 Not counted: CUDA context and allocator fragmentation (a few GiB; leave headroom), DeepSpeed's
 communication buckets and ZeRO-3's prefetched layers, the logits of the loss, vLLM's CUDA graphs
 and its own activation peak. The estimates are for catching layouts that cannot fit, not for
@@ -28,7 +36,8 @@ tuning the last GiB.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
+from typing import Literal
 
 from hpcrlhf.placement.shapes import ModelShape
 
@@ -59,6 +68,21 @@ class MemoryParts:
 
     def as_dict(self) -> dict[str, int]:
         return {name: getattr(self, name) for name in PARTS}
+
+
+PHASES = ("generate", "train", "weight_sync")
+"""A PPO step's memory phases, in step order (see the module docstring)."""
+Kind = Literal["engine", "trained", "frozen"]
+
+
+def phase_parts(parts: MemoryParts, *, kind: Kind, sleeps: bool, phase: str) -> MemoryParts:
+    """What an occupant of `kind` (a vLLM engine's GPU, a trained or a frozen role's rank) holding
+    `parts` at most holds in `phase`; `sleeps`: its sleep setting."""
+    if kind == "frozen" or phase == "train" and kind == "trained" or phase == "generate" and kind == "engine":
+        return parts
+    if kind == "engine":  # sleeping through training; its weights come back for the sync
+        return parts if not sleeps else MemoryParts(weights=parts.weights) if phase == "weight_sync" else MemoryParts()
+    return MemoryParts() if sleeps and phase == "generate" else replace(parts, activations=0)
 
 
 def weight_bytes(precision: str) -> int:

@@ -19,7 +19,7 @@ from hpcrlhf.algos.estimators import ESTIMATORS
 from hpcrlhf.config.schema import PPOConfig
 from hpcrlhf.placement.layout import (MODEL_ROLES, Device, Layout, allocation_problems, assign, idle_problem,
                                       shape_text)
-from hpcrlhf.placement.memory import GIB, MemoryParts
+from hpcrlhf.placement.memory import GIB, PHASES, MemoryParts, phase_parts
 from hpcrlhf.placement.problems import Problem, raise_problems
 from hpcrlhf.placement.roles import EnginePlan, RolePlan, check_batches, check_roles, resolve_roles
 
@@ -84,8 +84,28 @@ class NodeMap:
         return self.roles[occupant.role].memory
 
     def memory(self, device: Device) -> MemoryParts:
-        """What `device` holds, summed over its occupants, by part."""
+        """What `device` holds, summed over its occupants, by part (every phase's most)."""
         return sum((self.occupant_memory(o) or MemoryParts() for o in self.devices[device]), MemoryParts())
+
+    def phase_memory(self, device: Device) -> dict[str, MemoryParts]:
+        """What `device` holds in each phase of a step (`memory.PHASES`), by part."""
+        return {phase: sum((phase_parts(self.occupant_memory(o) or MemoryParts(), kind=self._kind(o),
+                                        sleeps=self._sleeps(o), phase=phase) for o in self.devices[device]),
+                           MemoryParts()) for phase in PHASES}
+
+    def peak(self, device: Device) -> tuple[str, MemoryParts]:
+        """The phase in which `device` holds the most, and what it holds then."""
+        return max(self.phase_memory(device).items(), key=lambda item: item[1].total)
+
+    def sleeps(self, device: Device) -> bool:
+        """Whether an occupant of `device` frees its memory between phases."""
+        return any(self._sleeps(o) for o in self.devices[device])
+
+    def _kind(self, occupant: Occupant) -> str:
+        return "engine" if occupant.role == "vllm" else "trained" if self.roles[occupant.role].trainable else "frozen"
+
+    def _sleeps(self, occupant: Occupant) -> bool:
+        return bool(self.vllm and self.vllm.sleep) if occupant.role == "vllm" else self.roles[occupant.role].sleep
 
     def to_json(self) -> str:
         """The map as JSON of plain types with sorted keys (stable for tools and golden files)."""
@@ -105,18 +125,20 @@ def _device(d: Device) -> dict[str, int]:
 def _plain(m: NodeMap) -> dict[str, Any]:
     roles = {name: {"models": list(r.models), "params": r.params, "nodes": r.nodes, "gpus_per_node": r.gpus_per_node,
                     "trainable": r.trainable, "zero_stage": r.zero_stage, "offload_optimizer": r.offload_optimizer,
-                    "offload_params": r.offload_params, "memory_per_rank": r.memory.as_dict() if r.memory else None,
+                    "offload_params": r.offload_params, "sleep": r.sleep, "memory_per_rank": r.memory.as_dict() if r.memory else None,
                     "ranks": [_device(d) for d in m.ranks.get(name, ())]} for name, r in m.roles.items()}
     vllm = None
     if m.vllm:
         e = m.vllm
         vllm = {"model": e.model, "params": e.params, "tensor_parallel_size": e.tensor_parallel_size,
-                "gpu_memory_utilization": e.gpu_memory_utilization,
+                "gpu_memory_utilization": e.gpu_memory_utilization, "sleep": e.sleep,
                 "memory_per_gpu": e.memory.parts.as_dict() if e.memory else None,
                 "engines": [{"devices": [_device(d) for d in group],
                              "kv_cache_tokens": e.memory.kv_cache_tokens if e.memory else None} for group in m.engines]}
     devices = [{**_device(d), "occupants": [o.label for o in occ],
-                "memory": {**m.memory(d).as_dict(), "total": m.memory(d).total}} for d, occ in m.devices.items()]
+                "memory": {**m.memory(d).as_dict(), "total": m.memory(d).total},
+                "memory_by_phase": {phase: parts.total for phase, parts in m.phase_memory(d).items()}}
+               for d, occ in m.devices.items()]
     return {"allocation": {"nodes": m.nodes, "gpus_per_node": m.gpus_per_node, "gpu_memory_bytes": m.gpu_memory},
             "roles": roles, "vllm": vllm, "colocated": [list(g) for g in m.colocated], "devices": devices,
             "idle_nodes": m.idle_nodes,
@@ -170,16 +192,23 @@ def _check_memory(m: NodeMap, checkpointing: bool, problems: list[Problem]) -> N
     for device, occupants in m.devices.items():
         if any(m.occupant_memory(o) is None for o in occupants):
             continue  # a model of unknown shape: already a problem
-        if m.memory(device).total > m.gpu_memory:
+        if m.peak(device)[1].total > m.gpu_memory:
             over.setdefault(tuple(o.role for o in occupants), []).append(device)
     for roles, devices in over.items():
         first = devices[0]
-        detail = "; ".join(f"{o.label} {_parts_text(m.occupant_memory(o))}" for o in m.devices[first])
+        phase, parts = m.peak(first)
+        detail = "; ".join(f"{o.label} {_parts_text(phase_parts(m.occupant_memory(o), kind=m._kind(o), sleeps=m._sleeps(o), phase=phase))}"
+                           for o in m.devices[first])
         more = f" (and {len(devices) - 1} more GPUs with the same roles)" if len(devices) > 1 else ""
+        when = f" {_PHASE_TEXT[phase]}" if m.sleeps(first) else ""
         fixes = "; ".join(_memory_fixes(m, roles, checkpointing))
         problems.append(Problem("placement.gpu_memory_gb", m.gpu_memory / GIB,
-                                f"{first}{more} needs {m.memory(first).total / GIB:.1f} GiB, more than its "
+                                f"{first}{more} needs {parts.total / GIB:.1f} GiB{when}, more than its "
                                 f"{m.gpu_memory / GIB:.1f} GiB: {detail}", fixes))
+
+
+_PHASE_TEXT = {"generate": "while vLLM generates", "train": "while the roles train",
+               "weight_sync": "during the weight sync"}
 
 
 def _parts_text(parts: MemoryParts) -> str:
@@ -194,6 +223,12 @@ def _memory_fixes(m: NodeMap, roles: tuple[str, ...], checkpointing: bool) -> li
     if "vllm" in roles and m.vllm and len(roles) > 1:  # vLLM's claim is usually the largest share
         claim = f"{m.vllm.gpu_memory_utilization:g} x {m.gpu_memory / GIB:.1f} GiB"
         tips.append(f"a lower placement.vllm.gpu_memory_utilization (vLLM claims {claim} here)")
+        sleepers = [f"placement.{r}.sleep=true" for r in dict.fromkeys(roles) if r in m.roles and m.roles[r].trainable
+                    and not m.roles[r].sleep and not m.roles[r].offload_params]
+        sleepers += [] if m.vllm.sleep else ["placement.vllm.sleep=true"]
+        if sleepers:
+            tips.append(f"{' and '.join(sleepers)} (vLLM and the trained roles take turns with the GPU memory; GPUs "
+                        "only, with rollout.max_staleness=0)")
     for name in dict.fromkeys(r for r in roles if r != "vllm"):
         plan, key = m.roles[name], f"placement.{name}"
         if plan.zero_stage < 3:

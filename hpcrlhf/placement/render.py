@@ -1,6 +1,7 @@
 """The node map as text (`hpcrlhf plan`): node by node, GPU by GPU with its occupants and
-memory by part (the allocation's idle last nodes in one line), then one summary line per role and the
-vLLM engines' KV-cache capacity."""
+memory by part (the allocation's idle last nodes in one line), the memory of each phase of a step
+(generate, train, weight_sync) per set of alike GPUs, then one summary line per role and the vLLM
+engines' KV-cache capacity."""
 
 from __future__ import annotations
 
@@ -41,6 +42,23 @@ def _role_row(plan: RolePlan) -> list[str]:
             ", ".join(plan.models) or "-"]
 
 
+def _phase_lines(m: "NodeMap") -> list[str]:
+    """Each set of GPUs with the same occupant roles and the same memory per phase, in one line."""
+    groups: dict[tuple, int] = {}
+    for device, occupants in m.devices.items():
+        if occupants:
+            totals = tuple((phase, parts.total) for phase, parts in m.phase_memory(device).items())
+            key = (tuple(dict.fromkeys(o.role for o in occupants)), totals)
+            groups[key] = groups.get(key, 0) + 1
+    if not groups:
+        return []
+    sleepers = [name for name, plan in m.roles.items() if plan.sleep] + (["vllm"] if m.vllm and m.vllm.sleep else [])
+    rows = [[f"  {' + '.join(roles)}", f"({plural(count, 'GPU')})",
+             *[f"{phase} {_gib(total)}" for phase, total in totals[:-1]], f"{totals[-1][0]} {_gib(totals[-1][1])} GiB"]
+            for (roles, totals), count in groups.items()]
+    return [f"memory by phase (sleep: {', '.join(sleepers) or 'none'})"] + _columns(rows)
+
+
 def estimator_line(name: str, samples_per_prompt: int) -> str:
     """What ppo.advantage_estimator is and needs, as the plan shows it."""
     e = ESTIMATORS[name]
@@ -57,8 +75,11 @@ def render_text(m: "NodeMap") -> str:
     for device, occupants in m.devices.items():
         parts = m.memory(device)
         shown = " + ".join(f"{name} {_gib(v)}" for name, v in parts.as_dict().items() if v)
+        total = _gib(parts.total)
+        if m.sleeps(device):  # its occupants take turns: what fits is the most held at once
+            total = f"{total} in all, at most {_gib(m.peak(device)[1].total)} at once"
         gpu_rows.append([f"  gpu {device.gpu}", " + ".join(o.label for o in occupants) or "idle",
-                         f"{shown + ' = ' if shown else ''}{_gib(parts.total)} / {capacity} GiB"])
+                         f"{shown + ' = ' if shown else ''}{total} / {capacity} GiB"])
     lines = [f"node map: {shape_text(m.nodes, m.gpus_per_node)} = {plural(m.nodes * m.gpus_per_node, 'GPU')} "
              f"of {capacity} GiB"]
     for i, row in enumerate(_columns(gpu_rows)):
@@ -68,6 +89,7 @@ def render_text(m: "NodeMap") -> str:
     if m.idle_nodes:  # the allocation's last nodes: one line, however many
         each = " each" * (m.idle_nodes > 1)
         lines.append(f"{node_range(m.nodes - m.idle_nodes, m.nodes - 1)}: idle ({plural(m.gpus_per_node, 'GPU')}{each})")
+    lines += _phase_lines(m)
     role_rows = [_role_row(plan) for plan in m.roles.values()]
     if m.vllm:
         e = m.vllm

@@ -39,6 +39,8 @@ class RolePlan:
     offload_params: bool
     memory: Optional[MemoryParts]
     """Bytes on each of its GPUs (None when a model's shape is unknown; the plan is then rejected)."""
+    sleep: bool = False
+    """Its states leave the GPU while vLLM generates (placement.<role>.sleep)."""
 
     @property
     def ranks(self) -> int:
@@ -55,6 +57,8 @@ class EnginePlan:
     tensor_parallel_size: int
     gpu_memory_utilization: float
     memory: Optional[EngineMemory]
+    sleep: bool = False
+    """The engines release their memory while the roles train (placement.vllm.sleep)."""
 
 
 def sequence_tokens(cfg: PPOConfig) -> int:
@@ -148,7 +152,7 @@ def resolve_roles(cfg: PPOConfig, gpu_memory: int, problems: list[Problem]) -> t
         if all(found):
             params, memory = _role_memory(cfg, name, found, role.num_gpus, stage, offload_optimizer, offload_params)
         roles[name] = RolePlan(name, tuple(path for _, path in models[name]), params, role.nodes, role.gpus_per_node,
-                               name in TRAINED, stage, offload_optimizer, offload_params, memory)
+                               name in TRAINED, stage, offload_optimizer, offload_params, memory, role.sleep)
     engine = None
     if p.vllm.engines:
         shape = shapes.get("model.path", cfg.model.path)
@@ -156,7 +160,7 @@ def resolve_roles(cfg: PPOConfig, gpu_memory: int, problems: list[Problem]) -> t
                                          gpu_memory_utilization=p.vllm.gpu_memory_utilization,
                                          gpu_memory=gpu_memory, precision=cfg.engine.precision)
         engine = EnginePlan(cfg.model.path, shape.params if shape else 0, p.vllm.engines,
-                            p.vllm.tensor_parallel_size, p.vllm.gpu_memory_utilization, memory)
+                            p.vllm.tensor_parallel_size, p.vllm.gpu_memory_utilization, memory, p.vllm.sleep)
         problems += _engine_problems(cfg, shape, engine)
     return roles, engine
 

@@ -105,7 +105,8 @@ def vllm_engine_args(cfg) -> dict[str, Any]:
     return dict(model_dir=resolve_model_path(cfg.model.path), seed=cfg.seed,
                 max_model_len=cfg.data.max_length + max(r.max_new_tokens, cfg.eval.max_new_tokens),
                 dtype="bfloat16" if cfg.engine.precision == "bf16" else "float32",
-                bucket_bytes=cfg.placement.vllm.sync_bucket_mb << 20, **vllm_rollout_args(r))
+                bucket_bytes=cfg.placement.vllm.sync_bucket_mb << 20, sleep=cfg.placement.vllm.sleep,
+                **vllm_rollout_args(r))
 
 
 def vllm_rollout_args(r) -> dict[str, Any]:
@@ -113,6 +114,21 @@ def vllm_rollout_args(r) -> dict[str, Any]:
     return dict(kv_cache_bytes=int(r.vllm_kv_cache_gb * (1 << 30)), enforce_eager=r.vllm_enforce_eager,
                 max_num_seqs=r.vllm_max_num_seqs, max_num_batched_tokens=r.vllm_max_num_batched_tokens,
                 chunked_prefill=r.vllm_chunked_prefill)
+
+
+def reward_set(cfg, models, task) -> RewardSet:
+    """The job's reward sources: reward models built by `models` (a `ModelFactory`), rules, the task."""
+    return RewardSet(cfg.reward, lambda path, field: models.build_frozen_model(path, value_head=True, key=field),
+                     models.tokenizer, task, models.device, cfg.model.trust_remote_code)
+
+
+def push_weights(engine, rollout, cfg) -> dict[str, float] | None:
+    """The trained `engine`'s weights into a vLLM `rollout` engine, streamed chunk by chunk (every
+    rank takes part: ZeRO-3 gathers): what was sent (`weight_sync/*`), where this rank sends."""
+    from hpcrlhf.models.export import checkpoint_stream
+
+    sent = rollout.load_weights(checkpoint_stream(engine, cfg.placement.vllm.sync_bucket_mb << 20))
+    return None if sent is None else {"weight_sync/bytes": float(sent.bytes), "weight_sync/buckets": float(sent.buckets)}
 
 
 @dataclass(frozen=True)
@@ -163,19 +179,22 @@ class OnlineTrainer(Trainer):
 
     def build_rollout(self) -> None:
         """The rollout engine (after the actor engine exists) and the greedy evaluator."""
+        self.rollout, self.hf_rollout = self.rollout_engines(self.engine)
+        # a vLLM engine starts from model.path: the actor's weights go in before it generates
+        self.rollout_synced = self.rollout is self.hf_rollout
+
+    def rollout_engines(self, engine):
+        """(the rollout engine, the trained module of `engine` as a generator): the same object
+        with rollout.backend hf; with vllm, an engine on rank 0 serving every rank."""
         from hpcrlhf.engines.rollout import HFRollout
 
-        synced = self.engine.zero_stage == 3 and self.env.world_size > 1
-        self.hf_rollout = HFRollout(self.engine.module, pad_token_id=self.pad_id, eos_token_id=self.tokenizer.eos_token_id,
-                                    device=self.engine.device, synced_gpus=synced,
-                                    batch_size=self.cfg.rollout.hf_batch_size)
-        self.rollout_synced = True
+        synced = engine.zero_stage == 3 and self.env.world_size > 1
+        hf = HFRollout(engine.module, pad_token_id=self.pad_id, eos_token_id=self.tokenizer.eos_token_id,
+                       device=engine.device, synced_gpus=synced, batch_size=self.cfg.rollout.hf_batch_size)
         if self.cfg.rollout.backend == "hf":
-            self.rollout = self.hf_rollout
-            return
-        engine = self._build_vllm() if self.env.is_main else None
-        self.rollout = engine if self.env.world_size == 1 else Rank0Rollout(engine, self.env)
-        self.rollout_synced = False  # the engine starts from model.path; push the actor's weights once
+            return hf, hf
+        vllm = self._build_vllm() if self.env.is_main else None
+        return (vllm if self.env.world_size == 1 else Rank0Rollout(vllm, self.env)), hf
 
     def _build_vllm(self):
         from hpcrlhf.engines.rollout import VLLMRollout
@@ -183,9 +202,7 @@ class OnlineTrainer(Trainer):
         return VLLMRollout(**vllm_engine_args(self.cfg))
 
     def build_rewards(self) -> None:
-        frozen = self.models.build_frozen_model
-        self.rewards = RewardSet(self.cfg.reward, lambda path, field: frozen(path, value_head=True, key=field),
-                                 self.tokenizer, self.task, self.device, self.cfg.model.trust_remote_code)
+        self.rewards = reward_set(self.cfg, self.models, self.task)
 
     def evaluated_models(self) -> dict[str, str]:
         return {**super().evaluated_models(), **{f"reward.sources[{i}].model": s.model
@@ -195,13 +212,8 @@ class OnlineTrainer(Trainer):
         """Push the actor's weights into the rollout engine (nothing to do for the HF backend,
         which generates with the trained module itself): streamed out of the engine chunk by
         chunk, every rank taking part (ZeRO-3 gathers), into the vLLM engine on rank 0."""
-        from hpcrlhf.models.export import checkpoint_stream
-
-        if self.rollout is self.hf_rollout:
-            return
-        sent = self.rollout.load_weights(checkpoint_stream(self.engine, self.cfg.placement.vllm.sync_bucket_mb << 20))
-        if sent is not None:
-            self.sync_metrics = {"weight_sync/bytes": float(sent.bytes), "weight_sync/buckets": float(sent.buckets)}
+        if self.rollout is not self.hf_rollout:
+            self.sync_metrics = push_weights(self.engine, self.rollout, self.cfg) or self.sync_metrics
         self.rollout_synced = True
 
     def sampling(self, step: int, n: int, round: int = 0) -> SamplingParams:
@@ -219,9 +231,13 @@ class OnlineTrainer(Trainer):
         that run elsewhere, done on the others): `score_rollout` collects and scores them."""
         if not self.rollout_synced:
             self.sync_rollout()
+        self.ready_to_generate()
         with self.run.timed("generate"):
             pending = launch(self.rollout, [list(p.ids) for p in prompts], params)
         return LaunchedRollout(list(prompts), params, pending)
+
+    def ready_to_generate(self) -> None:
+        """Make the rollout engine ready to generate (PPO: the roles' generate phase)."""
 
     def score_rollout(self, launched: LaunchedRollout) -> Rollout:
         """The launched generations (waited for) and their scores."""

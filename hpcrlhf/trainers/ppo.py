@@ -1,4 +1,4 @@
-"""PPO and its critic-free relatives (GRPO, RLOO, REINFORCE++) on one machine.
+"""PPO and its critic-free relatives (GRPO, RLOO, REINFORCE++): the driver of a job, local or on Ray.
 
 One step reads top to bottom, each phase timed under its metric name:
 
@@ -24,17 +24,16 @@ The PPO ratio's denominator is the actor's own recomputed log-prob of each respo
 temperature 1), not the rollout engine's: the two agree to ~1e-5 (logged as
 `rollout/logprob_max_diff`), and recomputing keeps the ratio exactly 1 at the first update.
 
-Every role here is a local object (actor and critic engines, frozen reference and reward models,
-a rollout engine). `ppo_ray.RayPPOTrainer` is this class with the role hooks (`score_tokens`,
-`learn`, `sync_rollout`, the rollout and reward engines) pointed at Ray workers placed by the
-node map (`placement.runtime: ray`); the per-role halves both use live in `ppo_learner`.
+The models are reached through a roles interface (`trainers.ppo_roles.PPORoles`): `LocalRoles`
+holds them in this process (one rank of a torchrun group), `ppo_ray.RayRoles` on Ray workers placed
+by the node map (`placement.runtime: ray`); the driver, its schedule and its checkpoints are the same.
 """
 
 from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -47,13 +46,13 @@ from hpcrlhf.data.sft import TokenizedSample
 from hpcrlhf.engines.distributed import all_reduce_sum
 from hpcrlhf.engines.rollout import Done
 from hpcrlhf.logs import get_logger
-from hpcrlhf.trainers.experience import ExperienceBatch, ReplayBuffer
+from hpcrlhf.trainers.experience import ExperienceBatch
 from hpcrlhf.trainers.overlap import generate_ahead
 from hpcrlhf.trainers.online import LaunchedRollout, OnlineTrainer, Prompt, Rollout, refill_seed
-from hpcrlhf.trainers.plan import PPOPlan, key_settings
-from hpcrlhf.trainers.ppo_learner import PPOLearner, forward_logps, forward_values
+from hpcrlhf.trainers.plan import key_settings
+from hpcrlhf.trainers.ppo_roles import LocalRoles, PPORoles
 from hpcrlhf.trainers.sequences import model_batch
-from hpcrlhf.trainers.stats import Stats, add_stats, new_stats, reduce_means
+from hpcrlhf.trainers.stats import Stats, reduce_means
 
 log = get_logger()
 
@@ -62,45 +61,22 @@ class PPOTrainer(OnlineTrainer):
     kind = "ppo"
     progress_key = "rollout/score"
 
-    def __init__(self, cfg: PPOConfig):
+    def __init__(self, cfg: PPOConfig, roles: Callable[[PPOTrainer], PPORoles] = LocalRoles):
         self.setup(cfg)
         self.setup_online()
-        ppo = cfg.ppo
-        self.plan = self.build_plan(self.env.world_size)
-        self.engine = self.models.build_trained_model(cfg.model.path, value_head=False, optim=cfg.optim, **self.plan.engine_args())
-        self.critic = None
-        if ppo.uses_critic:
-            field, path = cfg.critic_source()
-            self.critic = self.models.build_trained_model(path, value_head=True, optim=cfg.critic.optim, key=field,
-                                                          **self.plan.engine_args())
-        self.reference = None
-        if ppo.uses_reference:
-            field, path = cfg.reference_source()
-            self.reference = self.models.build_frozen_model(path, value_head=False, key=field,
-                                                            offload=cfg.reference.offload,
-                                                            micro_batch_rows=self.plan.micro_batch_rows)
-        self.build_rewards()
-        self.build_rollout()
+        self.roles = roles(self)
+        self.plan, self.rollout, self.hf_rollout, self.rewards = (self.roles.plan, self.roles.rollout,
+                                                                  self.roles.hf_rollout, self.roles.rewards)
+        # a vLLM engine starts from model.path: the actor's weights go in before it generates
+        self.rollout_synced = self.rollout is self.hf_rollout
         self.setup_ppo_state()
-        self.learners = {"actor": PPOLearner("actor", self.engine, cfg, self.plan, self.pad_id, self.buffer)}
-        if self.critic is not None:
-            self.learners["critic"] = PPOLearner("critic", self.critic, cfg, self.plan, self.pad_id, self.buffer)
-        self.log_start(f"{self.env.world_size} rank(s), ZeRO-{cfg.engine.zero_stage}, {cfg.engine.precision} on {self.device}, "
-                       f"rollout backend {cfg.rollout.backend}")
-
-    def build_plan(self, data_parallel_size: int) -> PPOPlan:
-        """The batch plan of a trained role with `data_parallel_size` ranks."""
-        cfg = self.cfg
-        return PPOPlan.build(cfg.train, prompts_per_step=cfg.rollout.prompts_per_step,
-                             samples_per_prompt=cfg.rollout.samples_per_prompt, ppo_epochs=cfg.ppo.epochs,
-                             num_prompts=len(self.prompts), data_parallel_size=data_parallel_size)
+        self.log_start(self.roles.where)
 
     def setup_ppo_state(self) -> None:
-        """The KL controller, the running reward moments and the replay buffer."""
+        """The KL controller, the running reward moments and the rollout generated ahead."""
         ppo = self.cfg.ppo
         self.kl_ctl = build_kl_controller(ppo.init_kl_coef, ppo.kl_target, ppo.kl_horizon)
         self.moments = RunningMoments()
-        self.buffer = ReplayBuffer(ppo.buffer_limit)
         self.ahead: tuple[int, LaunchedRollout] | None = None
         """(step, its rollout) generated ahead (rollout.max_staleness 1), to be scored at that step."""
 
@@ -125,8 +101,45 @@ class PPOTrainer(OnlineTrainer):
     def checkpointable(self):
         return PPOState(self)
 
+    # -- the roles' side ------------------------------------------------------------------------
+    def trained_weights(self):
+        return self.roles.trained_weights()
+
+    def optimizer_stats(self) -> dict[str, float | None]:
+        return self.roles.optimizer_stats()
+
+    def save_outputs(self) -> None:
+        self.roles.save_model()
+
+    def close(self) -> None:
+        self.roles.close()
+
+    def sync_rollout(self) -> None:
+        """Push the actor's weights into the rollout engine (nothing to do when it generates with
+        the trained module itself)."""
+        if self.rollout is not self.hf_rollout:
+            self.sync_metrics = self.roles.push_weights() or self.sync_metrics
+        self.rollout_synced = True
+
+    def greedy_rollout(self):
+        """Evaluation generates with the trained module where this process holds it (and keeps it
+        on the GPU), else with the rollout engine once it has the actor's weights."""
+        if self.hf_rollout is not None and "actor" not in self.roles.phases.sleepers:
+            return self.hf_rollout
+        if not self.rollout_synced:
+            self.sync_rollout()
+        self.ready_to_generate()
+        return self.rollout
+
+    def ready_to_generate(self) -> None:
+        self.roles.phases.enter("generate")
+
     # -- one PPO step ---------------------------------------------------------------------------
     def train_step(self, step: int) -> dict[str, float]:
+        """The PPO step, plus how long each role's workers were busy in it where the roles measure
+        it (`timing/busy_<role>`, the mean over its ranks; `util/<role>_idle` in the log is
+        1 - busy / step)."""
+        self.roles.pop_busy()  # what evaluation used is not this step's
         rollout, sampling_metrics = self.step_rollout(step)
         with self.run.timed("make_experience"):
             experience, stats = self.make_experience(rollout)
@@ -135,6 +148,8 @@ class PPOTrainer(OnlineTrainer):
         self.await_ahead()
         with self.run.timed("weight_sync"):
             self.sync_rollout()
+        for role, seconds in self.roles.pop_busy().items():
+            self.run.add_timing(f"busy_{role}", seconds)
         return {**self.step_metrics(rollout, stats, sums), **self.sync_metrics, **sampling_metrics}
 
     def step_rollout(self, step: int) -> tuple[Rollout, dict[str, float]]:
@@ -195,29 +210,17 @@ class PPOTrainer(OnlineTrainer):
         return None  # each learner reports its engine's in the step's metrics
 
     def step_prompts(self, step: int, round: int = 0) -> list[Prompt]:
-        """This rank's prompts for the step (`round` > 0: a dynamic-sampling refill, drawn from an
-        order of its own)."""
-        indices = self.plan.prompts_for_step(len(self.prompts), step, refill_seed(self.cfg.seed, round), self.env.rank)
-        return [self.prompts[i] for i in indices]
+        """The step's prompts of the actor ranks this driver generates for, in rank order (`round`
+        > 0: a dynamic-sampling refill, drawn from an order of its own)."""
+        seed, n = refill_seed(self.cfg.seed, round), len(self.prompts)
+        return [self.prompts[i] for rank in self.roles.prompt_ranks for i in self.plan.prompts_for_step(n, step, seed, rank)]
 
     @torch.no_grad()
     def make_experience(self, rollout: Rollout) -> tuple[ExperienceBatch, Stats]:
         """Old log-probs, reference log-probs, values, rewards and advantages of a rollout."""
         batch = rollout_batch(rollout, self.pad_id)
-        old, ref, values = self.score_tokens(batch)
+        old, ref, values = self.roles.score_tokens(batch)
         return self.experience_from(rollout, batch, old, ref, values)
-
-    def score_tokens(self, batch: dict[str, torch.Tensor]):
-        """(actor log-probs, reference log-probs or None, critic values or None) of a rollout batch."""
-        chunk, device = self.cfg.eval.batch_size, self.device
-        self.engine.eval()
-        old = forward_logps(self.engine, batch, chunk, device)
-        ref = forward_logps(self.reference, batch, chunk, device) if self.reference is not None else None
-        values = None
-        if self.critic is not None:
-            self.critic.eval()
-            values = forward_values(self.critic, batch, chunk, device)
-        return old, ref, values
 
     def experience_from(self, rollout: Rollout, batch: dict[str, torch.Tensor], old: torch.Tensor,
                         ref: torch.Tensor | None, values: torch.Tensor | None) -> tuple[ExperienceBatch, Stats]:
@@ -270,15 +273,13 @@ class PPOTrainer(OnlineTrainer):
 
     # -- updates ----------------------------------------------------------------------------
     def learn(self, experience: ExperienceBatch, step: int) -> Stats:
-        """The actor's and the critic's PPO epochs on the new experience (the actor waits out
-        `ppo.freeze_actor_steps`); both draw the same mini-batches from one buffer."""
-        self.buffer.add(experience.rows())
-        sums: Stats = new_stats()
-        for role, learner in self.learners.items():
-            if role == "actor" and step < self.cfg.ppo.freeze_actor_steps:
-                continue
-            with self.run.timed(f"train_{role}"):
-                add_stats(sums, learner.update(step, self.env.rank))
+        """The trained roles' PPO epochs on the new experience (the actor waits out
+        `ppo.freeze_actor_steps`), timed per role (`timing/train_<role>`: from the common start
+        to the role's end, where roles train at once)."""
+        roles = [r for r in self.roles.trained if not (r == "actor" and step < self.cfg.ppo.freeze_actor_steps)]
+        sums, seconds = self.roles.learn(experience, step, roles)
+        for role, s in seconds.items():
+            self.run.add_timing(f"train_{role}", s)
         return sums
 
     def step_metrics(self, rollout: Rollout, stats: Stats, sums: Stats) -> dict[str, float]:
@@ -303,35 +304,23 @@ def rollout_batch(rollout: Rollout, pad_id: int) -> dict[str, torch.Tensor]:
 
 
 class PPOState:
-    """Everything a PPO checkpoint holds: actor and critic engines (model, optimizer, schedule),
-    the KL controller, the running reward moments and this rank's replay buffer."""
+    """Everything a PPO checkpoint holds: the roles' (actor and critic engines with their optimizers
+    and schedules, their replay buffers), the driver's KL controller and running reward moments,
+    and the rollout generated ahead. Workers' random states are not saved: PPO's randomness
+    (sampling, mini-batch order) is seeded per step."""
 
     def __init__(self, trainer: PPOTrainer):
         self.t = trainer
 
     def save_checkpoint(self, folder: Path, client_state: dict[str, Any]) -> None:
         t = self.t
-        t.engine.save_checkpoint(folder, {**client_state, **t.controller_state()})
-        if t.critic is not None:
-            t.critic.save_checkpoint(folder / "critic", {"step": client_state["step"]})
-        t.buffer.save(folder, t.env.rank)
+        t.roles.save(folder, {**client_state, **t.controller_state()})
         t.save_ahead(folder, t.env.rank)
 
     def load_checkpoint(self, folder: Path) -> dict[str, Any]:
         t = self.t
-        state = t.engine.load_checkpoint(folder)
-        if t.critic is not None:
-            t.critic.load_checkpoint(folder / "critic")
+        state = t.roles.load(folder)
         t.load_controller_state(state)
-        t.buffer.load(folder, t.env.rank)
         t.load_ahead(folder, t.env.rank)
         t.rollout_synced = t.rollout is t.hf_rollout  # push the resumed weights before generating
         return state
-
-
-def run_ppo(cfg: PPOConfig) -> dict:
-    if cfg.placement.runtime == "ray":
-        from hpcrlhf.trainers.ppo_ray import run_ray_ppo
-
-        return run_ray_ppo(cfg)
-    return PPOTrainer(cfg).fit()

@@ -1,5 +1,6 @@
-"""The per-role halves of a PPO step, shared by the single-machine trainer and the Ray role workers:
+"""The per-role halves of a PPO step, shared by the single-machine roles and the Ray role workers:
 
+- `build_role_model`: a role's model as its config section says (actor, critic, reference);
 - forward passes over a rollout batch: token log-probs (actor, reference) and values (critic);
 - `PPOLearner`: a trained role's PPO epochs over its replay buffer (actor: clipped policy loss,
   entropy bonus, KL loss; critic: clipped value loss).
@@ -25,6 +26,18 @@ from hpcrlhf.trainers.guard import SKIPPED_SUFFIX
 from hpcrlhf.trainers.plan import PPOPlan
 
 """Metric -> [sum, count] over micro-batches (count 0: a plain sum, see `reduce_means`)."""
+
+
+def build_role_model(models, cfg, role: Literal["actor", "critic", "ref"], plan: PPOPlan):
+    """The model of a PPO role, built by `models` (a `ModelFactory`) for a role whose ranks follow
+    `plan`: the actor from model.path and the critic from its source (DeepSpeed training engines
+    with their own optimizers), the reference from its source (frozen)."""
+    if role == "ref":
+        field, path = cfg.reference_source()
+        return models.build_frozen_model(path, value_head=False, key=field, offload=cfg.reference.offload,
+                                         micro_batch_rows=plan.micro_batch_rows)
+    (field, path), optim = (("model.path", cfg.model.path), cfg.optim) if role == "actor" else (cfg.critic_source(), cfg.critic.optim)
+    return models.build_trained_model(path, value_head=role == "critic", optim=optim, key=field, **plan.engine_args())
 
 
 def _chunks(batch: dict[str, torch.Tensor], size: int, device: torch.device):

@@ -1,18 +1,19 @@
 """PPO on Ray: every role on its own workers, placed by the static node map.
 
-The driver is `PPOTrainer` itself (same loop, same step, same maths: rewards, KL shaping,
-advantages, metrics, the KL controller, checkpoints), with the role hooks pointed at Ray workers:
+The driver is `PPOTrainer` itself (same loop, same step, same maths, same checkpoints); `RayRoles`
+is its roles interface (`trainers.ppo_roles.PPORoles`) on Ray workers:
 
-    generate        the vLLM engine actors (`EngineFleet`), prompts split over engines
-    reward          the rules here; reward models on the reward role's workers
+    rollout         the vLLM engine actors (`EngineFleet`), prompts split over engines
+    rewards         the rules here; reward models on the reward role's workers
     score_tokens    actor / reference log-probs and critic values, all roles at once, each
                     role's ranks on equal row shards
     learn           actor and critic updates at once, rank r on the experiences of its prompts
                     (as rank r of a single-machine run); timed per role from the same start
-    sync_rollout    actor ranks gather the weights chunk by chunk, rank 0 broadcasts them to every
+    push_weights    actor ranks gather the weights chunk by chunk, rank 0 broadcasts them to every
                     engine worker in a weight-sync group (`WeightPush`; or, as the
                     `placement.vllm.weight_sync=object_store` fallback, hands the whole state dict to
                     every engine through Ray's object store)
+    pop_busy        each role's busy seconds, read from its workers
 
 Data crosses between the driver and the roles as typed batches: padded tensors for forward
 passes, `ExperienceBatch` shards for updates, `Response`s for reward models.
@@ -26,7 +27,8 @@ from __future__ import annotations
 import json
 import os
 import time
-from typing import Any
+from pathlib import Path
+from typing import Any, Sequence
 
 import torch
 
@@ -42,8 +44,10 @@ from hpcrlhf.placement import NodeMap
 from hpcrlhf.placement.problems import Problem, raise_problems
 from hpcrlhf.placement.roles import TRAINED
 from hpcrlhf.trainers.experience import ExperienceBatch
-from hpcrlhf.trainers.online import Prompt, refill_seed, vllm_engine_args
+from hpcrlhf.trainers.online import reward_set, vllm_engine_args
+from hpcrlhf.trainers.phases import PhaseSwitch
 from hpcrlhf.trainers.ppo import PPOTrainer
+from hpcrlhf.trainers.ppo_roles import TokenScores, role_plan
 from hpcrlhf.trainers.stats import Stats, add_stats, new_stats
 
 log = get_logger()
@@ -84,59 +88,43 @@ class RemoteRewards:
         return total, {name: torch.cat([p[name] for _, p in results])[:n] for name in self.names}
 
 
-class RayPPOTrainer(PPOTrainer):
-    """The PPO driver: holds the prompts, the run folder and the step's maths; the models live on
-    the workers of `reservation`'s node map."""
+class RayRoles:
+    """PPO's roles on the workers of `reservation`'s node map (`PPORoles`): one worker group per
+    role, the vLLM engines, and the weight push between them. The driver holds no model."""
 
-    def __init__(self, cfg: PPOConfig, reservation: Reservation):
-        self.setup(cfg)
-        self.setup_online()
-        self.reservation, node_map = reservation, reservation.node_map
-        self.plan = self.build_plan(len(node_map.role_ranks("actor")))
+    def __init__(self, trainer: PPOTrainer, reservation: Reservation):
+        t, cfg = trainer, trainer.cfg
+        self.t, self.reservation, node_map = t, reservation, reservation.node_map
+        self.plan = role_plan(t, len(node_map.role_ranks("actor")))
+        self.prompt_ranks = range(self.plan.data_parallel_size)
         self.groups: dict[str, WorkerGroup] = {}
         for role, worker in ROLE_WORKERS.items():
             if not node_map.role_ranks(role):
                 continue
             r = node_map.roles[role]
-            plan = self.build_plan(r.ranks) if role in TRAINED else self.plan
+            plan = role_plan(t, r.ranks) if role in TRAINED else self.plan
             self.groups[role] = WorkerGroup.for_role(
                 role, worker, reservation, role_config(cfg, r.zero_stage, r.offload_optimizer, r.offload_params, role),
                 plan)
-        engines = WorkerGroup.for_engines(EngineWorker, reservation, tensor_parallel_size=node_map.vllm.tensor_parallel_size,
-                                          **vllm_engine_args(cfg))
-        self.weight_push = WeightPush(self.groups["actor"], node_map.vllm.tensor_parallel_size,
-                                      cfg.placement.vllm.weight_sync)
+        self.trained = tuple(role for role in TRAINED if role in self.groups)
+        tp = node_map.vllm.tensor_parallel_size
+        engines = WorkerGroup.for_engines(EngineWorker, reservation, tensor_parallel_size=tp, **vllm_engine_args(cfg))
+        self.weight_push = WeightPush(self.groups["actor"], tp, cfg.placement.vllm.weight_sync)
         self.rollout = EngineFleet(engines, self.weight_push, max_restarts=cfg.placement.vllm.max_restarts)
+        self.hf_rollout = None  # the actor module lives on its workers
         gather([ref for g in self.groups.values() for ref in g.call_async("setup")])
-        self.rollout_synced = False  # engines start from model.path; the actor's weights go in before use
-        if "reward" in self.groups:
-            self.rewards = RemoteRewards(self.groups["reward"])
-        else:  # rules only (the plan gives the reward role GPUs whenever there is a reward model)
-            self.build_rewards()
-        self.setup_ppo_state()
+        # rules only without a reward role (the plan gives the reward role GPUs whenever there is a reward model)
+        self.rewards = RemoteRewards(self.groups["reward"]) if "reward" in self.groups else reward_set(cfg, t.models, t.task)
+        self.phases = PhaseSwitch.for_job(cfg, self.trained, self._act, lambda: t.run.timed("swap"))
         self.check_placement()
-        self.log_start(f"on Ray: {', '.join(f'{r} {len(g)} rank(s)' for r, g in self.groups.items())}, "
-                       f"{len(engines)} vLLM engine(s) x TP {node_map.vllm.tensor_parallel_size}")
+        self.where = (f"on Ray: {', '.join(f'{r} {len(g)} rank(s)' for r, g in self.groups.items())}, "
+                      f"{len(engines)} vLLM engine(s) x TP {tp}")
 
-    def trained_weights(self) -> None:
-        return None  # on the actor's workers
+    @property
+    def all_groups(self) -> list[WorkerGroup]:
+        """Every role's workers and the engines."""
+        return [*self.groups.values(), self.rollout.group]
 
-    def train_step(self, step: int) -> dict[str, float]:
-        """The PPO step, plus how long each role's workers were busy in it (`timing/busy_<role>`,
-        the mean over its ranks; `util/<role>_idle` in the log is 1 - busy / step)."""
-        self.pop_busy()  # what evaluation used is not this step's
-        metrics = super().train_step(step)
-        for role, seconds in self.pop_busy().items():
-            self.run.add_timing(f"busy_{role}", seconds)
-        return metrics
-
-    def pop_busy(self) -> dict[str, float]:
-        """Each role's (and the engines', `vllm`) busy seconds since the last call, mean over ranks."""
-        groups = self.all_groups
-        seconds = iter(gather([w.pop_busy.remote() for g in groups for w in g.workers]))
-        return {g.role: sum(next(seconds) for _ in g.workers) / max(len(g.workers), 1) for g in groups}
-
-    # -- placement ---------------------------------------------------------------------------
     def check_placement(self) -> None:
         """Every worker's node and visible GPUs, read back from the worker, must be the map's."""
         groups = self.all_groups
@@ -153,19 +141,21 @@ class RayPPOTrainer(PPOTrainer):
             if (w.node_ip, w.visible_devices) != want:
                 wrong.append(f"{w.role}[{w.rank}] runs on {w.node_ip} GPUs {w.visible_devices!r}, the map says "
                              f"{want[0]} GPUs {want[1]!r}")
-        if self.env.is_main:
-            (self.run.dir / "placement.json").write_text(json.dumps(
+        if self.t.env.is_main:
+            (self.t.run.dir / "placement.json").write_text(json.dumps(
                 {"node_map": json.loads(self.reservation.node_map.to_json()), "workers": rows}, indent=2) + "\n")
         if wrong:
             raise PlacementError("workers are not where the node map puts them:\n" + "\n".join(f"- {x}" for x in wrong))
 
-    # -- the role hooks ------------------------------------------------------------------------
-    def step_prompts(self, step: int, round: int = 0) -> list[Prompt]:
-        """The prompts every actor rank of a single-machine run would take, in rank order."""
-        ranks, seed = self.plan.data_parallel_size, refill_seed(self.cfg.seed, round)
-        return [self.prompts[i] for rank in range(ranks) for i in self.plan.prompts_for_step(len(self.prompts), step, seed, rank)]
+    # -- PPORoles --------------------------------------------------------------------------------
+    def _act(self, who: str, verb: str, tags: tuple[str, ...]) -> None:
+        if who == "engines":
+            self.rollout.sleep() if verb == "sleep" else self.rollout.wake(tags)
+        else:
+            self.groups[who].call(verb)
 
-    def score_tokens(self, batch: dict[str, torch.Tensor]):
+    def score_tokens(self, batch: dict[str, torch.Tensor]) -> TokenScores:
+        self.phases.enter("train")
         wanted = {"actor": "logps", "ref": "logps", "critic": "values"}
         pending: dict[str, tuple[list[Any], int]] = {}
         for role, method in wanted.items():
@@ -176,17 +166,17 @@ class RayPPOTrainer(PPOTrainer):
         out = {role: torch.cat([next(results) for _ in refs])[:n] for role, (refs, n) in pending.items()}
         return out["actor"], out.get("ref"), out.get("critic")
 
-    def learn(self, experience: ExperienceBatch, step: int) -> Stats:
+    def learn(self, experience: ExperienceBatch, step: int, roles: Sequence[str]) -> tuple[Stats, dict[str, float]]:
+        """Every role at once, each rank on its share of the experience."""
         import ray
 
+        self.phases.enter("train")
         pending: dict[str, list[Any]] = {}
-        for role in TRAINED:
-            if role not in self.groups or (role == "actor" and step < self.cfg.ppo.freeze_actor_steps):
-                continue
+        for role in roles:
             group = self.groups[role]
             shards = [experience.shard(a, b) for a, b in even_bounds(len(experience), len(group))]
             pending[role] = group.scatter_async("learn", shards, step)
-        start, left = time.perf_counter(), {role: set(refs) for role, refs in pending.items()}
+        start, left, seconds = time.perf_counter(), {role: set(refs) for role, refs in pending.items()}, {}
         waiting = [ref for refs in pending.values() for ref in refs]
         while waiting:  # each role's time from the common start to its last rank's end
             (ready,), waiting = ray.wait(waiting, num_returns=1)
@@ -195,39 +185,50 @@ class RayPPOTrainer(PPOTrainer):
                 if ready in refs:
                     refs.discard(ready)
                     if not refs:
-                        self.run.add_timing(f"train_{role}", time.perf_counter() - start)
+                        seconds[role] = time.perf_counter() - start
         sums: Stats = new_stats()
         for refs in pending.values():
             for part in ray.get(refs):
                 add_stats(sums, part)
-        return sums
+        return sums, seconds
 
-    def sync_rollout(self) -> None:
+    def push_weights(self) -> dict[str, float] | None:
+        self.phases.enter("weight_sync")
         self.rollout.sync()
-        self.rollout_synced = True
-        self.sync_metrics = self.weight_push.last
+        return self.weight_push.last or None
 
-    def greedy_rollout(self):
-        if not self.rollout_synced:
-            self.sync_rollout()
-        return self.rollout
+    def save(self, folder: Path, state: dict[str, Any]) -> None:
+        """Each trained role's ranks write into the same folders as a single-machine run's."""
+        self.phases.enter("train")
+        gather([ref for group, sub in self._trained_folders()
+                for ref in group.call_async("save_checkpoint", str(folder / sub), {"step": state["step"]} if sub else state)])
+
+    def load(self, folder: Path) -> dict[str, Any]:
+        self.phases.enter("train")
+        refs = [group.call_async("load_checkpoint", str(folder / sub)) for group, sub in self._trained_folders()]
+        return gather([ref for more in refs for ref in more])[0]
+
+    def _trained_folders(self) -> list[tuple[WorkerGroup, str]]:
+        """(group, its checkpoint folder under the step's) of the trained roles, actor first."""
+        return [(self.groups[role], "" if role == "actor" else role) for role in self.trained]
+
+    def pop_busy(self) -> dict[str, float]:
+        """Each role's (and the engines', `vllm`) busy seconds since the last call, mean over ranks."""
+        groups = self.all_groups
+        seconds = iter(gather([w.pop_busy.remote() for g in groups for w in g.workers]))
+        return {g.role: sum(next(seconds) for _ in g.workers) / max(len(g.workers), 1) for g in groups}
 
     def optimizer_stats(self) -> dict[str, float | None]:
         import ray
 
         return ray.get(self.groups["actor"].workers[0].optimizer_stats.remote())
 
-    @property
-    def checkpointable(self):
-        return RayPPOState(self)
+    def trained_weights(self) -> None:
+        return None  # on the actor's workers
 
-    def save_outputs(self) -> None:
+    def save_model(self) -> None:
+        self.phases.enter("train")
         self.groups["actor"].call("save_model")
-
-    @property
-    def all_groups(self) -> list[WorkerGroup]:
-        """Every role's workers and the engines."""
-        return [*self.groups.values(), self.rollout.group]
 
     def close(self) -> None:
         """Stop the engines and every worker (also after one of them died)."""
@@ -273,37 +274,6 @@ class WeightPush:
         self.members = [e._actor_id.hex() for e in engines]
         log.info(f"weight-sync group {spec.name}: actor rank 0 and {len(engines)} engine(s) x TP {self.tp} "
                  f"({spec.world_size} members, {chosen}) at {host}:{port}")
-
-
-class RayPPOState:
-    """A Ray PPO checkpoint: the actor's and the critic's engines and replay buffers (written by
-    their ranks into the same folders as a single-machine run's) plus the driver's KL controller
-    and reward moments. The workers' random states are not saved: PPO's randomness (sampling,
-    mini-batch order) is seeded per step."""
-
-    def __init__(self, trainer: RayPPOTrainer):
-        self.t = trainer
-
-    def _trained(self):
-        """(group, its checkpoint folder under the step's) of the trained roles, actor first."""
-        return [(self.t.groups[role], sub) for role, sub in (("actor", ""), ("critic", "critic")) if role in self.t.groups]
-
-    def save_checkpoint(self, folder, client_state: dict[str, Any]) -> None:
-        t = self.t
-        state = {**client_state, **t.controller_state()}
-        gather([ref for group, sub in self._trained()
-                 for ref in group.call_async("save_checkpoint", str(folder / sub),
-                                             {"step": client_state["step"]} if sub else state)])
-        t.save_ahead(folder, 0)  # the driver holds every engine's samples
-
-    def load_checkpoint(self, folder) -> dict[str, Any]:
-        t = self.t
-        refs = [group.call_async("load_checkpoint", str(folder / sub)) for group, sub in self._trained()]
-        state = gather([ref for more in refs for ref in more])[0]
-        t.load_controller_state(state)
-        t.load_ahead(folder, 0)
-        t.rollout_synced = False  # push the resumed weights before generating
-        return state
 
 
 def start_problems(cfg: PPOConfig, node_map: NodeMap) -> list[Problem]:
@@ -352,10 +322,10 @@ def run_ray_ppo(cfg: PPOConfig) -> dict:
         reservation = reserve(node_map, node_ips)
         trainer = None
         try:
-            trainer = RayPPOTrainer(cfg, reservation)
+            trainer = PPOTrainer(cfg, lambda t: RayRoles(t, reservation))
             return trainer.fit()
         except Exception as e:
-            groups = trainer.all_groups if trainer is not None else []
+            groups = trainer.roles.all_groups if trainer is not None else []
             cause = lost_worker_error(e, groups)
             if cause is None:
                 raise

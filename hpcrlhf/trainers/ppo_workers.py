@@ -23,7 +23,7 @@ from hpcrlhf.cluster.worker_group import RoleWorker, busy, gather
 from hpcrlhf.models.factory import ModelFactory
 from hpcrlhf.trainers.experience import ExperienceBatch, ReplayBuffer
 from hpcrlhf.trainers.plan import PPOPlan
-from hpcrlhf.trainers.ppo_learner import PPOLearner, forward_logps, forward_values
+from hpcrlhf.trainers.ppo_learner import PPOLearner, build_role_model, forward_logps, forward_values
 from hpcrlhf.trainers.stats import Stats
 
 
@@ -49,14 +49,9 @@ class PPOWorker(RoleWorker):
 class TrainedWorker(PPOWorker):
     """A rank of a trained role (actor, critic): its engine, replay buffer and PPO updates."""
 
-    value_head = False
-
     def build(self) -> None:
         cfg, plan = self.cfg, self.plan
-        (field, path), optim = ((("model.path", cfg.model.path), cfg.optim) if self.role == "actor"
-                                else (cfg.critic_source(), cfg.critic.optim))
-        self.engine = self.models.build_trained_model(path, value_head=self.value_head, optim=optim, key=field,
-                                                      **plan.engine_args())
+        self.engine = build_role_model(self.models, cfg, self.role, plan)
         self.buffer = ReplayBuffer(cfg.ppo.buffer_limit)
         self.learner = PPOLearner(self.role, self.engine, cfg, plan, self.models.pad_id, self.buffer)
 
@@ -65,6 +60,15 @@ class TrainedWorker(PPOWorker):
         """This rank's share of a rollout's experience -> PPO epochs on it; returns metric sums."""
         self.buffer.add(experience.rows())
         return self.learner.update(step, self.rank)
+
+    @busy
+    def sleep(self) -> None:
+        """The engine's states to CPU memory while vLLM generates (placement.<role>.sleep)."""
+        self.engine.sleep()
+
+    @busy
+    def wake(self) -> None:
+        self.engine.wake()
 
     def save_checkpoint(self, folder: str, client_state: dict[str, Any]) -> None:
         self.engine.save_checkpoint(Path(folder), client_state)
@@ -144,8 +148,6 @@ class ActorWorker(TrainedWorker):
 
 
 class CriticWorker(TrainedWorker):
-    value_head = True
-
     @busy
     def values(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         self.engine.eval()
@@ -154,11 +156,7 @@ class CriticWorker(TrainedWorker):
 
 class ReferenceWorker(PPOWorker):
     def build(self) -> None:
-        cfg = self.cfg
-        field, path = cfg.reference_source()
-        self.model = self.models.build_frozen_model(path, value_head=False, key=field,
-                                                    offload=cfg.reference.offload,
-                                                    micro_batch_rows=self.plan.micro_batch_rows)
+        self.model = build_role_model(self.models, self.cfg, "ref", self.plan)
 
     @busy
     def logps(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -170,11 +168,9 @@ class RewardWorker(PPOWorker):
 
     def build(self) -> None:
         from hpcrlhf.data.tasks import build_task
-        from hpcrlhf.rewards import RewardSet
+        from hpcrlhf.trainers.online import reward_set
 
-        cfg, m = self.cfg, self.models
-        self.rewards = RewardSet(cfg.reward, lambda path, field: m.build_frozen_model(path, value_head=True, key=field), m.tokenizer,
-                                 build_task(cfg.task, cfg.data), m.device, cfg.model.trust_remote_code)
+        self.rewards = reward_set(self.cfg, self.models, build_task(self.cfg.task, self.cfg.data))
 
     def names(self) -> list[str]:
         return list(self.rewards.names)

@@ -347,15 +347,20 @@ def test_zero3_actor_syncs_its_engine_alike_by_either_path(ray_cluster, policy_m
     """ZeRO-3 with 2 actor ranks (parameters gathered chunk by chunk for the broadcast; buckets of
     1 MB so the 1.7 MB model goes in several) and an engine of TP 2: the collective path and the
     object-store fallback give the same steps, and the engine's log-probs are the actor's after
-    every sync (a large lr, so that an engine left with stale weights could not pass)."""
+    every sync (a large lr, so that an engine left with stale weights could not pass). The
+    fallback run also sleeps between phases (engines, actor and critic taking turns, through their
+    workers): a no-op for the memory on CPU, so its steps stay the same."""
     args = ["--set", f"model.path={policy_model}", *RUN, "--set", "train.max_steps=3", "--set", "engine.zero_stage=3",
             "--set", "optim.lr=1e-3", "--set", "placement.vllm.sync_bucket_mb=1"]
     rows = {}
+    sleep = ["--set", "placement.vllm.sleep=true", "--set", "placement.actor.sleep=true",
+             "--set", "placement.critic.sleep=true"]
     for path in ("collective", "object_store"):
         folder = tmp_path / path
-        run_cli(["train", "ppo", "--config", COLOCATED, "-o", str(folder), *args,
+        run_cli(["train", "ppo", "--config", COLOCATED, "-o", str(folder), *args, *(sleep if path == "object_store" else []),
                  "--set", f"placement.vllm.weight_sync={path}"], env={"RAY_ADDRESS": ray_cluster.address}, timeout=900)
         rows[path] = train_rows(folder)
+        assert all(("timing/swap" in r) == (path == "object_store") for r in rows[path])
         assert max(r["rollout/logprob_max_diff"] for r in rows[path]) < 1e-4, path
         assert max(abs(r["train/approx_kl"]) for r in rows[path]) > 1e-4  # the updates were not negligible
     assert all(r["weight_sync/buckets"] >= 2 and r["weight_sync/bytes"] > 1.6e6 for r in rows["collective"])

@@ -1,6 +1,6 @@
 """The paths only a CUDA GPU exercises, through the real CLI: bf16 training under DeepSpeed on the
 device (ZeRO-0/2/3 held to fp32), PPO in bf16 that learns, flash-attn against sdpa, QLoRA, a vLLM
-CUDA engine fed by the weight sync, and the weight broadcast between GPU processes (NCCL on two
+CUDA engine fed by the weight sync, vLLM sleep mode and sleeping DeepSpeed roles in PPO, and the weight broadcast between GPU processes (NCCL on two
 GPUs, gloo on one). Each checks a result, not only that the run ended; the ones whose package is
 missing are skipped and say which.
 benchmarks/gpu-check.sh runs this file; CI (no GPU) collects and skips it."""
@@ -109,6 +109,59 @@ def test_vllm_cuda_engine_generates_as_hf_and_takes_new_weights(tiny_llama):
         assert answers(engine) == answers(hf)
     finally:
         engine.close()
+
+
+@needs("vllm", "pip install vllm to test sleep mode")
+def test_vllm_sleep_frees_the_gpu_and_wakes_with_new_weights(tiny_llama):
+    """placement.vllm.sleep's engine side: asleep, the engine's claim is back on the GPU; woken
+    (weights, then the sync, then the KV cache) it generates with the new weights."""
+    from transformers import AutoModelForCausalLM
+
+    from hpcrlhf.engines.rollout import HFRollout, SamplingParams, VLLMRollout
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama).cuda()
+    hf = HFRollout(model, pad_token_id=model.config.pad_token_id, eos_token_id=model.config.eos_token_id, device="cuda")
+    engine = VLLMRollout(tiny_llama, seed=0, max_model_len=256, kv_cache_bytes=None, gpu_memory_utilization=0.3,
+                         sleep=True)
+    prompts, greedy = [[1, 5, 9, 13, 2 + i] for i in range(8)], SamplingParams(greedy=True, max_new_tokens=12)
+    try:
+        assert engine.sleep_mode
+        free, total = torch.cuda.mem_get_info()
+        engine.sleep()
+        freed = torch.cuda.mem_get_info()[0] - free
+        assert freed > 0.2 * total, (freed, total)  # most of its 0.3 claim
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.05 * torch.randn_like(p))
+        engine.wake(["weights"])
+        engine.load_weights(model.state_dict())
+        engine.wake(["kv_cache"])
+        assert [g[0].response_ids for g in engine.generate(prompts, greedy)] == \
+            [g[0].response_ids for g in hf.generate(prompts, greedy)]
+    finally:
+        engine.close()
+
+
+@needs("vllm", "pip install vllm to test sleep mode")
+def test_ppo_with_sleeping_engine_and_roles_stays_in_sync_and_learns(policy_model, tmp_path):
+    """placement.vllm.sleep + placement.actor/critic.sleep on one GPU (the local runtime): the
+    DeepSpeed states leave the GPU while vLLM generates and the engine sleeps while they train;
+    the engine's log-probs stay the trainer's after every sync, and the task score goes up."""
+    out = tmp_path / "ppo-sleep"
+    proc = run_cli(["train", "ppo", "-o", str(out), "--set", f"model.path={policy_model}", "--set", "train.max_steps=30",
+                    "--set", "rollout.backend=vllm", "--set", "placement.vllm.sleep=true",
+                    "--set", "placement.actor.sleep=true", "--set", "placement.critic.sleep=true",
+                    "--set", "engine.zero_stage=2", "--set", "rollout.samples_per_prompt=4",
+                    "--set", "log.tensorboard=false", "--set", "eval.every_steps=0", "--set", "log.every_steps=1",
+                    "--set", "task.eval_size=256", "--set", "eval.score_prompts=256",
+                    "--set", "rollout.prompts_per_step=32", "--set", "train.global_batch_size=64",
+                    "--set", "train.micro_batch_size=64"])
+    assert "no sleep mode" not in proc.stdout + proc.stderr
+    rows = [m for m in read_metrics(out) if "rollout/score" in m]
+    assert len(rows) == 30 and all(r["timing/swap"] > 0 for r in rows)
+    assert max(r["rollout/logprob_max_diff"] for r in rows) < 1e-3
+    s = json.loads((out / "summary.json").read_text())
+    assert s["after"]["eval/task_score"] > s["before"]["eval/task_score"] + 0.05, s
 
 
 def test_weight_broadcast_between_gpu_processes():

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from .helpers import plan
-from .test_nodemap import HYBRID_1X8
+from .test_nodemap import HYBRID_1X8, HYBRID_1X8_SLEEP
 
 GOLDEN = Path(__file__).parent / "golden"
 SCALE_70B_16X8 = ["placement.actor.nodes=4", "placement.critic.nodes=4", "placement.ref.nodes=4",
@@ -20,6 +20,7 @@ SCALE_70B_16X8 = ["placement.actor.nodes=4", "placement.critic.nodes=4", "placem
 
 CASES = {  # name: (recipe, overrides, nodes, gpus per node)
     "1x8-7b-hybrid": ("ppo-7b", HYBRID_1X8, 1, 8),  # everything colocated on one node
+    "1x8-7b-hybrid-sleep": ("ppo-7b", HYBRID_1X8_SLEEP, 1, 8),  # ... taking turns with the memory
     "2x4-tiny-ray": ("ppo-tiny-ray", [], 2, 4),
     "1x2-tiny-ray-colocated": ("ppo-tiny-ray-colocated", [], 1, 2),
     "2x8-7b": ("ppo-7b", [], 2, 8),

@@ -72,3 +72,21 @@ def test_vllm_weights_larger_than_the_claim_leave_no_kv_cache():
     e = engine_memory(shape, tensor_parallel_size=1, gpu_memory_utilization=0.9, gpu_memory=80 * GIB,
                       precision="bf16")
     assert e.parts.kv_cache == 0 and e.kv_cache_tokens == 0 and e.parts.weights == 2 * 68_976_648_192
+
+
+@pytest.mark.parametrize("kind, sleeps, generate, train, weight_sync", [
+    # a trained role: activations only while training; asleep, nothing while vLLM generates
+    ("trained", False, MemoryParts(1, 2, 3, 0, 0), MemoryParts(1, 2, 3, 4, 0), MemoryParts(1, 2, 3, 0, 0)),
+    ("trained", True, MemoryParts(), MemoryParts(1, 2, 3, 4, 0), MemoryParts(1, 2, 3, 0, 0)),
+    # an engine: asleep, nothing while the roles train and only its weights in the sync
+    ("engine", False, MemoryParts(1, 0, 0, 0, 5), MemoryParts(1, 0, 0, 0, 5), MemoryParts(1, 0, 0, 0, 5)),
+    ("engine", True, MemoryParts(1, 0, 0, 0, 5), MemoryParts(), MemoryParts(weights=1)),
+    ("frozen", False, MemoryParts(weights=1), MemoryParts(weights=1), MemoryParts(weights=1)),
+])
+def test_what_an_occupant_holds_in_each_phase(kind, sleeps, generate, train, weight_sync):
+    from hpcrlhf.placement.memory import PHASES, phase_parts
+
+    most = {"trained": MemoryParts(1, 2, 3, 4, 0), "engine": MemoryParts(weights=1, kv_cache=5),
+            "frozen": MemoryParts(weights=1)}[kind]
+    got = [phase_parts(most, kind=kind, sleeps=sleeps, phase=phase) for phase in PHASES]
+    assert got == [generate, train, weight_sync]

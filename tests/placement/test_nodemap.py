@@ -10,7 +10,7 @@ import pytest
 from hpcrlhf.placement import Device, NodeMap
 from hpcrlhf.placement.memory import GIB, MemoryParts
 
-from .helpers import find, plan, problems
+from .helpers import config, find, plan, problems
 
 D = Device
 HYBRID_1X8 = ["engine.zero_stage=3", "placement.nodes=1", "placement.actor.gpus_per_node=8",
@@ -18,6 +18,9 @@ HYBRID_1X8 = ["engine.zero_stage=3", "placement.nodes=1", "placement.actor.gpus_
               "placement.vllm.engines=4", "placement.vllm.tensor_parallel_size=2",
               "placement.vllm.gpu_memory_utilization=0.35", "placement.colocate=[[actor, critic, ref, reward, vllm]]"]
 """ppo-7b on one node of 8 GPUs with every role on every GPU (OpenRLHF's hybrid engine layout)."""
+HYBRID_1X8_SLEEP = [*HYBRID_1X8, "placement.vllm.gpu_memory_utilization=0.9", "placement.vllm.sleep=true",
+                    "placement.actor.sleep=true", "placement.critic.sleep=true"]
+"""... with vLLM claiming 0.9 of each GPU: it fits only with the engines and trained roles taking turns."""
 
 
 # ---------------------------------------------------------------- placement
@@ -187,6 +190,37 @@ def test_gpu_over_its_memory_names_device_occupants_and_fixes():
          "fix: a lower placement.vllm.gpu_memory_utilization (vLLM claims 0.9 x 80.0 GiB here)")
     found = problems("ppo-7b", "engine.gradient_checkpointing=false")
     find(found, "placement.gpu_memory_gb", "activations 114.0", "engine.gradient_checkpointing=true")
+
+
+def test_sleep_fits_a_colocated_layout_by_phase_and_names_the_phase_over_memory():
+    from hpcrlhf.placement.memory import activation_bytes
+    from hpcrlhf.placement.roles import sequence_tokens
+    from hpcrlhf.placement.shapes import shape_of
+
+    found = problems("ppo-7b", *HYBRID_1X8, "placement.vllm.gpu_memory_utilization=0.9", nodes=1, gpus=8)
+    find(found, "placement.gpu_memory_gb", "placement.vllm.sleep=true", "placement.actor.sleep=true",
+         "placement.critic.sleep=true")  # offered as a fix
+    m = plan("ppo-7b", *HYBRID_1X8_SLEEP, nodes=1, gpus=8)
+    gpu = next(iter(m.devices))
+    # by hand: ZeRO-3 over 8 ranks in bf16 (weights 2P, gradients 2P, optimizer 12P, all / 8); vLLM TP 2
+    # claims 0.9 x 80 GiB per GPU (its weights 2P/2, the rest KV cache)
+    actor, critic, ref, reward = (m.roles[r].params for r in ("actor", "critic", "ref", "reward"))
+    cfg = config("ppo-7b", *HYBRID_1X8_SLEEP)
+    acts = activation_bytes(shape_of("meta-llama/Llama-2-7b-hf"), tokens=sequence_tokens(cfg),
+                            micro_batch=cfg.train.micro_batch_for(8), checkpointing=True)
+    frozen = 2 * ref // 8 + 2 * reward // 8
+    trained = 16 * actor // 8 + 16 * critic // 8  # not exact to the byte: each part is rounded down alone
+    claim, vllm_weights = int(0.9 * 80 * GIB), 2 * actor // 2
+    phases = {k: v.total for k, v in m.phase_memory(gpu).items()}
+    assert phases["generate"] == frozen + claim  # the trained roles asleep
+    assert phases["train"] == pytest.approx(frozen + trained + 2 * acts, abs=8)  # vLLM asleep
+    assert phases["weight_sync"] == pytest.approx(frozen + trained + vllm_weights, abs=8)  # KV cache still asleep
+    assert m.peak(gpu)[0] == "generate" and phases["generate"] < 80 * GIB < m.memory(gpu).total
+    assert "memory by phase (sleep: actor, critic, vllm)" in m.render()
+    # still too big: the phase that does not fit is named
+    found = problems("ppo-7b", *HYBRID_1X8_SLEEP, "placement.vllm.gpu_memory_utilization=0.99", nodes=1, gpus=8)
+    find(found, "placement.gpu_memory_gb = 80.0", "GiB while vLLM generates, more than its 80.0 GiB",
+         "actor[0] 0.0 GiB", "vllm0 tp0/2 weights 6.3 + kv_cache")
 
 
 def test_vllm_claim_too_small_for_its_weights_or_one_sequence():

@@ -222,23 +222,32 @@ def test_two_ranks_zero3_with_critic_reference_and_offload(policy_model, tmp_pat
     assert (out / "model" / "model.safetensors").exists()
 
 
+SLEEP = ["--set", "placement.vllm.sleep=true", "--set", "placement.actor.sleep=true", "--set", "placement.critic.sleep=true"]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("nproc, extra", [(1, []), (2, ["--set", "engine.zero_stage=3", "--set", "placement.vllm.sync_bucket_mb=1"])])
+@pytest.mark.parametrize("nproc, extra", [(1, []), (2, ["--set", "engine.zero_stage=3", "--set", "placement.vllm.sync_bucket_mb=1",
+                                                     *SLEEP])])
 def test_vllm_rollouts_stay_in_sync_with_the_actor(nproc, extra, policy_model, tmp_path):
     """After every update the actor's weights are streamed into the vLLM engine (2 ranks: under
     ZeRO-3, gathered chunk by chunk, in 1 MB buckets): if a sync were missed or garbled, the
-    engine's log-probs (old weights) would differ from the trainer's (new weights)."""
+    engine's log-probs (old weights) would differ from the trainer's (new weights). The 2-rank run
+    also sleeps between phases (engines, actor and critic take turns: on CPU the moves are no-ops,
+    the switching is not) and evaluates with the engine, since the actor sleeps while it generates."""
     out = tmp_path / "run"
-    run_cli(["train", "ppo", "-o", str(out), "--set", f"model.path={policy_model}", "--set", "train.max_steps=3",
-             "--set", "rollout.backend=vllm", "--set", "rollout.vllm_kv_cache_gb=0.25", "--set", "optim.lr=1e-3",
-             "--set", "rollout.prompts_per_step=8", "--set", "train.global_batch_size=16",
-             "--set", "train.micro_batch_size=8", "--set", "eval.score_prompts=16", *QUIET, *extra], nproc=nproc,
-            timeout=900)
+    proc = run_cli(["train", "ppo", "-o", str(out), "--set", f"model.path={policy_model}", "--set", "train.max_steps=3",
+                    "--set", "rollout.backend=vllm", "--set", "rollout.vllm_kv_cache_gb=0.25", "--set", "optim.lr=1e-3",
+                    "--set", "rollout.prompts_per_step=8", "--set", "train.global_batch_size=16",
+                    "--set", "train.micro_batch_size=8", "--set", "eval.score_prompts=16", *QUIET, *extra],
+                   nproc=nproc, timeout=900)
     rows = train_rows(out)
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert rows[-1]["train/approx_kl"] > 0 or rows[-1]["rollout/kl"] > 1e-3  # the weights really changed
     assert max(r["rollout/logprob_max_diff"] for r in rows) < 1e-4
     assert all(r["weight_sync/bytes"] > 1.6e6 and r["weight_sync/buckets"] >= (2 if extra else 1) for r in rows)
+    assert all(("timing/swap" in r) == bool(extra) for r in rows)
+    if extra:
+        assert "placement.vllm.sleep: vLLM on cpu has no sleep mode" in proc.stdout + proc.stderr
 
 
 @pytest.mark.slow
