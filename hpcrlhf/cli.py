@@ -77,7 +77,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         if args.steps < 1:
             raise ConfigError(f"--steps: {args.steps} measured steps; use at least 1")
         suite = replace(suite, steps=args.steps)
-    systems = [suite.system(n) for n in args.systems.split(",")] if args.systems else list(suite.systems)
+    names = args.systems.split(",") if args.systems else [s.name for s in suite.systems]
+    if "dschat" in names and not args.dschat_dir:
+        raise ConfigError("--systems: dschat (real DeepSpeed-Chat) needs --dschat-dir, a DeepSpeedExamples checkout")
+    systems = [suite.system(n) for n in names if n != "dschat"]
     dschat = None
     if args.dschat_dir:
         from hpcrlhf.bench.dschat import DSChat

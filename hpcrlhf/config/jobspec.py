@@ -63,14 +63,17 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     """The arguments of `hpcrlhf bench` (after the command name)."""
     p.add_argument("--suite", metavar="NAME", help="suite to run (cpu, cpu-small, cpu-tiny, gpu-1, gpu-7b, gpu-13b, gpu-70b)")
     p.add_argument("--output", "-o", metavar="DIR", help="results folder (default: runs/bench-SUITE)")
-    p.add_argument("--systems", metavar="A,B", help="run only these systems of the suite")
+    p.add_argument("--systems", metavar="A,B", help="run only these systems of the suite (dschat: real DeepSpeed-Chat "
+                                                    "alone, with --dschat-dir)")
     p.add_argument("--steps", type=int, metavar="N", help="measured steps (after warm-up; default: the suite's)")
     p.add_argument("--model", metavar="PATH", help="actor/reference model folder (gpu suites need one)")
     p.add_argument("--reward-model", metavar="PATH", help="reward model (and critic) folder (default: --model)")
     p.add_argument("--dschat-dir", metavar="DIR",
-                   help="a DeepSpeedExamples checkout: also run real DeepSpeed-Chat step 3 (GPU) and parse its log")
+                   help="a DeepSpeedExamples checkout: also run real DeepSpeed-Chat step 3 on the same models, "
+                        "prompts and lengths (GPU suites as its scripts do; CPU suites in bf16, ZeRO-2) and parse its log")
     p.add_argument("--dschat-critic", metavar="DIR",
-                   help="DeepSpeed-Chat step-2 output (its critic/reward model, with pytorch_model.bin)")
+                   help="DeepSpeed-Chat step-2 output (its critic/reward model, with pytorch_model.bin; default: made "
+                        "from the reward model by DeepSpeed-Chat's own code)")
     p.add_argument("--list", action="store_true", help="list the suites and their systems")
 
 

@@ -146,28 +146,6 @@ def test_trl_system_under_zero3_and_its_cluster_command(tmp_path):
         assert expected in text
 
 
-def test_dschat_refused_before_anything_runs(tmp_path):
-    from hpcrlhf.bench.dschat import DSChat
-
-    gpu = get_suite("gpu-7b").with_model("/m", None)
-    with pytest.raises(ConfigError, match="--dschat-dir: .* is not a DeepSpeedExamples checkout"):
-        DSChat.from_args(str(tmp_path), critic=None, suite=gpu)
-    step3 = tmp_path / "applications/DeepSpeed-Chat/training/step3_rlhf_finetuning"
-    step3.mkdir(parents=True)
-    (step3 / "main.py").write_text("")
-    with pytest.raises(ConfigError, match="needs CUDA GPUs"):
-        DSChat.from_args(str(tmp_path), critic=None, suite=get_suite("cpu"))
-    with pytest.raises(ConfigError, match="--dschat-critic"):
-        DSChat.from_args(str(tmp_path), critic=str(tmp_path), suite=gpu)
-    (tmp_path / "pytorch_model.bin").write_bytes(b"")
-    cmd = DSChat.from_args(str(tmp_path), critic=str(tmp_path), suite=gpu).command(gpu, tmp_path / "out")
-    text = " ".join(cmd)
-    for expected in ("--per_device_generation_batch_size 16", "--per_device_training_batch_size 16",
-                     "--generation_batches 4", "--max_answer_seq_len 1024", "--actor_zero_stage 3",
-                     "--enable_hybrid_engine", "--test_stop_step 4", "--num_gpus=8", "--num_nodes=2"):
-        assert expected in text
-
-
 def test_sbatch_renders_a_bench_job(tmp_path):
     proc = run_cli(["sbatch", "--kind", "bench", "gpu-7b", "--set", "model=meta-llama/Llama-2-7b-hf", "--print",
                     "-o", str(tmp_path / "b")])
