@@ -66,6 +66,7 @@ import torch.nn.functional as F
 
 from hpcrlhf.engines import weight_sync
 from hpcrlhf.engines.hf_generate import left_pad
+from hpcrlhf.engines.vllm_plugin import IDLE_SPIN_ENV
 from hpcrlhf.engines.weight_sync import SyncStats
 from hpcrlhf.errors import ConfigError
 from hpcrlhf.logs import get_logger
@@ -315,16 +316,12 @@ class _WeightSyncExtension:
     Only the method's *name* crosses the process boundary in `collective_rpc`, so no pickled
     callables (and no VLLM_ALLOW_INSECURE_SERIALIZATION) are involved."""
 
-    def hpcrlhf_spin_when_idle(self, seconds: float) -> int:
-        """How long this worker busy-waits for the next request after one (vLLM's shared-memory
-        queue readers spin 1 s, yielding the CPU only with sched_yield, before they sleep on a
-        socket). Returns the number of queue readers changed."""
+    def hpcrlhf_reader_spins(self) -> list[float]:
+        """How long each shared-memory queue reader of this worker busy-waits after a read
+        (`hpcrlhf.engines.vllm_plugin`)."""
         from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
 
-        readers = [o for o in gc.get_objects() if isinstance(o, SpinCondition) and o.is_reader]
-        for reader in readers:
-            reader.busy_loop_s = seconds
-        return len(readers)
+        return [o.busy_loop_s for o in gc.get_objects() if isinstance(o, SpinCondition) and o.is_reader]
 
     def hpcrlhf_join_weight_group(self, spec: dict, first_rank: int) -> int:
         """Join a weight-sync group (`hpcrlhf.engines.weight_sync`) as rank `first_rank` + this
@@ -391,8 +388,8 @@ def _repack_cpu_experts(model: torch.nn.Module) -> int:
 
 _EXTENSION = f"{__name__}._WeightSyncExtension"
 CPU_IDLE_SPIN_S = 0.005
-"""How long a CPU engine's TP workers busy-wait for the next request before they sleep on a socket
-(vLLM: 1 s). A request arriving later wakes them through that socket at once."""
+"""How long a CPU engine's queue readers (its workers, its engine core) busy-wait for the next
+message before they sleep on a socket (vLLM: 1 s); see `hpcrlhf.engines.vllm_plugin`."""
 
 
 def model_positions(model_dir: str) -> int | None:
@@ -511,6 +508,11 @@ class VLLMRollout:
             if sleep and not self.sleep_mode:
                 log.info(f"placement.vllm.sleep: vLLM on {current_platform.device_type or 'this platform'} has no "
                          "sleep mode: the engine keeps its memory between rollouts (a no-op here)")
+            if current_platform.is_cpu():
+                # vLLM's queue readers busy-wait 1 s after each read: on a CPU host, cores taken from the
+                # trainer, Ray and the weight broadcast (a TP-2 engine's result reached a Ray driver ~1 s
+                # after it was ready on 2 cores; 5 ms with this). Read by `vllm_plugin` in its processes.
+                os.environ[IDLE_SPIN_ENV] = str(CPU_IDLE_SPIN_S)
             kwargs.update(vllm_batching(on_cpu=current_platform.is_cpu(), max_model_len=max_model_len,
                                         max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                         chunked_prefill=chunked_prefill))
@@ -530,12 +532,6 @@ class VLLMRollout:
         self.asleep: set[str] = set()
         """Sleep-mode memory tags released (`sleep`) and not woken yet."""
 
-        self.spin_readers: list[int] = []
-        if tensor_parallel_size > 1 and current_platform.is_cpu():
-            # vLLM's TP workers busy-wait 1 s for the next request after each one; on a CPU host that
-            # is cores taken from the trainer, Ray and the driver: a TP-2 engine's result reached a
-            # Ray driver ~1 s after it was ready (2 cores, measured), 5 ms with this
-            self.spin_readers = self.llm.collective_rpc("hpcrlhf_spin_when_idle", args=(CPU_IDLE_SPIN_S,))
 
     @property
     def llm(self):

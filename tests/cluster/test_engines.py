@@ -63,8 +63,9 @@ def test_engines_on_tp_groups_follow_weight_syncs(ray_cluster, tiny_llama):
             assert where.node_ip == ray_cluster.node_ips[devices[0].node]
             assert where.visible_devices == ",".join(str(d.gpu) for d in devices) == "2,3"
         # each TP worker waits for work on a socket after 5 ms instead of spinning a second (CPU cores)
-        readers = ray.get([e.__ray_call__.remote(lambda self: self.engine.spin_readers) for e in engines.workers])
-        assert all(len(r) == 2 and min(r) >= 1 for r in readers), readers
+        spins = ray.get([e.__ray_call__.remote(lambda self: self.engine.llm.collective_rpc("hpcrlhf_reader_spins"))
+                         for e in engines.workers])
+        assert all(len(s) == 2 and all(w and set(w) == {0.005} for w in s) for s in spins), spins
         before = greedy_tokens(hf.generate(prompts, params))
         assert [greedy_tokens(g) for g in engines.call("generate", prompts, params)] == [before, before]
         group = None
