@@ -200,13 +200,25 @@ def run_system(suite: Suite, system: System, out: Path, prompts: Path, index: in
         _status(system, index, total, run_dir, suite.warmup_steps + suite.steps, started)))
     wall = time.monotonic() - started
     error = None
-    if returncode != 0:
+    if returncode != 0 and finished_run(run_dir, suite.warmup_steps + suite.steps):
+        log.warning(f"bench [{index}/{total}] {system.name}: exited {returncode} after its run was done "
+                    f"({run_dir / 'summary.json'}; a crash at process exit, see job.log): its figures stand")
+    elif returncode != 0:
         tail = (run_dir / "job.log").read_text(errors="replace").strip().splitlines()[-15:]
         error = f"exited {returncode}; end of {run_dir / 'job.log'}:\n" + "\n".join(tail)
         log.error(f"bench [{index}/{total}] {system.name}: {error}")
     else:
         log.info(f"bench [{index}/{total}] {system.name}: done in {wall:.0f} s")
     return SystemRun(system, run_dir, returncode, wall, error)
+
+
+def finished_run(run_dir: Path, steps: int) -> bool:
+    """Whether a job's run folder says it completed all `steps` (summary.json status done)."""
+    try:
+        summary = json.loads((run_dir / "summary.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return summary.get("status") == "done" and summary.get("step") == steps
 
 
 _INSTALL_HINT = {"trl": "pip install trl (or hpcrlhf[bench]) to compare with TRL",

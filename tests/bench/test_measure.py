@@ -187,3 +187,19 @@ def test_the_overlapped_schedule_hides_generation_behind_training_only_on_separa
         assert d["step_overlapped"] < d["step"]
         for name in ("colocated", "dschat-style"):
             assert shape["phases_s"][name]["step_overlapped"] == shape["phases_s"][name]["step"]
+
+
+def test_a_run_counts_as_finished_only_when_its_summary_says_every_step_was_done(tmp_path):
+    """A job that crashes at process exit after its last step (seen once: a C++ thread torn down
+    under a torchrun rank) keeps its figures; one that stopped early or never wrote a summary does not."""
+    import json
+
+    from hpcrlhf.bench.runner import finished_run
+
+    assert not finished_run(tmp_path, 5)
+    for summary, done in (({"status": "done", "step": 5}, True), ({"status": "done", "step": 4}, False),
+                          ({"status": "stopped", "step": 5}, False)):
+        (tmp_path / "summary.json").write_text(json.dumps(summary))
+        assert finished_run(tmp_path, 5) is done
+    (tmp_path / "summary.json").write_text("{broken")
+    assert not finished_run(tmp_path, 5)
