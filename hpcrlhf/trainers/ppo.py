@@ -62,6 +62,8 @@ class PPOTrainer(OnlineTrainer):
     progress_key = "rollout/score"
 
     def __init__(self, cfg: PPOConfig, roles: Callable[[PPOTrainer], PPORoles] = LocalRoles):
+        """`roles(trainer)` builds the job's models once the prompts are loaded: `LocalRoles` in this
+        process, or `ppo_ray.RayRoles` on the node map's Ray workers."""
         self.setup(cfg)
         self.setup_online()
         self.roles = roles(self)
