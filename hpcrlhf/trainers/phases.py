@@ -49,11 +49,21 @@ class PhaseSwitch:
         self.phase: str | None = None
 
     @classmethod
-    def for_job(cls, cfg, trained: Sequence[str], act: Callable[[str, str, tuple[str, ...]], None],
+    def for_job(cls, cfg, trained: Sequence[str], engines, move_role: Callable[[str, str], None],
                 timed: Callable) -> "PhaseSwitch":
-        """The switch of a PPO job: its engines sleep with placement.vllm.sleep, each of its
-        `trained` roles with placement.<role>.sleep."""
+        """The switch of a PPO job: its `engines` (`sleep()`, `wake(tags)`) sleep with
+        placement.vllm.sleep, each of its `trained` roles (`move_role(role, "sleep" | "wake")`) with
+        placement.<role>.sleep."""
         p = cfg.placement
+
+        def act(who: str, verb: str, tags: tuple[str, ...]) -> None:
+            if who != "engines":
+                move_role(who, verb)
+            elif verb == "sleep":
+                engines.sleep()
+            else:
+                engines.wake(tags)
+
         return cls(engines=p.vllm.sleep, roles=[r for r in trained if getattr(p, r).sleep], act=act, timed=timed)
 
     @property

@@ -115,7 +115,8 @@ class RayRoles:
         gather([ref for g in self.groups.values() for ref in g.call_async("setup")])
         # rules only without a reward role (the plan gives the reward role GPUs whenever there is a reward model)
         self.rewards = RemoteRewards(self.groups["reward"]) if "reward" in self.groups else reward_set(cfg, t.models, t.task)
-        self.phases = PhaseSwitch.for_job(cfg, self.trained, self._act, lambda: t.run.timed("swap"))
+        self.phases = PhaseSwitch.for_job(cfg, self.trained, self.rollout,
+                                          lambda role, verb: self.groups[role].call(verb), lambda: t.run.timed("swap"))
         self.check_placement()
         self.where = (f"on Ray: {', '.join(f'{r} {len(g)} rank(s)' for r, g in self.groups.items())}, "
                       f"{len(engines)} vLLM engine(s) x TP {tp}")
@@ -148,12 +149,6 @@ class RayRoles:
             raise PlacementError("workers are not where the node map puts them:\n" + "\n".join(f"- {x}" for x in wrong))
 
     # -- PPORoles --------------------------------------------------------------------------------
-    def _act(self, who: str, verb: str, tags: tuple[str, ...]) -> None:
-        if who == "engines":
-            self.rollout.sleep() if verb == "sleep" else self.rollout.wake(tags)
-        else:
-            self.groups[who].call(verb)
-
     def score_tokens(self, batch: dict[str, torch.Tensor]) -> TokenScores:
         self.phases.enter("train")
         wanted = {"actor": "logps", "ref": "logps", "critic": "values"}

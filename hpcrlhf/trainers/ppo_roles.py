@@ -115,16 +115,11 @@ class LocalRoles:
         self.learners = {role: PPOLearner(role, engine, cfg, self.plan, t.pad_id, self.buffer)
                          for role, engine in (("actor", self.engine), ("critic", self.critic)) if engine is not None}
         self.trained = tuple(self.learners)
-        self.phases = PhaseSwitch.for_job(cfg, self.trained, self._act, lambda: t.run.timed("swap"))
+        self.phases = PhaseSwitch.for_job(cfg, self.trained, self.rollout,
+                                          lambda role, verb: getattr(self.learners[role].engine, verb)(),
+                                          lambda: t.run.timed("swap"))
         self.where = (f"{t.env.world_size} rank(s), ZeRO-{cfg.engine.zero_stage}, {cfg.engine.precision} on {t.device}, "
                       f"rollout backend {cfg.rollout.backend}")
-
-    def _act(self, who: str, verb: str, tags: tuple[str, ...]) -> None:
-        if who == "engines":
-            self.rollout.sleep() if verb == "sleep" else self.rollout.wake(tags)
-        else:
-            engine = self.learners[who].engine
-            engine.sleep() if verb == "sleep" else engine.wake()
 
     def score_tokens(self, batch: dict[str, torch.Tensor]) -> TokenScores:
         self.phases.enter("train")
