@@ -252,7 +252,7 @@ def run_suite(suite: Suite, out: Path, *, systems: Sequence[System], env: Option
     out.mkdir(parents=True, exist_ok=True)
     prompts = write_prompts(suite, out / "prompts.jsonl")
     check_systems(suite, systems, prompts)
-    peak = measure_peak()
+    peak = measure_peak(precision=suite.precision)
     flops = step_train_flops(suite)
     log.info(f"bench {suite.name}: {len(systems)} system(s), {suite.prompts_per_step} prompts x "
              f"({suite.prompt_tokens} + {suite.response_tokens}) tokens per step, {suite.warmup_steps} warm-up + "

@@ -15,6 +15,12 @@ generates:
   benchmarks/README.md lists each setting against DSChat's.
 - `trl-grpo`: TRL's online RL trainer (GRPOTrainer; TRL 1.x has no PPO trainer) on every device,
   when `trl` is installed (hpcrlhf/bench/trl_system.py); skipped, and said so, when it is not.
+- `hpcrlhf-local`: every role in each device's process (hpcrlhf's local runtime), HF generate:
+  the layout whose work matches DSChat's and TRL's process for process.
+
+Every suite computes in bf16, CPU ones included: real DeepSpeed-Chat accepts no fp32 on CPU, and
+a CPU with AMX runs bf16 matmuls ~4x faster than fp32, so an fp32 system beside it would lose
+on the dtype, not on its design.
 
 Suites named `cpu*` run here; `gpu-*` suites are for clusters and need `--model` (and
 `--reward-model`) folders of the right size.
@@ -72,9 +78,9 @@ class System:
 
     @property
     def all_ranks(self) -> bool:
-        """Whether this system runs one process per device (DSChat-style, TRL) rather than the
-        Ray driver placing roles itself."""
-        return self.kind != "hpcrlhf"
+        """Whether this system runs one process per device (DSChat-style, TRL, hpcrlhf's local
+        runtime) rather than the Ray driver placing roles itself."""
+        return self.kind != "hpcrlhf" or "placement.runtime=local" in self.overrides
 
 
 @dataclass(frozen=True)
@@ -95,7 +101,7 @@ class Suite:
     model: Optional[str] = "builtin:tiny-llama"
     """Actor, reference and (unless `reward_model`) reward model; None: the user must give --model."""
     reward_model: Optional[str] = None
-    precision: Literal["fp32", "bf16"] = "fp32"
+    precision: Literal["fp32", "bf16"] = "bf16"
     gradient_checkpointing: bool = False
     dschat_ranks: Optional[int] = None
     """Ranks of the all-devices baseline (default: nodes x gpus_per_node; CPU suites: 2, one per
@@ -186,6 +192,19 @@ def trl_grpo(*args: str) -> System:
                         "(less work per sample than PPO)")
 
 
+def hpcrlhf_local(*extra: str, grpo: bool = False) -> System:
+    """hpcrlhf's local runtime on every device: every role in each rank's process, HF generate by
+    the actor in one batch (no vLLM), ZeRO-0 -- the layout for models that fit a device many
+    times over; with `grpo`, trl-grpo's settings (no critic): the row to compare with TRL."""
+    base = ("placement.runtime=local", "rollout.backend=hf", "engine.zero_stage=0", "rollout.hf_batch_size=64",
+            f"train.micro_batch_size={DSCHAT_PER_DEVICE_BATCH}", *extra)
+    about = "every role on every rank (local runtime), HF generate by the actor in batches of 64 (no vLLM), ZeRO-0"
+    if not grpo:
+        return System("hpcrlhf-local", "hpcrlhf", None, base, about=about)
+    return System("hpcrlhf-local-grpo", "hpcrlhf", None, (*base, *GRPO_AS_TRL), samples_per_prompt=GRPO_GROUP,
+                  about="hpcrlhf-local running GRPO with trl-grpo's settings (no critic): the row to compare with TRL")
+
+
 # -- CPU: 2 declared nodes x 4 declared GPUs on this host ------------------------------------------
 _CPU_REWARD = ("placement.reward={nodes: 2, gpus_per_node: 1}", "placement.colocate=[[actor, ref], [critic, reward]]")
 _CPU_MICRO = f"train.micro_batch_size={DSCHAT_PER_DEVICE_BATCH}"
@@ -203,6 +222,8 @@ _CPU_SYSTEMS = (
             "placement.colocate=[[actor, ref, reward, vllm]]", _CPU_MICRO, *GRPO_AS_TRL),
            samples_per_prompt=GRPO_GROUP,
            about="hpcrlhf-colocated running GRPO with trl-grpo's settings (no critic): the row to compare with TRL"),
+    hpcrlhf_local(),
+    hpcrlhf_local(grpo=True),
 )
 _CPU_SCALING = System("hpcrlhf-distributed-1-engine", "hpcrlhf", "ppo-tiny-ray",
                       (*_CPU_REWARD, _CPU_MICRO, "placement.vllm.engines=1", "placement.allow_idle_gpus=true"),
@@ -214,7 +235,7 @@ _CPU_STALE = System("hpcrlhf-distributed-stale1", "hpcrlhf", "ppo-tiny-ray",
 # -- GPU: the shipped OpenRLHF-style layouts against DSChat-style on the same allocation -------------
 # OpenRLHF's benchmark (OpenRLHF/OpenRLHF benchmark/README.md) used 1024-token prompts and answers.
 _GPU = dict(hardware="gpu", prompt_tokens=1024, response_tokens=1024, prompts_per_step=1024, warmup_steps=1, steps=3,
-            model=None, precision="bf16", gradient_checkpointing=True)
+            model=None, gradient_checkpointing=True)
 
 
 def _gpu_systems(recipe: str, nodes: int, gpus: int, engines_tp: tuple[int, int],
@@ -242,17 +263,10 @@ _GPU1_SYSTEMS = (
             "placement.vllm={engines: 1, tensor_parallel_size: 1, gpu_memory_utilization: 0.3}",
             "placement.colocate=[[actor, critic, ref, reward, vllm]]", f"train.micro_batch_size={DSCHAT_PER_DEVICE_BATCH}"),
            needs=("vllm",), about="Ray: every role and one vLLM engine on the one GPU"),
-    System("hpcrlhf-local", "hpcrlhf", None,
-           ("placement.runtime=local", "rollout.backend=hf", "engine.zero_stage=0", "rollout.hf_batch_size=64",
-            f"train.micro_batch_size={DSCHAT_PER_DEVICE_BATCH}"),
-           about="one process, HF generate by the actor in batches of 64 (no vLLM), ZeRO-0"),
+    hpcrlhf_local(),
     dschat_style(1, zero_stage=0),
     trl_grpo(),
-    System("hpcrlhf-local-grpo", "hpcrlhf", None,
-           ("placement.runtime=local", "rollout.backend=hf", "engine.zero_stage=0", "rollout.hf_batch_size=64",
-            f"train.micro_batch_size={DSCHAT_PER_DEVICE_BATCH}", *GRPO_AS_TRL), samples_per_prompt=GRPO_GROUP,
-           about="hpcrlhf-local running GRPO with trl-grpo's settings (no critic, HF generate): the row to compare "
-                 "with TRL"),
+    hpcrlhf_local(grpo=True),
 )
 
 SUITES: dict[str, Suite] = {s.name: s for s in (
@@ -274,7 +288,7 @@ SUITES: dict[str, Suite] = {s.name: s for s in (
           **_GPU),
     Suite("gpu-1", "one GPU: a 0.5B llama built from config, 256-token prompts and answers, 64 prompts per step",
           "gpu", 1, 1, prompt_tokens=256, response_tokens=256, prompts_per_step=64, warmup_steps=1, steps=3,
-          systems=_GPU1_SYSTEMS, model="builtin:llama-500m", precision="bf16"),
+          systems=_GPU1_SYSTEMS, model="builtin:llama-500m"),
 )}
 
 

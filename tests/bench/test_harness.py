@@ -55,6 +55,10 @@ def test_each_system_ran_as_designed(cpu_tiny):
     assert base["placement"]["runtime"] == "local" and base["rollout"]["backend"] == "hf"
     assert base["engine"]["zero_stage"] == 3 and base["rollout"]["hf_batch_size"] == 16
     assert "--nproc_per_node=2" in (out / "dschat-style" / "command.txt").read_text()
+    for name in ("hpcrlhf-local", "hpcrlhf-local-grpo"):  # every role in each of the 2 ranks, HF generate
+        assert cfg[name]["placement"]["runtime"] == "local" and cfg[name]["rollout"]["backend"] == "hf"
+        assert cfg[name]["engine"]["zero_stage"] == 0
+        assert "--nproc_per_node=2" in (out / name / "command.txt").read_text()
     placement = json.loads((out / "hpcrlhf-distributed" / "placement.json").read_text())
     assert placement  # the node map and the workers' read-back were recorded
     for name in ("hpcrlhf-distributed", "hpcrlhf-colocated"):
@@ -66,6 +70,8 @@ def test_each_system_ran_as_designed(cpu_tiny):
     assert "trl 1." in next(s["about"] for s in doc["systems"] if s["kind"] == "trl")  # the version is recorded
     setup = json.loads((out / "trl-grpo" / "trl_setup.json").read_text())  # read back from TRL's trainer
     assert setup["world_size"] == 2 and setup["zero_stage"] == 0 and not setup["use_vllm"]
+    # every system computes in DeepSpeed-Chat's CPU dtype (it accepts no fp32 there)
+    assert {c["engine"]["precision"] for c in cfg.values()} == {"bf16"} and setup["dtype"] == "bfloat16"
     assert setup["generation_batch_size"] == 32 and setup["per_device_train_batch_size"] == 16 and setup["beta"] == 0.1
     # same work everywhere: as many responses of the same length per step, the same optimizer batch
     for key in ("rollout", "train"):
@@ -73,13 +79,14 @@ def test_each_system_ran_as_designed(cpu_tiny):
             values = {c[key][field] for c in cfg.values() if field in c[key]}
             assert len(values) <= 1, (key, field, values)
     assert {c["rollout"]["prompts_per_step"] * c["rollout"]["samples_per_prompt"] for c in cfg.values()} == {32}
-    # the GRPO row is TRL's settings: group of 2, k3 KL in the loss at TRL's beta, no critic, token-mean
-    grpo = cfg["hpcrlhf-colocated-grpo"]
-    assert grpo["rollout"]["samples_per_prompt"] == setup["num_generations"] == 2
-    assert (grpo["ppo"]["advantage_estimator"], grpo["ppo"]["kl_estimator"], grpo["ppo"]["loss_aggregation"]) == \
-        ("grpo", "k3", "token-mean")
-    assert grpo["ppo"]["kl_loss_coef"] == setup["beta"] and grpo["ppo"]["init_kl_coef"] == 0
-    assert grpo["placement"]["critic"]["gpus_per_node"] == 0
+    # the GRPO rows are TRL's settings: group of 2, k3 KL in the loss at TRL's beta, no critic, token-mean
+    for name in ("hpcrlhf-colocated-grpo", "hpcrlhf-local-grpo"):
+        grpo = cfg[name]
+        assert grpo["rollout"]["samples_per_prompt"] == setup["num_generations"] == 2
+        assert (grpo["ppo"]["advantage_estimator"], grpo["ppo"]["kl_estimator"], grpo["ppo"]["loss_aggregation"]) == \
+            ("grpo", "k3", "token-mean")
+        assert grpo["ppo"]["kl_loss_coef"] == setup["beta"] and grpo["ppo"]["init_kl_coef"] == 0
+    assert cfg["hpcrlhf-colocated-grpo"]["placement"]["critic"]["gpus_per_node"] == 0
 
 
 def test_report_has_table_and_plots(cpu_tiny):
