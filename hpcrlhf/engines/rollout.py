@@ -321,7 +321,13 @@ class _WeightSyncExtension:
         (`hpcrlhf.engines.vllm_plugin`)."""
         from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
 
-        return [o.busy_loop_s for o in gc.get_objects() if isinstance(o, SpinCondition) and o.is_reader]
+        def reader(o) -> bool:
+            try:
+                return isinstance(o, SpinCondition) and o.is_reader
+            except ReferenceError:  # a weak proxy whose object is gone
+                return False
+
+        return [o.busy_loop_s for o in gc.get_objects() if reader(o)]
 
     def hpcrlhf_join_weight_group(self, spec: dict, first_rank: int) -> int:
         """Join a weight-sync group (`hpcrlhf.engines.weight_sync`) as rank `first_rank` + this

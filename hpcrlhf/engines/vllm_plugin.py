@@ -1,5 +1,16 @@
 """hpcrlhf's vLLM plugin (entry point group `vllm.general_plugins`, see setup.cfg), which vLLM
-loads in each of its processes: the engine's own, its engine core and every worker.
+loads in each of its processes: the engine's own, its engine core and every worker. It does two
+things.
+
+**The engine's processes die with their parent.** vLLM's engine core is a process of its own; its
+workers leave when it dies (a pipe tells them), but the core itself outlives the process that
+started it when that process is killed (SIGKILL: Ray's out-of-memory killer taking an engine
+actor, `ray stop --force`, a job step's kill): each orphaned TP-2 engine kept ~4 GiB of a CPU
+host (its weights, KV cache, three Python processes) until the next job ran out of memory.
+In the engine core and each worker, the plugin asks Linux for SIGKILL when the parent dies
+(`prctl(PR_SET_PDEATHSIG)`), or exits at once when it died already.
+
+**Short idle spins on CPU hosts.**
 
 vLLM's shared-memory queue readers busy-wait 1 s after each read (yielding only with
 `sched_yield`) before they sleep on a socket: the workers waiting for the next request, and the
@@ -15,13 +26,44 @@ still wakes a sleeping reader at once, through its socket.
 from __future__ import annotations
 
 import os
+import signal
+import sys
 
 IDLE_SPIN_ENV = "HPCRLHF_VLLM_IDLE_SPIN_S"
+CHILD_PROCESSES = ("EngineCore", "VllmWorker")
+"""Names vLLM gives (`multiprocessing` process names) to the processes it starts: its engine core
+(`EngineCore`, `EngineCore_DP<i>`) and the workers of a multiprocessing executor (`VllmWorker-<rank>`)."""
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 def register() -> None:
-    """Called by vLLM in each process (possibly more than once): readers made from now on
-    busy-wait HPCRLHF_VLLM_IDLE_SPIN_S seconds; nothing when it is not set."""
+    """Called by vLLM in each process (possibly more than once)."""
+    die_with_parent()
+    shorten_idle_spins()
+
+
+def die_with_parent() -> bool:
+    """In a process vLLM started: SIGKILL when the parent dies (Linux), and exit now if it is gone
+    already. Elsewhere (the trainer, an engine actor) nothing. Returns whether it was set."""
+    import multiprocessing
+
+    parent = multiprocessing.parent_process()
+    if parent is None or not multiprocessing.current_process().name.startswith(CHILD_PROCESSES):
+        return False
+    if not sys.platform.startswith("linux"):
+        return False
+    import ctypes
+
+    if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        return False
+    if os.getppid() != parent.pid:  # the parent died before the request: nobody would kill this process
+        os.kill(os.getpid(), signal.SIGKILL)
+    return True
+
+
+def shorten_idle_spins() -> None:
+    """Queue readers made from now on busy-wait HPCRLHF_VLLM_IDLE_SPIN_S seconds; nothing when it
+    is not set."""
     seconds = os.environ.get(IDLE_SPIN_ENV)
     if seconds is None:
         return
