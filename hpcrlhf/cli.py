@@ -20,7 +20,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     isolate_local_cluster(args.kind, cfg)
     from hpcrlhf.trainers import TRAINERS
 
+    from hpcrlhf.engines.distributed import leave_process_group
+
     result = TRAINERS[args.kind](cfg)
+    leave_process_group()  # this process's one job is over
     return EXIT_REQUEUE if result.get("status") == "stopped" else 0
 
 

@@ -63,6 +63,16 @@ def init_distributed(timeout_minutes: float = 30.0) -> DistEnv:
     return env
 
 
+def leave_process_group() -> None:
+    """Destroy the default process group (and every group made from it) before the process exits.
+    Left to the interpreter's exit, the groups' threads can be destroyed while still joinable, and
+    the C++ runtime aborts a rank whose run had finished ("terminate called without an active
+    exception", exit -6: seen on a DSChat-style ZeRO-3 run under torchrun, now and then), failing a
+    job that succeeded."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def all_reduce_sum(values: list[float]) -> list[float]:
     """Sum a few numbers over all ranks (float64 on the CPU: exact for counts)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
