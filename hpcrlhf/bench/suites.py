@@ -192,12 +192,12 @@ def trl_grpo(*args: str) -> System:
                         "(less work per sample than PPO)")
 
 
-def hpcrlhf_local(*extra: str, grpo: bool = False) -> System:
+def hpcrlhf_local(*, grpo: bool = False) -> System:
     """hpcrlhf's local runtime on every device: every role in each rank's process, HF generate by
     the actor in one batch (no vLLM), ZeRO-0 -- the layout for models that fit a device many
     times over; with `grpo`, trl-grpo's settings (no critic): the row to compare with TRL."""
     base = ("placement.runtime=local", "rollout.backend=hf", "engine.zero_stage=0", "rollout.hf_batch_size=64",
-            f"train.micro_batch_size={DSCHAT_PER_DEVICE_BATCH}", *extra)
+            f"train.micro_batch_size={DSCHAT_PER_DEVICE_BATCH}")
     about = "every role on every rank (local runtime), HF generate by the actor in batches of 64 (no vLLM), ZeRO-0"
     if not grpo:
         return System("hpcrlhf-local", "hpcrlhf", None, base, about=about)
