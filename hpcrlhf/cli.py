@@ -18,9 +18,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     cfg = TrainJob.from_args(args).config()
     isolate_local_cluster(args.kind, cfg)
-    from hpcrlhf.trainers import TRAINERS
-
     from hpcrlhf.engines.distributed import leave_process_group
+    from hpcrlhf.trainers import TRAINERS
 
     result = TRAINERS[args.kind](cfg)
     leave_process_group()  # this process's one job is over

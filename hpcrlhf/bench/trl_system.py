@@ -199,7 +199,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         setup = {"trl": trl_version(), "world_size": trainer.accelerator.num_processes,
                  "zero_stage": plugin.zero_stage if plugin is not None else 0,
                  "zero3_partitioned": any(hasattr(p, "ds_id") for p in trainer.model_wrapped.parameters()),
-                 "dtype": str(next(trainer.model.parameters()).dtype).removeprefix("torch."), "use_vllm": config.use_vllm, "generation_batch_size": config.generation_batch_size,
+                 "dtype": str(next(trainer.model.parameters()).dtype).removeprefix("torch."),
+                 "use_vllm": config.use_vllm, "generation_batch_size": config.generation_batch_size,
                  "per_device_train_batch_size": config.per_device_train_batch_size,
                  "steps_per_generation": per_round, "num_generations": config.num_generations, "beta": config.beta}
         (out / "trl_setup.json").write_text(json.dumps(setup, indent=2) + "\n")

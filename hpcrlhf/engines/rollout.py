@@ -538,7 +538,6 @@ class VLLMRollout:
         self.asleep: set[str] = set()
         """Sleep-mode memory tags released (`sleep`) and not woken yet."""
 
-
     @property
     def llm(self):
         if self._llm is None:
