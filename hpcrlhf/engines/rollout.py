@@ -479,7 +479,7 @@ class VLLMRollout:
     - `max_model_len`: longest prompt + response; must not exceed the model's positions.
     - `seed`: the engine's own random stream (used when `SamplingParams.seed` is None).
     - `enforce_eager=True` skips torch.compile/graph capture: the engine starts in ~15 s here
-      instead of 1-2 minutes.
+      instead of 1-2 minutes. None: eager on CPU, CUDA graphs on GPU.
     - `distributed_executor_backend`: how TP workers start; "mp" inside a Ray actor (vLLM would
       otherwise pick Ray, which its CPU build does not support, and which would escape the node map).
     - `max_num_seqs`, `max_num_batched_tokens`, `chunked_prefill`: the engine's batching limits
@@ -490,7 +490,7 @@ class VLLMRollout:
     """
 
     def __init__(self, model_dir: str, *, seed: int = 0, max_model_len: int = 256, kv_cache_bytes: int | None = 1 << 30,
-                 enforce_eager: bool = True, dtype: str = "float32", tensor_parallel_size: int = 1,
+                 enforce_eager: bool | None = None, dtype: str = "float32", tensor_parallel_size: int = 1,
                  gpu_memory_utilization: float = 0.5, distributed_executor_backend: str | None = None,
                  max_num_seqs: int | None = None, max_num_batched_tokens: int | None = None,
                  chunked_prefill: bool | None = None, bucket_bytes: int = 256 << 20, sleep: bool = False):
@@ -507,9 +507,14 @@ class VLLMRollout:
         if kv_cache_bytes is not None:
             kwargs["kv_cache_memory_bytes"] = int(kv_cache_bytes)
         with _environ_restored():
+            # Under torchrun this tells torch's tcp:// rendezvous to join the elastic agent's store as a
+            # client: vLLM's own world (tcp://host:free-port) would wait for a server that never comes.
+            os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
             from vllm import LLM  # lazily: importing vLLM takes seconds, prints a lot and sets env variables
             from vllm.platforms import current_platform
 
+            if enforce_eager is None:
+                enforce_eager = current_platform.is_cpu()
             self.sleep_mode = sleep and current_platform.is_sleep_mode_available()
             if sleep and not self.sleep_mode:
                 log.info(f"placement.vllm.sleep: vLLM on {current_platform.device_type or 'this platform'} has no "

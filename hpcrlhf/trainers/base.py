@@ -255,7 +255,8 @@ class Trainer:
     def _finish(self, step: int, before: dict | None, after: dict, **extra: Any) -> dict:
         """Checkpoint, exported model and summary of a run that is done (at its last step or early)."""
         run = self.run
-        self._checkpoint_once(step)
+        if self.cfg.checkpoint.at_end:
+            self._checkpoint_once(step)
         if self.cfg.checkpoint.save_model:
             with out_of_space_is_an_error(run.dir, "the exported model (model/)",
                                           resume_hint=": the run is checkpointed at its last step and exports again"):

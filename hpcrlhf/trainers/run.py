@@ -47,7 +47,8 @@ def environment_record(env: DistEnv) -> dict[str, Any]:
 
 SAFE_CHANGES = ("train.max_steps", "train.on_nonfinite", "train.max_consecutive_skips", "eval.every_steps",
                 "eval.stop_when", "eval.batch_size", "log.", "checkpoint.every_steps", "checkpoint.keep_last",
-                "checkpoint.verify", "checkpoint.save_model", "placement.vllm.max_restarts", "placement.local_network",
+                "checkpoint.verify", "checkpoint.save_model", "checkpoint.at_end",
+                "placement.vllm.max_restarts", "placement.local_network",
                 "rollout.vllm_kv_cache_gb", "rollout.vllm_enforce_eager", "rollout.vllm_max_num_seqs", "rollout.vllm_max_num_batched_tokens")
 """Settings a rerun may change on a run that has checkpoints (a prefix ends with a dot): how long it
 trains (a new `train.max_steps` stretches the rest of the learning-rate schedule to the new end),

@@ -25,6 +25,7 @@ import pytest
 import torch
 
 from hpcrlhf.algos.logprobs import IGNORE, token_logprobs
+from hpcrlhf.engines.distributed import free_port
 from hpcrlhf.engines.hf_generate import generate_greedy
 from hpcrlhf.engines.rollout import Generation, HFRollout, SamplingParams, build_rollout
 from hpcrlhf.models.loading import load_causal_lm, load_tokenizer
@@ -244,10 +245,12 @@ GLOO_SCRIPT = textwrap.dedent("""
     import torch
     import torch.distributed as dist
 
-    from hpcrlhf.engines.distributed import free_port
     from hpcrlhf.engines.rollout import SamplingParams, VLLMRollout
 
     WATCHED = ("LD_PRELOAD", "VLLM_WORKER_MULTIPROC_METHOD", "TORCHINDUCTOR_COMPILE_THREADS")
+
+    def agent_store_flag(worker):  # runs in the engine's worker process
+        return os.environ.get("TORCHELASTIC_USE_AGENT_STORE")
 
     def all_reduce_ok() -> bool:
         t = torch.ones(3)
@@ -255,14 +258,17 @@ GLOO_SCRIPT = textwrap.dedent("""
         return t.tolist() == [1.0, 1.0, 1.0]
 
     if __name__ == "__main__":
-        dist.init_process_group(backend="gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+        dist.init_process_group(backend="gloo", init_method="env://")  # torchrun's rendezvous, as `hpcrlhf train`'s
         threads, env = torch.get_num_threads(), {k: os.environ.get(k) for k in WATCHED}
         engine = VLLMRollout(sys.argv[1], max_model_len=64, kv_cache_bytes=1 << 26)
         gen = engine.generate([[23, 22, 17, 31, 23, 35]], SamplingParams(greedy=True, max_new_tokens=8))
         report = dict(response=gen[0][0].response_ids, group_ok=all_reduce_ok(),
                       threads_kept=torch.get_num_threads() == threads,
                       env_kept={k: os.environ.get(k) for k in WATCHED} == env,
-                      set_num_threads_untouched=type(torch.set_num_threads).__name__ == "builtin_function_or_method")
+                      set_num_threads_untouched=type(torch.set_num_threads).__name__ == "builtin_function_or_method",
+                      agent_store=[os.environ.get("TORCHELASTIC_USE_AGENT_STORE"),
+                                   *engine._llm.collective_rpc(agent_store_flag)],
+                      eager=engine._llm.llm_engine.vllm_config.model_config.enforce_eager)  # by default on CPU
         engine.load_weights({k: v for k, v in torch.load(sys.argv[2], weights_only=True).items()})
         engine.close()
         report["group_ok_after_close"] = dist.is_initialized() and all_reduce_ok()
@@ -274,17 +280,21 @@ GLOO_SCRIPT = textwrap.dedent("""
 # First among the vLLM tests, so the module's shared engine is not yet running beside it.
 @pytest.mark.distributed
 def test_vllm_inside_a_gloo_process_group(tiny_llama, hf_model, tokenizer, tmp_path):
-    """A trainer process already has its default (gloo) group: vLLM must neither collide with
-    it nor destroy it, and must leave the trainer's threads and environment alone."""
+    """A trainer process under torchrun already has its default (gloo) group: vLLM must neither
+    collide with it nor destroy it, and must leave the trainer's threads and environment alone.
+    torchrun's TORCHELASTIC_USE_AGENT_STORE, inherited by vLLM's processes, made the engine's
+    own rendezvous wait forever for a store server (seen on an H100 in `hpcrlhf bench`)."""
     pytest.importorskip("vllm")
     script = tmp_path / "gloo_vllm.py"
     script.write_text(GLOO_SCRIPT)
     state = tmp_path / "state.pt"
     torch.save(hf_model.state_dict(), state)
-    env = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1")
+    # VLLM_ALLOW_INSECURE_SERIALIZATION: collective_rpc takes the script's own function
+    env = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", VLLM_ALLOW_INSECURE_SERIALIZATION="1")
     env.setdefault("OMP_NUM_THREADS", "1")
-    proc = subprocess.run([sys.executable, str(script), tiny_llama, str(state)], env=env, capture_output=True,
-                          text=True, timeout=300)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1",
+                           f"--master_port={free_port()}", str(script), tiny_llama, str(state)], env=env,
+                          capture_output=True, text=True, timeout=300)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("REPORT ")]
     assert proc.returncode == 0 and lines, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     report = json.loads(lines[-1].removeprefix("REPORT "))
@@ -292,7 +302,8 @@ def test_vllm_inside_a_gloo_process_group(tiny_llama, hf_model, tokenizer, tmp_p
                                                          SamplingParams(greedy=True, max_new_tokens=8))
     assert report.pop("response") == expected[0][0].response_ids
     assert report == dict(group_ok=True, threads_kept=True, env_kept=True, set_num_threads_untouched=True,
-                          group_ok_after_close=True)
+                          group_ok_after_close=True, agent_store=["True", None],  # the trainer's, the engine's
+                          eager=True)
 
 
 def test_vllm_sampled_logprobs_are_raw_and_match_the_trainers_forward(vllm_rollout, hf_model, tokenizer,

@@ -167,6 +167,18 @@ def test_more_steps_is_a_safe_change_logged_and_recorded(finished, tmp_path):
     assert "max_steps: 8" in (out / "config.yaml").read_text()
 
 
+def test_a_run_done_without_its_final_checkpoint_keeps_only_the_periodic_ones(tmp_path):
+    """checkpoint.at_end=false (what `hpcrlhf bench` sets): a 3-step run checkpointing every 2
+    steps ends with step 2's checkpoint alone; by default step 3 is saved as well."""
+    names = {}
+    for at_end in ("true", "false"):
+        out = tmp_path / at_end
+        sft(out, "--set", f"checkpoint.at_end={at_end}", steps=3)
+        assert json.loads((out / "summary.json").read_text())["status"] == "done"
+        names[at_end] = sorted(p.name for p in (out / "checkpoints").glob("step_*"))
+    assert names == {"true": ["step_000002", "step_000003"], "false": ["step_000002"]}
+
+
 def test_deleted_checkpoints_start_a_clean_history_and_keep_the_old_one(finished, tmp_path):
     import shutil
 
