@@ -2,8 +2,11 @@
 
 One process group is made for the purpose: actor rank 0 is its rank 0, every worker of every
 engine a further rank (engine e, tensor-parallel rank t: `1 + e * tp + t`). NCCL when every member
-has a GPU of its own, else gloo (CPU hosts; and members sharing a GPU -- a colocated engine beside
-actor rank 0 -- which NCCL refuses: the weights then go through host memory); the same code. It is separate from the actor's own group (ZeRO's) and from each engine's
+has a GPU of its own; CUDA IPC when every member computes on one and the same GPU (a colocated
+TP-1 engine beside actor rank 0, e.g. one GPU): each bucket stays on the GPU, the members receive
+a handle to it over a gloo group and copy it device to device; else gloo (CPU hosts, and members
+of which only some share a GPU, which NCCL refuses: the weights then go through host memory); the
+same code. It is separate from the actor's own group (ZeRO's) and from each engine's
 (vLLM's TP group): a `TCPStore` served by actor rank 0 and a process group built on it
 directly, so nobody's default group is touched.
 
@@ -17,14 +20,20 @@ vLLM's in-place `reload_weights`, which loads each layer when its weights are co
 q/k/v and gate/up layers, TP sharding and the CPU build's repacking handled there). So the engine
 never holds a second copy of the model either.
 
-The header travels as a length then UTF-8 JSON bytes, both as tensors on the group's device,
-so the only thing that crosses a process boundary outside the group is a method name.
+The header travels as a length then UTF-8 JSON bytes, both as tensors on the group's control
+device, so the only thing that crosses a process boundary outside the group is a method name.
+With a shared transport (CUDA IPC; "shm", its CPU twin through a /dev/shm file, chosen only by
+`SyncGroup.transport`) the header is followed by the bucket's handle, each member copies the bucket
+into a buffer of its own and a barrier tells the sender it may refill it: what a member yields
+stays valid however long the loader keeps it, as with a broadcast.
 """
 
 from __future__ import annotations
 
 import datetime
 import json
+import os
+import pickle
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -49,6 +58,9 @@ class SyncGroup:
     kind: str = "trainer"
     """"trainer" (a trainer's rank 0 and engines' workers) or "local" (an engine's own process and
     its workers): an engine worker can be in one group of each kind."""
+    transport: str | None = None
+    """None: chosen by the members' devices (`choose_backend`); "shm": buckets shared through /dev/shm
+    files between processes of one host, the CPU twin of CUDA IPC (tests)."""
 
 
 @dataclass
@@ -62,13 +74,78 @@ class SyncStats:
 
 
 class Group:
-    """A member's handle on a weight-sync group (keeps the store alive with the group)."""
+    """A member's handle on a weight-sync group (keeps the store alive with the group). Buckets live
+    on `device`; headers and handles travel on `control` (the group's own device: CPU for gloo)."""
 
-    def __init__(self, store, pg, device: torch.device, backend: str) -> None:
+    def __init__(self, store, pg, device: torch.device, backend: str, control: torch.device | None = None) -> None:
         self.store, self.pg, self.device, self.backend = store, pg, device, backend
+        self.control = control or device
 
     def broadcast(self, tensor: torch.Tensor) -> None:
         self.pg.broadcast(tensor, 0).wait()
+
+    def barrier(self) -> None:
+        self.pg.allreduce([torch.zeros(1, device=self.control)]).wait()
+
+    @property
+    def shared(self) -> "_Shared | None":
+        """The transport that shares buckets instead of broadcasting them, if the group has one."""
+        return SHARED.get(self.backend)
+
+
+class _Shared:
+    """Hand a bucket to the other members without a broadcast: `share(bucket)` -> bytes for them,
+    `open(bytes, nbytes, device)` -> a tensor over the sender's bucket, `done()` after a sync."""
+
+    def share(self, bucket: torch.Tensor) -> bytes:
+        raise NotImplementedError
+
+    def open(self, handle: bytes, nbytes: int, device: torch.device) -> torch.Tensor:
+        raise NotImplementedError
+
+    def done(self) -> None:
+        pass
+
+
+class _CudaIpc(_Shared):
+    """CUDA IPC (GPU, unverified: benchmarks/README.md): the bucket's memory handle, opened in the
+    member's process; the handle carries an event, so the member's copy waits for the sender's
+    writes. The same GPU may have another index in the member's process (its own visible devices)."""
+
+    def share(self, bucket: torch.Tensor) -> bytes:
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        return pickle.dumps(reduce_tensor(bucket))
+
+    def open(self, handle: bytes, nbytes: int, device: torch.device) -> torch.Tensor:
+        rebuild, args = pickle.loads(handle)  # noqa: S301 -- from the group's rank 0, our own process
+        args = list(args)
+        args[6] = device.index  # rebuild_cuda_tensor's storage_device
+        return rebuild(*args).reshape(-1)[:nbytes]
+
+
+class _ShmFile(_Shared):
+    """The CPU twin of CUDA IPC: each bucket copied into the sender's one /dev/shm file, which the
+    members map -- rewritten in place for the next bucket as a GPU bucket is refilled."""
+
+    @property
+    def path(self) -> str:
+        return f"/dev/shm/hpcrlhf-sync-{os.getpid()}"
+
+    def share(self, bucket: torch.Tensor) -> bytes:
+        size = max(bucket.numel(), os.path.getsize(self.path) if os.path.exists(self.path) else 0)
+        torch.from_file(self.path, shared=True, size=size, dtype=torch.uint8)[: bucket.numel()].copy_(bucket.reshape(-1))
+        return self.path.encode()
+
+    def open(self, handle: bytes, nbytes: int, device: torch.device) -> torch.Tensor:
+        return torch.from_file(handle.decode(), shared=True, size=nbytes, dtype=torch.uint8)
+
+    def done(self) -> None:
+        if os.path.exists(self.path):
+            os.unlink(self.path)
+
+
+SHARED: dict[str, _Shared] = {"cuda_ipc": _CudaIpc(), "shm": _ShmFile()}
 
 
 def device_key() -> str:
@@ -80,9 +157,14 @@ def device_key() -> str:
 
 
 def choose_backend(devices: list[str]) -> str:
-    """NCCL when every member has a GPU and no two share one (NCCL refuses two ranks on one
-    device); else gloo over host memory."""
-    if "cpu" in devices or len(set(devices)) < len(devices):
+    """NCCL when every member has a GPU and no two share one; CUDA IPC when all of them share one
+    GPU; else gloo over host memory (CPU members, or only some sharing a GPU: NCCL refuses two
+    ranks on one device)."""
+    if "cpu" in devices:
+        return "gloo"
+    if len(set(devices)) == 1:
+        return "cuda_ipc"
+    if len(set(devices)) < len(devices):
         return "gloo"
     return "nccl"
 
@@ -106,10 +188,13 @@ def join(spec: SyncGroup, rank: int, store=None) -> Group:
         store = TCPStore(spec.host, spec.port, None, False, timeout)
     prefixed = PrefixStore(spec.name, store)
     prefixed.set(f"device/{rank}", device_key())
-    kind = choose_backend([prefixed.get(f"device/{r}").decode() for r in range(spec.world_size)])
+    kind = spec.transport or choose_backend([prefixed.get(f"device/{r}").decode() for r in range(spec.world_size)])
     prefixed = PrefixStore("pg", prefixed)
-    if kind == "gloo":
+    if kind in ("gloo", "shm"):
         return Group(store, ProcessGroupGloo(prefixed, rank, spec.world_size, timeout), torch.device("cpu"), kind)
+    if kind == "cuda_ipc":  # buckets stay on the GPU; headers and handles go over gloo
+        return Group(store, ProcessGroupGloo(prefixed, rank, spec.world_size, timeout),
+                     torch.device("cuda", torch.cuda.current_device()), kind, control=torch.device("cpu"))
     from torch.distributed import ProcessGroupNCCL  # GPU, verified on 2 GPUs only by tests/gpu (benchmarks/README.md)
 
     device = torch.device("cuda", torch.cuda.current_device())
@@ -123,21 +208,29 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
-def _send_header(group: Group, entries: list[dict]) -> None:
-    data = json.dumps(entries).encode() if entries else b""
-    group.broadcast(torch.tensor([len(data)], dtype=torch.int64, device=group.device))
+def _send_bytes(group: Group, data: bytes) -> None:
+    group.broadcast(torch.tensor([len(data)], dtype=torch.int64, device=group.control))
     if data:
-        group.broadcast(torch.frombuffer(bytearray(data), dtype=torch.uint8).to(group.device))
+        group.broadcast(torch.frombuffer(bytearray(data), dtype=torch.uint8).to(group.control))
+
+
+def _receive_bytes(group: Group) -> bytes:
+    size = torch.zeros(1, dtype=torch.int64, device=group.control)
+    group.broadcast(size)
+    if not int(size.item()):
+        return b""
+    data = torch.empty(int(size.item()), dtype=torch.uint8, device=group.control)
+    group.broadcast(data)
+    return bytes(data.cpu().numpy())
+
+
+def _send_header(group: Group, entries: list[dict]) -> None:
+    _send_bytes(group, json.dumps(entries).encode() if entries else b"")
 
 
 def _receive_header(group: Group) -> list[dict]:
-    size = torch.zeros(1, dtype=torch.int64, device=group.device)
-    group.broadcast(size)
-    if not int(size.item()):
-        return []
-    data = torch.empty(int(size.item()), dtype=torch.uint8, device=group.device)
-    group.broadcast(data)
-    return json.loads(bytes(data.cpu().numpy()).decode())
+    data = _receive_bytes(group)
+    return json.loads(data.decode()) if data else []
 
 
 class WeightSender:
@@ -175,6 +268,8 @@ class WeightSender:
             used = start + raw.numel()
         self._flush(entries, used, stats)
         _send_header(self.group, [])
+        if self.group.shared is not None:
+            self.group.shared.done()
         self._bucket = None  # not kept between syncs: training needs the memory
         stats.seconds = time.perf_counter() - began
         return stats
@@ -185,7 +280,12 @@ class WeightSender:
 
     def _broadcast(self, entries: list[dict], payload: torch.Tensor, stats: SyncStats) -> None:
         _send_header(self.group, entries)
-        self.group.broadcast(payload)
+        shared = self.group.shared
+        if shared is None:
+            self.group.broadcast(payload)
+        else:
+            _send_bytes(self.group, shared.share(payload))
+            self.group.barrier()  # every member has its copy: the bucket may be refilled
         stats.bytes += payload.numel()
         stats.buckets += 1
         stats.tensors += len(entries)
@@ -197,7 +297,15 @@ def receive(group: Group) -> Iterator[tuple[str, torch.Tensor]]:
     while entries := _receive_header(group):
         sizes = [torch.Size(e["shape"]).numel() * getattr(torch, e["dtype"]).itemsize for e in entries]
         payload = torch.empty(entries[-1]["offset"] + sizes[-1], dtype=torch.uint8, device=group.device)
-        group.broadcast(payload)
+        if group.shared is None:
+            group.broadcast(payload)
+        else:
+            source = group.shared.open(_receive_bytes(group), payload.numel(), group.device)
+            payload.copy_(source)
+            del source
+            if payload.is_cuda:
+                torch.cuda.current_stream(payload.device).synchronize()
+            group.barrier()
         for e, size in zip(entries, sizes):
             part = payload[e["offset"] : e["offset"] + size]
             yield e["name"], part.view(getattr(torch, e["dtype"])).reshape(e["shape"])

@@ -14,6 +14,7 @@ every dtype and size case, bit-exact.
 from __future__ import annotations
 
 import io
+import os
 
 import pytest
 import torch
@@ -87,25 +88,32 @@ def _member(spec, rank, queue) -> None:
 
     group = weight_sync.join(spec, rank)
     for _ in range(2):  # two syncs in the same group
+        received = list(weight_sync.receive(group))  # every view kept to the end, as a layer-wise loader may
         buffer = io.BytesIO()  # as bytes: a tensor put in a queue is shared with its sender, who exits
-        torch.save([(k, v.clone()) for k, v in weight_sync.receive(group)], buffer)
-        queue.put((rank, buffer.getvalue()))
+        torch.save([(k, v.clone()) for k, v in received], buffer)
+        queue.put((rank, group.backend, buffer.getvalue()))
 
 
-def test_broadcast_delivers_every_tensor_bit_exact_in_order():
+@pytest.mark.parametrize("transport", [None, "shm"])
+def test_broadcast_delivers_every_tensor_bit_exact_in_order(transport):
+    """gloo (what CPU members pick), and "shm": buckets handed over as shared files, the CPU twin
+    of CUDA IPC (members on one GPU) -- the sender refills its one bucket only after every member
+    copied it, so views a member keeps stay intact."""
+    import glob
     import multiprocessing
 
     from hpcrlhf.engines import weight_sync
 
     ctx = multiprocessing.get_context("spawn")
     store, port = weight_sync.serve_store("127.0.0.1", timeout_s=120)
-    spec = weight_sync.SyncGroup("127.0.0.1", port, 3, "test", timeout_s=120)
+    spec = weight_sync.SyncGroup("127.0.0.1", port, 3, "test", timeout_s=120, transport=transport)
     queue = ctx.Queue()
     members = [ctx.Process(target=_member, args=(spec, rank, queue)) for rank in (1, 2)]
     for m in members:
         m.start()
     try:
         group = weight_sync.join(spec, 0, store)
+        assert group.backend == (transport or "gloo")
         want = list(_tensors())
         sizes = [t.numel() * t.element_size() for _, t in want]
         for _ in range(2):
@@ -113,15 +121,27 @@ def test_broadcast_delivers_every_tensor_bit_exact_in_order():
             assert sent.tensors == len(want) and sum(sizes) <= sent.bytes < sum(sizes) + 16 * len(want)
             assert sent.buckets == 4  # [a.weight a.half] [big] [b.* c.* ] [d.exact]
             for _ in members:
-                rank, blob = queue.get(timeout=120)
+                rank, backend, blob = queue.get(timeout=120)
+                assert backend == group.backend
                 got = torch.load(io.BytesIO(blob), weights_only=True)
                 assert [k for k, _ in got] == [k for k, _ in want], rank
                 for (name, t), (_, expected) in zip(got, want):
                     assert t.dtype == expected.dtype and t.shape == expected.shape and torch.equal(t, expected), name
+        assert not glob.glob(f"/dev/shm/hpcrlhf-sync-{os.getpid()}")  # the shared bucket is gone after a sync
     finally:
         for m in members:
             m.join(timeout=60)
             m.kill()
+
+
+def test_the_transport_follows_the_members_devices():
+    from hpcrlhf.engines.weight_sync import choose_backend
+
+    assert choose_backend(["cpu", "cpu", "cpu"]) == "gloo"
+    assert choose_backend(["GPU-a", "GPU-b", "GPU-c"]) == "nccl"
+    assert choose_backend(["GPU-a", "GPU-a"]) == "cuda_ipc"  # a colocated TP-1 engine beside actor rank 0
+    assert choose_backend(["GPU-a", "GPU-a", "GPU-b"]) == "gloo"  # NCCL refuses two ranks on one GPU
+    assert choose_backend(["GPU-a", "cpu"]) == "gloo"
 
 
 def test_state_chunks_cut_between_modules_only():

@@ -165,7 +165,7 @@ def test_ppo_with_sleeping_engine_and_roles_stays_in_sync_and_learns(policy_mode
 
 
 def test_weight_broadcast_between_gpu_processes():
-    """Two processes: NCCL when each has its own GPU, gloo through host memory when they share one."""
+    """Two processes: NCCL when each has its own GPU, CUDA IPC when they share one."""
     import torch.multiprocessing as mp
 
     from hpcrlhf.engines.distributed import free_port
