@@ -8,22 +8,28 @@
 #   $OUT_DIR/bench/             hpcrlhf bench results (results.json, results.md, plots, each run's log)
 #
 # Usage: bash benchmarks/gpu-check.sh [OUT_DIR] [--site TARBALL] [--no-install] [--no-tests] [--no-bench]
+#                                      [-k TESTS] [--systems A,B]
 #   OUT_DIR        default benchmarks/results/gpu-1-<gpu name>
-#   --site FILE    offline machines: a .tar.xz/.tgz of a site-packages folder (e.g. made with
-#                  `pip install --target`) unpacked and put on PYTHONPATH instead of pip installing
+#   --site FILE    offline machines: a .tar.xz/.tgz of a site-packages folder (benchmarks/gpu-site.sh,
+#                  `--vllm` for vLLM) unpacked and put on PYTHONPATH instead of pip installing; where
+#                  FILE is missing but its FILE.part-NN pieces (gpu-site.sh --split) are there, they are joined
 #   --no-install   use the Python environment as it is
+#   -k TESTS       run only the tests/gpu tests pytest's -k selects (e.g. vllm)
+#   --systems A,B  run only these systems of the gpu-1 suite
 # Needs: python3 with a CUDA build of torch. With the package index reachable it installs
 # `.[gpu,hpc,lora,bench,dev]` over that torch (never replacing it).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-out="" site="" install=1 tests=1 bench=1
+out="" site="" install=1 tests=1 bench=1 select=() systems=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --site) site="$2"; shift 2 ;;
     --no-install) install=0; shift ;;
     --no-tests) tests=0; shift ;;
     --no-bench) bench=0; shift ;;
-    -h|--help) sed -n 2,18p "$0"; exit 0 ;;
+    -k) select=(-k "$2"); shift 2 ;;
+    --systems) systems=(--systems "$2"); shift 2 ;;
+    -h|--help) sed -n 2,21p "$0"; exit 0 ;;
     -*) echo "gpu-check: unknown option $1 (see --help)" >&2; exit 2 ;;
     *) out="$1"; shift ;;
   esac
@@ -40,9 +46,24 @@ export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARA
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
 if [ -n "$site" ]; then
-  mkdir -p /tmp/hpcrlhf-site && tar xf "$site" -C /tmp/hpcrlhf-site || exit 3
+  if [ ! -f "$site" ] && compgen -G "$site.part-*" >/dev/null; then cat "$site".part-* > "$site" || exit 3; fi
+  if [ ! -f /tmp/hpcrlhf-site/.unpacked ]; then  # a second call on the same machine reuses it
+    mkdir -p /tmp/hpcrlhf-site
+    case "$site" in
+      *.xz) xz -T0 -dc "$site" | tar x -C /tmp/hpcrlhf-site || exit 3 ;;  # gpu-site.sh writes multi-block xz
+      *) tar xf "$site" -C /tmp/hpcrlhf-site || exit 3 ;;
+    esac
+    touch /tmp/hpcrlhf-site/.unpacked
+  fi
   inner=$(find /tmp/hpcrlhf-site -maxdepth 2 -name ray -type d | head -1)
   export PYTHONPATH="$PYTHONPATH:$(dirname "${inner:-/tmp/hpcrlhf-site/x}")"
+  # unpacked wheels bring no console scripts: the Ray runtime starts its cluster with `ray start`
+  mkdir -p /tmp/hpcrlhf-site/bin
+  printf '#!/bin/sh\nexec %s -c "import sys; from ray.scripts.scripts import main; sys.argv[0] = \"ray\"; main()" "$@"\n' \
+    "$(command -v "$PY")" > /tmp/hpcrlhf-site/bin/ray && chmod +x /tmp/hpcrlhf-site/bin/ray
+  export PATH="/tmp/hpcrlhf-site/bin:$PATH"
+  # gpu-site.sh leaves flashinfer out; vLLM 0.26 imports it for its sampler unless told not to
+  $PY -c "import flashinfer" 2>/dev/null || export VLLM_USE_FLASHINFER_SAMPLER=0
 elif [ "$install" = 1 ]; then
   torch_pin=$($PY -c "import torch; print(torch.__version__.split('+')[0])")
   echo "torch==$torch_pin" > /tmp/gpu-check-constraints.txt  # keep the machine's CUDA torch
@@ -67,11 +88,11 @@ EOF
 
 status=0
 if [ "$tests" = 1 ]; then
-  $PY -m pytest tests/gpu -v -rs -p no:cacheprovider --timeout 900 2>&1 | tee "$out/tests.log"
+  $PY -m pytest tests/gpu "${select[@]}" -v -rs -p no:cacheprovider --timeout 900 2>&1 | tee "$out/tests.log"
   status=${PIPESTATUS[0]}
 fi
 if [ "$bench" = 1 ]; then
-  $PY -m hpcrlhf bench --suite gpu-1 -o "$out/bench" || status=$?
+  $PY -m hpcrlhf bench --suite gpu-1 "${systems[@]}" -o "$out/bench" || status=$?
 fi
 echo "gpu-check: results in $out (exit $status)"
 exit $status

@@ -31,7 +31,8 @@ def markdown(doc: dict) -> str:
         f"# Benchmark `{suite['name']}`: {suite['about']}", "",
         f"- hardware: {suite['hardware']}, {suite['nodes']} x {suite['gpus_per_node']} (devices counted: "
         f"{suite['devices']}); {peak['device']}, measured {peak['dtype']} matmul peak {peak['matmul_flops'] / 1e12:.3f} "
-        f"TFLOP/s, copy bandwidth {peak['memory_bytes_per_s'] / 1e9:.1f} GB/s",
+        f"TFLOP/s, copy bandwidth " + (f"{peak['memory_bytes_per_s'] / 1e9:.1f} GB/s" if peak.get("memory_bytes_per_s")
+                                       else "not recorded"),
         f"- model {suite['model']}, reward model {suite['reward_model']}, {suite['precision']}; per step "
         f"{suite['prompts_per_step']} prompts x ({suite['prompt_tokens']} prompt + {suite['response_tokens']} "
         f"response tokens, fixed), optimizer batch {suite['train_batch']}, 1 PPO epoch",

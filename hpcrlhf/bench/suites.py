@@ -143,7 +143,7 @@ class Suite:
             f"train.global_batch_size={self.train_batch}", f"train.max_steps={self.warmup_steps + self.steps}",
             f"engine.precision={self.precision}", f"engine.gradient_checkpointing={str(self.gradient_checkpointing).lower()}",
             "eval.every_steps=0", "eval.score_prompts=0", "log.every_steps=1", "log.tensorboard=false",
-            "log.progress=false", "checkpoint.save_model=false", *DSCHAT_PPO, *self.extra,
+            "log.progress=false", "checkpoint.save_model=false", "checkpoint.at_end=false", *DSCHAT_PPO, *self.extra,
         ]
 
     def overrides_for(self, system: System, prompts_path: str) -> list[str]:
@@ -261,8 +261,13 @@ _GPU1_SYSTEMS = (
            ("placement.runtime=ray", "rollout.backend=vllm", "placement.nodes=1", "placement.gpus_per_node=1",
             *(f"placement.{r}={_GPU1_EVERY}" for r in ("actor", "critic", "ref", "reward")),
             "placement.vllm={engines: 1, tensor_parallel_size: 1, gpu_memory_utilization: 0.3}",
-            "placement.colocate=[[actor, critic, ref, reward, vllm]]", f"train.micro_batch_size={DSCHAT_PER_DEVICE_BATCH}"),
-           needs=("vllm",), about="Ray: every role and one vLLM engine on the one GPU"),
+            "placement.colocate=[[actor, critic, ref, reward, vllm]]", f"train.micro_batch_size={DSCHAT_PER_DEVICE_BATCH}",
+            "rollout.vllm_enforce_eager=false"),
+           needs=("vllm",), about="Ray: every role and one vLLM engine (CUDA graphs) on the one GPU"),
+    System("hpcrlhf-local-vllm", "hpcrlhf", None,
+           ("placement.runtime=local", "rollout.backend=vllm", "engine.zero_stage=0", "rollout.vllm_kv_cache_gb=8",
+            f"train.micro_batch_size={DSCHAT_PER_DEVICE_BATCH}", "rollout.vllm_enforce_eager=false"),
+           needs=("vllm",), about="one process: every role and a vLLM engine (8 GiB KV cache, CUDA graphs), ZeRO-0"),
     hpcrlhf_local(),
     dschat_style(1, zero_stage=0),
     trl_grpo(),

@@ -160,16 +160,18 @@ def test_dschat_log_parsed_into_steps():
     assert t.samples_per_s == pytest.approx(12.8) and t.phases_s["make_experience"] == 0.0
 
 
-def test_results_table_rows_have_the_header_s_cells():
-    """The recorded gpu-1 results (one system skipped): every row of the table, the separator and
-    the skipped one included, has as many cells as the header."""
+@pytest.mark.parametrize("recorded, odd", [("gpu-1-h100", "skipped"), ("gpu-1-h100-vllm", "failed")])
+def test_results_table_rows_have_the_header_s_cells(recorded, odd):
+    """The recorded gpu-1 results (one system skipped; one failed, with no copy bandwidth
+    recorded): every row of the table, the separator and the odd one included, has as many cells
+    as the header."""
     import json
     from pathlib import Path
 
     from hpcrlhf.bench.report import markdown
 
-    doc = json.loads((Path(__file__).parents[2] / "benchmarks/results/gpu-1-h100/results.json").read_text())
-    assert any(s["status"] == "skipped" for s in doc["systems"])
+    doc = json.loads((Path(__file__).parents[2] / f"benchmarks/results/{recorded}/results.json").read_text())
+    assert any(s["status"] == odd for s in doc["systems"])
     table = [line for line in markdown(doc).splitlines() if line.startswith("| system | samples/s")
              or line.startswith("| ---") or any(line.startswith(f"| {s['name']} |") for s in doc["systems"])]
     assert len(table) == 2 + len(doc["systems"])
