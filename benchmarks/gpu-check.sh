@@ -29,7 +29,7 @@ while [ $# -gt 0 ]; do
     --no-bench) bench=0; shift ;;
     -k) select=(-k "$2"); shift 2 ;;
     --systems) systems=(--systems "$2"); shift 2 ;;
-    -h|--help) sed -n 2,21p "$0"; exit 0 ;;
+    -h|--help) sed -n 2,20p "$0"; exit 0 ;;
     -*) echo "gpu-check: unknown option $1 (see --help)" >&2; exit 2 ;;
     *) out="$1"; shift ;;
   esac

@@ -24,7 +24,7 @@ while [ $# -gt 0 ]; do
     --python) py="$2"; shift 2 ;;
     --vllm) vllm="$2"; shift 2 ;;
     --split) split="$2"; shift 2 ;;
-    -h|--help) sed -n 2,20p "$0"; exit 0 ;;
+    -h|--help) sed -n 2,19p "$0"; exit 0 ;;
     -*) echo "gpu-site: unknown option $1 (see --help)" >&2; exit 2 ;;
     *) [ -z "$out" ] && out="$1" || py="$1"; shift ;;  # old form: OUT PYTHON_VERSION
   esac
