@@ -95,12 +95,13 @@ class Group:
 
 class _Shared:
     """Hand a bucket to the other members without a broadcast: `share(bucket)` -> bytes for them,
-    `open(bytes, nbytes, device)` -> a tensor over the sender's bucket, `done()` after a sync."""
+    `copy(bytes, into)` fills a member's own buffer from the sender's bucket (done when it
+    returns), `done()` after a sync."""
 
     def share(self, bucket: torch.Tensor) -> bytes:
         raise NotImplementedError
 
-    def open(self, handle: bytes, nbytes: int, device: torch.device) -> torch.Tensor:
+    def copy(self, handle: bytes, into: torch.Tensor) -> None:
         raise NotImplementedError
 
     def done(self) -> None:
@@ -117,11 +118,12 @@ class _CudaIpc(_Shared):
 
         return pickle.dumps(reduce_tensor(bucket))
 
-    def open(self, handle: bytes, nbytes: int, device: torch.device) -> torch.Tensor:
+    def copy(self, handle: bytes, into: torch.Tensor) -> None:
         rebuild, args = pickle.loads(handle)  # noqa: S301 -- from the group's rank 0, our own process
         args = list(args)
-        args[6] = device.index  # rebuild_cuda_tensor's storage_device
-        return rebuild(*args).reshape(-1)[:nbytes]
+        args[6] = into.device.index  # rebuild_cuda_tensor's storage_device
+        into.copy_(rebuild(*args).reshape(-1)[: into.numel()])
+        torch.cuda.current_stream(into.device).synchronize()  # before the sender may refill its bucket
 
 
 class _ShmFile(_Shared):
@@ -137,8 +139,8 @@ class _ShmFile(_Shared):
         torch.from_file(self.path, shared=True, size=size, dtype=torch.uint8)[: bucket.numel()].copy_(bucket.reshape(-1))
         return self.path.encode()
 
-    def open(self, handle: bytes, nbytes: int, device: torch.device) -> torch.Tensor:
-        return torch.from_file(handle.decode(), shared=True, size=nbytes, dtype=torch.uint8)
+    def copy(self, handle: bytes, into: torch.Tensor) -> None:
+        into.copy_(torch.from_file(handle.decode(), shared=True, size=into.numel(), dtype=torch.uint8))
 
     def done(self) -> None:
         if os.path.exists(self.path):
@@ -300,11 +302,7 @@ def receive(group: Group) -> Iterator[tuple[str, torch.Tensor]]:
         if group.shared is None:
             group.broadcast(payload)
         else:
-            source = group.shared.open(_receive_bytes(group), payload.numel(), group.device)
-            payload.copy_(source)
-            del source
-            if payload.is_cuda:
-                torch.cuda.current_stream(payload.device).synchronize()
+            group.shared.copy(_receive_bytes(group), payload)
             group.barrier()
         for e, size in zip(entries, sizes):
             part = payload[e["offset"] : e["offset"] + size]
