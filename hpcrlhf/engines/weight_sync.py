@@ -13,23 +13,28 @@ directly, so nobody's default group is touched.
 A sync streams. Every actor rank walks the state dict chunk by chunk (under ZeRO-3 gathering one
 chunk's parameters at a time: the whole state dict never exists twice); rank 0 copies each
 chunk's tensors, in checkpoint names (`checkpoint_names`), into a bucket of at most
-`bucket_bytes` and broadcasts it, preceded by a header (names, dtypes, shapes); a tensor larger
-than a bucket goes alone, uncopied. An empty header ends the sync. Each engine worker turns the
+`bucket_bytes` and broadcasts it, preceded by a header (names, dtypes, shapes, and whether it is
+the last bucket); a tensor larger than a bucket goes alone, uncopied (and when it is the last,
+an empty last header follows). Each engine worker turns the
 broadcasts back into `(name, tensor)` pairs as they arrive and feeds them, as one iterator, to
 vLLM's in-place `reload_weights`, which loads each layer when its weights are complete (fused
 q/k/v and gate/up layers, TP sharding and the CPU build's repacking handled there). So the engine
 never holds a second copy of the model either.
 
-The header travels as a length then UTF-8 JSON bytes, both as tensors on the group's control
-device, so the only thing that crosses a process boundary outside the group is a method name.
-With a shared transport (CUDA IPC; "shm", its CPU twin through a /dev/shm file, chosen only by
-`SyncGroup.transport`) the header is followed by the bucket's handle, each member copies the bucket
-into a buffer of its own and a barrier tells the sender it may refill it: what a member yields
-stays valid however long the loader keeps it, as with a broadcast.
+The header is UTF-8 JSON in a broadcast of fixed size (`HEADER_BYTES`: its length, then as much
+of it as fits; the rest, rarely any, in a second), on the group's control device, so the only
+thing that crosses a process boundary outside the group is a method name -- and a bucket costs
+two collectives: a member's wake-ups, not bytes, are what a small model's sync spends its time on
+(a CPU host with more processes than cores). With a shared transport (CUDA IPC; "shm", its CPU
+twin through a /dev/shm file, chosen only by `SyncGroup.transport`) the header carries the
+bucket's handle instead, each member copies the bucket into a buffer of its own and a barrier
+tells the sender it may refill it: what a member yields stays valid however long the loader keeps
+it, as with a broadcast.
 """
 
 from __future__ import annotations
 
+import base64
 import datetime
 import json
 import os
@@ -43,6 +48,10 @@ import torch
 
 ALIGN = 16
 """Byte alignment of each tensor in a bucket (a tensor is viewed in place as its dtype)."""
+
+HEADER_BYTES = 1 << 16
+"""Size of a header's broadcast: 8 bytes of length, then the JSON (~100 bytes a tensor); a longer
+header sends the rest in a second broadcast."""
 
 
 @dataclass(frozen=True)
@@ -210,33 +219,32 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
-def _send_bytes(group: Group, data: bytes) -> None:
-    group.broadcast(torch.tensor([len(data)], dtype=torch.int64, device=group.control))
-    if data:
-        group.broadcast(torch.frombuffer(bytearray(data), dtype=torch.uint8).to(group.control))
+def _send_header(group: Group, header: dict) -> None:
+    data = json.dumps(header).encode()
+    first = torch.zeros(HEADER_BYTES, dtype=torch.uint8)
+    first[:8].view(torch.int64)[0] = len(data)
+    fits = min(len(data), HEADER_BYTES - 8)
+    first[8 : 8 + fits] = torch.frombuffer(bytearray(data[:fits]), dtype=torch.uint8)
+    group.broadcast(first.to(group.control))
+    if len(data) > fits:
+        group.broadcast(torch.frombuffer(bytearray(data[fits:]), dtype=torch.uint8).to(group.control))
 
 
-def _receive_bytes(group: Group) -> bytes:
-    size = torch.zeros(1, dtype=torch.int64, device=group.control)
-    group.broadcast(size)
-    if not int(size.item()):
-        return b""
-    data = torch.empty(int(size.item()), dtype=torch.uint8, device=group.control)
-    group.broadcast(data)
-    return bytes(data.cpu().numpy())
-
-
-def _send_header(group: Group, entries: list[dict]) -> None:
-    _send_bytes(group, json.dumps(entries).encode() if entries else b"")
-
-
-def _receive_header(group: Group) -> list[dict]:
-    data = _receive_bytes(group)
-    return json.loads(data.decode()) if data else []
+def _receive_header(group: Group) -> dict:
+    first = torch.empty(HEADER_BYTES, dtype=torch.uint8, device=group.control)
+    group.broadcast(first)
+    first = first.cpu()
+    size = int(first[:8].view(torch.int64)[0])
+    data = bytes(first[8 : 8 + min(size, HEADER_BYTES - 8)].numpy())
+    if size > HEADER_BYTES - 8:
+        rest = torch.empty(size - (HEADER_BYTES - 8), dtype=torch.uint8, device=group.control)
+        group.broadcast(rest)
+        data += bytes(rest.cpu().numpy())
+    return json.loads(data.decode())
 
 
 class WeightSender:
-    """Rank 0's side: `send(named tensors)` streams them in buckets, then the end marker."""
+    """Rank 0's side: `send(named tensors)` streams them in buckets, the last one marked so."""
 
     def __init__(self, group: Group, bucket_bytes: int) -> None:
         if bucket_bytes < 1:
@@ -268,25 +276,28 @@ class WeightSender:
             self._bucket[start : start + raw.numel()].copy_(raw)
             entries.append({**entry, "offset": start})
             used = start + raw.numel()
-        self._flush(entries, used, stats)
-        _send_header(self.group, [])
+        if entries:
+            self._flush(entries, used, stats, last=True)
+        else:  # nothing, or a tensor sent alone, came last
+            _send_header(self.group, {"tensors": [], "last": True})
         if self.group.shared is not None:
             self.group.shared.done()
         self._bucket = None  # not kept between syncs: training needs the memory
         stats.seconds = time.perf_counter() - began
         return stats
 
-    def _flush(self, entries: list[dict], used: int, stats: SyncStats) -> None:
+    def _flush(self, entries: list[dict], used: int, stats: SyncStats, last: bool = False) -> None:
         if entries:
-            self._broadcast(entries, self._bucket[:used], stats)
+            self._broadcast(entries, self._bucket[:used], stats, last)
 
-    def _broadcast(self, entries: list[dict], payload: torch.Tensor, stats: SyncStats) -> None:
-        _send_header(self.group, entries)
+    def _broadcast(self, entries: list[dict], payload: torch.Tensor, stats: SyncStats, last: bool = False) -> None:
+        header = {"tensors": entries, "last": last}
         shared = self.group.shared
         if shared is None:
+            _send_header(self.group, header)
             self.group.broadcast(payload)
         else:
-            _send_bytes(self.group, shared.share(payload))
+            _send_header(self.group, {**header, "handle": base64.b64encode(shared.share(payload)).decode()})
             self.group.barrier()  # every member has its copy: the bucket may be refilled
         stats.bytes += payload.numel()
         stats.buckets += 1
@@ -294,15 +305,20 @@ class WeightSender:
 
 
 def receive(group: Group) -> Iterator[tuple[str, torch.Tensor]]:
-    """A member's side: the sent tensors, in order, as their buckets arrive; ends at the end
-    marker. Tensors are views of their bucket (no copy)."""
-    while entries := _receive_header(group):
+    """A member's side: the sent tensors, in order, as their buckets arrive; ends after the last.
+    Tensors are views of their bucket (no copy)."""
+    last = False
+    while not last:
+        header = _receive_header(group)
+        entries, last = header["tensors"], header["last"]
+        if not entries:
+            continue
         sizes = [torch.Size(e["shape"]).numel() * getattr(torch, e["dtype"]).itemsize for e in entries]
         payload = torch.empty(entries[-1]["offset"] + sizes[-1], dtype=torch.uint8, device=group.device)
         if group.shared is None:
             group.broadcast(payload)
         else:
-            group.shared.copy(_receive_bytes(group), payload)
+            group.shared.copy(base64.b64decode(header["handle"]), payload)
             group.barrier()
         for e, size in zip(entries, sizes):
             part = payload[e["offset"] : e["offset"] + size]

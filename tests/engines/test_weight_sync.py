@@ -83,15 +83,35 @@ def _tensors():
     yield "d.exact", torch.randn(50, generator=g)  # 200 bytes: a bucket of its own, full
 
 
+def _long_header_tensors():
+    """One bucket of 1500 scalars (a header over `HEADER_BYTES`: sent in two broadcasts), then a
+    tensor larger than the bucket, sent alone last (an empty last header follows it)."""
+    for i in range(1500):
+        yield f"model.layers.{i}.a_rather_long_module_name_as_in_real_checkpoints.weight", torch.tensor([float(i)])
+    yield "lm_head.weight", torch.arange(70000, dtype=torch.float32)
+
+
+SYNCS = (_tensors, _tensors, _long_header_tensors)
+
+
 def _member(spec, rank, queue) -> None:
     from hpcrlhf.engines import weight_sync
 
     group = weight_sync.join(spec, rank)
-    for _ in range(2):  # two syncs in the same group
+    for _ in SYNCS:  # several syncs in the same group
         received = list(weight_sync.receive(group))  # every view kept to the end, as a layer-wise loader may
         buffer = io.BytesIO()  # as bytes: a tensor put in a queue is shared with its sender, who exits
         torch.save([(k, v.clone()) for k, v in received], buffer)
         queue.put((rank, group.backend, buffer.getvalue()))
+
+
+def count_collectives(group) -> list[str]:
+    """Record the names of the collectives `group` runs from now on (cleared by the caller)."""
+    calls: list[str] = []
+    for name in ("broadcast", "barrier"):
+        method = getattr(group, name)
+        setattr(group, name, lambda *args, name=name, method=method: (calls.append(name), method(*args))[1])
+    return calls
 
 
 @pytest.mark.parametrize("transport", [None, "shm"])
@@ -114,12 +134,19 @@ def test_broadcast_delivers_every_tensor_bit_exact_in_order(transport):
     try:
         group = weight_sync.join(spec, 0, store)
         assert group.backend == (transport or "gloo")
-        want = list(_tensors())
-        sizes = [t.numel() * t.element_size() for _, t in want]
-        for _ in range(2):
-            sent = weight_sync.WeightSender(group, 200).send(_tensors())
+        collectives = count_collectives(group)
+        # buckets; collectives: gloo two a bucket (header, payload), "shm" two (header with the
+        # handle, barrier), plus a header's second part or a last empty header where there is one
+        plan = {_tensors: (200, 4, 8),  # [a.weight a.half] [big] [b.* c.*] [d.exact], the last marked last
+                    _long_header_tensors: (1 << 18, 2, (2 + 1) + (1 + 1) + 1)}  # [1500 scalars] [lm_head] []
+        for stream in SYNCS:
+            want = list(stream())
+            sizes = [t.numel() * t.element_size() for _, t in want]
+            bucket_bytes, buckets, calls = plan[stream]
+            collectives.clear()
+            sent = weight_sync.WeightSender(group, bucket_bytes).send(stream())
             assert sent.tensors == len(want) and sum(sizes) <= sent.bytes < sum(sizes) + 16 * len(want)
-            assert sent.buckets == 4  # [a.weight a.half] [big] [b.* c.* ] [d.exact]
+            assert sent.buckets == buckets and len(collectives) == calls, collectives
             for _ in members:
                 rank, backend, blob = queue.get(timeout=120)
                 assert backend == group.backend
