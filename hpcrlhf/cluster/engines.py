@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 from hpcrlhf.cluster.worker_group import (RoleWorker, WorkerGroup, busy, dead_worker_message, death_verdict,
                                           even_bounds, gather, lost_worker_error)
@@ -55,9 +55,12 @@ class EngineWorker(RoleWorker):
     def join_weight_group(self, spec, first_rank: int) -> list[int]:
         return self.engine.join_weight_group(spec, first_rank)
 
-    @busy
     def receive_weights(self) -> int:
-        return self.engine.receive_weights()
+        """Load the weights actor rank 0 broadcasts in the weight-sync group; busy only while they
+        load (the engine may wait for the sender first: a sync started while the actor trains)."""
+        received = self.engine.receive_weights()
+        self.busy_s += received.load_s
+        return received.tensors
 
     @busy
     def sleep(self) -> None:
@@ -83,12 +86,16 @@ class EngineFleet:
     seeds follow its prompts' positions in the whole batch, so the samples do not depend on how
     many engines there are -- nor on whether an engine was restarted and redid its part.
 
-    `push(handles)` loads the actor's current weights into those engines (always all of them). An engine that dies
-    while its node stays up (Ray: ActorDiedError) is restarted up to `max_restarts` times in all:
-    same GPUs, weights pushed, its part of the batch (or the weight sync) redone."""
+    `push(handles)` loads the actor's current weights into those engines (always all of them);
+    `push.start(handles)` queues such a push and `push.finish(tasks)` waits for it (`WeightPush`).
+    An engine that dies while its node stays up (Ray: ActorDiedError) is restarted up to
+    `max_restarts` times in all: same GPUs, weights pushed, its part of the batch (or the weight
+    sync) redone."""
 
-    def __init__(self, group: WorkerGroup, push: Callable[[list[Any]], None], *, max_restarts: int = 0) -> None:
+    def __init__(self, group: WorkerGroup, push: Any, *, max_restarts: int = 0) -> None:
         self.group, self.push, self.restarts_left = group, push, max_restarts
+        self.started: tuple[list[Any], list[Any]] | None = None
+        """A sync under way (`start_sync`): the engines it went to and its tasks."""
 
     @property
     def handles(self) -> list[Any]:
@@ -110,12 +117,28 @@ class EngineFleet:
         since it slept is awake already."""
         gather([w.wake.remote(list(tags)) for w in self.handles])
 
+    def start_sync(self) -> None:
+        """Start the next `sync` now, behind the work already queued on either side: each engine
+        receives once it is free, the actor sends once it has learned, without waiting for the
+        driver in between. `sync` then waits for what is left of it. (Not where the push must
+        form its group first: `sync` does all of it then.)"""
+        pushing = self.push.start(self.handles)
+        self.started = (self.handles, pushing) if pushing is not None else None
+
     def sync(self) -> None:
-        """The actor's weights into every engine (restarting one found dead on the way)."""
+        """The actor's weights into every engine, or the rest of the sync `start_sync` began
+        (restarting an engine found dead on the way)."""
+        import ray
         from ray.exceptions import RayActorError, RayTaskError
 
+        started, self.started = self.started, None
         try:
-            self.push(self.handles)
+            if started is not None and started[0] == self.handles:
+                self.push.finish(started[1])
+            else:
+                if started is not None:  # an engine was replaced since: that push went partly nowhere
+                    ray.wait(started[1], num_returns=len(started[1]))
+                self.push(self.handles)
         except (RayTaskError, RayActorError) as e:
             lost = lost_worker_error(e, [self.group], probe_s=DEATH_NOTICE_S)
             rank = self.group.rank_of(lost.actor_id) if lost is not None else None
@@ -148,10 +171,11 @@ class EngineFleet:
         import ray
 
         if self.group.workers:
-            try:
-                gather(self.group.call_async("close"))
-            except ray.exceptions.RayActorError:
-                pass  # an engine died (the error being raised says so); kill the others
+            if self.started is None:  # else engines may wait in a weight sync for an actor that failed
+                try:
+                    gather(self.group.call_async("close"))
+                except ray.exceptions.RayActorError:
+                    pass  # an engine died (the error being raised says so); kill the others
             self.group.kill()
 
 

@@ -27,7 +27,7 @@ formed at the first sync; each worker feeds them, as they arrive, to vLLM's in-p
 reload handles vLLM's fused q/k/v and gate/up layers, TP shards and the CPU build's repacked
 linear weights, and loads a layer once all its weights are in, so all of them go through *one*
 reload call (fused modules reloaded piecewise in separate calls silently corrupt the engine).
-Then the prefix cache is reset, since cached KV blocks were computed with the old weights. Only
+The prefix cache is reset first, since cached KV blocks were computed with the old weights. Only
 method *names* cross vLLM's process boundary (no VLLM_ALLOW_INSECURE_SERIALIZATION, no temporary
 folder). In a Ray run the actor's rank 0 broadcasts the same way straight to every worker of every
 engine (`join_weight_group`, `receive_weights`): one group for the purpose, no copy on the way.
@@ -342,25 +342,28 @@ class _WeightSyncExtension:
         self.hpcrlhf_weight_groups[spec.kind] = weight_sync.join(spec, rank)
         return rank
 
-    def hpcrlhf_receive_weights(self, kind: str) -> int:
+    def hpcrlhf_receive_weights(self, kind: str) -> tuple[int, float]:
         """Load the weights rank 0 of the group of `kind` is broadcasting, layer by layer as they
-        arrive (vLLM's in-place reload: checkpoint names, fused layers, TP shards, CPU repacking)."""
+        arrive (vLLM's in-place reload: checkpoint names, fused layers, TP shards, CPU repacking).
+        Returns how many tensors arrived and the seconds from the first one to the end (a worker
+        may wait for the sender long before that: an engine armed while the actor trains)."""
         from hpcrlhf.engines import weight_sync
 
-        count = 0
+        count, first = 0, None
 
         def counted():
-            nonlocal count
+            nonlocal count, first
             for item in weight_sync.receive(self.hpcrlhf_weight_groups[kind]):
+                first = first or time.perf_counter()
                 count += 1
                 yield item
 
         stream = counted()
         self.reload_weights(weights_iterator=stream)  # type: ignore[attr-defined]
-        for _ in stream:  # whatever the loader left unread: on to the end marker, or the group hangs
+        for _ in stream:  # whatever the loader left unread: on to the last bucket, or the group hangs
             pass
         _repack_cpu_experts(self.model_runner.get_model())  # type: ignore[attr-defined]
-        return count
+        return count, time.perf_counter() - (first or time.perf_counter())
 
 
 def _repack_cpu_experts(model: torch.nn.Module) -> int:
@@ -620,14 +623,17 @@ class VLLMRollout:
         `first_rank + t`; returns the workers' ranks once the whole group has joined."""
         return self.llm.collective_rpc("hpcrlhf_join_weight_group", args=(dataclasses.asdict(spec), first_rank))
 
-    def receive_weights(self, kind: str = "trainer") -> int:
-        """Load the weights rank 0 of the engine's group of `kind` broadcasts now (`weight_sync`);
-        returns how many tensors arrived. Then the prefix cache is dropped: its KV blocks were
-        computed with the old weights."""
-        counts = self.llm.collective_rpc("hpcrlhf_receive_weights", args=(kind,))
+    def receive_weights(self, kind: str = "trainer") -> Received:
+        """Load the weights rank 0 of the engine's group of `kind` broadcasts (`weight_sync`), once
+        it does: the workers may wait in the group first. The prefix cache is dropped before: its
+        KV blocks were computed with the old weights, and nothing can be generated until the new
+        ones are in (this call holds the engine), so it stays empty -- and a receive armed early
+        leaves less to do once the weights come."""
         if not self.llm.reset_prefix_cache():
-            raise RuntimeError("VLLMRollout: vLLM could not reset its prefix cache after a weight update")
-        return counts[0]
+            raise RuntimeError("VLLMRollout: vLLM could not reset its prefix cache for a weight update (requests "
+                               "still running)")
+        done = self.llm.collective_rpc("hpcrlhf_receive_weights", args=(kind,))
+        return Received(done[0][0], max(seconds for _, seconds in done))
 
     def sleep(self) -> None:
         """Release the engine's GPU memory until `wake` (vLLM sleep mode, level 1: the weights to CPU
@@ -649,9 +655,44 @@ class VLLMRollout:
         self._group = None
         llm, self._llm = self._llm, None
         if llm is not None:
-            llm.llm_engine.engine_core.shutdown()
+            shut_down(llm.llm_engine.engine_core)
             del llm
             gc.collect()
+
+
+def shut_down(engine_core) -> None:
+    """vLLM's `engine_core.shutdown()`, finished where vLLM gives up on the way: when an engine core
+    is slow to stop, vLLM 0.32 force-kills its process tree naming each child first, and a child
+    that exited meanwhile raises NoSuchProcess out of the walk (seen once at the end of a finished
+    Ray run, which then failed) -- leaving the rest alive. Those are killed here."""
+    import psutil
+
+    manager = getattr(getattr(engine_core, "resources", None), "engine_manager", None)
+    processes = []
+    for proc in getattr(manager, "processes", []):
+        try:
+            root = psutil.Process(proc.pid)
+            processes += [root, *root.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            pass
+    try:
+        engine_core.shutdown()
+    except psutil.NoSuchProcess as e:
+        log.warning(f"vLLM's engine shutdown stopped on a process that had exited ({e}); killing the rest")
+        for proc in processes:
+            try:
+                proc.kill()
+            except psutil.NoSuchProcess:
+                pass
+
+
+@dataclasses.dataclass(frozen=True)
+class Received:
+    """What a weight sync brought an engine: tensors (as its TP rank 0 counted them) and the
+    seconds its slowest worker took from the first of them to the end of the reload."""
+
+    tensors: int
+    load_s: float
 
 
 def build_rollout(backend: Literal["hf", "vllm"], **kwargs) -> RolloutEngine:

@@ -10,7 +10,9 @@ One step reads top to bottom, each phase timed under its metric name:
                clipped policy loss (+ entropy bonus, + KL loss), the critic's
                clipped value loss                                               timing/train (wall time),
                                                                                 timing/train_actor, timing/train_critic
-    sync       actor weights into the rollout engine                            timing/weight_sync
+    sync       actor weights into the rollout engine (on Ray queued behind the
+               actor's epochs: the engines wait in it while the roles train;
+               timed from the end of the updates)                                timing/weight_sync
 
 With rollout.max_staleness 1 the next step's rollout is launched as soon as this step's generations
 are in, so engines that run elsewhere (Ray) generate it while this step scores and trains; the sync
@@ -277,9 +279,11 @@ class PPOTrainer(OnlineTrainer):
     def learn(self, experience: ExperienceBatch, step: int) -> Stats:
         """The trained roles' PPO epochs on the new experience (the actor waits out
         `ppo.freeze_actor_steps`), timed per role (`timing/train_<role>`: from the common start
-        to the role's end, where roles train at once)."""
+        to the role's end, where roles train at once). The weight sync that follows may start
+        as soon as the actor is done, unless the engines are generating the next rollout."""
         roles = [r for r in self.roles.trained if not (r == "actor" and step < self.cfg.ppo.freeze_actor_steps)]
-        sums, seconds = self.roles.learn(experience, step, roles)
+        push = self.rollout is not self.hf_rollout and self.ahead is None
+        sums, seconds = self.roles.learn(experience, step, roles, push=push)
         for role, s in seconds.items():
             self.run.add_timing(f"train_{role}", s)
         return sums

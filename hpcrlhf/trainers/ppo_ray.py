@@ -8,11 +8,14 @@ is its roles interface (`trainers.ppo_roles.PPORoles`) on Ray workers:
     score_tokens    actor / reference log-probs and critic values, all roles at once, each
                     role's ranks on equal row shards
     learn           actor and critic updates at once, rank r on the experiences of its prompts
-                    (as rank r of a single-machine run); timed per role from the same start
+                    (as rank r of a single-machine run); timed per role from the same start;
+                    the weight push queued right behind them (`EngineFleet.start_sync`) where
+                    nobody sleeps between phases and the engines have nothing else to do
     push_weights    actor ranks gather the weights chunk by chunk, rank 0 broadcasts them to every
                     engine worker in a weight-sync group (`WeightPush`; or, as the
                     `placement.vllm.weight_sync=object_store` fallback, hands the whole state dict to
-                    every engine through Ray's object store)
+                    every engine through Ray's object store); or waits for the rest of the push
+                    `learn` queued
     pop_busy        each role's busy seconds, read from its workers
 
 Data crosses between the driver and the roles as typed batches: padded tensors for forward
@@ -161,8 +164,12 @@ class RayRoles:
         out = {role: torch.cat([next(results) for _ in refs])[:n] for role, (refs, n) in pending.items()}
         return out["actor"], out.get("ref"), out.get("critic")
 
-    def learn(self, experience: ExperienceBatch, step: int, roles: Sequence[str]) -> tuple[Stats, dict[str, float]]:
-        """Every role at once, each rank on its share of the experience."""
+    def learn(self, experience: ExperienceBatch, step: int, roles: Sequence[str],
+              push: bool = False) -> tuple[Stats, dict[str, float]]:
+        """Every role at once, each rank on its share of the experience. With `push`, the weight
+        sync is queued behind the actor's epochs (`EngineFleet.start_sync`) where no role sleeps
+        between the phases: the engines wait in it while the roles train, the actor sends as soon
+        as it is done (while the critic may still train), and `push_weights` waits for the rest."""
         import ray
 
         self.phases.enter("train")
@@ -171,6 +178,8 @@ class RayRoles:
             group = self.groups[role]
             shards = [experience.shard(a, b) for a, b in even_bounds(len(experience), len(group))]
             pending[role] = group.scatter_async("learn", shards, step)
+        if push and not self.phases.sleepers:
+            self.rollout.start_sync()
         start, left, seconds = time.perf_counter(), {role: set(refs) for role, refs in pending.items()}, {}
         waiting = [ref for refs in pending.values() for ref in refs]
         while waiting:  # each role's time from the common start to its last rank's end
@@ -234,9 +243,11 @@ class RayRoles:
 
 class WeightPush:
     """`push(engines)`: the actor's current weights into `engines` (all the fleet's), by the
-    `placement.vllm.weight_sync` path. The collective path's group spans actor rank 0 and every
-    worker of those engines; it is formed at the first push and again whenever the engines are not
-    the ones it was formed with (an engine restarted). `last`: the last push's metrics."""
+    `placement.vllm.weight_sync` path; or in two halves, `finish(start(engines))`, so that the
+    push can be under way while the driver does something else. The collective path's group spans
+    actor rank 0 and every worker of those engines; it is formed at the first push and again
+    whenever the engines are not the ones it was formed with (an engine restarted). `last`: the
+    last push's metrics."""
 
     def __init__(self, actor: WorkerGroup, tensor_parallel_size: int, mode: str) -> None:
         self.actor, self.tp, self.mode = actor, tensor_parallel_size, mode
@@ -245,14 +256,31 @@ class WeightPush:
         self.last: dict[str, float] = {}
 
     def __call__(self, engines: list[Any]) -> None:
-        if self.mode == "object_store":
-            gather(self.actor.call_async("push_weights", engines))
-            return
-        if self.members != [e._actor_id.hex() for e in engines]:
+        if self.mode == "collective" and self.members != self.ids(engines):
             self.form(engines)
-        sent = gather([*self.actor.call_async("broadcast_weights"), *[e.receive_weights.remote() for e in engines]])[0]
-        self.last = {"weight_sync/bytes": float(sent["bytes"]), "weight_sync/buckets": float(sent["buckets"]),
-                     "weight_sync/broadcast_s": sent["seconds"]}
+        self.finish(self.start(engines))
+
+    def start(self, engines: list[Any]) -> list[Any] | None:
+        """Queue the push on the actor's ranks and on `engines` (each side runs it after the work
+        queued before: the actor sends once it has learned, each engine receives once it is free);
+        the tasks to `finish`. None where the collective group must be formed first (the first
+        push, a restarted engine): forming it needs the actor now."""
+        if self.mode == "object_store":
+            return self.actor.call_async("push_weights", engines)
+        if self.members != self.ids(engines):
+            return None
+        return [*self.actor.call_async("broadcast_weights"), *[e.receive_weights.remote() for e in engines]]
+
+    def finish(self, pushing: list[Any]) -> None:
+        """Wait for a push `start`ed (raising what failed in it)."""
+        sent = gather(pushing)[0]
+        if self.mode == "collective":
+            self.last = {"weight_sync/bytes": float(sent["bytes"]), "weight_sync/buckets": float(sent["buckets"]),
+                         "weight_sync/broadcast_s": sent["seconds"]}
+
+    @staticmethod
+    def ids(engines: list[Any]) -> list[str]:
+        return [e._actor_id.hex() for e in engines]
 
     def form(self, engines: list[Any]) -> None:
         import ray
@@ -266,7 +294,7 @@ class WeightPush:
         spec = SyncGroup(host, port, 1 + len(engines) * self.tp, f"hpcrlhf-weights-{self.formed}")
         chosen = gather([rank0.open_weight_group.remote(spec),
                          *[e.join_weight_group.remote(spec, 1 + i * self.tp) for i, e in enumerate(engines)]])[0]
-        self.members = [e._actor_id.hex() for e in engines]
+        self.members = self.ids(engines)
         log.info(f"weight-sync group {spec.name}: actor rank 0 and {len(engines)} engine(s) x TP {self.tp} "
                  f"({spec.world_size} members, {chosen}) at {host}:{port}")
 

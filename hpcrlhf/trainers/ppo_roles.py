@@ -73,11 +73,15 @@ class PPORoles(Protocol):
 
     def score_tokens(self, batch: dict[str, torch.Tensor]) -> TokenScores: ...
 
-    def learn(self, experience: ExperienceBatch, step: int, roles: Sequence[str]) -> tuple[Stats, dict[str, float]]:
-        """`roles`' PPO epochs on `experience`: their metric sums and each role's seconds."""
+    def learn(self, experience: ExperienceBatch, step: int, roles: Sequence[str],
+              push: bool = False) -> tuple[Stats, dict[str, float]]:
+        """`roles`' PPO epochs on `experience`: their metric sums and each role's seconds. `push`:
+        `push_weights` comes next and the engines have nothing else to do; the runtime may start
+        it as soon as the actor has learned."""
 
     def push_weights(self) -> dict[str, float] | None:
-        """The actor's weights into `rollout`; what was sent (`weight_sync/*`) where measured."""
+        """The actor's weights into `rollout` (or the rest of a push `learn` started); what was
+        sent (`weight_sync/*`) where measured."""
 
     def save(self, folder: Path, state: dict[str, Any]) -> None:
         """The roles' checkpoint into `folder`, with the driver's `state` (step, controllers)."""
@@ -133,8 +137,10 @@ class LocalRoles:
             values = forward_values(self.critic, batch, chunk, device)
         return old, ref, values
 
-    def learn(self, experience: ExperienceBatch, step: int, roles: Sequence[str]) -> tuple[Stats, dict[str, float]]:
-        """One after the other, both drawing the same mini-batches from one buffer."""
+    def learn(self, experience: ExperienceBatch, step: int, roles: Sequence[str],
+              push: bool = False) -> tuple[Stats, dict[str, float]]:
+        """One after the other, both drawing the same mini-batches from one buffer (the push
+        waits for `push_weights`: this process does it)."""
         self.phases.enter("train")
         self.buffer.add(experience.rows())
         sums: Stats = new_stats()

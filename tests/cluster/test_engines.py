@@ -3,6 +3,8 @@ and after every weight sync its greedy generations equal those of the trainer's 
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -78,9 +80,13 @@ def test_engines_on_tp_groups_follow_weight_syncs(ray_cluster, tiny_llama):
                 engines.call("load_weights", {k: v.clone() for k, v in model.state_dict().items()})
             else:  # this process is the group's rank 0 (as actor rank 0 is in a run), tiny buckets
                 group = group or weight_group(engines.workers, tp=2)
+                engines.call("pop_busy")
                 receiving = engines.call_async("receive_weights")
+                time.sleep(1.5)  # the engines wait in the group, as while the actor trains in a run
                 sent = weight_sync.WeightSender(group, 1 << 14).send(model.state_dict().items())
                 assert ray.get(receiving) == [len(model.state_dict())] * 2 and sent.buckets > 4
+                busy = engines.call("pop_busy")
+                assert all(0 < b < 1.0 for b in busy), busy  # busy loading the weights, not waiting for them
             after = greedy_tokens(hf.generate(prompts, params))
             assert [greedy_tokens(g) for g in engines.call("generate", prompts, params)] == [after, after]
             assert after != before  # the update changed the greedy answers, so equality is evidence

@@ -19,6 +19,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from dataclasses import replace
 
 import pytest
@@ -422,3 +423,33 @@ def test_vllm_batching_refuses_what_cannot_work(on_cpu, kwargs, field):
 
     with pytest.raises(ConfigError, match=field):
         vllm_batching(on_cpu=on_cpu, max_model_len=256, **kwargs)
+
+
+def test_an_engine_shutdown_vllm_gives_up_on_still_ends_every_engine_process():
+    """vLLM 0.32 force-kills a slow engine core's process tree naming each child first; a child that
+    exits meanwhile raises NoSuchProcess out of its walk, the rest left running. `shut_down`
+    (`VLLMRollout.close`) kills what is left: here a real process tree stands for the engine core
+    and its workers, and the shutdown fails as vLLM's did."""
+    from types import SimpleNamespace
+
+    import psutil
+
+    from hpcrlhf.engines.rollout import shut_down
+
+    core = subprocess.Popen(["bash", "-c", "sleep 300 & sleep 300 & wait"])
+    try:
+        tree = psutil.Process(core.pid)
+        while len(tree.children()) < 2:  # both workers started
+            time.sleep(0.01)
+        everyone = [tree, *tree.children(recursive=True)]
+
+        def gives_up():
+            raise psutil.NoSuchProcess(12345, "VLLM::Worker_TP1")
+
+        engine_core = SimpleNamespace(shutdown=gives_up,
+                                      resources=SimpleNamespace(engine_manager=SimpleNamespace(processes=[core])))
+        shut_down(engine_core)
+        gone, alive = psutil.wait_procs(everyone, timeout=10)
+        assert not alive, alive
+    finally:
+        core.kill()

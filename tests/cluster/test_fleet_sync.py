@@ -1,0 +1,100 @@
+"""`EngineFleet`'s weight syncs started early (`start_sync`, queued behind the actor's epochs) and
+finished by `sync`: which push runs when, with a recording push in place of `WeightPush`."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from hpcrlhf.cluster.engines import EngineFleet
+
+
+class RecordingPush:
+    """`WeightPush`'s three calls, recorded; `start` returns `tasks` (None: the group must form)."""
+
+    def __init__(self, tasks) -> None:
+        self.tasks, self.calls = tasks, []
+
+    def start(self, engines):
+        self.calls.append(("start", list(engines)))
+        return self.tasks
+
+    def finish(self, tasks) -> None:
+        self.calls.append(("finish", tasks))
+
+    def __call__(self, engines) -> None:
+        self.calls.append(("push", list(engines)))
+
+
+class Engines:
+    """The fleet's worker group: its workers, and what was asked of all of them."""
+
+    def __init__(self, *workers) -> None:
+        self.workers, self.asked = list(workers), []
+
+    def call_async(self, method):
+        self.asked.append(method)
+        return []
+
+    def kill(self) -> None:
+        self.asked.append("kill")
+
+
+def test_a_started_sync_is_finished_not_redone():
+    push = RecordingPush(tasks=["t"])
+    fleet = EngineFleet(Engines("e0", "e1"), push)
+    fleet.start_sync()
+    assert push.calls == [("start", ["e0", "e1"])]
+    fleet.sync()
+    assert push.calls[1:] == [("finish", ["t"])]
+    fleet.sync()  # nothing started: the whole push
+    assert push.calls[2:] == [("push", ["e0", "e1"])]
+
+
+def test_a_sync_whose_group_must_form_first_waits_for_sync():
+    push = RecordingPush(tasks=None)
+    fleet = EngineFleet(Engines("e0"), push)
+    fleet.start_sync()
+    fleet.sync()
+    assert push.calls == [("start", ["e0"]), ("push", ["e0"])]
+
+
+def test_an_engine_replaced_after_the_start_gets_a_whole_push(ray_cluster):
+    """(An engine restarted between the start and `sync`.) The started push's tasks are waited
+    for, failed or not, then every engine -- the new one too -- gets the weights in a new push."""
+    import ray
+
+    tasks = [ray.put(1), ray.put(2)]
+    push = RecordingPush(tasks=tasks)
+    engines = Engines("e0", "e1")
+    fleet = EngineFleet(engines, push)
+    fleet.start_sync()
+    engines.workers[1] = "e1-restarted"
+    fleet.sync()
+    assert push.calls == [("start", ["e0", "e1"]), ("push", ["e0", "e1-restarted"])]
+
+
+@pytest.mark.parametrize("started", [False, True])
+def test_close_does_not_wait_on_engines_that_may_wait_for_weights(started):
+    """A run that fails between the start and `sync` (the actor's epochs raised, say) closes its
+    fleet: engines possibly waiting in the weight-sync group are killed, not asked to close."""
+    engines = Engines("e0")
+    fleet = EngineFleet(engines, RecordingPush(tasks=["t"]))
+    if started:
+        fleet.start_sync()
+    fleet.close()
+    assert engines.asked == (["kill"] if started else ["close", "kill"])
+
+
+def test_the_ray_roles_start_the_sync_only_where_nobody_sleeps_between_phases():
+    """`RayRoles.learn(push=True)` queues the sync behind the epochs unless a role or the engines
+    sleep between train and weight_sync (their memory must move first, at `push_weights`)."""
+    from hpcrlhf.trainers.ppo_ray import RayRoles
+
+    for sleepers, push, expected in [((), True, 1), (("engines",), True, 0), (("actor",), True, 0), ((), False, 0)]:
+        started = []
+        roles = SimpleNamespace(phases=SimpleNamespace(enter=lambda phase: None, sleepers=sleepers), groups={},
+                                rollout=SimpleNamespace(start_sync=lambda: started.append(1)))
+        RayRoles.learn(roles, None, 0, [], push=push)
+        assert len(started) == expected, (sleepers, push)
