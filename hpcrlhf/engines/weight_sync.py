@@ -21,6 +21,10 @@ vLLM's in-place `reload_weights`, which loads each layer when its weights are co
 q/k/v and gate/up layers, TP sharding and the CPU build's repacking handled there). So the engine
 never holds a second copy of the model either.
 
+A member may be armed long before a sync (an engine waiting while the actor trains): it waits
+for rank 0's announcement of the sync in the group's store, as long as that takes, and enters the
+collectives only then.
+
 The header is UTF-8 JSON in a broadcast of fixed size (`HEADER_BYTES`: its length, then as much
 of it as fits; the rest, rarely any, in a second), on the group's control device, so the only
 thing that crosses a process boundary outside the group is a method name -- and a bucket costs
@@ -84,11 +88,37 @@ class SyncStats:
 
 class Group:
     """A member's handle on a weight-sync group (keeps the store alive with the group). Buckets live
-    on `device`; headers and handles travel on `control` (the group's own device: CPU for gloo)."""
+    on `device`; headers and handles travel on `control` (the group's own device: CPU for gloo).
+    `keys`: the group's keys in the store, where each sync is announced (`announce`,
+    `await_sender`)."""
 
-    def __init__(self, store, pg, device: torch.device, backend: str, control: torch.device | None = None) -> None:
+    def __init__(self, store, pg, device: torch.device, backend: str, control: torch.device | None = None,
+                 keys=None, poll_s: float = 1800.0) -> None:
         self.store, self.pg, self.device, self.backend = store, pg, device, backend
         self.control = control or device
+        self.keys, self.poll_s = keys, poll_s
+        self.syncs = 0
+
+    def announce(self) -> None:
+        """(Rank 0) A sync begins."""
+        self.keys.set(f"sync/{self.syncs}", "1")
+        self.syncs += 1
+
+    def await_sender(self) -> None:
+        """(A member) Wait until rank 0 begins the next sync, however long that takes -- an engine
+        armed while the actor trains waits a whole training phase: in the store, whose connection
+        fails at once if rank 0's process is gone, not in a collective, which would time out (gloo,
+        NCCL: `SyncGroup.timeout_s`) and, on a GPU, hold a kernel on it meanwhile."""
+        from torch.distributed import DistStoreError
+
+        key = f"sync/{self.syncs}"
+        self.syncs += 1
+        while True:
+            try:
+                self.keys.wait([key], datetime.timedelta(seconds=self.poll_s))
+                return
+            except DistStoreError:  # not yet (a timeout); a lost connection raises DistNetworkError
+                continue
 
     def broadcast(self, tensor: torch.Tensor) -> None:
         self.pg.broadcast(tensor, 0).wait()
@@ -197,22 +227,24 @@ def join(spec: SyncGroup, rank: int, store=None) -> Group:
     timeout = datetime.timedelta(seconds=spec.timeout_s)
     if store is None:
         store = TCPStore(spec.host, spec.port, None, False, timeout)
-    prefixed = PrefixStore(spec.name, store)
-    prefixed.set(f"device/{rank}", device_key())
-    kind = spec.transport or choose_backend([prefixed.get(f"device/{r}").decode() for r in range(spec.world_size)])
-    prefixed = PrefixStore("pg", prefixed)
+    keys = PrefixStore(spec.name, store)
+    keys.set(f"device/{rank}", device_key())
+    kind = spec.transport or choose_backend([keys.get(f"device/{r}").decode() for r in range(spec.world_size)])
+    prefixed = PrefixStore("pg", keys)
+    common = dict(keys=keys, poll_s=spec.timeout_s)
     if kind in ("gloo", "shm"):
-        return Group(store, ProcessGroupGloo(prefixed, rank, spec.world_size, timeout), torch.device("cpu"), kind)
+        return Group(store, ProcessGroupGloo(prefixed, rank, spec.world_size, timeout), torch.device("cpu"), kind,
+                     **common)
     if kind == "cuda_ipc":  # buckets stay on the GPU; headers and handles go over gloo
         return Group(store, ProcessGroupGloo(prefixed, rank, spec.world_size, timeout),
-                     torch.device("cuda", torch.cuda.current_device()), kind, control=torch.device("cpu"))
+                     torch.device("cuda", torch.cuda.current_device()), kind, control=torch.device("cpu"), **common)
     from torch.distributed import ProcessGroupNCCL  # GPU, verified on 2 GPUs only by tests/gpu (benchmarks/README.md)
 
     device = torch.device("cuda", torch.cuda.current_device())
     options = ProcessGroupNCCL.Options()
     options._timeout = timeout
     pg = ProcessGroupNCCL(prefixed, rank, spec.world_size, options)
-    return Group(store, pg, device, kind)
+    return Group(store, pg, device, kind, **common)
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -256,6 +288,7 @@ class WeightSender:
         """Each tensor is copied into the bucket (or sent alone) before the next is asked for, so
         a tensor may be freed (a ZeRO-3 gather released) as soon as the iterator moves on."""
         began, stats = time.perf_counter(), SyncStats()
+        self.group.announce()
         entries: list[dict] = []
         used = 0
         for name, tensor in tensors:
@@ -306,7 +339,8 @@ class WeightSender:
 
 def receive(group: Group) -> Iterator[tuple[str, torch.Tensor]]:
     """A member's side: the sent tensors, in order, as their buckets arrive; ends after the last.
-    Tensors are views of their bucket (no copy)."""
+    Tensors are views of their bucket (no copy). Waits for the sync to begin first (`await_sender`)."""
+    group.await_sender()
     last = False
     while not last:
         header = _receive_header(group)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import io
 import os
+import time
 
 import pytest
 import torch
@@ -159,6 +160,74 @@ def test_broadcast_delivers_every_tensor_bit_exact_in_order(transport):
         for m in members:
             m.join(timeout=60)
             m.kill()
+
+
+def _armed_member(spec, queue) -> None:
+    from hpcrlhf.engines import weight_sync
+
+    queue.put("joining")  # started: the 2-s timeout is for the sync, not for spawning
+    group = weight_sync.join(spec, 1)
+    queue.put([(k, v.clone()) for k, v in weight_sync.receive(group)])
+
+
+def _rank0_then_gone(queue) -> None:
+    from hpcrlhf.engines import weight_sync
+
+    store, port = weight_sync.serve_store("127.0.0.1", timeout_s=300)
+    spec = weight_sync.SyncGroup("127.0.0.1", port, 2, "orphan", timeout_s=300)
+    queue.put(spec)
+    weight_sync.join(spec, 0, store)
+    time.sleep(600)  # killed by the test
+
+
+def test_a_member_armed_long_before_a_sync_waits_for_it_past_the_group_timeout():
+    """An engine armed while the actor trains waits longer than the group's collective timeout (2 s
+    here; 30 minutes in a run), then receives the sync whole."""
+    import multiprocessing
+
+    from hpcrlhf.engines import weight_sync
+
+    ctx = multiprocessing.get_context("spawn")
+    store, port = weight_sync.serve_store("127.0.0.1", timeout_s=2)
+    spec = weight_sync.SyncGroup("127.0.0.1", port, 2, "armed", timeout_s=2)
+    queue = ctx.Queue()
+    member = ctx.Process(target=_armed_member, args=(spec, queue))
+    member.start()
+    try:
+        assert queue.get(timeout=60) == "joining"
+        group = weight_sync.join(spec, 0, store)
+        time.sleep(5)  # training, while the member waits: 2.5 group timeouts
+        weight_sync.WeightSender(group, 200).send(_tensors())
+        got = queue.get(timeout=60)
+        assert [k for k, _ in got] == [k for k, _ in _tensors()]
+        assert all(torch.equal(a, b) for (_, a), (_, b) in zip(got, _tensors()))
+    finally:
+        member.join(timeout=30)
+        member.kill()
+
+
+def test_a_member_waiting_for_a_sync_fails_at_once_when_rank_0_is_gone():
+    """The wait is in rank 0's store: its process killed (an actor rank lost while training), the
+    armed member's receive raises within seconds instead of waiting for the group's timeout."""
+    import multiprocessing
+
+    from torch.distributed import DistError
+
+    from hpcrlhf.engines import weight_sync
+
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    rank0 = ctx.Process(target=_rank0_then_gone, args=(queue,))
+    rank0.start()
+    try:
+        group = weight_sync.join(queue.get(timeout=60), 1)
+        rank0.kill()
+        began = time.monotonic()
+        with pytest.raises(DistError):
+            list(weight_sync.receive(group))
+        assert time.monotonic() - began < 30
+    finally:
+        rank0.kill()
 
 
 def test_the_transport_follows_the_members_devices():
