@@ -92,8 +92,8 @@ class Group:
     `keys`: the group's keys in the store, where each sync is announced (`announce`,
     `await_sender`)."""
 
-    def __init__(self, store, pg, device: torch.device, backend: str, control: torch.device | None = None,
-                 keys=None, poll_s: float = 1800.0) -> None:
+    def __init__(self, store, pg, device: torch.device, backend: str, control: torch.device | None = None, *,
+                 keys, poll_s: float = 1800.0) -> None:
         self.store, self.pg, self.device, self.backend = store, pg, device, backend
         self.control = control or device
         self.keys, self.poll_s = keys, poll_s

@@ -167,7 +167,9 @@ def _armed_member(spec, queue) -> None:
 
     queue.put("joining")  # started: the 2-s timeout is for the sync, not for spawning
     group = weight_sync.join(spec, 1)
-    queue.put([(k, v.clone()) for k, v in weight_sync.receive(group)])
+    buffer = io.BytesIO()  # as bytes: a tensor put in a queue is shared with its sender, who exits
+    torch.save([(k, v.clone()) for k, v in weight_sync.receive(group)], buffer)
+    queue.put(buffer.getvalue())
 
 
 def _rank0_then_gone(queue) -> None:
@@ -198,7 +200,7 @@ def test_a_member_armed_long_before_a_sync_waits_for_it_past_the_group_timeout()
         group = weight_sync.join(spec, 0, store)
         time.sleep(5)  # training, while the member waits: 2.5 group timeouts
         weight_sync.WeightSender(group, 200).send(_tensors())
-        got = queue.get(timeout=60)
+        got = torch.load(io.BytesIO(queue.get(timeout=60)), weights_only=True)
         assert [k for k, _ in got] == [k for k, _ in _tensors()]
         assert all(torch.equal(a, b) for (_, a), (_, b) in zip(got, _tensors()))
     finally:
