@@ -240,6 +240,37 @@ def missing_needs(system: System) -> Optional[str]:
     return "; ".join(f"{m} is not installed: {_INSTALL_HINT.get(m, f'pip install {m}')}" for m in missing)
 
 
+def system_entry(suite: Suite, system: System, out: Path, prompts: Path, i: int, total: int, *,
+                 env: Optional[dict], peak, flops: float) -> dict:
+    """Run one system of `suite` (the `i`-th of `total`) and return its results entry: its
+    throughput, or why it was skipped or failed."""
+    from hpcrlhf.bench.trl_system import trl_version
+
+    about = system.about
+    reason = missing_needs(system)
+    if reason:
+        log.info(f"bench [{i}/{total}] {system.name}: skipped ({reason})")
+        return {"name": system.name, "kind": system.kind, "about": about, "scaling": system.scaling,
+                "status": "skipped", "error": reason}
+    if system.kind == "trl":
+        about = f"{about}; trl {trl_version()}"
+    run = run_system(suite, system, out, prompts, i, total, env=env)
+    entry = {"name": system.name, "kind": system.kind, "about": about, "scaling": system.scaling,
+             "run_dir": str(run.run_dir), "wall_s": run.wall_s, "status": "ok" if run.error is None else "failed"}
+    if run.error is not None:
+        entry["error"] = run.error
+        return entry
+    try:
+        entry["throughput"] = summarize(
+            read_metrics(run.run_dir), warmup=suite.warmup_steps, samples=suite.prompts_per_step,
+            prompt_tokens=suite.prompt_tokens, devices=suite.devices,
+            train_flops_per_step=flops if system.trains_critic else step_train_flops(suite, critic=False),
+            peak_flops=peak.matmul_flops).to_dict()
+    except HpcrlhfError as e:
+        entry.update(status="failed", error=str(e))
+    return entry
+
+
 def run_suite(suite: Suite, out: Path, *, systems: Sequence[System], env: Optional[dict] = None,
               dschat=None) -> dict:
     """Run `systems` of `suite` into `out`, write results.json, results.md and the plots, and
@@ -247,7 +278,6 @@ def run_suite(suite: Suite, out: Path, *, systems: Sequence[System], env: Option
     from hpcrlhf import __version__
     from hpcrlhf.bench.peak import measure_peak
     from hpcrlhf.bench.report import write_report
-    from hpcrlhf.bench.trl_system import trl_version
 
     out.mkdir(parents=True, exist_ok=True)
     prompts = write_prompts(suite, out / "prompts.jsonl")
@@ -257,35 +287,7 @@ def run_suite(suite: Suite, out: Path, *, systems: Sequence[System], env: Option
     log.info(f"bench {suite.name}: {len(systems)} system(s), {suite.prompts_per_step} prompts x "
              f"({suite.prompt_tokens} + {suite.response_tokens}) tokens per step, {suite.warmup_steps} warm-up + "
              f"{suite.steps} measured steps; device {peak.device}: matmul {peak.matmul_flops / 1e9:.1f} GFLOP/s")
-    results = []
-    total = len(systems) + (dschat is not None)
-    for i, system in enumerate(systems, 1):
-        about = system.about
-        reason = missing_needs(system)
-        if reason:
-            log.info(f"bench [{i}/{total}] {system.name}: skipped ({reason})")
-            results.append({"name": system.name, "kind": system.kind, "about": about, "scaling": system.scaling,
-                            "status": "skipped", "error": reason})
-            continue
-        if system.kind == "trl":
-            about = f"{about}; trl {trl_version()}"
-        run = run_system(suite, system, out, prompts, i, total, env=env)
-        entry = {"name": system.name, "kind": system.kind, "about": about, "scaling": system.scaling,
-                 "run_dir": str(run.run_dir), "wall_s": run.wall_s, "status": "ok" if run.error is None else "failed"}
-        if run.error is None:
-            try:
-                entry["throughput"] = summarize(
-                    read_metrics(run.run_dir), warmup=suite.warmup_steps, samples=suite.prompts_per_step,
-                    prompt_tokens=suite.prompt_tokens, devices=suite.devices,
-                    train_flops_per_step=flops if system.trains_critic else step_train_flops(suite, critic=False),
-                    peak_flops=peak.matmul_flops).to_dict()
-            except HpcrlhfError as e:
-                entry.update(status="failed", error=str(e))
-        else:
-            entry["error"] = run.error
-        results.append(entry)
-    if dschat is not None:
-        results.append(dschat.run(suite, out, total, peak))
+    results: list[dict] = []
     doc = {"suite": {"name": suite.name, "about": suite.about, "hardware": suite.hardware, "nodes": suite.nodes,
                      "gpus_per_node": suite.gpus_per_node, "devices": suite.devices, "model": suite.model,
                      "reward_model": suite.reward_model or suite.model, "prompt_tokens": suite.prompt_tokens,
@@ -294,5 +296,11 @@ def run_suite(suite: Suite, out: Path, *, systems: Sequence[System], env: Option
                      "precision": suite.precision},
            "peak": peak.to_dict(), "train_flops_per_step": flops, "hpcrlhf": __version__,
            "python": sys.version.split()[0], "started": time.strftime("%Y-%m-%dT%H:%M:%S"), "systems": results}
+    total = len(systems) + (dschat is not None)
+    for i, system in enumerate(systems, 1):
+        results.append(system_entry(suite, system, out, prompts, i, total, env=env, peak=peak, flops=flops))
+        write_report(doc, out)  # after each system: a suite cut short (a lease, a time limit) keeps what finished
+    if dschat is not None:
+        results.append(dschat.run(suite, out, total, peak))
     write_report(doc, out)
     return doc

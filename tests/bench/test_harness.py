@@ -5,26 +5,51 @@ No timing assertions: the figures must be consistent, not fast."""
 
 import json
 import math
+import subprocess
+import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 import pytest
 
 from hpcrlhf.bench.suites import SUITES, get_suite
 from hpcrlhf.errors import ConfigError
-from tests.launch_helpers import run_cli
+from tests.launch_helpers import ROOT, cli_command, cli_env, run_cli
 
 
 @pytest.fixture(scope="module")
 def cpu_tiny(tmp_path_factory):
+    """The cpu-tiny suite run whole: (folder, finished process, results, the system names results.json
+    listed each time it changed while the suite ran)."""
     out = tmp_path_factory.mktemp("bench") / "cpu-tiny"
-    proc = run_cli(["bench", "--suite", "cpu-tiny", "--output", str(out)], timeout=900)
-    return out, proc, json.loads((out / "results.json").read_text())
+    proc = subprocess.Popen(cli_command(["bench", "--suite", "cpu-tiny", "--output", str(out)]), cwd=ROOT,
+                            env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    seen, deadline = [], time.monotonic() + 900
+    with ThreadPoolExecutor(1) as pool:  # drains the output meanwhile
+        output = pool.submit(proc.communicate)
+        while proc.poll() is None and time.monotonic() < deadline:
+            try:
+                names = [s["name"] for s in json.loads((out / "results.json").read_text())["systems"]]
+            except (OSError, ValueError):  # not written yet, or caught half-written
+                names = None
+            if names and (not seen or names != seen[-1]):
+                seen.append(names)
+            time.sleep(0.5)
+        if proc.poll() is None:
+            proc.kill()
+        stdout, stderr = output.result()
+    assert proc.returncode == 0, f"hpcrlhf bench exited {proc.returncode}\n{stdout[-4000:]}\n{stderr[-8000:]}"
+    return out, subprocess.CompletedProcess(proc.args, 0, stdout, stderr), \
+        json.loads((out / "results.json").read_text()), seen
 
 
 def test_every_system_runs_and_reports_consistent_figures(cpu_tiny):
-    out, proc, doc = cpu_tiny
+    out, proc, doc, seen = cpu_tiny
     suite = get_suite("cpu-tiny")
-    assert [s["name"] for s in doc["systems"]] == [s.name for s in suite.systems]
+    names = [s.name for s in suite.systems]
+    assert [s["name"] for s in doc["systems"]] == names
+    # results.json is rewritten after each system: a suite cut short keeps the systems it finished
+    assert len(seen) > 1 and all(got == names[:len(got)] for got in seen) and seen[-1] == names, seen
     for s in doc["systems"]:
         assert s["status"] == "ok", s.get("error")
         t = s["throughput"]
@@ -48,7 +73,7 @@ def test_every_system_runs_and_reports_consistent_figures(cpu_tiny):
 def test_each_system_ran_as_designed(cpu_tiny):
     import yaml
 
-    out, _, doc = cpu_tiny
+    out, _, doc, _ = cpu_tiny
     cfg = {s["name"]: yaml.safe_load((out / s["name"] / "config.yaml").read_text()) for s in doc["systems"]
            if s["kind"] != "trl"}
     base = cfg["dschat-style"]
@@ -90,7 +115,7 @@ def test_each_system_ran_as_designed(cpu_tiny):
 
 
 def test_report_has_table_and_plots(cpu_tiny):
-    out, proc, doc = cpu_tiny
+    out, proc, doc, _ = cpu_tiny
     table = (out / "results.md").read_text()
     for s in doc["systems"]:
         assert f"| {s['name']} |" in table
