@@ -68,12 +68,23 @@ fi
 DS_BUILD_OPS=0 "$PY" -m pip wheel -q --no-deps --no-build-isolation -w "$work/whl" "$work"/src/deepspeed-*.tar.gz
 site="site${py/./}"
 mkdir -p "$work/$site"
-for w in "$work"/whl/*.whl; do "$PY" -m zipfile -e "$w" "$work/$site"; done
+# Unpacked keeping each member's mode: `python -m zipfile -e` drops the exec bits, and Ray's
+# gcs_server and raylet then cannot start (`ray start` failed on the lent H200, 2026-11-26).
+"$PY" - "$work/$site" "$work"/whl/*.whl <<'EOF'
+import os, sys, zipfile
+for wheel in sys.argv[2:]:
+    with zipfile.ZipFile(wheel) as z:
+        for info in z.infolist():
+            path, mode = z.extract(info, sys.argv[1]), (info.external_attr >> 16) & 0o777
+            if mode & 0o111:
+                os.chmod(path, mode)
+EOF
 ( cd "$work/$site" && rm -rf ray/jars ray/dashboard/client/build ray/rllib ray/tests ray/*/tests ray/llm ray/serve \
     ray/data ray/tune ray/train ray/air/examples \
     vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so vllm/_moe_C_stable_libtorch.abi3.so vllm/vllm-rs \
     vllm/entrypoints/serve/instrumentator/static )
 find "$work/$site" -name '*.so' -path '*vllm*' -exec chmod +x {} +
+mkdir -p "$(dirname "$out")"
 XZ_OPT=${XZ_OPT:--6 -T0} tar cJf "$out" -C "$work" "$site"
 echo "gpu-site: $(du -h "$out" | cut -f1) in $out; on the GPU machine: bash benchmarks/gpu-check.sh --site $out"
 if [ -n "$split" ]; then

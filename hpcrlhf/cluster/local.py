@@ -221,7 +221,10 @@ def start_local_cluster(num_nodes: int, gpus_per_node: int, *, cpus_per_node: in
                                     start_new_session=True)
             cluster.groups.append(proc.pid)
             if proc.wait(timeout=timeout_s) != 0:
-                raise HpcrlhfError(f"`{' '.join(args)}` failed; see {root / f'ray_start_{i}.log'}")
+                log.close()
+                said = (root / f"ray_start_{i}.log").read_text(errors="replace").strip().splitlines()[-15:]
+                raise HpcrlhfError(f"`{' '.join(args)}` failed; the end of {root / f'ray_start_{i}.log'}:\n"
+                                   + "\n".join(said))
         _wait_from_driver(address, ips, timeout_s, auth)
     except BaseException:
         cluster.stop()
