@@ -49,6 +49,9 @@ from dataclasses import dataclass
 
 import torch
 
+from hpcrlhf.logs import get_logger
+
+log = get_logger()
 
 ALIGN = 16
 """Byte alignment of each tensor in a bucket (a tensor is viewed in place as its dtype)."""
@@ -230,6 +233,8 @@ def join(spec: SyncGroup, rank: int, store=None) -> Group:
     keys = PrefixStore(spec.name, store)
     keys.set(f"device/{rank}", device_key())
     kind = spec.transport or choose_backend([keys.get(f"device/{r}").decode() for r in range(spec.world_size)])
+    if rank == 0:
+        log.info(f"weight sync {spec.name}: {kind} between {spec.world_size} processes")
     prefixed = PrefixStore("pg", keys)
     common = dict(keys=keys, poll_s=spec.timeout_s)
     if kind in ("gloo", "shm"):
