@@ -13,6 +13,9 @@ EXTRAS := cpu,hpc,lora
 # needed for multimodal models.
 CUDA_LEFTOVERS := torchvision torchaudio torchcodec triton
 TESTS  ?= tests
+# Test processes (pytest-xdist): 2 keeps both cores of a small CI host busy while one test waits
+# (for Slurm, Ray or a subprocess); tests/conftest.py keeps each module and the cluster tests together.
+TEST_WORKERS ?= 2
 PYTEST_ARGS ?=
 DEMO_OUT ?= runs/demo
 
@@ -42,7 +45,7 @@ demo: install
 test: install-dev
 	bash slurm/install-test-deps.sh
 	bash apptainer/install-apptainer.sh
-	$(BIN)/python -m pytest $(TESTS) $(PYTEST_ARGS)
+	$(BIN)/python -m pytest $(TESTS) -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -23,6 +23,28 @@ def tiny_llama() -> str:
     return str(build_tiny_model_dir("llama"))
 
 
+def once_per_run(tmp_path_factory, name: str, build):
+    """`build(folder)`'s value (a str), computed once for the whole test run -- also when
+    pytest-xdist spreads the tests over worker processes: the first worker to ask builds it in a
+    folder all of them share, under a lock; the others wait for it and reuse it."""
+    if os.environ.get("PYTEST_XDIST_WORKER") is None:
+        return build(tmp_path_factory.mktemp(name))
+    import shutil
+
+    from filelock import FileLock
+
+    root = tmp_path_factory.getbasetemp().parent / "once"  # the run's folder, above each worker's own
+    root.mkdir(exist_ok=True)
+    done = root / f"{name}.value"
+    with FileLock(str(root / f"{name}.lock")):
+        if not done.exists():
+            folder = root / name
+            shutil.rmtree(folder, ignore_errors=True)  # a worker failed to build it before
+            folder.mkdir()
+            done.write_text(build(folder))
+        return done.read_text()
+
+
 @pytest.fixture(scope="session")
 def full_sft_run(tmp_path_factory):
     """`hpcrlhf train sft` on the embedded defaults, trained until it adds: stopped early at a task
@@ -30,27 +52,35 @@ def full_sft_run(tmp_path_factory):
     ends anywhere between 0.86 and 0.96 depending on the CPU (measured), and a reward model
     started from a weaker adder stays near chance for thousands of steps.
     tests/trainers/test_sft_e2e.py checks it learns; the reward model for PPO starts from its model."""
+    from pathlib import Path
+
     from tests.launch_helpers import run_cli
 
-    out = tmp_path_factory.mktemp("sft_full") / "run"
-    run_cli(["train", "sft", "-o", str(out), "--set", "train.epochs=2", "--set", "eval.every_steps=50",
-             "--set", "eval.stop_when=eval/task_score>=0.97", "--set", "log.tensorboard=true"])
-    return out
+    def build(folder):
+        run_cli(["train", "sft", "-o", str(folder / "run"), "--set", "train.epochs=2", "--set", "eval.every_steps=50",
+                 "--set", "eval.stop_when=eval/task_score>=0.97", "--set", "log.tensorboard=true"])
+        return str(folder / "run")
+
+    return Path(once_per_run(tmp_path_factory, "sft_full", build))
 
 
 def early_stopped_sft(tmp_path_factory, name: str, overrides: tuple[str, ...], below: float) -> str:
     """The model of an SFT run with `overrides` (an `eval.stop_when` on the task score), checked to
-    have stopped early with a task score under `below`: the folder of its exported model."""
+    have stopped early with a task score under `below`: the folder of its exported model (one
+    run per test run)."""
     import json
 
     from hpcrlhf.config.jobspec import TrainJob
     from tests.launch_helpers import run_cli
 
-    out = tmp_path_factory.mktemp(name) / "run"
-    run_cli(TrainJob("sft", None, (*overrides, "log.tensorboard=false"), str(out)).argv())
-    summary = json.loads((out / "summary.json").read_text())
-    assert summary.get("stopped_early") and summary["after"]["eval/task_score"] < below, summary
-    return str(out / "model")
+    def build(folder):
+        out = folder / "run"
+        run_cli(TrainJob("sft", None, (*overrides, "log.tensorboard=false"), str(out)).argv())
+        summary = json.loads((out / "summary.json").read_text())
+        assert summary.get("stopped_early") and summary["after"]["eval/task_score"] < below, summary
+        return str(out / "model")
+
+    return once_per_run(tmp_path_factory, name, build)
 
 
 @pytest.fixture(scope="session")
@@ -95,6 +125,27 @@ def slurm_cluster():
         yield cluster
     finally:
         cluster.stop()
+
+
+ONE_WORKER = ("tests/cluster/", "tests/hpc/")
+"""Under pytest-xdist these share one worker: the local Ray cluster of tests/cluster, the Slurm
+cluster and the CPU image are started once per worker process, and the Slurm cluster's ports and
+nodes exist once per host."""
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """With pytest-xdist (`make test` runs `-n 2 --dist loadgroup`): each module's tests run in
+    one worker, so module fixtures are built once, and the ONE_WORKER folders run in one worker
+    together; session fixtures that train a model are shared through `once_per_run`."""
+    if not config.pluginmanager.hasplugin("xdist"):
+        return
+    from pathlib import Path
+
+    root = Path(config.rootpath)
+    for item in items:
+        path = Path(str(item.fspath)).relative_to(root).as_posix()
+        group = "cluster" if path.startswith(ONE_WORKER) else path
+        item.add_marker(pytest.mark.xdist_group(group))
 
 
 WATCHED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
@@ -143,7 +194,8 @@ def pytest_collection_finish(session) -> None:
 def pytest_sessionfinish(session, exitstatus) -> None:
     from tests.images import stop_cpu_image_build
 
-    stop_cpu_image_build()
+    worker = os.environ.get("PYTEST_XDIST_WORKER")  # another worker may still wait for its build
+    stop_cpu_image_build(needed_elsewhere=worker is not None and exitstatus != pytest.ExitCode.INTERRUPTED)
 
 
 @pytest.fixture(scope="session")

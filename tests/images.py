@@ -32,34 +32,44 @@ def source_digest() -> str:
     return h.hexdigest()[:16]
 
 
+BUSY = 75
+"""Exit status of a background build that found another process's build of the image under way."""
+
+
 class ImageBuild:
     """A build of the CPU image of the current sources running in the background (apptainer/build.sh,
     ~5 min): started as soon as the session knows a test will need the image, so that the build
-    overlaps the tests that run before it; `wait()` gives the image."""
+    overlaps the tests that run before it; `wait()` gives the image.
+
+    Several test processes (pytest-xdist workers) may each start one: the build holds a lock on
+    the cache for its whole run and moves the finished image into place itself, so one of them
+    builds and the others, finding the lock taken, wait for it in `wait()`."""
 
     def __init__(self, image: Path):
         CACHE.mkdir(parents=True, exist_ok=True)
-        for old in CACHE.glob("hpcrlhf-cpu-*.sif"):
-            old.unlink()  # one image kept: they are 1.3 GB each
-        self.image, self.log = image, CACHE / "build.log"
-        self.partial = image.with_suffix(".partial.sif")
+        self.image, self.log, self.lock = image, CACHE / "build.log", CACHE / "build.lock"
+        partial = image.with_suffix(".partial.sif")
         self.started = time.monotonic()
-        with open(self.log, "w") as sink:
-            # fast compression: the test image is read a few times, then rebuilt for the next sources
-            self.proc = subprocess.Popen(["bash", str(ROOT / "apptainer" / "build.sh"), "cpu", str(self.partial),
-                                          "--mksquashfs-args", "-Xcompression-level 1"], stdout=sink,
-                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        # fast compression: the test image is read a few times, then rebuilt for the next sources.
+        # One image kept (they are 1.3 GB each); the log is written only by the holder of the lock.
+        script = (f'exec > "{self.log}" 2>&1; [ -e "{image}" ] && exit 0; '
+                  f'find "{CACHE}" -maxdepth 1 -name "hpcrlhf-cpu-*.sif" -delete; '
+                  f'bash "{ROOT / "apptainer" / "build.sh"}" cpu "{partial}" --mksquashfs-args "-Xcompression-level 1" '
+                  f'&& mv "{partial}" "{image}"')
+        self.proc = subprocess.Popen(["flock", "-n", "-E", str(BUSY), str(self.lock), "bash", "-c", script],
+                                     stdin=subprocess.DEVNULL, start_new_session=True)
 
     def wait(self, timeout_s: float = 1800) -> Path:
+        left = lambda: max(1.0, timeout_s - (time.monotonic() - self.started))
         try:
-            status = self.proc.wait(timeout=max(1.0, timeout_s - (time.monotonic() - self.started)))
+            status = self.proc.wait(timeout=left())
+            if status == BUSY:  # another process builds it: its end releases the lock
+                status = subprocess.run(["flock", str(self.lock), "true"], timeout=left()).returncode
         except subprocess.TimeoutExpired:
             self.stop()
             raise AssertionError(f"apptainer/build.sh cpu ran past {timeout_s:.0f} s:\n{self.log.read_text()[-6000:]}")
-        if status != 0:
+        if status != 0 or not self.image.exists():
             raise AssertionError(f"apptainer/build.sh cpu failed ({status}):\n{self.log.read_text()[-6000:]}")
-        if not self.image.exists():
-            self.partial.rename(self.image)
         return self.image
 
     def stop(self) -> None:
@@ -85,9 +95,18 @@ def start_cpu_image_build() -> None:
         _build = ImageBuild(image)
 
 
-def stop_cpu_image_build() -> None:
-    if _build is not None:
-        _build.stop()
+def stop_cpu_image_build(*, needed_elsewhere: bool = False) -> None:
+    """End this process's background build, or, where another test process may still need the
+    image (`needed_elsewhere`: a pytest-xdist worker done with its share), let it finish first."""
+    if _build is None:
+        return
+    if needed_elsewhere:
+        try:
+            _build.wait()
+            return
+        except AssertionError:  # its failure is reported by the test that needs the image
+            pass
+    _build.stop()
 
 
 def build_cpu_image() -> Path:
