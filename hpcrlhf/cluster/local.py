@@ -133,8 +133,13 @@ def ray_executable() -> str:
 
 
 def ray_auth_env(token_path: Optional[Path]) -> dict[str, str]:
-    """RAY_AUTH_* settings for token authentication with the token in `token_path` ({} for none)."""
-    return {} if token_path is None else {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token_path)}
+    """RAY_AUTH_* settings for token authentication with the token in `token_path`, or for none.
+    "None" is said explicitly: with RAY_AUTH_MODE unset, Ray 2.60's `ray start --head` turns token
+    authentication on by itself when a token file exists (~/.ray/auth_token, which any local
+    `ray.init()` writes), while the other nodes' `ray start` does not, so they could not join."""
+    if token_path is None:
+        return {"RAY_AUTH_MODE": "disabled"}
+    return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token_path)}
 
 
 def write_auth_token(path: Path) -> None:
