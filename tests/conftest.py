@@ -128,24 +128,53 @@ def slurm_cluster():
 
 
 ONE_WORKER = ("tests/cluster/", "tests/hpc/")
-"""Under pytest-xdist these share one worker: the local Ray cluster of tests/cluster, the Slurm
+"""Under pytest-xdist these run in one worker: the local Ray cluster of tests/cluster, the Slurm
 cluster and the CPU image are started once per worker process, and the Slurm cluster's ports and
 nodes exist once per host."""
 
+LONG_FIRST = (*ONE_WORKER, "tests/trainers/", "tests/bench/", "tests/engines/", "tests/test_")
+"""Where the tests that run whole jobs live, in the order a worker should start them: long work
+first, the unit tests (seconds each) last, to fill the gaps, so that no worker is left with one
+long module at the end."""
 
+
+def _rank(path: str) -> int:
+    return next((i for i, prefix in enumerate(LONG_FIRST) if path.startswith(prefix)), len(LONG_FIRST))
+
+
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items) -> None:
-    """With pytest-xdist (`make test` runs `-n 2 --dist loadgroup`): each module's tests run in
-    one worker, so module fixtures are built once, and the ONE_WORKER folders run in one worker
-    together; session fixtures that train a model are shared through `once_per_run`."""
-    if not config.pluginmanager.hasplugin("xdist"):
-        return
-    from pathlib import Path
+    """In a pytest-xdist worker: the tests in LONG_FIRST's order (a stable sort: each module's own
+    order is kept), which the scheduler below hands out in."""
+    if hasattr(config, "workerinput"):
+        from pathlib import Path
 
-    root = Path(config.rootpath)
-    for item in items:
-        path = Path(str(item.fspath)).relative_to(root).as_posix()
-        group = "cluster" if path.startswith(ONE_WORKER) else path
-        item.add_marker(pytest.mark.xdist_group(group))
+        root = Path(config.rootpath)
+        items.sort(key=lambda item: _rank(Path(str(item.fspath)).relative_to(root).as_posix()))
+
+
+try:
+    from xdist.scheduler import LoadScopeScheduling
+except ImportError:  # pytest-xdist is not installed: pytest runs the tests in one process
+    LoadScopeScheduling = None
+
+if LoadScopeScheduling is not None:
+    class ModuleScheduling(LoadScopeScheduling):
+        """`make test`'s scheduling (`-n 2`): each module is one unit of work, run whole by one
+        worker (its module fixtures built once), and the ONE_WORKER folders are one unit together;
+        units go out in collection order (LONG_FIRST). Session fixtures that train a model are
+        shared by the workers through `once_per_run`."""
+
+        def __init__(self, config, log=None):
+            super().__init__(config, log)
+            config.option.loadscopereorder = False  # keep LONG_FIRST's order, not the largest unit first
+
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return "+".join(ONE_WORKER) if path.startswith(ONE_WORKER) else path
+
+    def pytest_xdist_make_scheduler(config, log):
+        return ModuleScheduling(config, log)
 
 
 WATCHED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
@@ -212,3 +241,4 @@ def cpu_image() -> str:
             pytest.fail(f"CI must run the container tests, but {reason}")
         pytest.skip(reason)
     return str(build_cpu_image())
+
