@@ -14,7 +14,8 @@ EXTRAS := cpu,hpc,lora
 CUDA_LEFTOVERS := torchvision torchaudio torchcodec triton
 TESTS  ?= tests
 # Test processes (pytest-xdist): 2 keeps both cores of a small CI host busy while one test waits
-# (for Slurm, Ray or a subprocess); tests/conftest.py keeps each module and the cluster tests together.
+# (for Slurm, Ray or a subprocess); tests/conftest.py schedules them (a module per unit, the cluster
+# tests together, long work first).
 TEST_WORKERS ?= 2
 PYTEST_ARGS ?=
 DEMO_OUT ?= runs/demo
@@ -45,7 +46,7 @@ demo: install
 test: install-dev
 	bash slurm/install-test-deps.sh
 	bash apptainer/install-apptainer.sh
-	$(BIN)/python -m pytest $(TESTS) -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
+	$(BIN)/python -m pytest $(TESTS) -n $(TEST_WORKERS) $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
