@@ -205,6 +205,7 @@ def start_local_cluster(num_nodes: int, gpus_per_node: int, *, cpus_per_node: in
     only while connected; the caller's RAY_AUTH_* are restored after it, since Ray's are process-wide
     and a later driver of this process may be for another cluster. No other Ray driver may be
     connected in this process meanwhile (Ray allows one per process)."""
+    _refuse_a_second_driver()
     temp_dir = private_temp_dir(root)  # root made private (0700): Ray's own folder in it is world-writable
     ips = [f"127.0.0.{2 + i}" for i in range(num_nodes)]
     base = free_port_block(PORTS_PER_NODE * num_nodes, start=LOCAL_PORT_BASE)  # Slurm jobs' blocks lie below
@@ -235,6 +236,17 @@ def start_local_cluster(num_nodes: int, gpus_per_node: int, *, cpus_per_node: in
         cluster.stop()
         raise
     return cluster
+
+
+def _refuse_a_second_driver() -> None:
+    """Refuse, before any node starts, a caller whose process already has a Ray driver connected:
+    the join check needs a driver of its own, and Ray allows one per process."""
+    import ray
+
+    if ray.is_initialized():
+        raise HpcrlhfError("start_local_cluster: this process already has a Ray driver connected (ray.init was "
+                           "called), and the new cluster's join check needs its own; call ray.shutdown() first, "
+                           "or start the cluster from another process")
 
 
 def _wait_from_driver(address: str, ips: list[str], timeout_s: float, auth: dict[str, str]) -> None:

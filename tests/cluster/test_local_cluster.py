@@ -5,7 +5,9 @@ cluster without authentication join whatever Ray token files the user has."""
 
 from __future__ import annotations
 
+import multiprocessing
 import tempfile
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -16,10 +18,27 @@ from hpcrlhf.errors import HpcrlhfError
 pytestmark = pytest.mark.distributed
 
 
+def in_a_fresh_process(fn, *args):
+    """fn(*args) in a spawned process, as a user's `hpcrlhf` command would run it: this one may hold
+    the package cluster's Ray driver (one per process). Returns fn's result or raises its exception."""
+    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(fn, *args).result(timeout=300)
+
+
+def _start_a_bad_node(root: Path) -> None:
+    start_local_cluster(1, 0, cpus_per_node=-1, root=root, timeout_s=60)
+
+
+def _start_two_nodes_and_stop(root: Path) -> dict[str, str]:
+    """Start a 2-node cluster without authentication, return its client settings, stop it."""
+    with start_local_cluster(2, 0, cpus_per_node=1, root=root) as cluster:
+        return cluster.client_env()
+
+
 def test_a_node_that_fails_to_start_is_reported_with_the_end_of_its_log():
     root = Path(tempfile.mkdtemp(prefix="hpcrlhf-bad-", dir="/tmp"))  # short: Ray's socket paths are limited
     with pytest.raises(HpcrlhfError) as e:
-        start_local_cluster(1, 0, cpus_per_node=-1, root=root, timeout_s=60)
+        in_a_fresh_process(_start_a_bad_node, root)
     said = str(e.value)
     assert "ray start" in said and "ray_start_0.log" in said
     assert "Resource quantities must be nonnegative" in said, said  # Ray's own words, from the log
@@ -32,8 +51,15 @@ def test_nodes_join_a_cluster_without_authentication_even_with_a_stray_ray_token
     test run left such a file. The cluster says RAY_AUTH_MODE=disabled itself."""
     (tmp_path / ".ray").mkdir()
     (tmp_path / ".ray" / "auth_token").write_text("a" * 64)
-    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("HOME", str(tmp_path))  # the spawned process inherits the environment
     monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
     root = Path(tempfile.mkdtemp(prefix="hpcrlhf-stray-", dir="/tmp"))
-    with start_local_cluster(2, 0, cpus_per_node=1, root=root) as cluster:
-        assert cluster.client_env() == {"RAY_AUTH_MODE": "disabled"}
+    assert in_a_fresh_process(_start_two_nodes_and_stop, root) == {"RAY_AUTH_MODE": "disabled"}
+
+
+def test_a_process_with_a_ray_driver_is_refused_before_any_node_starts(ray_cluster):
+    """Ray allows one driver per process and the join check needs one: said plainly, nothing started."""
+    root = Path(tempfile.mkdtemp(prefix="hpcrlhf-2nd-", dir="/tmp"))
+    with pytest.raises(HpcrlhfError, match=r"already has a Ray driver connected.*ray.shutdown\(\)"):
+        start_local_cluster(1, 0, cpus_per_node=1, root=root)
+    assert not any(root.iterdir()), "nothing may start"
