@@ -241,4 +241,3 @@ def cpu_image() -> str:
             pytest.fail(f"CI must run the container tests, but {reason}")
         pytest.skip(reason)
     return str(build_cpu_image())
-

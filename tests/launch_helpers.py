@@ -1,10 +1,13 @@
-"""Running the real `hpcrlhf` entry point in subprocesses (plain or under torchrun)."""
+"""Running the real `hpcrlhf` entry point in subprocesses (plain or under torchrun), and library calls
+in a fresh process."""
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import subprocess
 import sys
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 from hpcrlhf.engines.distributed import free_port
@@ -61,3 +64,10 @@ def stop_after(args: list[str], out: Path, step: int, key: str = "train/loss") -
     log = proc.communicate(timeout=300)[0]
     assert proc.returncode == 3, log[-3000:]
     return int((out / "checkpoints" / "latest").read_text().strip().split("_")[1])
+
+
+def in_a_fresh_process(fn, *args, timeout: float = 300):
+    """fn(*args) in a spawned process, as a user's `hpcrlhf` command would run it (this one may hold a
+    Ray driver: one per process). Returns fn's result (picklable) or raises its exception."""
+    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(fn, *args).result(timeout=timeout)

@@ -203,8 +203,8 @@ def start_local_cluster(num_nodes: int, gpus_per_node: int, *, cpus_per_node: in
     prefer to the file). Only clients presenting the token attach: put `cluster.client_env()` in
     their environment before `ray.init`. The join check's driver in this process has those settings
     only while connected; the caller's RAY_AUTH_* are restored after it, since Ray's are process-wide
-    and a later driver of this process may be for another cluster. No other Ray driver may be
-    connected in this process meanwhile (Ray allows one per process)."""
+    and a later driver of this process may be for another cluster. A process that already has a Ray
+    driver connected is refused before any node starts (Ray allows one per process)."""
     _refuse_a_second_driver()
     temp_dir = private_temp_dir(root)  # root made private (0700): Ray's own folder in it is world-writable
     ips = [f"127.0.0.{2 + i}" for i in range(num_nodes)]

@@ -5,24 +5,16 @@ cluster without authentication join whatever Ray token files the user has."""
 
 from __future__ import annotations
 
-import multiprocessing
 import tempfile
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import pytest
 
 from hpcrlhf.cluster.local import start_local_cluster
 from hpcrlhf.errors import HpcrlhfError
+from tests.launch_helpers import in_a_fresh_process
 
 pytestmark = pytest.mark.distributed
-
-
-def in_a_fresh_process(fn, *args):
-    """fn(*args) in a spawned process, as a user's `hpcrlhf` command would run it: this one may hold
-    the package cluster's Ray driver (one per process). Returns fn's result or raises its exception."""
-    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return pool.submit(fn, *args).result(timeout=300)
 
 
 def _start_a_bad_node(root: Path) -> None:

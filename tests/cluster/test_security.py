@@ -12,7 +12,6 @@ token from ~/.ray/auth_token).
 from __future__ import annotations
 
 import http.client
-import multiprocessing
 import os
 import re
 import shutil
@@ -24,7 +23,6 @@ import sys
 import tempfile
 import textwrap
 import time
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,6 +30,7 @@ import pytest
 
 from hpcrlhf.cluster.bootstrap import PORTS_PER_NODE, RayPorts
 from hpcrlhf.cluster.local import RAY_AUTH_VARS, LocalRayCluster, start_local_cluster, write_auth_token
+from tests.launch_helpers import in_a_fresh_process
 
 pytestmark = pytest.mark.distributed
 
@@ -68,8 +67,7 @@ class Started:
 @pytest.fixture(scope="module")
 def secure():
     root = Path(tempfile.mkdtemp(prefix="hpcrlhf-sec-", dir="/tmp"))  # short: Ray's socket paths are limited
-    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        cluster, env_restored = pool.submit(start_token_cluster, root).result(timeout=300)
+    cluster, env_restored = in_a_fresh_process(start_token_cluster, root)
     try:
         (root / "home").mkdir()
         yield Started(cluster, env_restored, root / "home")
