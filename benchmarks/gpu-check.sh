@@ -59,7 +59,7 @@ if [ -n "$site" ]; then
   export PYTHONPATH="$PYTHONPATH:$(dirname "${inner:-/tmp/hpcrlhf-site/x}")"
   # unpacked wheels bring no console scripts: the Ray runtime starts its cluster with `ray start`
   mkdir -p /tmp/hpcrlhf-site/bin
-  printf '#!/bin/sh\nexec %s -c "import sys; from ray.scripts.scripts import main; sys.argv[0] = \"ray\"; main()" "$@"\n' \
+  printf '#!/bin/sh\nexec %s -c "import sys; from ray.scripts.scripts import main; sys.argv[0] = '\''ray'\''; main()" "$@"\n' \
     "$(command -v "$PY")" > /tmp/hpcrlhf-site/bin/ray && chmod +x /tmp/hpcrlhf-site/bin/ray
   export PATH="/tmp/hpcrlhf-site/bin:$PATH"
   # gpu-site.sh leaves flashinfer out; vLLM 0.26 imports it for its sampler unless told not to
