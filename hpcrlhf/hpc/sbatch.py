@@ -239,7 +239,7 @@ def ray_token_env(o: SlurmOptions) -> list[str]:
             "unset RAY_AUTH_TOKEN_PATH",
             "if [ -z \"${RAY_AUTH_TOKEN:-}\" ]; then",
             "  RAY_AUTH_TOKEN=$(head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \\n')",
-            "  [ ${#RAY_AUTH_TOKEN} -eq 64 ] || { echo \"hpcrlhf: cannot read /dev/urandom for Ray's token\" >&2; exit 2; }",
+            "  [ ${#RAY_AUTH_TOKEN} -eq 64 ] || { echo \"hpcrlhf: no Ray token: cannot read /dev/urandom\" >&2; exit 2; }",
             "  export RAY_AUTH_TOKEN",
             "fi"]
 
@@ -259,8 +259,8 @@ def render_sbatch(args: Sequence[str], o: SlurmOptions) -> str:
            f"{py} -m hpcrlhf.hpc.allocation {o.launcher} {job} || exit 2", ""]
     if o.launcher == "ray":
         out += ["# Ray over the allocation: a node per host (head on the first; ports from the job id, so jobs",
-                "# sharing a host never collide), token authentication (the token in the job's environment only, never in a",
-                "# file), dashboard off.",
+                "# sharing a host never collide), token authentication (the token in the job's environment only,",
+                "# never in a file), dashboard off.",
                 *ray_token_env(o),
                 f"srun --overlap --ntasks-per-node=1 --kill-on-bad-exit=1 {py} -m hpcrlhf.hpc.ray_slurm node &",
                 "nodes_pid=$!", "",

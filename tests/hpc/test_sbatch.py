@@ -136,6 +136,20 @@ def test_the_ray_token_is_in_no_file_that_something_planted_in_the_run_folder_co
     assert not any(t.encode() in p.read_bytes() for t in tokens for p in tmp_path.rglob("*") if p.is_file())
 
 
+def test_submit_refuses_a_linked_submitit_folder_before_queueing(tmp_path):
+    """submitit writes the job's pickle (code the job runs) into run_dir/submitit/ by path."""
+    from hpcrlhf.errors import UnsafeFileError
+    from hpcrlhf.hpc.submit import submit
+
+    run, elsewhere = tmp_path / "run", tmp_path / "elsewhere"
+    run.mkdir()
+    elsewhere.mkdir()
+    (run / "submitit").symlink_to(elsewhere)
+    with pytest.raises(UnsafeFileError, match="submitit is a symbolic link .*never writes through links"):
+        submit(["train", "sft", "--output-dir", str(run)], SlurmOptions(1, 1, str(run), launcher="mpi"))
+    assert list(elsewhere.iterdir()) == []
+
+
 def test_a_shape_too_small_for_the_node_map_is_refused_before_writing(tmp_path, capsys):
     script = tmp_path / "job.sbatch"
     status = main(["sbatch", "ppo-7b", "--gpus-per-node", "4", "-o", str(tmp_path / "run"), "--script", str(script)])
