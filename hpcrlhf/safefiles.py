@@ -89,8 +89,10 @@ def path_problem(path: Path, want: Kind = "file", *, in_place: bool = False, fix
 def refuse(problems: Iterable[Optional[str]]) -> None:
     """Raise one UnsafeFileError naming every problem found (None entries are no problem)."""
     found = [p for p in problems if p]
+    if len(found) == 1:
+        raise UnsafeFileError(found[0])
     if found:
-        raise UnsafeFileError(found[0] if len(found) == 1 else "\n".join(["nothing was written:", *(f"- {p}" for p in found)]))
+        raise UnsafeFileError("\n".join(["nothing was written, because:", *(f"- {p}" for p in found)]))
 
 
 def require_safe(path: Path, want: Kind = "file", *, in_place: bool = False, fix: str = "remove it") -> None:

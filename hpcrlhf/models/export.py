@@ -3,8 +3,9 @@
 Given the full trained state dict on rank 0, `export_pretrained` unwraps hpcrlhf's value-model
 wrapper, merges LoRA adapters when there are any (keeping the adapter too, in `adapter/`),
 records extra config entries (a reward model's normalisation statistics) and saves the model
-with its tokenizer, all at once: into a staging folder renamed into place when complete. `checkpoint_names` gives a state dict the names and layout it has on disk,
-which is what vLLM loads (weight sync).
+with its tokenizer, all into a staging folder renamed into place when complete (a failed export
+leaves no half folder). `checkpoint_names` gives a state dict the names and layout it has on
+disk, which is what vLLM loads (weight sync).
 """
 
 from __future__ import annotations

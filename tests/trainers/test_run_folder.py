@@ -370,7 +370,8 @@ def test_an_export_that_runs_out_of_space_leaves_no_half_model_folder(tmpfs):
     fill(tmpfs, leave=512 << 10)
     full = sft(out, "--set", "checkpoint.at_end=false", steps=1, check=False)
     assert full.returncode == 2, full.stderr[-3000:]
-    assert "no space left on the filesystem of" in full.stderr and "while writing the exported model (model/)" in full.stderr
+    assert "no space left on the filesystem of" in full.stderr
+    assert "while writing the exported model (model/)" in full.stderr
     assert " free; it needs about 1.6 MiB" in full.stderr and "Traceback" not in full.stderr
     assert sorted(p.name for p in out.iterdir()) == ["config.yaml", "environment.jsonl", "metrics.jsonl", "run.lock"]
 
