@@ -263,11 +263,18 @@ def staged_folder(final: Path, *, keep_existing: bool = False) -> Iterator[Path]
     """A fresh private folder beside `final` to write into (for libraries that write by path). When
     the block ends it gets the policy's modes and becomes `final`: an older `final` is replaced, or
     with `keep_existing` (a cache entry built by two processes at once) kept, ours discarded. When
-    the block fails it is removed and `final` is as it was. A link at `final` is refused."""
+    the block fails it is removed and `final` is as it was. A link at `final` is refused. Without
+    `keep_existing` the writer is the only one (a run folder has one job): staging folders a killed
+    writer left beside `final` are removed first."""
     final = Path(final)
     require_safe(final, "folder")
     final.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{final.name}.partial-", dir=final.parent))  # mkdir, 0700
+    prefix = f".{final.name}.partial-"
+    if not keep_existing:
+        for left in final.parent.glob(prefix + "*"):
+            if left.is_dir() and not left.is_symlink():
+                shutil.rmtree(left, ignore_errors=True)
+    staging = Path(tempfile.mkdtemp(prefix=prefix, dir=final.parent))  # mkdir, 0700
     try:
         yield staging
         publish(staging)

@@ -154,6 +154,7 @@ def test_a_staged_folder_replaces_the_old_one_whole_or_leaves_it(tmp_path, victi
             raise OSError(28, "No space left on device")
     assert sorted(os.listdir(tmp_path)) == sorted(["model", victim.name])  # no staging folder left
     assert (final / "config.json").read_text() == "1"
+    (tmp_path / ".model.partial-killed").mkdir()  # what a writer killed mid-export leaves
     with staged_folder(final) as staging:
         (staging / "config.json").write_text("3")
     assert (final / "config.json").read_text() == "3" and sorted(os.listdir(tmp_path)) == sorted(["model", victim.name])
