@@ -8,11 +8,10 @@ or a concurrent builder never leaves a half-written entry that a later run would
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
+from typing import ContextManager
+
+from hpcrlhf.safefiles import staged_folder
 
 ENV_VAR = "HPCRLHF_CACHE"
 
@@ -32,27 +31,12 @@ def cache_dir(*parts: str) -> Path:
     return path
 
 
-@contextmanager
-def atomic_dir(final: Path) -> Iterator[Path]:
+def atomic_dir(final: Path) -> ContextManager[Path]:
     """Yield an empty temporary folder next to `final`; rename it to `final` on success.
 
     The temporary folder lives in the same parent so the rename is atomic (same filesystem).
     On an exception it is removed and `final` is untouched. If `final` appeared meanwhile
     (another process won the race) their copy is kept and ours is discarded: both were
-    built from the same inputs, so either is fine.
+    built from the same inputs, so either is fine (hpcrlhf.safefiles.staged_folder).
     """
-    final = Path(final)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
-    try:
-        yield tmp
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    try:
-        os.rename(tmp, final)
-    except OSError:
-        # `final` exists already (rename onto a non-empty folder fails): keep theirs.
-        shutil.rmtree(tmp, ignore_errors=True)
-        if not final.is_dir():
-            raise
+    return staged_folder(final, keep_existing=True)

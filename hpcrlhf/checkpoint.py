@@ -1,10 +1,12 @@
 """Resumable checkpoints in a run folder: atomic, verified, kept by a retention policy.
 
 `checkpoints/step_000120/` holds the engine's shards (model, optimizer, scheduler), the trainer's
-client state (step, data position) and every rank's RNG state. A save is atomic: every rank
-writes into `step_000120.partial/`; after all have finished, the main rank writes
-`manifest.json` (every file's size, and its SHA-256 with `checkpoint.verify: sha256`), renames
-the folder to `step_000120/` and then points `checkpoints/latest` at it (write aside, rename).
+client state (step, data position) and every rank's RNG state. A save is atomic: the main rank
+makes `step_000120.partial/` afresh, private (0700) while written; every rank writes into it;
+after all have finished, the main rank writes
+`manifest.json` (every file's size, and its SHA-256 with `checkpoint.verify: sha256`), gives the
+folder the umask's modes, renames it to `step_000120/` and then points `checkpoints/latest` at it
+(write aside, rename). Nothing is written through a link (hpcrlhf.safefiles).
 An interrupted save leaves only a `.partial` folder, which is never loaded and is removed by the
 next save. On resume the newest checkpoint is verified against its manifest; a missing, truncated
 or (sha256) altered file makes it fall back to the previous complete checkpoint, with a warning
@@ -16,7 +18,6 @@ used. `keep_last` complete checkpoints are kept.
 
 from __future__ import annotations
 
-import os
 import random
 import re
 import shutil
@@ -31,6 +32,7 @@ import torch
 
 from hpcrlhf.formats import file_problem
 from hpcrlhf.logs import get_logger
+from hpcrlhf.safefiles import ensure_folder, fresh_folder, publish, replace_file, replace_folder
 
 log = get_logger()
 
@@ -56,9 +58,7 @@ def write_manifest(folder: Path, *, sha256: bool) -> dict[str, Any]:
             entry["sha256"] = file_digest(path)
         files[str(path.relative_to(folder))] = entry
     manifest = {"version": 1, "files": files}
-    tmp = folder / (MANIFEST + ".tmp")
-    tmp.write_text(json.dumps(manifest, indent=1) + "\n")
-    os.replace(tmp, folder / MANIFEST)
+    replace_file(folder / MANIFEST, json.dumps(manifest, indent=1) + "\n")
     return manifest
 
 
@@ -146,10 +146,11 @@ class CheckpointDir:
         return (path, None) if path.is_dir() else (None, f"names {name}, which is missing")
 
     def complete(self) -> list[Path]:
-        """Committed checkpoint folders, oldest first."""
+        """Committed checkpoint folders, oldest first (a link named like one is not one: never loaded,
+        never removed by retention)."""
         if not self.root.is_dir():
             return []
-        return sorted(p for p in self.root.iterdir() if p.is_dir() and _STEP_DIR.match(p.name))
+        return sorted(p for p in self.root.iterdir() if _STEP_DIR.match(p.name) and p.is_dir() and not p.is_symlink())
 
     def latest_intact(self) -> Path | None:
         """The newest checkpoint that verifies against its manifest, starting from the one
@@ -168,13 +169,20 @@ class CheckpointDir:
                         f"{'; ...' if len(problems) > 3 else ''}): not loading it")
         return None
 
+    def begin(self, step: int) -> Path:
+        """Main rank, before the ranks write step `step`'s checkpoint: `checkpoints/` a real folder, and
+        the step's staging folder fresh and private (0700) until committed: nothing planted in it, and
+        what an interrupted save left there removed (hpcrlhf.safefiles)."""
+        ensure_folder(self.root)
+        return fresh_folder(self.staging_for(step))
+
     def commit(self, staging: Path, step: int) -> Path:
-        """Main rank, after every rank has written `staging`: manifest, rename, `latest`, retention."""
+        """Main rank, after every rank has written `staging`: manifest, the permission policy's modes,
+        rename (over the same step saved before, e.g. at the end of a resumed run), `latest`, retention."""
         write_manifest(staging, sha256=self.sha256)
+        publish(staging)
         final = self.path_for(step)
-        if final.exists():  # the same step saved again (e.g. at the end of a resumed run)
-            shutil.rmtree(final)
-        os.replace(staging, final)
+        replace_folder(staging, final)
         self.mark_latest(final)
         return final
 
@@ -189,12 +197,11 @@ class CheckpointDir:
 
     def mark_latest(self, folder: Path) -> None:
         """Point `latest` at `folder` atomically, then drop checkpoints beyond `keep_last`."""
-        tmp = self.root / "latest.tmp"
-        tmp.write_text(folder.name + "\n")
-        os.replace(tmp, self.root / "latest")
+        replace_file(self.root / "latest", folder.name + "\n")
         steps = self.complete()
         for old in steps[: max(0, len(steps) - self.keep_last)]:
             if old != folder:
                 shutil.rmtree(old, ignore_errors=True)
         for partial in self.root.glob(f"step_*{PARTIAL}"):  # interrupted saves
-            shutil.rmtree(partial, ignore_errors=True)
+            if not partial.is_symlink():
+                shutil.rmtree(partial, ignore_errors=True)

@@ -125,9 +125,11 @@ def cmd_sbatch(args: argparse.Namespace) -> int:
     if args.print:
         print(text, end="")
         return 0
+    from hpcrlhf.safefiles import make_folders, replace_file
+
     script = Path(args.script or Path(job.options.run_dir) / f"{args.kind}.sbatch")
-    script.parent.mkdir(parents=True, exist_ok=True)
-    script.write_text(text)
+    make_folders(script.parent, "--script" if args.script else "--output-dir")
+    replace_file(script, text)
     print(f"wrote {script}\nsubmit it with: sbatch {script}")
     return 0
 

@@ -6,12 +6,14 @@ left and the space the next write needs (the last checkpoint's size when there i
 to go on (free space, rerun the same command: the run resumes from its last intact checkpoint).
 torch and DeepSpeed report a failed checkpoint write as a `RuntimeError` from torch's zip writer
 ("PytorchStreamWriter failed writing file ...", "unexpected pos ..."), not as an OSError, so for
-those the free space left decides.
+those the free space left decides; safetensors (the exported model) as a `SafetensorError` whose
+text carries the errno ("(os error 28)").
 """
 
 from __future__ import annotations
 
 import errno
+import re
 import shutil
 from contextlib import contextmanager
 from pathlib import Path
@@ -49,10 +51,24 @@ def format_bytes(n: float) -> str:
     return f"{n:.1f} TiB"
 
 
+def _rust_errno(error: BaseException) -> Optional[int]:
+    """The errno in a Rust I/O error's text ("... No space left on device (os error 28)"), as
+    safetensors' SafetensorError reports a failed write; None when there is none."""
+    try:
+        found = re.search(r"\(os error (\d+)\)", str(error))
+    except Exception:  # an exception whose text cannot be made
+        return None
+    return int(found.group(1)) if found else None
+
+
 def is_out_of_space(error: BaseException, folder: Path) -> bool:
     """Whether `error`, raised while writing into `folder`, was for lack of space."""
     if isinstance(error, OSError):
         return error.errno in (errno.ENOSPC, errno.EDQUOT)
+    if _rust_errno(error) in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    if not isinstance(error, RuntimeError):
+        return False
     # torch's zip writer: "PytorchStreamWriter failed writing file ...", "[enforce fail at
     # inline_container.cc:672] . unexpected pos 3033024 vs 3032912" (a short write)
     if not any(mark in str(error) for mark in ("write", "inline_container", "unexpected pos")):
@@ -70,14 +86,14 @@ def out_of_space_is_an_error(folder: Path, what: str, *, needs: Optional[int] = 
     other failure passes through unchanged. `needs`: bytes the write needs, when known."""
     try:
         yield
-    except DiskFull:
+    except HpcrlhfError:
         raise
-    except (OSError, RuntimeError) as e:
+    except Exception as e:
         if not is_out_of_space(e, folder):
             raise
         free = free_bytes(folder)
         need = f"; it needs about {format_bytes(needs)}" if needs else ""
-        quota = " (or the quota)" if isinstance(e, OSError) and e.errno == errno.EDQUOT else ""
+        quota = " (or the quota)" if errno.EDQUOT in (getattr(e, "errno", None), _rust_errno(e)) else ""
         raise DiskFull(f"no space left on the filesystem{quota} of {folder} while writing {what}: "
                        f"{format_bytes(free)} free{need}. Free some space (or move the run to a larger filesystem), "
                        f"then rerun the same command{resume_hint} [{type(e).__name__}: {str(e)[:200]}]") from None

@@ -18,8 +18,10 @@ from typing import Any, TextIO
 import torch
 
 from hpcrlhf.config.schema import GenerateConfig, RolloutConfig
+from hpcrlhf.diskspace import out_of_space_is_an_error
 from hpcrlhf.engines.rollout import SamplingParams
 from hpcrlhf.logs import Progress, get_logger
+from hpcrlhf.safefiles import make_folders, replacing, require_safe
 
 log = get_logger()
 
@@ -54,6 +56,9 @@ def run_generate(cfg: GenerateConfig) -> dict:
     from hpcrlhf.rewards import EvalMetrics, RewardSet, check_rules
     from hpcrlhf.trainers.online import encode_prompt_rows, sampling_params
 
+    out = Path(cfg.output)
+    require_safe(out, fix="name another file with -o (--output)")  # a folder, /dev/full, a link: before loading
+    make_folders(out.parent, "-o (--output)")
     torch.manual_seed(cfg.seed)
     note = task_note(cfg.task, cfg.data)
     if note:
@@ -84,18 +89,17 @@ def run_generate(cfg: GenerateConfig) -> dict:
 
         rewards = RewardSet(cfg.reward, load_rm, tokenizer, task, device, cfg.model.trust_remote_code)
     params = sampling_params(r, n=r.samples_per_prompt, greedy=cfg.greedy, seed=None if cfg.greedy else cfg.seed)
-    out = Path(cfg.output)
-    out.parent.mkdir(parents=True, exist_ok=True)
     totals: dict[str, Any] = {}
     count = 0
     progress = Progress(len(prompts), desc="generate")
-    with out.open("w") as f:
+    # written beside `out` and renamed over it when complete: never half a file, never through a link
+    with out_of_space_is_an_error(out.parent, out.name), replacing(out) as f:
         for start in range(0, len(prompts), cfg.batch_size):
             batch = prompts[start : start + cfg.batch_size]
             gens = engine.generate([list(p.ids) for p in batch], params)
             records = _records(batch, gens, tokenizer, metrics, rewards)
             for rec in records:
-                f.write(json.dumps(rec) + "\n")
+                f.write((json.dumps(rec) + "\n").encode())
                 _add(totals, {k: v for k, v in rec.items() if k in MEANS})
             count += len(records)
             progress.update(len(batch))

@@ -4,7 +4,8 @@ Keys are stable and namespaced (`train/loss`, `eval/task_score`, `timing/step`) 
 plots and benchmarks can be compared. Only rank 0 writes.
 
 A line is appended whole or not at all: when a write fails (a full disk), the file is cut back to
-its previous end, so a rerun never meets half a line. `read_metrics` also drops a torn last line
+its previous end, so a rerun never meets half a line; never through a link, never into a FIFO
+(hpcrlhf.safefiles.append). `read_metrics` also drops a torn last line
 (a crash or power loss mid-write) with a warning, and names the line of any other bad one.
 """
 
@@ -12,13 +13,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 from typing import Any
 
 from hpcrlhf.diskspace import out_of_space_is_an_error
 from hpcrlhf.errors import DataError
 from hpcrlhf.logs import get_logger
+from hpcrlhf.safefiles import append, require_safe
 
 
 class MetricsWriter:
@@ -29,6 +30,7 @@ class MetricsWriter:
         if enabled and tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
+            require_safe(run_dir / "tensorboard", "folder")  # its writer follows links
             self._tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
@@ -36,7 +38,7 @@ class MetricsWriter:
             return
         record = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
         with out_of_space_is_an_error(self.path.parent, self.path.name, resume_hint=RESUME_HINT):
-            append_line(self.path, json.dumps(record) + "\n")
+            append(self.path, (json.dumps(record) + "\n").encode())
         if self._tb is not None:
             with out_of_space_is_an_error(self.path.parent, "tensorboard/", resume_hint=RESUME_HINT):
                 for key, value in record.items():
@@ -58,23 +60,6 @@ def _plain(value: Any) -> Any:
 
 
 RESUME_HINT = ": it resumes from its last intact checkpoint"
-
-
-def append_line(path: Path, line: str) -> None:
-    """Append `line` to `path` whole, or leave the file as it was and raise."""
-    data = line.encode()
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    try:
-        end = os.fstat(fd).st_size
-        try:
-            written = 0
-            while written < len(data):
-                written += os.write(fd, data[written:])
-        except OSError:
-            os.ftruncate(fd, end)  # no torn line left behind
-            raise
-    finally:
-        os.close(fd)
 
 
 def read_metrics(run_dir: Path | str) -> list[dict[str, Any]]:

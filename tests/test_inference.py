@@ -64,6 +64,26 @@ def test_generate_reads_a_prompt_file_and_names_a_missing_field(tiny_llama, tmp_
     assert proc.returncode == 2 and "field 'prompt' is missing" in proc.stderr and "data.prompt_key" in proc.stderr
 
 
+def a_link(tmp_path: Path) -> Path:
+    (tmp_path / "victim").write_text("the user's own file\n")
+    (tmp_path / "out.jsonl").symlink_to(tmp_path / "victim")
+    return tmp_path / "out.jsonl"
+
+
+@pytest.mark.parametrize("make, said", [
+    (lambda t: t, "{out} is a folder, not a file: hpcrlhf writes a file of its own there; name another file with -o "
+                  "(--output)"),
+    (lambda t: Path("/dev/full"), "/dev/full is a character device, not a file"),
+    (a_link, "{out} is a symbolic link (to {t}/victim); hpcrlhf never writes through links: name another file"),
+], ids=["a folder", "/dev/full", "a link"])
+def test_generate_refuses_an_output_that_is_no_file_of_its_own_before_loading(tmp_path, make, said):
+    out = make(tmp_path)
+    proc = run_cli(["generate", "-m", "/nonexistent/model", "-o", str(out)], check=False, timeout=120)
+    assert proc.returncode == 2 and said.format(out=out, t=tmp_path) in proc.stderr, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "out.jsonl").is_symlink() or (tmp_path / "victim").read_text() == "the user's own file\n"
+
+
 @pytest.mark.slow
 def test_chat_answers_each_line_and_resets(policy_model, tmp_path):
     generated = tmp_path / "g.jsonl"

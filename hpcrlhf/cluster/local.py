@@ -28,6 +28,7 @@ from typing import Iterator, Optional
 
 from hpcrlhf.cluster.bootstrap import PORTS_PER_NODE, RayPorts, private_temp_dir, ray_start_args, wait_for_nodes
 from hpcrlhf.errors import HpcrlhfError
+from hpcrlhf.safefiles import write_secret
 
 
 LOCAL_PORT_BASE = 30000
@@ -144,12 +145,10 @@ def ray_auth_env(token_path: Optional[Path]) -> dict[str, str]:
 
 def write_auth_token(path: Path) -> None:
     """A fresh random token in `path`, created readable by its owner only (0600 from the start, never
-    wider even briefly); an existing file (or link) there is replaced, not reused."""
+    wider even briefly: hpcrlhf.safefiles.write_secret); an existing file (or link) there is
+    replaced, not reused (the cluster's folder is private: only a run of this user left it)."""
     path.unlink(missing_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-    with os.fdopen(fd, "w") as f:
-        os.fchmod(fd, 0o600)  # the umask can only narrow 0600; make it exactly that
-        f.write(secrets.token_hex(32))
+    write_secret(path, secrets.token_hex(32))
 
 
 def _refresh_ray_auth_state() -> None:

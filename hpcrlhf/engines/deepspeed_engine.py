@@ -316,9 +316,10 @@ def load_jit_op(builder, extensions_dir: Path):
     import fcntl
 
     from hpcrlhf.cache import cache_root
+    from hpcrlhf.safefiles import open_in_place
 
     extensions_dir.mkdir(parents=True, exist_ok=True)
-    with open(extensions_dir / ".hpcrlhf-build.flock", "w") as guard:
+    with os.fdopen(open_in_place(extensions_dir / ".hpcrlhf-build.flock", os.O_RDWR | os.O_CREAT), "r+b") as guard:
         fcntl.flock(guard, fcntl.LOCK_EX)
         stale = extensions_dir / builder.name / "lock"
         ours = extensions_dir.resolve().is_relative_to(cache_root().resolve())

@@ -11,9 +11,9 @@ options (golden files pin its output). The script:
 3. checks that the job fits the allocation it got (node map vs nodes x GPUs) before anything
    starts: a wrong shape ends the job in seconds with the reason in its log;
 4. launches: `ray` -- one Ray node per allocated node (`srun`; head on the first, ports from the
-   job id, token authentication, dashboard off) and the driver on the first node, which waits
-   until every node has joined (naming missing ones) and trains; `mpi` -- one rank per GPU with
-   `srun --mpi=pmix python -m hpcrlhf.hpc.mpi`;
+   job id, token authentication with the token in the job's environment only, dashboard off) and
+   the driver on the first node, which waits until every node has joined (naming missing ones) and
+   trains; `mpi` -- one rank per GPU with `srun --mpi=pmix python -m hpcrlhf.hpc.mpi`;
 5. forwards USR1/TERM to the driver (it checkpoints after its current step and exits 3), tears Ray
    down, and requeues itself when stopped on request, or when the run lost a worker or node (exit
    4; under `mpi`, also a rank srun reports killed by a signal or lost with its node), while
@@ -229,12 +229,18 @@ def offline_env(o: SlurmOptions) -> list[str]:
 
 
 def ray_token_env(o: SlurmOptions) -> list[str]:
-    """Shell lines: Ray token authentication; the token is $RAY_AUTH_TOKEN when the user exported one,
-    else a fresh random one in a file only the user can read (removed at the end of the job)."""
+    """Shell lines: Ray token authentication. The token is $RAY_AUTH_TOKEN when the user exported one,
+    else a fresh random one made here, and it lives in the job's environment only: srun hands it to
+    every node's task, and /proc shows a process's environment to its user alone. It is never written
+    to a file: one in the run folder, named after the (sequential, so predictable) job id, could have
+    been created there beforehand by anyone who can write the folder, readable to all or as a link
+    sending the token elsewhere."""
     return ["export RAY_AUTH_MODE=token",
+            "unset RAY_AUTH_TOKEN_PATH",
             "if [ -z \"${RAY_AUTH_TOKEN:-}\" ]; then",
-            f"  export RAY_AUTH_TOKEN_PATH={_q(o.run_dir)}/.ray-token-$SLURM_JOB_ID",
-            "  (umask 077 && head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \\n' > \"$RAY_AUTH_TOKEN_PATH\")",
+            "  RAY_AUTH_TOKEN=$(head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \\n')",
+            "  [ ${#RAY_AUTH_TOKEN} -eq 64 ] || { echo \"hpcrlhf: no Ray token: cannot read /dev/urandom\" >&2; exit 2; }",
+            "  export RAY_AUTH_TOKEN",
             "fi"]
 
 
@@ -253,7 +259,8 @@ def render_sbatch(args: Sequence[str], o: SlurmOptions) -> str:
            f"{py} -m hpcrlhf.hpc.allocation {o.launcher} {job} || exit 2", ""]
     if o.launcher == "ray":
         out += ["# Ray over the allocation: a node per host (head on the first; ports from the job id, so jobs",
-                "# sharing a host never collide), token authentication, dashboard off.",
+                "# sharing a host never collide), token authentication (the token in the job's environment only,",
+                "# never in a file), dashboard off.",
                 *ray_token_env(o),
                 f"srun --overlap --ntasks-per-node=1 --kill-on-bad-exit=1 {py} -m hpcrlhf.hpc.ray_slurm node &",
                 "nodes_pid=$!", "",
@@ -272,8 +279,7 @@ def render_sbatch(args: Sequence[str], o: SlurmOptions) -> str:
             "wait $driver_pid; status=$?",
             "while kill -0 $driver_pid 2>/dev/null; do wait $driver_pid; status=$?; done", ""]
     if o.launcher == "ray":
-        out += ["kill $nodes_pid 2>/dev/null; wait $nodes_pid 2>/dev/null",
-                "[ -n \"${RAY_AUTH_TOKEN_PATH:-}\" ] && rm -f \"$RAY_AUTH_TOKEN_PATH\"", ""]
+        out += ["kill $nodes_pid 2>/dev/null; wait $nodes_pid 2>/dev/null", ""]
     else:
         out += ["# srun ends every rank once one fails (143 when it had to TERMinate them) and names first the task that",
                 "# ended the step: one SIGKILLed (by the admin, a node health check, a test) or lost with its node is a",

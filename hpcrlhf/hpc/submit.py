@@ -175,7 +175,10 @@ def executor(o: SlurmOptions):
 
 def submit(argv: Sequence[str], o: SlurmOptions):
     """Queue `hpcrlhf <argv>` with options `o`; returns submitit's job handle."""
-    Path(o.run_dir).mkdir(parents=True, exist_ok=True)
+    from hpcrlhf.safefiles import make_folders, require_safe
+
+    make_folders(Path(o.run_dir), "--output-dir")
+    require_safe(Path(o.run_dir) / "submitit", "folder")  # submitit writes the job's pickle into it by path
     task = ClusterTask(list(argv), o.launcher, o.max_requeues, python=o.python)
     return executor(o).submit(task)
 

@@ -3,8 +3,9 @@
 Given the full trained state dict on rank 0, `export_pretrained` unwraps hpcrlhf's value-model
 wrapper, merges LoRA adapters when there are any (keeping the adapter too, in `adapter/`),
 records extra config entries (a reward model's normalisation statistics) and saves the model
-with its tokenizer. `checkpoint_names` gives a state dict the names and layout it has on disk,
-which is what vLLM loads (weight sync).
+with its tokenizer, all into a staging folder renamed into place when complete (a failed export
+leaves no half folder). `checkpoint_names` gives a state dict the names and layout it has on
+disk, which is what vLLM loads (weight sync).
 """
 
 from __future__ import annotations
@@ -15,24 +16,33 @@ from typing import Any, Callable, Iterator
 import torch
 
 from hpcrlhf.config.schema import LoRAConfig
+from hpcrlhf.diskspace import out_of_space_is_an_error
 from hpcrlhf.models.lora import merge_adapters
 from hpcrlhf.models.value import ValueModel
+from hpcrlhf.safefiles import replace_file, staged_folder
 
 
 def export_pretrained(module: torch.nn.Module, state: dict[str, torch.Tensor], folder: Path, tokenizer, *,
                       lora: LoRAConfig, build_base: Callable[[], torch.nn.Module],
-                      config_updates: dict[str, Any] | None = None) -> None:
+                      config_updates: dict[str, Any] | None = None, files: dict[str, str] | None = None) -> None:
+    """Write the model into `folder` (and `files`, name -> text, beside it). It is written into a
+    fresh private staging folder and renamed into place only when complete (hpcrlhf.safefiles), so
+    a failed export (a full disk) leaves no half folder and an earlier export as it was."""
     value_head = isinstance(module, ValueModel)
     prefix = "hf_model." if value_head else ""
     model = module.hf_model if value_head else module
     state = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
-    folder.mkdir(parents=True, exist_ok=True)
-    if lora.rank:
-        model, state = merge_adapters(state, build_base, lora, value_head=value_head, folder=folder), None
-    for key, value in (config_updates or {}).items():
-        setattr(model.config, key, value)
-    model.save_pretrained(str(folder), state_dict=state, safe_serialization=True)
-    tokenizer.save_pretrained(str(folder))
+    needs = sum(v.numel() * v.element_size() for v in state.values())
+    with out_of_space_is_an_error(folder.parent, f"the exported model ({folder.name}/)", needs=needs,
+                                  resume_hint=": it exports the model again"), staged_folder(folder) as staging:
+        if lora.rank:
+            model, state = merge_adapters(state, build_base, lora, value_head=value_head, folder=staging), None
+        for key, value in (config_updates or {}).items():
+            setattr(model.config, key, value)
+        model.save_pretrained(str(staging), state_dict=state, safe_serialization=True)
+        tokenizer.save_pretrained(str(staging))
+        for name, text in (files or {}).items():
+            replace_file(staging / name, text)
 
 
 def checkpoint_names(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -103,10 +103,11 @@ class ModelFactory:
             set_hf_deepspeed_config(self._zero3_ctx)
         return frozen
 
-    def export(self, engine, *, value_head: bool, config_updates: Optional[dict[str, Any]] = None) -> None:
+    def export(self, engine, *, value_head: bool, config_updates: Optional[dict[str, Any]] = None,
+               files: Optional[dict[str, str]] = None) -> None:
         """Write `engine`'s model in Hugging Face format into `model/` of the run folder (LoRA
         adapters merged, the adapter alone in `model/adapter/`; every rank calls: ZeRO-3 gathers).
-        `config_updates`: extra entries for its config.json."""
+        `config_updates`: extra entries for its config.json; `files`: more files (name -> text)."""
         from hpcrlhf.engines.deepspeed_engine import save_hf_model, zero3_init_paused
         from hpcrlhf.models.export import export_pretrained
 
@@ -116,4 +117,4 @@ class ModelFactory:
 
         save_hf_model(engine, lambda state: export_pretrained(
             engine.module, state, Path(self.cfg.output_dir) / "model", self.tokenizer,
-            lora=self.cfg.lora, build_base=build_base, config_updates=config_updates or {}))
+            lora=self.cfg.lora, build_base=build_base, config_updates=config_updates or {}, files=files))

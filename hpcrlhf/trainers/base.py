@@ -20,7 +20,6 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 
 from hpcrlhf.config.stop_rule import parse_stop_rule
-from hpcrlhf.diskspace import out_of_space_is_an_error
 from hpcrlhf.data.sources import Row
 from hpcrlhf.engines.distributed import all_reduce_sum
 from hpcrlhf.engines.hf_generate import generate_greedy
@@ -133,11 +132,15 @@ class Trainer:
         """Extra entries for the exported model's config.json."""
         return {}
 
+    def exported_files(self) -> dict[str, str]:
+        """Extra files (name -> text) exported with the model, in `model/`."""
+        return {}
+
     def save_outputs(self) -> None:
         """Write the final model in Hugging Face format into `model/` of the run folder (LoRA
         adapters merged, the adapter alone in `model/adapter/`)."""
         extra = self.exported_config()  # may need every rank (collectives)
-        self.models.export(self.engine, value_head=self.value_head, config_updates=extra)
+        self.models.export(self.engine, value_head=self.value_head, config_updates=extra, files=self.exported_files())
 
     # -- shared shapes of a step and of an evaluation ------------------------------------------
     def sample_mean_step(self, step: int, num_rows: int,
@@ -258,9 +261,7 @@ class Trainer:
         if self.cfg.checkpoint.at_end:
             self._checkpoint_once(step)
         if self.cfg.checkpoint.save_model:
-            with out_of_space_is_an_error(run.dir, "the exported model (model/)",
-                                          resume_hint=": the run is checkpointed at its last step and exports again"):
-                self.save_outputs()
+            self.save_outputs()  # a full disk: hpcrlhf.models.export says so
         summary = {"status": "done", "step": step, "before": before, "after": after, **extra}
         run.write_summary(summary)
         log.info("after training: " + format_metrics(after))

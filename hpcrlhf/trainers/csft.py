@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
-from pathlib import Path
 
 from hpcrlhf.algos.conditioning import bucket_edges, bucket_of
 from hpcrlhf.config.schema import CSFTConfig
@@ -69,12 +68,10 @@ class CSFTTrainer(SFTTrainer):
         return {**self.generation_scores(self.score_prompts(lambda p: self.condition(p, top)), "_top"),
                 **self.generation_scores(self.score_prompts(lambda p: self.condition(p, 0)), "_bottom")}
 
-    def save_outputs(self) -> None:
-        super().save_outputs()
-        if self.env.is_main:
-            meta = {"template": self.cfg.csft.template, "num_buckets": self.cfg.csft.num_buckets,
-                    "bucket_edges": self.edges, "top_bucket": self.cfg.csft.num_buckets - 1}
-            (Path(self.cfg.output_dir) / "model" / META).write_text(json.dumps(meta, indent=2) + "\n")
+    def exported_files(self) -> dict[str, str]:
+        meta = {"template": self.cfg.csft.template, "num_buckets": self.cfg.csft.num_buckets,
+                "bucket_edges": self.edges, "top_bucket": self.cfg.csft.num_buckets - 1}
+        return {META: json.dumps(meta, indent=2) + "\n"}
 
 
 def run_csft(cfg: CSFTConfig) -> dict:

@@ -43,6 +43,7 @@ from hpcrlhf.cluster.worker_group import (WorkerGroup, dead_worker_message, deat
 from hpcrlhf.config.schema import PPOConfig
 from hpcrlhf.errors import PlacementError, WorkerLost
 from hpcrlhf.logs import get_logger
+from hpcrlhf.safefiles import replace_file
 from hpcrlhf.placement import NodeMap
 from hpcrlhf.placement.problems import Problem, raise_problems
 from hpcrlhf.placement.roles import TRAINED
@@ -146,7 +147,7 @@ class RayRoles:
                 wrong.append(f"{w.role}[{w.rank}] runs on {w.node_ip} GPUs {w.visible_devices!r}, the map says "
                              f"{want[0]} GPUs {want[1]!r}")
         if self.t.env.is_main:
-            (self.t.run.dir / "placement.json").write_text(json.dumps(
+            replace_file(self.t.run.dir / "placement.json", json.dumps(
                 {"node_map": json.loads(self.reservation.node_map.to_json()), "workers": rows}, indent=2) + "\n")
         if wrong:
             raise PlacementError("workers are not where the node map puts them:\n" + "\n".join(f"- {x}" for x in wrong))

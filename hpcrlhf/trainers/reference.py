@@ -19,6 +19,7 @@ import torch
 from hpcrlhf.data.sft import TokenizedSample
 from hpcrlhf.engines.distributed import all_reduce_tensor
 from hpcrlhf.logs import get_logger
+from hpcrlhf.safefiles import replace_file
 from hpcrlhf.trainers.plan import eval_shards
 from hpcrlhf.trainers.sequences import response_logps
 
@@ -56,7 +57,7 @@ class Reference:
         if not self.tables:
             self.tables = {name: self._score_all(seqs) for name, seqs in tables.items()}
             if self.trainer.env.is_main:
-                torch.save({"key": key, "tables": self.tables}, cache)
+                replace_file(cache, lambda f: torch.save({"key": key, "tables": self.tables}, f))
         self.model = None  # the reference is not needed any more
 
     @torch.no_grad()

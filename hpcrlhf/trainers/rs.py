@@ -28,6 +28,7 @@ from hpcrlhf.data.sft import TokenizedSample
 from hpcrlhf.engines.distributed import barrier
 from hpcrlhf.errors import ConfigError, DataError
 from hpcrlhf.logs import get_logger
+from hpcrlhf.safefiles import ensure_folder, replace_file
 from hpcrlhf.trainers.stats import Stats, reduce_means
 from hpcrlhf.trainers.online import OnlineTrainer, Rollout
 from hpcrlhf.trainers.plan import BatchPlan, rows_for_step
@@ -127,8 +128,7 @@ class RSTrainer(OnlineTrainer):
             dist.all_gather_object(gathered, local)
             self.selected = [rec for part in gathered for rec in part]
             if self.env.is_main:
-                path.parent.mkdir(parents=True, exist_ok=True)
-                path.write_text("".join(json.dumps(rec) + "\n" for rec in self.selected))
+                replace_file(ensure_folder(path.parent) / path.name, "".join(json.dumps(rec) + "\n" for rec in self.selected))
             barrier()
             stats = self.rollout_stats(rollout)
             stats["rs/selected"] = (float(len(local)), float(per_rank))

@@ -26,6 +26,7 @@ from hpcrlhf.engines.distributed import DistEnv, all_reduce_sum, barrier, broadc
 from hpcrlhf.errors import ConfigError, HpcrlhfError
 from hpcrlhf.logs import Progress, get_logger
 from hpcrlhf.metrics import MetricsWriter, read_metrics
+from hpcrlhf.safefiles import append, make_folders, path_problem, refuse, replace_file
 from hpcrlhf.signals import StopFlag
 from hpcrlhf.trainers.run_lock import RunLock
 
@@ -54,6 +55,13 @@ SAFE_CHANGES = ("train.max_steps", "train.on_nonfinite", "train.max_consecutive_
 trains (a new `train.max_steps` stretches the rest of the learning-rate schedule to the new end),
 how often it evaluates, logs and checkpoints, and engine limits that change neither what is
 trained nor what is sampled. Any other change would resume one run with another's settings."""
+RUN_FILES = ("run.lock", "metrics.jsonl", "environment.jsonl", "config.yaml", "summary.json", "placement.json",
+             "reference_logps.pt")
+"""The files hpcrlhf writes at the top of a run folder (reference_logps.pt: hpcrlhf.trainers.reference)."""
+IN_PLACE_FILES = ("run.lock", "metrics.jsonl", "environment.jsonl")
+"""Those written in place (appended to, or rewritten through the lock's descriptor), not replaced."""
+RUN_FOLDERS = ("checkpoints", "model", "tensorboard", "rounds")
+"""The folders it writes there (rounds/: hpcrlhf.trainers.rs)."""
 IGNORED_CHANGES = ("output_dir", "checkpoint.resume")
 """Settings of the attempt, not of the run: where the folder is named from, and whether to resume."""
 
@@ -117,24 +125,28 @@ class Run:
         """Main rank: everything `Run` checks before writing; returns the checkpoint to resume from."""
         if self.dir.exists() and not self.dir.is_dir():
             raise ConfigError(f"--output-dir {self.dir} is a file, not a folder: name a new or existing run folder")
-        try:
-            self.dir.mkdir(parents=True, exist_ok=True)
-        except PermissionError:
-            raise ConfigError(f"--output-dir {self.dir}: cannot create it (permission denied); use a folder you can "
-                              "write") from None
+        make_folders(self.dir, "--output-dir")
+        refuse(self.planted())
         self.lock = RunLock(self.dir).acquire()
         resume_from = self._checkpoint_to_resume()
         changes = self._check_config(resume_from)
         if resume_from is None:
             self._set_history_aside()
+        record = environment_record(self.env)
+        if changes:
+            record["config_changes"] = {k: list(v) for k, v in changes.items()}
         with out_of_space_is_an_error(self.dir, "config.yaml"):
-            (self.dir / "config.yaml").write_text(to_yaml(self.cfg))
-            with open(self.dir / "environment.jsonl", "a") as f:  # one line per start: requeues add lines
-                record = environment_record(self.env)
-                if changes:
-                    record["config_changes"] = {k: list(v) for k, v in changes.items()}
-                f.write(json.dumps(record) + "\n")
+            replace_file(self.dir / "config.yaml", to_yaml(self.cfg))
+            append(self.dir / "environment.jsonl", (json.dumps(record) + "\n").encode())  # one line per start
         return str(resume_from) if resume_from else None
+
+    def planted(self) -> list[str | None]:
+        """What sits in the run folder where hpcrlhf writes and is not what it writes there (a link, a
+        FIFO, a folder for a file: hpcrlhf.safefiles), one problem per entry (None: fine)."""
+        d = self.dir
+        return ([path_problem(d / name, in_place=name in IN_PLACE_FILES) for name in RUN_FILES]
+                + [path_problem(d / name, "folder") for name in RUN_FOLDERS]
+                + [path_problem(d / "checkpoints" / "latest")])
 
     def _check_config(self, resume_from: Path | None) -> dict[str, tuple[Any, Any]]:
         """A rerun on a run with checkpoints (or a finished one) may change only `SAFE_CHANGES`; the
@@ -204,10 +216,8 @@ class Run:
         """Steps logged after the checkpoint are redone: drop them so no step appears twice (the file
         is replaced whole: a failure leaves the old one)."""
         kept = [m for m in read_metrics(self.dir) if m["step"] <= step]
-        tmp = self.metrics.path.with_suffix(".jsonl.tmp")
         with out_of_space_is_an_error(self.dir, self.metrics.path.name):
-            tmp.write_text("".join(json.dumps(m) + "\n" for m in kept))
-            os.replace(tmp, self.metrics.path)
+            replace_file(self.metrics.path, "".join(json.dumps(m) + "\n" for m in kept))
 
     def start_progress(self, total: int, initial: int, desc: str) -> Progress:
         self.progress = Progress(total, initial=initial, desc=desc, enabled=self.env.is_main and self.cfg.log.progress)
@@ -244,6 +254,7 @@ class Run:
         latest = self.checkpoints.latest()
         space = dict(needs=folder_bytes(latest) if latest else None,
                      resume_hint=f": it resumes from {latest.name}" if latest else "")
+        self._on_main(lambda: self.checkpoints.begin(step), self.checkpoints.root, staging.name, space)
         failed: DiskFull | None = None
         try:
             with out_of_space_is_an_error(self.checkpoints.root, f"checkpoint {staging.name}", **space):
@@ -258,11 +269,22 @@ class Run:
             raise failed or DiskFull(f"another rank ran out of space writing its part of checkpoint {staging.name} "
                                      f"(see its log){space['resume_hint']}")
         barrier()
-        if self.env.is_main:
-            with out_of_space_is_an_error(self.checkpoints.root, f"checkpoint {staging.name}", **space):
-                self.checkpoints.commit(staging, step)
-        barrier()
+        self._on_main(lambda: self.checkpoints.commit(staging, step), self.checkpoints.root, staging.name, space)
         return self.checkpoints.path_for(step)
+
+    def _on_main(self, action, folder: Path, name: str, space: dict[str, Any]) -> None:
+        """`action()` on the main rank, a full disk in `folder` reported as one writing checkpoint `name`;
+        an HpcrlhfError it raises is raised on every rank (none is left waiting in a collective)."""
+        error = None
+        if self.env.is_main:
+            try:
+                with out_of_space_is_an_error(folder, f"checkpoint {name}", **space):
+                    action()
+            except HpcrlhfError as e:
+                error = e
+        error = broadcast_object(error)
+        if error is not None:
+            raise error
 
     def maybe_checkpoint(self, engine, step: int) -> None:
         every = self.cfg.checkpoint.every_steps
@@ -271,7 +293,8 @@ class Run:
 
     def write_summary(self, summary: dict[str, Any]) -> None:
         if self.env.is_main:
-            (self.dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+            with out_of_space_is_an_error(self.dir, "summary.json"):
+                replace_file(self.dir / "summary.json", json.dumps(summary, indent=2) + "\n")
 
     def finish(self) -> None:
         if self.progress is not None:

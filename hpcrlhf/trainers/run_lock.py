@@ -22,7 +22,6 @@ How ownership is decided, in order:
 
 from __future__ import annotations
 
-import errno
 import fcntl
 import json
 import os
@@ -33,14 +32,18 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional
 
+from hpcrlhf.diskspace import out_of_space_is_an_error
 from hpcrlhf.errors import ConfigError
 from hpcrlhf.logs import get_logger
+from hpcrlhf.safefiles import open_in_place, os_error_reason
 
 log = get_logger()
 
 LOCK_NAME = "run.lock"
 HEARTBEAT_S = 30.0
 """How often the owner rewrites its heartbeat."""
+MAX_RECORD_BYTES = 1 << 16
+"""More than any record: a lock file larger than this is not one hpcrlhf wrote (read no further)."""
 STALE_S = 180.0
 """A record from another host older than this is a dead job's (several missed heartbeats, with
 room for clock skew between nodes)."""
@@ -64,12 +67,49 @@ class Owner:
         return (f"pid {self.pid} on {self.host}{job}, started {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(self.started))}")
 
 
-def read_owner(path: Path) -> Optional[Owner]:
-    """The record in a lock file; None when empty (released) or unreadable (a torn write: no owner
-    worth protecting)."""
+FIELDS = {"host": (str,), "pid": (int,), "slurm_job_id": (str, type(None)), "started": (int, float),
+          "heartbeat": (int, float)}
+"""An owner record's fields and their JSON types."""
+_TYPE_NAMES = {str: "text", int: "a whole number", float: "a number", type(None): "null"}
+
+
+def record_problem(record: object) -> Optional[str]:
+    """What makes a parsed lock record not one hpcrlhf writes (None: it is one). Pure."""
+    if not isinstance(record, dict):
+        return f"a JSON {type(record).__name__}, not an object"
+    if set(record) != set(FIELDS):
+        missing, extra = sorted(set(FIELDS) - set(record)), sorted(set(record) - set(FIELDS))
+        return "; ".join(([f"missing {', '.join(missing)}"] if missing else [])
+                         + ([f"unknown {', '.join(extra)}"] if extra else []))
+    for name, types in FIELDS.items():
+        value = record[name]
+        if isinstance(value, bool) or not isinstance(value, types):
+            return f"{name}: {value!r} is not {' or '.join(_TYPE_NAMES[t] for t in types)}"
+        if types == (int, float) and not 0 <= value < 1e11:  # NaN and inf fail too; localtime() takes these
+            return f"{name}: {value!r} is not a time (seconds since 1970)"
+    return None
+
+
+def parse_owner(text: str, path: Path) -> Optional[Owner]:
+    """The owner in a lock file's text; None when empty (released) or not JSON (a torn write: no
+    owner worth protecting). JSON that is not an owner record was not written by hpcrlhf: a
+    ConfigError naming the file (whoever wrote it may expect it to protect the folder)."""
     try:
-        return Owner(**json.loads(path.read_text()))
-    except (OSError, ValueError, TypeError):
+        record = json.loads(text)
+    except ValueError:
+        return None
+    problem = record_problem(record)
+    if problem:
+        raise ConfigError(f"{path} does not hold a record of hpcrlhf ({problem}): if no job uses {path.parent}, "
+                          f"delete {path} and rerun")
+    return Owner(**record)
+
+
+def read_owner(path: Path) -> Optional[Owner]:
+    """The record in a lock file (see `parse_owner`); None when there is none."""
+    try:
+        return parse_owner(path.read_text(errors="replace"), path)
+    except OSError:
         return None
 
 
@@ -108,32 +148,38 @@ class RunLock:
         self._thread: Optional[threading.Thread] = None
 
     def acquire(self) -> "RunLock":
-        try:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        except PermissionError:
-            raise ConfigError(f"--output-dir {self.path.parent}: cannot write there (permission denied); "
-                              "use a folder you can write") from None
+        try:  # never through a link, never a FIFO or a file with other hard links (hpcrlhf.safefiles)
+            fd = open_in_place(self.path, os.O_RDWR | os.O_CREAT)
         except OSError as e:
-            if e.errno == errno.EROFS:
-                raise ConfigError(f"--output-dir {self.path.parent}: the filesystem is read-only; use a writable "
-                                  "folder") from None
+            raise ConfigError(f"--output-dir {self.path.parent}: cannot write {LOCK_NAME} there "
+                              f"({os_error_reason(e, self.path)}); use a folder you can write") from None
+        try:
+            self._take(fd)
+        except BaseException:
+            _HELD.discard(self)
+            self._fd = None
+            os.close(fd)  # drops the flock
             raise
+        self._thread = threading.Thread(target=self._beat, name="hpcrlhf-run-lock", daemon=True)
+        self._thread.start()
+        return self
+
+    def _take(self, fd: int) -> None:
+        """Hold `fd`'s flock and write this process's record, or raise (the caller closes `fd`)."""
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            os.close(fd)
-            holder = read_owner(self.path)
+            holder = self._read(fd)
             raise ConfigError(f"--output-dir {self.path.parent} is in use by another job ("
                               f"{holder.describe() if holder else 'owner not recorded yet'}): one job per run folder; "
                               "wait for it to end, stop it, or use another --output-dir") from None
         except OSError as e:  # ENOLCK/ENOSYS/EOPNOTSUPP: a filesystem without flock (Lustre -o noflock)
             log.warning(f"{self.path}: this filesystem has no file locks ({e.strerror}); only the heartbeat "
                         "record protects the run folder from a second job")
-        previous = read_owner(self.path)
+        previous = self._read(fd)
         if previous is not None:
             reason = takeover_reason(previous, self.owner, time.time())
             if reason is None:
-                os.close(fd)  # drops the flock
                 age = time.time() - previous.heartbeat
                 raise ConfigError(
                     f"--output-dir {self.path.parent} may be in use by another job ({previous.describe()}; its "
@@ -143,10 +189,12 @@ class RunLock:
             log.info(f"{self.path}: taking the run folder over from {previous.describe()}: {reason}")
         self._fd = fd
         _HELD.add(self)
-        self._write(self.owner)
-        self._thread = threading.Thread(target=self._beat, name="hpcrlhf-run-lock", daemon=True)
-        self._thread.start()
-        return self
+        with out_of_space_is_an_error(self.path.parent, LOCK_NAME):
+            self._write(self.owner)
+
+    def _read(self, fd: int) -> Optional[Owner]:
+        size = os.fstat(fd).st_size
+        return parse_owner(os.pread(fd, min(size, MAX_RECORD_BYTES), 0).decode(errors="replace"), self.path)
 
     def _write(self, owner: Optional[Owner]) -> None:
         data = json.dumps(asdict(owner)).encode() if owner is not None else b""

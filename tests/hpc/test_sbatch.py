@@ -20,7 +20,7 @@ from hpcrlhf.errors import ConfigError, PlacementError
 from hpcrlhf.hpc.job import cluster_job
 from hpcrlhf.cluster.local import LOCAL_PORT_BASE
 from hpcrlhf.hpc.ray_slurm import PORT_SLOTS, job_ports
-from hpcrlhf.hpc.sbatch import SlurmOptions, render_sbatch
+from hpcrlhf.hpc.sbatch import SlurmOptions, ray_token_env, render_sbatch
 from hpcrlhf.hpc.submit import ClusterTask, executor
 from tests.placement.test_golden import SCALE_70B_16X8
 from tests.placement.test_nodemap import HYBRID_1X8
@@ -75,7 +75,7 @@ def test_scripts_ask_for_the_shape_and_launch_what_the_launcher_needs():
         assert 'container=(apptainer exec "${nv[@]}" --bind /shared/runs/' in text
         assert '"${container[@]}" python -m hpcrlhf.hpc.allocation' in text
         assert text.index("hpcrlhf.hpc.allocation") < text.index("&\n")  # the fit check runs before anything starts
-    assert "RAY_AUTH_MODE=token" in ray and "umask 077" in ray and "hpcrlhf.hpc.ray_slurm driver train ppo" in ray
+    assert "RAY_AUTH_MODE=token" in ray and "hpcrlhf.hpc.ray_slurm driver train ppo" in ray
     assert "srun --mpi=pmix" in mpi and "RAY" not in mpi
     assert "SLURM_RESTART_COUNT:-0}\" -lt 10" in ray
 
@@ -91,10 +91,63 @@ def test_scripts_never_hold_the_ray_token_of_the_submitting_shell(monkeypatch, t
     submitit_script = executor(o)._executor._make_submission_file_text("python -m submitit.core._submit", "0")
     for text in (sbatch, submitit_script):
         assert secret not in text
-        assert "export RAY_AUTH_MODE=token" in text and 'if [ -z "${RAY_AUTH_TOKEN:-}" ]; then' in text
-        assert "export RAY_AUTH_TOKEN_PATH=" in text and '/.ray-token-$SLURM_JOB_ID' in text
-        assert "(umask 077 && head -c 32 /dev/urandom" in text
+        assert ray_token_lines(text) == "\n".join(ray_token_env(o))
     assert secret.encode() not in pickle.dumps(ClusterTask(["train", "ppo"], "ray", 3))
+
+
+def ray_token_lines(script: str) -> str:
+    """The lines of a rendered script that set up Ray's token."""
+    lines = script.splitlines()
+    start = lines.index("export RAY_AUTH_MODE=token")
+    return "\n".join(lines[start : lines.index("fi", start) + 1])
+
+
+def test_the_ray_token_is_in_no_file_that_something_planted_in_the_run_folder_could_expose(tmp_path):
+    """Job ids are sequential, so a file named after the job in the run folder can be planted before
+    the job runs: a link to a file of the user's (the token would land there) or an empty 0666 file
+    (it would stay readable to all). The script's token lines run in real bash for such jobs: the token
+    reaches the job's environment (srun hands it to every node), and nothing is written anywhere."""
+    run, victim = tmp_path / "run", tmp_path / "victim"
+    run.mkdir()
+    victim.write_text("the user's own file\n")
+    (run / ".ray-token-101").symlink_to(victim)
+    (run / ".ray-token-102").touch()
+    (run / ".ray-token-102").chmod(0o666)
+    lines = ray_token_lines(render_sbatch(["train", "ppo", "--output-dir", str(run)], SlurmOptions(2, 8, str(run))))
+    before = {p: (p.lstat().st_mode, p.read_bytes()) for p in (victim, run / ".ray-token-102")}
+    shown = 'printf "%s\\n" "${RAY_AUTH_MODE-}" "${RAY_AUTH_TOKEN-}" "${RAY_AUTH_TOKEN_PATH-unset}"'
+    tokens = set()
+    for job, exported in (("101", {}), ("102", {"RAY_AUTH_TOKEN_PATH": str(run / ".ray-token-102")}),
+                          ("103", {"RAY_AUTH_TOKEN": "the-users-own-token"})):
+        env = {"PATH": os.environ["PATH"], "HOME": str(tmp_path), "SLURM_JOB_ID": job, **exported}
+        done = subprocess.run(["bash", "-c", f"set -uo pipefail\n{lines}\n{shown}"], cwd=run, env=env,
+                              capture_output=True, text=True, timeout=30)
+        assert done.returncode == 0, done.stderr
+        mode, token, path = done.stdout.splitlines()
+        assert mode == "token" and path == "unset"
+        if job == "103":
+            assert token == "the-users-own-token"
+        else:
+            assert len(token) == 64 and int(token, 16) >= 0
+            tokens.add(token)
+    assert len(tokens) == 2  # fresh each time
+    assert {p: (p.lstat().st_mode, p.read_bytes()) for p in before} == before
+    assert sorted(p.name for p in run.iterdir()) == [".ray-token-101", ".ray-token-102"]
+    assert not any(t.encode() in p.read_bytes() for t in tokens for p in tmp_path.rglob("*") if p.is_file())
+
+
+def test_submit_refuses_a_linked_submitit_folder_before_queueing(tmp_path):
+    """submitit writes the job's pickle (code the job runs) into run_dir/submitit/ by path."""
+    from hpcrlhf.errors import UnsafeFileError
+    from hpcrlhf.hpc.submit import submit
+
+    run, elsewhere = tmp_path / "run", tmp_path / "elsewhere"
+    run.mkdir()
+    elsewhere.mkdir()
+    (run / "submitit").symlink_to(elsewhere)
+    with pytest.raises(UnsafeFileError, match="submitit is a symbolic link .*never writes through links"):
+        submit(["train", "sft", "--output-dir", str(run)], SlurmOptions(1, 1, str(run), launcher="mpi"))
+    assert list(elsewhere.iterdir()) == []
 
 
 def test_a_shape_too_small_for_the_node_map_is_refused_before_writing(tmp_path, capsys):

@@ -11,9 +11,12 @@ import json
 import os
 import signal
 import socket
+import stat
 import subprocess
 import time
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -26,10 +29,10 @@ QUICK = ["--set", "eval.every_steps=0", "--set", "log.tensorboard=false", "--set
          "--set", "checkpoint.every_steps=2"]
 
 
-def sft(out: Path, *extra: str, steps: int = 6, check: bool = True,
-        env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+def sft(out: Path, *extra: str, steps: int = 6, check: bool = True, env: dict[str, str] | None = None,
+        timeout: float = 600) -> subprocess.CompletedProcess:
     return run_cli(["train", "sft", "-o", str(out), *QUICK, "--set", f"train.max_steps={steps}", *extra], check=check,
-                   env=env)
+                   env=env, timeout=timeout)
 
 
 def steps_logged(out: Path) -> list[int]:
@@ -125,7 +128,8 @@ def test_an_owner_on_another_node_blocks_until_its_heartbeat_is_stale(tmp_path):
 def finished(tmp_path_factory) -> Path:
     """A finished 6-step run with checkpoints at steps 4 and 6."""
     out = tmp_path_factory.mktemp("finished") / "run"
-    sft(out)
+    with umask(0o022):  # the usual umask (test_checkpoints_and_the_exported_model_get_the_modes_the_umask_gives)
+        sft(out)
     return out
 
 
@@ -201,14 +205,80 @@ def test_a_torn_metrics_line_does_not_block_the_resume(finished, tmp_path):
     assert steps_logged(out)[-1] == 8
 
 
+def a_file(path: Path) -> Path:
+    path.write_text("not a folder")
+    return path
+
+
+def a_lock_record(out: Path, **record) -> Path:
+    out.mkdir()
+    (out / LOCK_NAME).write_text(json.dumps(record))
+    return out
+
+
 @pytest.mark.parametrize("make, message", [
-    (lambda p: p.write_text("not a folder"), "is a file, not a folder"),
-])
+    (lambda t: a_file(t / "run"), "{out} is a file, not a folder"),
+    (lambda t: a_file(t / "afile") / "sub", "--output-dir {out}: cannot create it ({t}/afile is a file, not a folder)"),
+    (lambda t: a_lock_record(t / "run", host="node-b", pid="4242", slurm_job_id=None, started=0.0, heartbeat=0.0),
+     "{out}/run.lock does not hold a record of hpcrlhf (pid: '4242' is not a whole number)"),
+    (lambda t: a_lock_record(t / "run", host="node-b", pid=4242), "{out}/run.lock does not hold a record of hpcrlhf ("),
+], ids=["a file", "below a file", "a lock record with a wrong type", "a lock record with fields missing"])
 def test_an_output_dir_that_cannot_be_a_run_folder_is_refused(tmp_path, make, message):
-    out = tmp_path / "run"
-    make(out)
+    out = make(tmp_path)
     refused = sft(out, check=False)
-    assert refused.returncode == 2 and message in refused.stderr and "Traceback" not in refused.stderr
+    assert refused.returncode == 2, refused.stderr[-3000:]
+    assert message.format(out=out, t=tmp_path) in refused.stderr and "Traceback" not in refused.stderr
+
+
+# --- nothing is written through what someone planted in the run folder --------------------------------
+
+PLANTED = {  # entry of the run folder -> what is planted there
+    "links to the user's files and folders": {"run.lock": "link", "metrics.jsonl": "link", "config.yaml": "link",
+                                              "summary.json": "link", "checkpoints/latest": "link",
+                                              "model": "folder link"},
+    "a linked checkpoints folder, a FIFO, a folder for a file": {"checkpoints": "folder link", "metrics.jsonl": "FIFO",
+                                                                 "run.lock": "folder"},
+}
+
+
+def plant(out: Path, victims: Path, entry: str, what: str) -> str:
+    """Put `what` at `out/entry` (a link aims at a file or folder of the user's, under `victims`);
+    returns what the refusal must say about it."""
+    path, victim = out / entry, victims / entry.replace("/", "_")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if what == "link":
+        victim.write_text(f"the user's own {entry}, which must survive\n")
+    elif what == "folder link":
+        victim.mkdir()
+        (victim / "keep.txt").write_text("the user's own file, which must survive\n")
+    if what.endswith("link"):
+        path.symlink_to(victim)
+        return f"{path} is a symbolic link (to {victim}); hpcrlhf never writes through links: remove it"
+    if what == "FIFO":
+        os.mkfifo(path)
+        return f"{path} is a FIFO, not a file"
+    path.mkdir()
+    return f"{path} is a folder, not a file"
+
+
+def snapshot(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("planted", sorted(PLANTED))
+def test_nothing_is_written_through_links_or_special_files_planted_in_the_run_folder(tmp_path, planted):
+    """Someone who can write into a shared run folder aims its entries at the user's files (~/.bashrc):
+    the run is refused, naming every one, and what they aim at is untouched."""
+    out, victims = tmp_path / "run", tmp_path / "victims"
+    out.mkdir()
+    victims.mkdir()
+    said = [plant(out, victims, entry, what) for entry, what in PLANTED[planted].items()]
+    before = snapshot(victims)
+    refused = sft(out, steps=1, check=False, timeout=240)  # a FIFO read would block: the timeout fails it
+    assert refused.returncode == 2, refused.stderr[-3000:]
+    assert all(s in refused.stderr for s in said), refused.stderr[-3000:]
+    assert "Traceback" not in refused.stderr
+    assert snapshot(victims) == before
 
 
 # --- real filesystems: read-only, full ---------------------------------------------------------
@@ -263,9 +333,79 @@ def test_a_metrics_write_that_runs_out_of_space_leaves_no_torn_line(tmpfs):
     assert (tmpfs / "metrics.jsonl").read_text().endswith("\n")
 
 
-def test_a_read_only_run_folder_is_refused(tmpfs):
-    out = tmpfs / "run"
-    out.mkdir()
+@pytest.mark.parametrize("exists", [True, False], ids=["existing folder", "new folder"])
+def test_a_read_only_run_folder_is_refused(tmpfs, exists):
+    out = tmpfs / "runs" / "run"
+    if exists:
+        out.mkdir(parents=True)
     remount(tmpfs, "ro")
     refused = sft(out, check=False)
-    assert refused.returncode == 2 and "read-only" in refused.stderr and "Traceback" not in refused.stderr
+    assert refused.returncode == 2 and "the filesystem is read-only" in refused.stderr, refused.stderr[-3000:]
+    assert "Traceback" not in refused.stderr
+
+
+def fill(mount: Path, leave: int = 0) -> None:
+    """Fill the filesystem at `mount` until `leave` bytes are free (0: until a write fails)."""
+    with open(mount / "filler", "wb") as f:
+        try:
+            while (free := os.statvfs(mount).f_bavail * os.statvfs(mount).f_frsize) > leave:
+                f.write(b"\0" * min(free - leave, 1 << 20))
+                f.flush()
+        except OSError:
+            pass
+
+
+def test_a_disk_full_from_the_start_is_a_clear_error(tmpfs):
+    fill(tmpfs)
+    refused = sft(tmpfs / "run", check=False)
+    assert refused.returncode == 2, refused.stderr[-3000:]
+    assert "no space left on the filesystem of" in refused.stderr and "while writing run.lock" in refused.stderr
+    assert "Traceback" not in refused.stderr
+
+
+def test_an_export_that_runs_out_of_space_leaves_no_half_model_folder(tmpfs):
+    """A 1-step run without checkpoints on a filesystem with 512 KiB left: the exported weights (1.6 MiB)
+    do not fit. The error names the space free and needed; no model/ (or staging folder) stays."""
+    out = tmpfs / "run"
+    fill(tmpfs, leave=512 << 10)
+    full = sft(out, "--set", "checkpoint.at_end=false", steps=1, check=False)
+    assert full.returncode == 2, full.stderr[-3000:]
+    assert "no space left on the filesystem of" in full.stderr
+    assert "while writing the exported model (model/)" in full.stderr
+    assert " free; it needs about 1.6 MiB" in full.stderr and "Traceback" not in full.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["config.yaml", "environment.jsonl", "metrics.jsonl", "run.lock"]
+
+
+# --- the permission policy ----------------------------------------------------------------------------
+
+
+@contextmanager
+def umask(mask: int) -> Iterator[None]:
+    old = os.umask(mask)
+    try:
+        yield
+    finally:
+        os.umask(old)
+
+
+def modes(out: Path) -> dict[str, int]:
+    """Permission bits of what a run writes: its files, the checkpoint's weights and the exported ones."""
+    step = sorted((out / "checkpoints").glob("step_*"))[-1]
+    paths = {"run folder file": out / "metrics.jsonl", "config": out / "config.yaml", "lock": out / LOCK_NAME,
+             "checkpoint folder": step, "checkpoint weights": step / "mp_rank_00_model_states.pt",
+             "export folder": out / "model", "exported weights": out / "model" / "model.safetensors"}
+    return {name: stat.S_IMODE(p.stat().st_mode) for name, p in paths.items()}
+
+
+@pytest.mark.parametrize("mask", [0o022, 0o027])
+def test_checkpoints_and_the_exported_model_get_the_modes_the_umask_gives(finished, tmp_path, mask):
+    """The policy: what a run writes gets the umask's modes, the same weights alike in a checkpoint and in
+    the export (a project group reads both or neither). The 022 run is the module's finished run."""
+    out = finished
+    if mask != 0o022:
+        out = tmp_path / "run"
+        with umask(mask):
+            sft(out, steps=1)
+    file, folder = 0o666 & ~mask, 0o777 & ~mask
+    assert modes(out) == {"run folder file": file, "config": file, "lock": file, "checkpoint folder": folder,
+                          "checkpoint weights": file, "export folder": folder, "exported weights": file}
