@@ -58,7 +58,6 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Literal, Protocol
 
 import torch
@@ -70,6 +69,7 @@ from hpcrlhf.engines.vllm_plugin import IDLE_SPIN_ENV
 from hpcrlhf.engines.weight_sync import SyncStats
 from hpcrlhf.errors import ConfigError
 from hpcrlhf.logs import get_logger
+from hpcrlhf.models.context import model_positions
 
 log = get_logger()
 
@@ -399,21 +399,6 @@ _EXTENSION = f"{__name__}._WeightSyncExtension"
 CPU_IDLE_SPIN_S = 0.005
 """How long a CPU engine's queue readers (its workers, its engine core) busy-wait for the next
 message before they sleep on a socket (vLLM: 1 s); see `hpcrlhf.engines.vllm_plugin`."""
-
-
-def model_positions(model_dir: str) -> int | None:
-    """The longest sequence a Hugging Face model folder's config allows (None when it does not say)."""
-    import json
-
-    try:
-        config = json.loads((Path(model_dir) / "config.json").read_text())
-    except (OSError, ValueError):
-        return None
-    text = config.get("text_config", config)  # multimodal configs nest the language model's
-    for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
-        if isinstance(text.get(key), int):
-            return text[key]
-    return None
 
 
 def vllm_batching(*, on_cpu: bool, max_model_len: int, max_num_seqs: int | None = None,

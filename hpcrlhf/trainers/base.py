@@ -64,9 +64,12 @@ class Trainer:
         model). A mistake in any of them, or in a reward rule, fails here, before a model loads."""
         from hpcrlhf.data.loading import held_out_prompt_rows, task_note
         from hpcrlhf.data.tasks import build_task
+        from hpcrlhf.models.context import ContextWindow
         from hpcrlhf.rewards import EvalMetrics, check_rules
 
         cfg = self.cfg
+        self.window = ContextWindow.of(cfg.model.path)
+        """The generating model's positions: each prompt plus its response must fit."""
         note = task_note(cfg.task, cfg.data)
         if note:
             log.info(note)
@@ -182,6 +185,8 @@ class Trainer:
 
         rows, key = self.held_out
         ids = encode_prompts(self.tokenizer, [template(r.data[key]) for r in rows], self.cfg.data.apply_chat_template)
+        self.window.require_prompts_fit(((len(p), r.origin) for p, r in zip(ids, rows)), "eval.max_new_tokens",
+                                        self.cfg.eval.max_new_tokens)
         return list(zip(ids, rows))
 
     def generation_scores(self, prompts: Sequence[tuple[list[int], Row]], suffix: str = "") -> dict[str, float]:

@@ -170,10 +170,14 @@ class OnlineTrainer(Trainer):
 
     def setup_online(self) -> None:
         """Training prompts and the held-out prompts `setup` read, as token ids; call after `setup`."""
-        self.prompts = load_train_prompts(self.cfg, self.tokenizer)
+        cfg = self.cfg
+        self.prompts = load_train_prompts(cfg, self.tokenizer)
         rows, key = self.held_out
-        self.eval_prompts = encode_prompt_rows(rows, self.cfg.data, self.tokenizer, key)
-        if self.cfg.rollout.backend == "vllm" and self.cfg.lora.rank:
+        self.eval_prompts = encode_prompt_rows(rows, cfg.data, self.tokenizer, key)
+        for prompts, field, tokens in ((self.prompts, "rollout.max_new_tokens", cfg.rollout.max_new_tokens),
+                                       (self.eval_prompts, "eval.max_new_tokens", cfg.eval.max_new_tokens)):
+            self.window.require_prompts_fit(((len(p.ids), p.origin) for p in prompts), field, tokens)
+        if cfg.rollout.backend == "vllm" and cfg.lora.rank:
             raise ConfigError("rollout.backend: vllm with lora.rank > 0 is not supported yet (the engine needs merged "
                               "weights after every update); use rollout.backend=hf with LoRA")
 
