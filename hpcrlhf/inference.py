@@ -64,7 +64,7 @@ def run_generate(cfg: GenerateConfig) -> dict:
         log.info(note)
     check_rules(cfg)  # the user's code is imported before the model loads
     task = build_task(cfg.task, cfg.data)
-    metrics = EvalMetrics(cfg.metrics, task, "metrics")
+    metrics = EvalMetrics(cfg.metrics, task, "metrics", cfg.metric_timeout_s, "metric_timeout_s")
     # The prompts file, else the held-out prompts (data.eval_path, or the bundled task's held-out split:
     # never its training prompts).
     if cfg.data.train_path:

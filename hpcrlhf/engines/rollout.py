@@ -64,7 +64,7 @@ import torch
 import torch.nn.functional as F
 
 from hpcrlhf.engines import weight_sync
-from hpcrlhf.engines.hf_generate import left_pad
+from hpcrlhf.engines.hf_generate import left_pad, stop_on_request
 from hpcrlhf.engines.vllm_plugin import IDLE_SPIN_ENV
 from hpcrlhf.engines.weight_sync import SyncStats
 from hpcrlhf.errors import ConfigError
@@ -281,7 +281,7 @@ class HFRollout:
         out = self.model.generate(
             input_ids=ids.to(self.device), attention_mask=mask.to(self.device), max_new_tokens=params.max_new_tokens,
             pad_token_id=self.pad_token_id, eos_token_id=self.eos_token_id, synced_gpus=self.synced_gpus,
-            output_logits=True, return_dict_in_generate=True, **sampling,
+            stopping_criteria=stop_on_request(), output_logits=True, return_dict_in_generate=True, **sampling,
         )
         tokens = out.sequences[:, ids.shape[1] :]
         # `out.logits` are the raw logits of each step (before temperature/top-p/top-k), one

@@ -29,7 +29,7 @@ from hpcrlhf.logs import get_logger
 from hpcrlhf.metrics import read_metrics
 from hpcrlhf.trainers.guard import SKIPPED_SUFFIX, NonFiniteGuard, SkipStep, require_finite_start
 from hpcrlhf.trainers.plan import BatchPlan, eval_shards, key_settings
-from hpcrlhf.trainers.run import Run
+from hpcrlhf.trainers.run import Run, StepAbandoned
 from hpcrlhf.trainers.stats import Stats, add_stats, new_stats, reduce_means
 
 log = get_logger()
@@ -75,7 +75,7 @@ class Trainer:
             log.info(note)
         check_rules(cfg)
         self.task = build_task(cfg.task, cfg.data)
-        self.metrics = EvalMetrics(cfg.eval.metrics, self.task)
+        self.metrics = EvalMetrics(cfg.eval.metrics, self.task, timeout_s=cfg.eval.metric_timeout_s)
         self.held_out = (([], cfg.data.prompt_key) if self.value_head
                          else held_out_prompt_rows(cfg.data, cfg.task, cfg.eval.score_prompts))
 
@@ -197,11 +197,12 @@ class Trainer:
         key = self.held_out[1]
 
         def stats(batch: list) -> Stats:
-            texts = generate_greedy(self.engine.module, self.tokenizer, [ids for ids, _ in batch],
-                                    max_new_tokens=self.cfg.eval.max_new_tokens, device=self.engine.device,
-                                    synced_gpus=self.engine.zero_stage == 3 and self.env.world_size > 1)
-            return self.metrics.stats([Response(row.data[key], text, (), row.data, row.origin)
-                                       for (_, row), text in zip(batch, texts)], suffix)
+            with self.run.stoppable():
+                texts = generate_greedy(self.engine.module, self.tokenizer, [ids for ids, _ in batch],
+                                        max_new_tokens=self.cfg.eval.max_new_tokens, device=self.engine.device,
+                                        synced_gpus=self.engine.zero_stage == 3 and self.env.world_size > 1)
+                return self.metrics.stats([Response(row.data[key], text, (), row.data, row.origin)
+                                           for (_, row), text in zip(batch, texts)], suffix)
 
         self.engine.eval()
         return self.eval_means(prompts, stats) if prompts and self.metrics.rules else {}
@@ -217,7 +218,10 @@ class Trainer:
             return finished
         stop_rule = parse_stop_rule(self.cfg.eval.stop_when)
         if step == 0:
-            before = self.evaluate()
+            try:
+                before = self.evaluate()
+            except StepAbandoned:
+                return self._stopped(step, " during the evaluation before training")
             require_finite_start(before, self.evaluated_models(), self.trained_weights(), self.cfg.engine.precision)
             if stop_rule is not None:  # a misspelt metric fails here, not after hours of training
                 stop_rule.require_metric(before)
@@ -230,7 +234,10 @@ class Trainer:
         window_start = time.perf_counter()
         self.guard = NonFiniteGuard(self.cfg.train.on_nonfinite, self.cfg.train.max_consecutive_skips)
         while step < plan.total_steps:
-            metrics = self.guarded_step(step)
+            try:
+                metrics = self.guarded_step(step)
+            except StepAbandoned:
+                return self._stopped(step, f" during step {step + 1}, which is dropped")
             step += 1
             for key, value in (metrics or {}).items():
                 window[key].append(value)
@@ -240,7 +247,10 @@ class Trainer:
                 window, window_start = defaultdict(list), time.perf_counter()
             every = self.cfg.eval.every_steps
             if every and step % every == 0 and step < plan.total_steps:
-                evaluation = self.evaluate()
+                try:
+                    evaluation = self.evaluate()
+                except StepAbandoned:
+                    return self._stopped(step, f" during the evaluation at step {step}, which is not logged")
                 run.log(step, evaluation)
                 window_start = time.perf_counter()  # keep eval time out of the throughput window
                 if stop_rule is not None and stop_rule.met(evaluation):
@@ -249,13 +259,24 @@ class Trainer:
                     return self._finish(step, before, evaluation, stopped_early={"rule": str(stop_rule), "step": step})
             run.maybe_checkpoint(self.checkpointable, step)
             if run.stop_requested():
-                self._checkpoint_once(step)
-                log.info(f"stop requested: checkpointed at step {step}; rerun the same command to resume")
-                run.finish()
-                return {"status": "stopped", "step": step}
-        after = self.evaluate()
+                return self._stopped(step)
+        try:
+            after = self.evaluate()
+        except StepAbandoned:
+            return self._stopped(step, " during the final evaluation")
         run.log(step, after)
         return self._finish(step, before, after)
+
+    def _stopped(self, step: int, during: str = "") -> dict:
+        """A stop request: checkpoint the `step` steps done (none: nothing to save) and end the run,
+        which the same command resumes (the CLI exits EXIT_REQUEUE)."""
+        if step:
+            self._checkpoint_once(step)
+            log.info(f"stop requested{during}: checkpointed at step {step}; rerun the same command to resume")
+        else:
+            log.info(f"stop requested{during}: no step done, nothing to checkpoint; rerun the same command to start")
+        self.run.finish()
+        return {"status": "stopped", "step": step}
 
     def _finish(self, step: int, before: dict | None, after: dict, **extra: Any) -> dict:
         """Checkpoint, exported model and summary of a run that is done (at its last step or early)."""

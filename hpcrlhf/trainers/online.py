@@ -244,14 +244,16 @@ class OnlineTrainer(Trainer):
         """Make the rollout engine ready to generate (PPO: the roles' generate phase)."""
 
     def score_rollout(self, launched: LaunchedRollout) -> Rollout:
-        """The launched generations (waited for) and their scores."""
-        with self.run.timed("generate"):
-            generations = launched.pending.result()
-        with self.run.timed("reward"):
-            rollout = Rollout(*flatten_generations(launched.prompts, generations, self.tokenizer), None, {})
-            total, rollout.parts = self.rewards.score(rollout.responses)
-            rollout.scores = adjust_scores(total, rollout.lengths, rollout.finished, self.cfg.reward,
-                                           launched.params.max_new_tokens)
+        """The launched generations (waited for) and their scores. A stop request during either
+        abandons the step (`Run.stoppable`): what was cut short is never learned from."""
+        with self.run.stoppable():
+            with self.run.timed("generate"):
+                generations = launched.pending.result()
+            with self.run.timed("reward"):
+                rollout = Rollout(*flatten_generations(launched.prompts, generations, self.tokenizer), None, {})
+                total, rollout.parts = self.rewards.score(rollout.responses)
+        rollout.scores = adjust_scores(total, rollout.lengths, rollout.finished, self.cfg.reward,
+                                       launched.params.max_new_tokens)
         # before anything learns from them; every rank decides alike
         self.guard.check_inputs({**{f"reward/{name}": v for name, v in rollout.parts.items()}, "rollout/score": rollout.scores},
                                 all_ranks=lambda flag: all_reduce_sum([flag])[0])
@@ -279,12 +281,14 @@ class OnlineTrainer(Trainer):
         engine = self.greedy_rollout()
 
         def stats(batch: list[Prompt]) -> Stats:
-            gens = engine.generate([list(p.ids) for p in batch], params)
-            _, flat, responses = flatten_generations(batch, gens, self.tokenizer)
-            total, _ = self.rewards.score(responses)
+            with self.run.stoppable():
+                gens = engine.generate([list(p.ids) for p in batch], params)
+                _, flat, responses = flatten_generations(batch, gens, self.tokenizer)
+                total, _ = self.rewards.score(responses)
+                metrics = self.metrics.stats(responses)
             n = len(batch)
             return merge_evaluation({"eval/reward": (float(total.sum()), n),
                                      "eval/response_length": (float(sum(len(g.response_ids) for g in flat)), n)},
-                                    self.metrics.stats(responses))
+                                    metrics)
 
         return self.eval_means(self.eval_prompts, stats) if self.eval_prompts else {}

@@ -26,7 +26,7 @@ from hpcrlhf.engines.distributed import DistEnv, all_reduce_sum, barrier, broadc
 from hpcrlhf.errors import ConfigError, HpcrlhfError
 from hpcrlhf.logs import Progress, get_logger
 from hpcrlhf.metrics import MetricsWriter, read_metrics
-from hpcrlhf.signals import StopFlag
+from hpcrlhf.signals import StopFlag, StopRequested
 from hpcrlhf.trainers.run_lock import RunLock
 
 log = get_logger()
@@ -47,13 +47,15 @@ def environment_record(env: DistEnv) -> dict[str, Any]:
 
 SAFE_CHANGES = ("train.max_steps", "train.on_nonfinite", "train.max_consecutive_skips", "eval.every_steps",
                 "eval.stop_when", "eval.batch_size", "log.", "checkpoint.every_steps", "checkpoint.keep_last",
-                "checkpoint.verify", "checkpoint.save_model", "checkpoint.at_end",
+                "checkpoint.verify", "checkpoint.save_model", "checkpoint.at_end", "reward.rule_timeout_s",
+                "eval.metric_timeout_s",
                 "placement.vllm.max_restarts", "placement.local_network",
                 "rollout.vllm_kv_cache_gb", "rollout.vllm_enforce_eager", "rollout.vllm_max_num_seqs", "rollout.vllm_max_num_batched_tokens")
 """Settings a rerun may change on a run that has checkpoints (a prefix ends with a dot): how long it
 trains (a new `train.max_steps` stretches the rest of the learning-rate schedule to the new end),
-how often it evaluates, logs and checkpoints, and engine limits that change neither what is
-trained nor what is sampled. Any other change would resume one run with another's settings."""
+how often it evaluates, logs and checkpoints, how long the user's rules may take, and engine limits
+that change neither what is trained nor what is sampled. Any other change would resume one run with
+another's settings."""
 IGNORED_CHANGES = ("output_dir", "checkpoint.resume")
 """Settings of the attempt, not of the run: where the folder is named from, and whether to resume."""
 
@@ -81,6 +83,11 @@ def is_safe_change(key: str) -> bool:
 
 def _show(changes: dict[str, tuple[Any, Any]]) -> str:
     return "; ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in changes.items())
+
+
+class StepAbandoned(Exception):
+    """A stop request came during a step or an evaluation, and every rank agreed to drop it
+    (`Run.stoppable`); internal: `Trainer.fit` checkpoints the steps done and ends the run."""
 
 
 class Run:
@@ -236,6 +243,22 @@ class Run:
     def stop_requested(self) -> bool:
         """Whether any rank received a stop signal (all ranks must call this together)."""
         return all_reduce_sum([1.0 if self.stop.requested else 0.0])[0] > 0
+
+    @contextmanager
+    def stoppable(self) -> Iterator[None]:
+        """Work of a step (or an evaluation) that a stop request cuts short -- a generation
+        (`hpcrlhf.engines.hf_generate.StopOnRequest`), the user's rules and metrics
+        (`hpcrlhf.usercode`: StopRequested leaves the block) -- done by every rank alike. At its end
+        every rank learns whether any was asked to stop (one all-reduce); if one was, what the work
+        made is incomplete and nothing may learn from it: StepAbandoned on every rank, and the run
+        checkpoints the steps done before it (a resumed run redoes the step from its start). Inside,
+        no collective may follow the user's code (a rank that leaves early would miss it)."""
+        try:
+            yield
+        except StopRequested:
+            pass  # this rank's flag is set: the all-reduce says so to every rank
+        if self.stop_requested():
+            raise StepAbandoned
 
     def save_checkpoint(self, engine, step: int, extra: dict[str, Any] | None = None) -> Path:
         """Every rank writes into the step's staging folder; the main rank commits it (manifest,
