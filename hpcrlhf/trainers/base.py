@@ -27,7 +27,7 @@ from hpcrlhf.engines.hf_generate import generate_greedy
 from hpcrlhf.errors import ConfigError
 from hpcrlhf.logs import get_logger
 from hpcrlhf.metrics import read_metrics
-from hpcrlhf.trainers.guard import SKIPPED_SUFFIX, NonFiniteGuard, SkipStep, require_finite_start
+from hpcrlhf.trainers.guard import SKIPPED_SUFFIX, NonFiniteError, NonFiniteGuard, SkipStep, require_finite_start
 from hpcrlhf.trainers.plan import BatchPlan, eval_shards, key_settings
 from hpcrlhf.trainers.run import Run, StepAbandoned
 from hpcrlhf.trainers.stats import Stats, add_stats, new_stats, reduce_means
@@ -233,11 +233,24 @@ class Trainer:
         window: dict[str, list[float]] = defaultdict(list)
         window_start = time.perf_counter()
         self.guard = NonFiniteGuard(self.cfg.train.on_nonfinite, self.cfg.train.max_consecutive_skips)
+        first_after_loading = run.resume_from is not None
         while step < plan.total_steps:
             try:
                 metrics = self.guarded_step(step)
             except StepAbandoned:
                 return self._stopped(step, f" during step {step + 1}, which is dropped")
+            except NonFiniteError:  # the guard ends the run (train.on_nonfinite=stop, too many skips)
+                if not (first_after_loading and self.guard.nonfinite):
+                    raise
+            if first_after_loading and self.guard.nonfinite:  # from the weights loaded, not from training
+                run.fall_back(self.guard.nonfinite)
+                step = run.resume(self.checkpointable)["step"]
+                self.guard = NonFiniteGuard(self.cfg.train.on_nonfinite, self.cfg.train.max_consecutive_skips)
+                progress.close()
+                progress = run.start_progress(plan.total_steps, step, self.kind)
+                window, window_start = defaultdict(list), time.perf_counter()
+                continue
+            first_after_loading = False
             step += 1
             for key, value in (metrics or {}).items():
                 window[key].append(value)

@@ -23,7 +23,7 @@ from hpcrlhf.checkpoint import CheckpointDir
 from hpcrlhf.config.loader import to_dict, to_yaml
 from hpcrlhf.diskspace import DiskFull, folder_bytes, out_of_space_is_an_error
 from hpcrlhf.engines.distributed import DistEnv, all_reduce_sum, barrier, broadcast_object
-from hpcrlhf.errors import ConfigError, HpcrlhfError
+from hpcrlhf.errors import ConfigError, HpcrlhfError, TrainingError
 from hpcrlhf.logs import Progress, get_logger
 from hpcrlhf.metrics import MetricsWriter, read_metrics
 from hpcrlhf.signals import StopFlag, StopRequested
@@ -206,6 +206,37 @@ class Run:
         if self.env.is_main:
             self._drop_metrics_after(state["step"])
         return state
+
+    def fall_back(self, why: str) -> None:
+        """The checkpoint this run resumed from gave a NaN/Inf first step (`why`): its files are damaged
+        in a way their recorded sizes cannot show. It is marked damaged and `resume_from` becomes the
+        previous intact checkpoint (every rank agrees); a TrainingError when there is none to fall
+        back to, or when `checkpoint.resume` named this one."""
+        outcome: tuple[HpcrlhfError | None, str | None] = (None, None)
+        if self.env.is_main:
+            try:
+                outcome = (None, str(self._previous_intact(why)))
+            except HpcrlhfError as e:
+                outcome = (e, None)
+        error, previous = broadcast_object(outcome)
+        if error is not None:
+            raise error
+        self.resume_from = Path(previous)
+
+    def _previous_intact(self, why: str) -> Path:
+        damaged = self.resume_from
+        said = (f"checkpoint {damaged} gave a non-finite first step after loading it ({why}): its files are damaged "
+                f"though they have the sizes its manifest records (checkpoint.verify=sha256 would have caught it when "
+                f"loading)")
+        if self.cfg.checkpoint.resume != "auto":
+            raise TrainingError(f"{said}; checkpoint.resume names it: resume from another checkpoint")
+        self.checkpoints.mark_damaged(damaged, why)
+        log.warning(f"{said}; it is marked damaged (never loaded again)")
+        previous = self.checkpoints.latest_intact()  # says which one it takes
+        if previous is None:
+            raise TrainingError(f"{said}; it is marked damaged and there is no earlier intact checkpoint: rerun the "
+                                "same command to start again from step 0")
+        return previous
 
     def _drop_metrics_after(self, step: int) -> None:
         """Steps logged after the checkpoint are redone: drop them so no step appears twice (the file
