@@ -99,3 +99,15 @@ def test_at_a_terminal_a_message_too_long_is_refused_and_the_chat_goes_on(capsys
     assert status == 0 and out.getvalue().count("model> ") == 1, out.getvalue()  # the second message is answered
     assert "hpcrlhf: message 1: the prompt has 600 tokens, and with --max-new-tokens 4 the sequence would be 604 tokens" \
            in capsys.readouterr().err
+
+
+def test_a_model_without_a_position_limit_is_said_and_not_checked(tmp_path, caplog):
+    import logging
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "mamba", "hidden_size": 8}))
+    with caplog.at_level(logging.INFO, logger="hpcrlhf"):
+        window = ContextWindow.of(str(tmp_path), say_unlimited=True)
+    assert window.positions is None
+    assert f"model.path '{tmp_path}': its config.json names no position limit" in caplog.text
+    window.require_response_fits("rollout.max_new_tokens", HUGE)
+    window.require_prompt_fits(HUGE, "rollout.max_new_tokens", HUGE, "p.jsonl:1")
