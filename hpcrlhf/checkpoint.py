@@ -10,7 +10,9 @@ folder the umask's modes, renames it to `step_000120/` and then points `checkpoi
 An interrupted save leaves only a `.partial` folder, which is never loaded and is removed by the
 next save. On resume the newest checkpoint is verified against its manifest; a missing, truncated
 or (sha256) altered file makes it fall back to the previous complete checkpoint, with a warning
-naming the file. A checkpoint without a manifest is checked by the structure of its files (a
+naming the file. Damage its sizes cannot show (same-size garbage under `checkpoint.verify: size`)
+shows in training: a checkpoint whose first step after loading is NaN/Inf is marked damaged
+(`mark_damaged`: a `DAMAGED` file saying why), and is never loaded again. A checkpoint without a manifest is checked by the structure of its files (a
 torch.save shard cut short has no closing directory), and a `latest` that names no checkpoint
 folder (binary garbage after a crash) is read as missing: the newest folder that verifies is
 used. `keep_last` complete checkpoints are kept.
@@ -39,6 +41,8 @@ log = get_logger()
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 MANIFEST = "manifest.json"
 PARTIAL = ".partial"
+DAMAGED = "DAMAGED"
+"""A file in a checkpoint folder that training found damaged (`CheckpointDir.mark_damaged`): why."""
 
 
 def file_digest(path: Path, chunk: int = 1 << 22) -> str:
@@ -65,7 +69,10 @@ def write_manifest(folder: Path, *, sha256: bool) -> dict[str, Any]:
 def verify_checkpoint(folder: Path) -> list[str]:
     """What is wrong with `folder` against its manifest (empty: it is intact). A folder without a
     manifest (saved before manifests existed, or its manifest lost) is checked by structure alone
-    (`structure_problems`)."""
+    (`structure_problems`). A folder marked damaged by training (`DAMAGED`) is damaged."""
+    marked = folder / DAMAGED
+    if marked.is_file():
+        return [f"marked damaged: {marked.read_text(errors='replace').strip()}"]
     path = folder / MANIFEST
     if not path.exists():
         return structure_problems(folder)
@@ -185,6 +192,11 @@ class CheckpointDir:
         replace_folder(staging, final)
         self.mark_latest(final)
         return final
+
+    def mark_damaged(self, folder: Path, why: str) -> None:
+        """Training found `folder` damaged in a way its manifest cannot show (`why`): it is never loaded
+        again (`verify_checkpoint`), and goes when a save of its step replaces it or retention drops it."""
+        (folder / DAMAGED).write_text(why + "\n")
 
     def save_rng(self, folder: Path, rank: int) -> None:
         folder.mkdir(parents=True, exist_ok=True)

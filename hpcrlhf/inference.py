@@ -27,14 +27,15 @@ log = get_logger()
 
 
 def load_generator(path: str, backend: str, *, max_model_len: int, rollout: RolloutConfig | None = None, seed: int = 0,
-                   trust_remote_code: bool = False, attn_implementation: str = "auto"):
+                   trust_remote_code: bool = False, attn_implementation: str = "auto", tokenizer=None):
     """(rollout engine, tokenizer) for a model folder; `rollout` holds the vLLM engine's settings
-    (KV cache, batching; None: the defaults)."""
+    (KV cache, batching; None: the defaults); `tokenizer`: the model's, loaded already."""
     from hpcrlhf.engines.distributed import device_for
     from hpcrlhf.engines.rollout import HFRollout, VLLMRollout
     from hpcrlhf.models.loading import load_causal_lm, load_tokenizer, resolve_model_path
 
-    tokenizer = load_tokenizer(path, trust_remote_code=trust_remote_code)
+    if tokenizer is None:
+        tokenizer = load_tokenizer(path, trust_remote_code=trust_remote_code)
     if backend == "vllm":
         from hpcrlhf.trainers.online import vllm_rollout_args
 
@@ -52,6 +53,8 @@ def run_generate(cfg: GenerateConfig) -> dict:
     from hpcrlhf.data.tasks import build_task
     from hpcrlhf.engines.deepspeed_engine import FrozenModel
     from hpcrlhf.engines.distributed import device_for
+    from hpcrlhf.models.context import require_generation_fits
+    from hpcrlhf.models.loading import load_tokenizer
     from hpcrlhf.models.value import ValueModel, load_value_model
     from hpcrlhf.rewards import EvalMetrics, RewardSet, check_rules
     from hpcrlhf.trainers.online import encode_prompt_rows, sampling_params
@@ -59,13 +62,14 @@ def run_generate(cfg: GenerateConfig) -> dict:
     out = Path(cfg.output)
     require_safe(out, fix="name another file with -o (--output)")  # a folder, /dev/full, a link: before loading
     make_folders(out.parent, "-o (--output)")
+    window = require_generation_fits(cfg)
     torch.manual_seed(cfg.seed)
     note = task_note(cfg.task, cfg.data)
     if note:
         log.info(note)
     check_rules(cfg)  # the user's code is imported before the model loads
     task = build_task(cfg.task, cfg.data)
-    metrics = EvalMetrics(cfg.metrics, task, "metrics")
+    metrics = EvalMetrics(cfg.metrics, task, "metrics", cfg.metric_timeout_s, "metric_timeout_s")
     # The prompts file, else the held-out prompts (data.eval_path, or the bundled task's held-out split:
     # never its training prompts).
     if cfg.data.train_path:
@@ -75,11 +79,13 @@ def run_generate(cfg: GenerateConfig) -> dict:
     else:
         rows, key = held_out_prompt_rows(cfg.data, cfg.task)
     r = cfg.rollout
+    tokenizer = load_tokenizer(cfg.model.path, trust_remote_code=cfg.model.trust_remote_code)
+    prompts = encode_prompt_rows(rows, cfg.data, tokenizer, key)
+    window.require_prompts_fit(((len(p.ids), p.origin) for p in prompts), "rollout.max_new_tokens", r.max_new_tokens)
     engine, tokenizer = load_generator(cfg.model.path, r.backend, max_model_len=cfg.data.max_length + r.max_new_tokens,
-                                       rollout=r, seed=cfg.seed,
+                                       rollout=r, seed=cfg.seed, tokenizer=tokenizer,
                                        trust_remote_code=cfg.model.trust_remote_code,
                                        attn_implementation=cfg.model.attn_implementation)
-    prompts = encode_prompt_rows(rows, cfg.data, tokenizer, key)
     device = device_for(0)
     rewards = None
     if cfg.reward is not None:
@@ -205,14 +211,22 @@ def chat(model_path: str, *, backend: str = "hf", max_new_tokens: int = 128, tem
     """Read user messages from `stdin` (`read_message`: one line, or several joined by trailing
     backslashes or inside a `BLOCK`), answer each with the model. `/reset` forgets the
     conversation, `/quit` (or end of input) leaves. Models with a chat template see the whole
-    conversation through it; others (or with `raw`) see the latest message as a plain prompt."""
-    from hpcrlhf.data.sft import encode_prompt
+    conversation through it; others (or with `raw`) see the latest message as a plain prompt.
 
+    A message that does not fit the model's positions with `max_new_tokens` (`ContextWindow`) is
+    refused: at a terminal with a message on stderr, and the chat goes on; piped input is a script,
+    which ends there (DataError: exit 2), since what follows was written to follow that answer."""
+    from hpcrlhf.data.sft import encode_prompt
+    from hpcrlhf.errors import DataError
+    from hpcrlhf.models.context import ContextWindow
+
+    window = ContextWindow.of(model_path, "--model", say_unlimited=True)
+    window.require_response_fits("--max-new-tokens", max_new_tokens)  # before the model loads
     engine, tokenizer = load_generator(model_path, backend, max_model_len=4096, seed=seed)
     templated = tokenizer.chat_template is not None and not raw
     messages: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
     interactive = stdin.isatty()
-    turn = 0
+    turn = sent = 0
     try:
         while True:
             text = read_message(stdin, stdout, interactive)
@@ -225,12 +239,22 @@ def chat(model_path: str, *, backend: str = "hf", max_new_tokens: int = 128, tem
             if not text.strip():
                 continue
             messages.append({"role": "user", "content": text})
+            sent += 1
             if templated:
                 text_in = tokenizer.apply_chat_template(messages if history else messages[-1:], tokenize=False,
                                                         add_generation_prompt=True)
                 ids = tokenizer(text_in, add_special_tokens=False)["input_ids"]  # the template has the specials
             else:
                 ids = encode_prompt(tokenizer, text)
+            try:
+                earlier = " with the conversation before it (/reset forgets it)" if templated and history and turn else ""
+                window.require_prompt_fits(len(ids), "--max-new-tokens", max_new_tokens, f"message {sent}{earlier}")
+            except DataError as e:
+                if not interactive:
+                    raise
+                messages.pop()
+                print(f"hpcrlhf: {e}; the message was not sent", file=sys.stderr, flush=True)
+                continue
             params = SamplingParams(n=1, temperature=temperature, max_new_tokens=max_new_tokens, greedy=greedy,
                                     seed=None if greedy else seed + turn)
             gen = engine.generate([ids], params)[0][0]

@@ -24,6 +24,11 @@ the step that would learn from it. A metric must be finite (a mean over a NaN wo
 answer caused it). `rule_names(cfg)` lists every `module:function` a config names, `check_rules`
 imports them all.
 
+Each call gets its own copy of the row (what a rule changes in it, no other rule, metric or later
+evaluation sees) and runs as the user's code (`hpcrlhf.usercode`): past its deadline
+(`reward.rule_timeout_s`, `eval.metric_timeout_s`), or on `sys.exit()` and other exceptions that
+would end the job, it fails with a RuleError naming the rule; a stop request interrupts it.
+
 `adjust_scores` then applies the configured penalties (length, missing EOS). Reward models are
 frozen models (see `Trainer.build_frozen_model`): sharded under ZeRO-3, so every rank must call
 `score` with the same number of sequences.
@@ -31,6 +36,7 @@ frozen models (see `Trainer.build_frozen_model`): sharded under ZeRO-3, so every
 
 from __future__ import annotations
 
+import copy
 import importlib
 import inspect
 import math
@@ -42,9 +48,11 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from hpcrlhf.config.schema import TASK_RULES, RewardConfig, RewardSourceConfig
+from hpcrlhf.config.schema import DEFAULT_USER_CODE_TIMEOUT_S, TASK_RULES, RewardConfig, RewardSourceConfig
 from hpcrlhf.data.sources import brief
 from hpcrlhf.errors import ConfigError, RuleError
+from hpcrlhf.signals import Interrupted, StopRequested
+from hpcrlhf.usercode import UserCodeTimeout, user_code
 
 RuleFn = Callable[[str, str, Mapping[str, Any]], Any]
 CONTRACT = "a rule returns a real number: an int, a float or a bool (True counts 1.0, False 0.0)"
@@ -75,21 +83,62 @@ class Rule:
     fn: RuleFn
     finite: bool = False
     """Refuse NaN and Inf (metrics); rewards pass them on to the NaN/Inf guard."""
+    timeout_s: float = DEFAULT_USER_CODE_TIMEOUT_S
+    """How long one call may take."""
+    timeout_key: str = "reward.rule_timeout_s"
+    """The setting that gives `timeout_s`, for the error."""
 
     def __call__(self, prompt: str, response: str, row: Mapping[str, Any], origin: str = "") -> float:
+        row = copy.deepcopy(row)  # the call's own: what the rule changes in it, nothing else sees
         try:
-            value = self.fn(prompt, response, row)
+            with user_code(self.timeout_s):
+                value = self.fn(prompt, response, row)
+                number = real_number(value)  # a returned object's own methods (item, __float__) run too
+        except (StopRequested, Interrupted):  # the run stops; the step's scores are not used
+            raise
+        except UserCodeTimeout:
+            raise RuleError(f"{self.label} did not return within {self.timeout_s:g} s ({self.timeout_key}) "
+                            f"{_answer(prompt, response, origin)}: does it loop forever, or wait on something that "
+                            f"never comes? Fix the function, or raise {self.timeout_key} if it needs longer") from None
         except Exception as e:  # the user's code: anything can happen in it
-            raise RuleError(f"{self.label} raised {type(e).__name__}: {e}{_raised_at(e)}, "
+            raise RuleError(f"{self.label} raised {self._described(e)}{_raised_at(e)}, "
                             f"{_answer(prompt, response, origin)}; fix the function") from e
-        number = real_number(value)
+        except BaseException as e:  # sys.exit(), a KeyboardInterrupt of its own, GeneratorExit...
+            raise RuleError(f"{self.label} raised {self._described(e)}{_raised_at(e)}, which would end the job: a "
+                            f"rule returns a number (or raises an Exception), {_answer(prompt, response, origin)}; "
+                            "fix the function") from None
         if number is None:
-            raise RuleError(f"{self.label} returned {brief(value)} ({type(value).__name__}) "
+            raise RuleError(f"{self.label} returned {self._shown(value)} ({type(value).__name__}) "
                             f"{_answer(prompt, response, origin)}: {CONTRACT}")
         if self.finite and not math.isfinite(number):
             raise RuleError(f"{self.label} returned {number} {_answer(prompt, response, origin)}: an evaluation "
                             "metric must be finite (its mean is reported)")
         return number
+
+    def _described(self, e: BaseException) -> str:
+        """`Type: message` of what the code raised (`SystemExit (sys.exit(0))`)."""
+        name = type(e).__name__
+        if isinstance(e, SystemExit):
+            return f"{name} (sys.exit({self._shown(e.code)}))"
+        text = self._as_user_code(lambda: str(e))
+        if text is None:
+            return f"{name} (its message cannot be shown)"
+        return f"{name}: {text}" if text else name
+
+    def _shown(self, value: Any) -> str:
+        """`brief(value)` of what the code returned."""
+        return self._as_user_code(lambda: brief(value)) or "an object whose repr fails"
+
+    def _as_user_code(self, show: Callable[[], str]) -> str | None:
+        """show() -- a message or repr made by the user's own methods (`__str__`, `__repr__`) -- run
+        as the user's code: None when it raises or passes the deadline."""
+        try:
+            with user_code(self.timeout_s):
+                return show()
+        except (StopRequested, Interrupted):
+            raise
+        except BaseException:
+            return None
 
 
 def real_number(value: Any) -> float | None:
@@ -116,17 +165,20 @@ def _raised_at(e: BaseException) -> str:
     return f" at {frames[-1].filename}:{frames[-1].lineno} in {frames[-1].name}" if frames else ""
 
 
-def resolve_rule(name: str, task, field: str = "reward.sources", *, finite: bool = False) -> Rule:
+def resolve_rule(name: str, task, field: str = "reward.sources", *, finite: bool = False,
+                 timeout_s: float = DEFAULT_USER_CODE_TIMEOUT_S, timeout_key: str = "reward.rule_timeout_s") -> Rule:
     """The rule `name` (`task`, `task_partial` or `package.module:function`), imported and checked
-    before anything runs; `field` is the config field that names it, for the errors."""
+    before anything runs; `field` is the config field that names it, for the errors; each call may
+    take `timeout_s` (the setting `timeout_key`)."""
     label = f"{field} {name!r}"
+    limits = dict(timeout_s=timeout_s, timeout_key=timeout_key)
     if name in TASK_RULES:
         if task is None:
             raise ConfigError(f"{field}: rule '{name}' scores the bundled task's answers, but task.name is null "
                               "(or auto with data.train_path set); set task.name=arithmetic, or use a reward model or "
                               "a module:function rule")
         score = task.score if name == "task" else task.partial_score
-        return Rule(label, lambda prompt, response, row: score(prompt, response), finite)
+        return Rule(label, lambda prompt, response, row: score(prompt, response), finite, **limits)
     module_name, sep, fn_name = name.partition(":")
     if not sep or not module_name or not fn_name:
         raise ConfigError(f"{field}: rule '{name}' is not a known rule; use task, task_partial, or "
@@ -142,7 +194,7 @@ def resolve_rule(name: str, task, field: str = "reward.sources", *, finite: bool
                           f"'{fn_name}'); check the module defines the function")
     if not callable(fn) or not _takes_three_arguments(fn):
         raise ConfigError(f"{field}: rule '{name}' must be a function of (prompt, response, row)")
-    return Rule(label, fn, finite)
+    return Rule(label, fn, finite, **limits)
 
 
 def _takes_three_arguments(fn: Callable) -> bool:
@@ -185,17 +237,19 @@ class EvalMetrics:
     user's metrics (`eval.metrics`: `package.module:function` rules, reported under the function's
     name). `stats` gives `eval/<name>` sums for `Trainer.eval_means`, `values` each answer's."""
 
-    def __init__(self, metrics: Sequence[str], task, field: str = "eval.metrics"):
+    def __init__(self, metrics: Sequence[str], task, field: str = "eval.metrics",
+                 timeout_s: float = DEFAULT_USER_CODE_TIMEOUT_S, timeout_key: str = "eval.metric_timeout_s"):
         self.rules: dict[str, Rule] = {}
+        limits = dict(timeout_s=timeout_s, timeout_key=timeout_key)
         if task is not None:
             self.rules["task_score"] = Rule(f"the task score (task {task.name!r})",
-                                            lambda prompt, response, row: task.score(prompt, response), True)
+                                            lambda prompt, response, row: task.score(prompt, response), True, **limits)
         for i, rule in enumerate(metrics):
             name = metric_name(rule)
             if name in self.rules:  # a second metric of that name is refused when the config loads
                 raise ConfigError(f"{field}[{i}]: '{rule}' would be reported as eval/{name}, which the bundled task's "
                                   "score already is; rename the function (or set task.name=null)")
-            self.rules[name] = resolve_rule(rule, task, f"{field}[{i}]", finite=True)
+            self.rules[name] = resolve_rule(rule, task, f"{field}[{i}]", finite=True, **limits)
 
     def values(self, responses: Sequence[Response]) -> dict[str, list[float]]:
         return {name: [rule(r.prompt, r.text, r.row, r.origin) for r in responses] for name, rule in self.rules.items()}
@@ -260,12 +314,12 @@ class RewardSet:
         self.weights = [s.weight for s in cfg.sources]
         self.names = [source_name(i, s) for i, s in enumerate(cfg.sources)]
         # Rules are resolved first: a typo fails before any reward model is loaded.
-        rules = {i: resolve_rule(s.rule, task, f"reward.sources[{i}].rule") for i, s in enumerate(cfg.sources)
-                 if s.rule is not None}
+        rules = {i: resolve_rule(s.rule, task, f"reward.sources[{i}].rule", timeout_s=cfg.rule_timeout_s)
+                 for i, s in enumerate(cfg.sources) if s.rule is not None}
         self.scorers: list[Callable[[Sequence[Response]], torch.Tensor]] = []
         for i, source in enumerate(cfg.sources):
             if i in rules:
-                self.scorers.append(_rule_scorer(rules[i]))
+                self.scorers.append(RuleScorer(rules[i]))
             else:
                 rm_tokenizer = load_tokenizer(source.model, trust_remote_code=trust_remote_code,
                                               key=f"reward.sources[{i}].model")
@@ -274,19 +328,26 @@ class RewardSet:
                                                       cfg.batch_size, device))
 
     def score(self, responses: Sequence[Response]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """(weighted sum, {source name: values}) for each response, float32 on the CPU."""
-        parts = {name: scorer(responses) for name, scorer in zip(self.names, self.scorers)}
+        """(weighted sum, {source name: values}) for each response, float32 on the CPU. Reward models
+        score first: every rank runs their forwards (sharded under ZeRO-3) before a rule can be cut
+        short by a stop request (StopRequested) on one rank."""
+        models_first = sorted(zip(self.names, self.scorers), key=lambda item: isinstance(item[1], RuleScorer))
+        computed = {name: scorer(responses) for name, scorer in models_first}
+        parts = {name: computed[name] for name in self.names}
         total = torch.zeros(len(responses))
         for weight, values in zip(self.weights, parts.values()):
             total += weight * values
         return total, parts
 
 
-def _rule_scorer(rule: Rule) -> Callable[[Sequence[Response]], torch.Tensor]:
-    def score(responses: Sequence[Response]) -> torch.Tensor:
-        return torch.tensor([rule(r.prompt, r.text, r.row, r.origin) for r in responses], dtype=torch.float32)
+@dataclass(frozen=True)
+class RuleScorer:
+    """A rule as a reward source: its value for each response."""
 
-    return score
+    rule: Rule
+
+    def __call__(self, responses: Sequence[Response]) -> torch.Tensor:
+        return torch.tensor([self.rule(r.prompt, r.text, r.row, r.origin) for r in responses], dtype=torch.float32)
 
 
 def adjust_scores(scores: torch.Tensor, lengths: torch.Tensor, finished: torch.Tensor, cfg: RewardConfig,

@@ -299,3 +299,163 @@ def test_ppo_names_a_rule_it_cannot_import_before_any_model_loads(tmp_path):
     assert "hpcrlhf: error: reward.sources[1].rule: rule 'nosuch:f' cannot be imported (ModuleNotFoundError: No module " \
            "named 'nosuch')" in proc.stderr, proc.stderr[-3000:]
     assert "LOAD REPORT" not in proc.stderr  # what transformers prints when it loads the critic's value model
+
+
+# ---------------------------------------------------------------- the user's code exits, hangs, mutates its row (issue 36)
+UNRULY = '''\
+import sys
+import time
+
+
+class Unprintable(Exception):
+    def __str__(self):
+        raise RuntimeError("no message for you")
+
+
+def exits(prompt, response, row):
+    sys.exit(0)
+
+
+def interrupts(prompt, response, row):
+    raise KeyboardInterrupt
+
+
+def unprintable(prompt, response, row):
+    raise Unprintable()
+
+
+def sleeps(prompt, response, row):
+    time.sleep(3600)
+
+
+def spins(prompt, response, row):
+    while True:
+        pass
+
+
+def spins_and_swallows(prompt, response, row):
+    while True:
+        try:
+            time.sleep(3600)
+        except Exception:
+            pass
+
+
+def mutates(prompt, response, row):
+    row["n"] = -1
+    row["nested"].append("x")
+    return 0.0
+
+
+def reads(prompt, response, row):
+    return row["n"] + len(row["nested"])
+'''
+
+
+def _unruly(tmp_path, monkeypatch) -> str:
+    (tmp_path / "unruly.py").write_text(UNRULY)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "unruly", raising=False)
+    return str(tmp_path / "unruly.py")
+
+
+def _unruly_score(rule: str, row: dict | None = None, **reward) -> dict[str, torch.Tensor]:
+    cfg = RewardConfig(sources=tuple(RewardSourceConfig(rule=r) for r in rule.split(",")), **reward)
+    return RewardSet(cfg, _load, None, ArithmeticTask(), CPU).score([Response("1+2=", "3", (), row or {}, "p.jsonl:4")])[1]
+
+
+@pytest.mark.parametrize("rule, said", [
+    ("exits", "raised SystemExit (sys.exit(0)) at {path}:11 in exits, which would end the job: a rule returns a number"),
+    ("interrupts", "raised KeyboardInterrupt at {path}:15 in interrupts, which would end the job: a rule returns"),
+    ("unprintable", "raised Unprintable (its message cannot be shown) at {path}:19 in unprintable, on the"),
+])
+def test_a_rule_that_exits_or_cannot_be_printed_is_an_error_naming_it(rule, said, tmp_path, monkeypatch):
+    """`sys.exit(0)` in a metric used to end the job with status 0 and nothing saved."""
+    path = _unruly(tmp_path, monkeypatch)
+    with pytest.raises(RuleError) as err:
+        _unruly_score(f"unruly:{rule}")
+    message = str(err.value)
+    assert message.startswith(f"reward.sources[0].rule 'unruly:{rule}' {said.format(path=path)}"), message
+    assert "on the response '3' to prompt '1+2=' (p.jsonl:4)" in message, message
+
+
+@pytest.mark.parametrize("rule", ["sleeps", "spins", "spins_and_swallows"])
+def test_a_rule_that_never_returns_ends_at_its_deadline(rule, tmp_path, monkeypatch):
+    import signal
+    import time
+
+    _unruly(tmp_path, monkeypatch)
+    start = time.monotonic()
+    with pytest.raises(RuleError, match=rf"^reward.sources\[0\].rule 'unruly:{rule}' did not return within 0.5 s "
+                                        r"\(reward.rule_timeout_s\) on the response '3' to prompt '1\+2=' \(p.jsonl:4\)"):
+        _unruly_score(f"unruly:{rule}", rule_timeout_s=0.5)
+    assert time.monotonic() - start < 5
+    assert signal.getsignal(signal.SIGALRM) is signal.SIG_DFL and signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
+
+
+def test_rules_and_metrics_get_a_copy_of_the_row(tmp_path, monkeypatch):
+    """A rule that changed `row` changed what the next rule, the metrics and later evaluations saw."""
+    from hpcrlhf.rewards import EvalMetrics
+
+    _unruly(tmp_path, monkeypatch)
+    row = {"n": 3, "nested": ["a"]}
+    parts = _unruly_score("unruly:mutates,unruly:reads", row)
+    assert parts["rule_unruly.reads"].tolist() == [4.0] and row == {"n": 3, "nested": ["a"]}
+    metrics = EvalMetrics(["unruly:mutates", "unruly:reads"], None)
+    assert metrics.values([Response("1+2=", "3", (), row)]) == {"mutates": [0.0], "reads": [4.0]}
+    assert row == {"n": 3, "nested": ["a"]}
+
+
+def test_the_deadline_is_a_setting_a_rerun_may_change():
+    from hpcrlhf.config.schema import EvalConfig
+    from hpcrlhf.trainers.run import is_safe_change
+
+    assert RewardConfig().rule_timeout_s == EvalConfig().metric_timeout_s == GenerateConfig().metric_timeout_s == 300
+    for bad in (0, -1, float("inf")):
+        with pytest.raises(ConfigError, match="reward.rule_timeout_s"):
+            RewardConfig(rule_timeout_s=bad)
+    assert is_safe_change("reward.rule_timeout_s") and is_safe_change("eval.metric_timeout_s")
+
+
+def test_generate_with_a_metric_that_exits_fails_naming_it(tiny_llama, tmp_path):
+    """It used to end `hpcrlhf generate` (and training jobs) with status 0 and nothing written."""
+    from tests.launch_helpers import run_cli
+
+    (tmp_path / "unruly.py").write_text(UNRULY)
+    out = tmp_path / "out.jsonl"
+    proc = run_cli(["generate", "-m", tiny_llama, "-o", str(out), "--set", "metrics=[unruly:exits]", "--set",
+                    "task.eval_size=2"], check=False, env={"PYTHONPATH": str(tmp_path)}, timeout=300)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "hpcrlhf: error: metrics[0] 'unruly:exits' raised SystemExit (sys.exit(0)) at " in proc.stderr, \
+        proc.stderr[-3000:]
+    assert "in exits, which would end the job" in proc.stderr
+
+
+def test_a_stop_signal_is_honoured_while_a_rule_never_returns(tmp_path):
+    """SIGTERM (Slurm's preemption) while the user's rule spins: the run stops at once and exits 3
+    (it used to hang until killed)."""
+    import signal
+    import subprocess
+    import time
+
+    from hpcrlhf.signals import EXIT_REQUEUE
+    from tests.launch_helpers import ROOT, cli_command, cli_env
+
+    (tmp_path / "unruly.py").write_text(UNRULY)
+    proc = subprocess.Popen(cli_command(["train", "ppo", "-o", str(tmp_path / "run"), "--set",
+                                         "reward.sources=[{rule: 'unruly:spins_and_swallows'}]", "--set",
+                                         "task.eval_size=4", "--set", "log.progress=false"]),
+                            cwd=ROOT, env=cli_env(PYTHONPATH=str(tmp_path)), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        for line in proc.stdout:
+            if "key settings:" in line:  # the evaluation before training is next: the rule spins in it
+                break
+        time.sleep(2)
+        proc.send_signal(signal.SIGTERM)
+        log = proc.communicate(timeout=60)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == EXIT_REQUEUE and "Traceback" not in log, log[-3000:]
+    assert "stop requested during the evaluation before training: no step done, nothing to checkpoint" in log, log[-3000:]

@@ -46,10 +46,11 @@ def test_an_ignored_sigint_stays_ignored(handlers):
     assert signal.getsignal(signal.SIGTERM) == flag._handle
 
 
-# Steps start only after the evaluation before training (~1-3 s for 2000 prompts): the window in
-# which the tests below press Ctrl-C, once the run has installed its handler (its start line is out).
-ARGS = ["--set", "train.global_batch_size=16", "--set", "train.micro_batch_size=16", "--set", "task.eval_size=2000",
-        "--set", "eval.score_prompts=2000", "--set", "eval.every_steps=0", "--set", "log.tensorboard=false",
+# The tests below press Ctrl-C once the first step starts (the line after the evaluation before
+# training is out): steps of 512 samples take ~1 s here, the window for a second press. (A press
+# during a generation, such as that evaluation's, stops it at once: the last test.)
+ARGS = ["--set", "train.global_batch_size=512", "--set", "train.micro_batch_size=512", "--set", "task.eval_size=16",
+        "--set", "eval.score_prompts=16", "--set", "eval.every_steps=0", "--set", "log.tensorboard=false",
         "--set", "train.max_steps=4"]
 
 
@@ -62,7 +63,7 @@ def interrupt(out, presses: int) -> tuple[int, str]:
     try:
         for line in proc.stdout:
             lines.append(line)
-            if ("training rows" in line or "Ctrl-C: stopping" in line) and pressed < presses:
+            if ("before training:" in line or "Ctrl-C: stopping" in line) and pressed < presses:
                 proc.send_signal(signal.SIGINT)
                 pressed += 1
         proc.wait(timeout=120)
@@ -114,3 +115,38 @@ def test_leaves_sigusr1_ignored_on_purpose():
 
 def test_the_signal_left_ignored_was_restored_before_this_test():
     assert signal.getsignal(signal.SIGUSR1) is not signal.SIG_IGN
+
+
+def test_a_stop_signal_during_a_long_generation_drops_the_step_at_once(tmp_path):
+    """A time-limit signal must not wait out a generation (issue 36): SIGUSR1 while step 2 generates
+    440-token responses ends the generation at the next decode step; the step is dropped, the run
+    keeps its checkpoint of step 1 and exits 3. (It used to finish the step first.)"""
+    import time
+
+    from hpcrlhf.metrics import read_metrics
+
+    out = tmp_path / "run"
+    proc = subprocess.Popen(cli_command(["train", "ppo", "-o", str(out), "--set", "train.max_steps=3",
+                                         "--set", "rollout.prompts_per_step=8", "--set", "rollout.max_new_tokens=440",
+                                         "--set", "rollout.min_new_tokens=440", "--set", "ppo.advantage_estimator=grpo",
+                                         "--set", "checkpoint.every_steps=1",
+                                         "--set", "eval.score_prompts=4", "--set", "task.eval_size=4", "--set",
+                                         "log.every_steps=1", "--set", "log.tensorboard=false"]),
+                            cwd=ROOT, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not any(m["step"] == 1 for m in read_metrics(out)) and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(1.0)  # past step 1's checkpoint: step 2 generates (~6 s of its ~9 s here)
+        proc.send_signal(signal.SIGUSR1)
+        signalled = time.monotonic()
+        log = proc.communicate(timeout=120)[0]
+        took = time.monotonic() - signalled
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == EXIT_REQUEUE and "Traceback" not in log, log[-3000:]
+    assert took < 30, took  # the step, uninterrupted, would have gone on
+    assert "stop requested during step 2, which is dropped: checkpointed at step 1" in log, log[-3000:]
+    assert (out / "checkpoints" / "latest").read_text().strip() == "step_000001"
+    assert max(m["step"] for m in read_metrics(out)) == 1, f"{took:.1f} s"

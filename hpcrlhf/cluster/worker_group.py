@@ -179,15 +179,28 @@ class WorkerGroup:
         self.workers = []
 
 
-def gather(refs: Sequence[Any]) -> list[Any]:
+STOP_POLL_S = 0.5
+"""How often a `gather(..., interruptible=True)` looks for a stop request while it waits."""
+
+
+def gather(refs: Sequence[Any], *, interruptible: bool = False) -> list[Any]:
     """`ray.get(refs)`, except that the first failure raises at once. `ray.get` of a list waits for
     every result first, and the peers of a dead rank sit in a collective with it until their
-    timeout: the run would look hung, then fail with the peers' timeouts instead of the cause."""
+    timeout: the run would look hung, then fail with the peers' timeouts instead of the cause.
+
+    `interruptible`: for work that runs the user's code (rules on the reward role), which may never
+    return: a stop request to this process while it waits raises StopRequested, leaving the work
+    (the caller's `Run.stoppable` drops the step; the workers go with the job, or end at their
+    rule's deadline)."""
     import ray
+
+    from hpcrlhf.signals import StopRequested, stop_requested_here
 
     pending = list(refs)
     while pending:
-        ready, pending = ray.wait(pending, num_returns=1)
+        ready, pending = ray.wait(pending, num_returns=1, timeout=STOP_POLL_S if interruptible else None)
+        if interruptible and stop_requested_here():
+            raise StopRequested
         ray.get(ready)  # raises this one's failure
     return ray.get(list(refs))
 

@@ -236,6 +236,14 @@ DEFAULT_MAX_LENGTH = 1024
 DEFAULT_NEW_TOKENS = 256
 """Longest response generated when `rollout.max_new_tokens`/`eval.max_new_tokens` are null and no
 bundled task sets its own answer length (the arithmetic task's answers need 8)."""
+DEFAULT_USER_CODE_TIMEOUT_S = 300.0
+"""How long one call of a user's rule or metric may take (`reward.rule_timeout_s`,
+`eval.metric_timeout_s`): generous, as rules may run tests or call a service."""
+
+
+def _require_timeout(value: float, key: str) -> None:
+    _require_finite_value(value, key)
+    _require(value > 0, key, value, "use a positive number of seconds, e.g. 300")
 
 
 def largest_divisor(n: int, cap: int) -> int:
@@ -350,9 +358,14 @@ class EvalConfig:
     taking (prompt, response, row) and returning a real number, like reward rules (the row is the
     prompt's row of `data.eval_path`). Each is reported as `eval/<function name>` (mean over the
     prompts) in metrics.jsonl, summary.json and the log, and can end the run (`stop_when`)."""
+    metric_timeout_s: float = DEFAULT_USER_CODE_TIMEOUT_S
+    """Longest one call of a metric (or the task score) may take, in seconds; past it the run fails
+    naming the metric (a metric that never returns would hang the job)."""
 
     def __post_init__(self) -> None:
+        _require_finite(self, "eval")
         _require_metrics(self.metrics, "eval.metrics")
+        _require_timeout(self.metric_timeout_s, "eval.metric_timeout_s")
         _require(self.every_steps >= 0, "eval.every_steps", self.every_steps, "use 0 (only at the end) or a step count")
         if parse_stop_rule(self.stop_when) is not None and self.every_steps == 0:
             raise ConfigError(f"eval.stop_when: {self.stop_when!r} is checked at periodic evaluations, but "
@@ -838,9 +851,13 @@ class RewardConfig:
     """The overlong penalty at rollout.max_new_tokens (with reward.overlong_buffer > 0)."""
     batch_size: int = 128
     """Sequences per reward-model forward pass."""
+    rule_timeout_s: float = DEFAULT_USER_CODE_TIMEOUT_S
+    """Longest one call of a rule may take, in seconds; past it the run fails naming the rule (a rule
+    that never returns would hang the job)."""
 
     def __post_init__(self) -> None:
         _require_finite(self, "reward")
+        _require_timeout(self.rule_timeout_s, "reward.rule_timeout_s")
         _require(len(self.sources) >= 1, "reward.sources", list(self.sources), "give at least one reward model or rule")
         _require(self.clip is None or self.clip > 0, "reward.clip", self.clip, "use a positive bound, or null")
         _require(self.length_penalty >= 0, "reward.length_penalty", self.length_penalty, "use >= 0")
@@ -1335,6 +1352,8 @@ class GenerateConfig:
     metrics: tuple[str, ...] = ()
     """Your own metrics of each response, as `eval.metrics` of training jobs
     (`package.module:function`): written per response under `metrics`, their means printed."""
+    metric_timeout_s: float = DEFAULT_USER_CODE_TIMEOUT_S
+    """Longest one call of a metric may take, in seconds (`eval.metric_timeout_s`)."""
     batch_size: int = 64
     """Prompts per generation batch."""
     seed: int = 1234
@@ -1344,6 +1363,7 @@ class GenerateConfig:
 
     def __post_init__(self) -> None:
         _require(self.batch_size >= 1, "batch_size", self.batch_size, "use at least 1")
+        _require_timeout(self.metric_timeout_s, "metric_timeout_s")
         _resolve_data_length(self)
         _resolve(self, "rollout", max_new_tokens=resolved_new_tokens(self.rollout.max_new_tokens, self.task, self.data))
         _require_metrics(self.metrics, "metrics")

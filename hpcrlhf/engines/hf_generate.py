@@ -3,6 +3,11 @@
 Prompts are left-padded so that every row's continuation starts at the same column. Under ZeRO-3
 every rank must run the same number of forward passes (`synced_gpus`), so callers give every rank
 the same number of batches.
+
+A stop request (a time-limit signal, Ctrl-C: `hpcrlhf.signals`) ends a generation at the next decode
+step (`StopOnRequest`), so a long one does not outlast the time before the kill. Under `synced_gpus`
+a rank that stops goes on with the forward passes its peers need (transformers' synced loop) until
+they are done too; the caller throws the cut result away (`hpcrlhf.trainers.run.Run.stoppable`).
 """
 
 from __future__ import annotations
@@ -10,6 +15,21 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
+from transformers import StoppingCriteria, StoppingCriteriaList
+
+from hpcrlhf.signals import stop_requested_here
+
+
+class StopOnRequest(StoppingCriteria):
+    """Every row is done once this process was asked to stop (checked after each decode step)."""
+
+    def __call__(self, input_ids: torch.LongTensor, scores, **kwargs) -> torch.BoolTensor:
+        return torch.full((input_ids.shape[0],), stop_requested_here(), dtype=torch.bool, device=input_ids.device)
+
+
+def stop_on_request() -> StoppingCriteriaList:
+    """The `stopping_criteria` every generation of hpcrlhf passes to `generate`."""
+    return StoppingCriteriaList([StopOnRequest()])
 
 
 def left_pad(prompts: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -41,6 +61,6 @@ def generate_greedy(model, tokenizer, prompts: Sequence[Sequence[int]], *, max_n
     out = model.generate(
         input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=max_new_tokens,
         do_sample=False, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-        synced_gpus=synced_gpus,
+        synced_gpus=synced_gpus, stopping_criteria=stop_on_request(),
     )
     return tokenizer.batch_decode(out[:, ids.shape[1]:], skip_special_tokens=True)

@@ -58,18 +58,18 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Literal, Protocol
 
 import torch
 import torch.nn.functional as F
 
 from hpcrlhf.engines import weight_sync
-from hpcrlhf.engines.hf_generate import left_pad
+from hpcrlhf.engines.hf_generate import left_pad, stop_on_request
 from hpcrlhf.engines.vllm_plugin import IDLE_SPIN_ENV
 from hpcrlhf.engines.weight_sync import SyncStats
 from hpcrlhf.errors import ConfigError
 from hpcrlhf.logs import get_logger
+from hpcrlhf.models.context import model_positions
 
 log = get_logger()
 
@@ -281,7 +281,7 @@ class HFRollout:
         out = self.model.generate(
             input_ids=ids.to(self.device), attention_mask=mask.to(self.device), max_new_tokens=params.max_new_tokens,
             pad_token_id=self.pad_token_id, eos_token_id=self.eos_token_id, synced_gpus=self.synced_gpus,
-            output_logits=True, return_dict_in_generate=True, **sampling,
+            stopping_criteria=stop_on_request(), output_logits=True, return_dict_in_generate=True, **sampling,
         )
         tokens = out.sequences[:, ids.shape[1] :]
         # `out.logits` are the raw logits of each step (before temperature/top-p/top-k), one
@@ -399,21 +399,6 @@ _EXTENSION = f"{__name__}._WeightSyncExtension"
 CPU_IDLE_SPIN_S = 0.005
 """How long a CPU engine's queue readers (its workers, its engine core) busy-wait for the next
 message before they sleep on a socket (vLLM: 1 s); see `hpcrlhf.engines.vllm_plugin`."""
-
-
-def model_positions(model_dir: str) -> int | None:
-    """The longest sequence a Hugging Face model folder's config allows (None when it does not say)."""
-    import json
-
-    try:
-        config = json.loads((Path(model_dir) / "config.json").read_text())
-    except (OSError, ValueError):
-        return None
-    text = config.get("text_config", config)  # multimodal configs nest the language model's
-    for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
-        if isinstance(text.get(key), int):
-            return text[key]
-    return None
 
 
 def vllm_batching(*, on_cpu: bool, max_model_len: int, max_num_seqs: int | None = None,

@@ -142,6 +142,10 @@ def cluster_job(kind: str, recipe: Optional[str], overrides: Sequence[str], outp
     options = SlurmOptions(run_dir=run_dir, **given)  # type: ignore[arg-type]
     check_fits(argv, options.nodes, options.gpus_per_node, launcher=options.launcher,
                where="the requested --nodes/--gpus-per-node")
-    if cfg is not None:  # last: the user's code runs once everything else is known to be valid
+    if cfg is not None:
+        from hpcrlhf.models.context import require_generation_fits  # a model folder here is checked now
+
+        require_generation_fits(cfg, kind)
+        # last: the user's code runs once everything else is known to be valid
         notes += check_rules(cfg, options.python, options.container)
     return ClusterJob(argv, options, tuple(notes))

@@ -13,8 +13,10 @@ def _runner(kind: str):
     module, name = _RUNNERS[kind]
 
     def run(cfg):
+        from hpcrlhf.models.context import require_generation_fits
         from hpcrlhf.trainers.run_lock import release_all
 
+        require_generation_fits(cfg, kind)  # before anything is loaded, started or written
         try:
             return getattr(import_module(f"hpcrlhf.trainers.{module}"), name)(cfg)
         finally:

@@ -26,9 +26,9 @@ from hpcrlhf.engines.hf_generate import generate_greedy
 from hpcrlhf.errors import ConfigError
 from hpcrlhf.logs import get_logger
 from hpcrlhf.metrics import read_metrics
-from hpcrlhf.trainers.guard import SKIPPED_SUFFIX, NonFiniteGuard, SkipStep, require_finite_start
+from hpcrlhf.trainers.guard import SKIPPED_SUFFIX, NonFiniteError, NonFiniteGuard, SkipStep, require_finite_start
 from hpcrlhf.trainers.plan import BatchPlan, eval_shards, key_settings
-from hpcrlhf.trainers.run import Run
+from hpcrlhf.trainers.run import Run, StepAbandoned
 from hpcrlhf.trainers.stats import Stats, add_stats, new_stats, reduce_means
 
 log = get_logger()
@@ -63,15 +63,18 @@ class Trainer:
         model). A mistake in any of them, or in a reward rule, fails here, before a model loads."""
         from hpcrlhf.data.loading import held_out_prompt_rows, task_note
         from hpcrlhf.data.tasks import build_task
+        from hpcrlhf.models.context import ContextWindow
         from hpcrlhf.rewards import EvalMetrics, check_rules
 
         cfg = self.cfg
+        self.window = ContextWindow.of(cfg.model.path)
+        """The generating model's positions: each prompt plus its response must fit."""
         note = task_note(cfg.task, cfg.data)
         if note:
             log.info(note)
         check_rules(cfg)
         self.task = build_task(cfg.task, cfg.data)
-        self.metrics = EvalMetrics(cfg.eval.metrics, self.task)
+        self.metrics = EvalMetrics(cfg.eval.metrics, self.task, timeout_s=cfg.eval.metric_timeout_s)
         self.held_out = (([], cfg.data.prompt_key) if self.value_head
                          else held_out_prompt_rows(cfg.data, cfg.task, cfg.eval.score_prompts))
 
@@ -185,6 +188,8 @@ class Trainer:
 
         rows, key = self.held_out
         ids = encode_prompts(self.tokenizer, [template(r.data[key]) for r in rows], self.cfg.data.apply_chat_template)
+        self.window.require_prompts_fit(((len(p), r.origin) for p, r in zip(ids, rows)), "eval.max_new_tokens",
+                                        self.cfg.eval.max_new_tokens)
         return list(zip(ids, rows))
 
     def generation_scores(self, prompts: Sequence[tuple[list[int], Row]], suffix: str = "") -> dict[str, float]:
@@ -195,11 +200,12 @@ class Trainer:
         key = self.held_out[1]
 
         def stats(batch: list) -> Stats:
-            texts = generate_greedy(self.engine.module, self.tokenizer, [ids for ids, _ in batch],
-                                    max_new_tokens=self.cfg.eval.max_new_tokens, device=self.engine.device,
-                                    synced_gpus=self.engine.zero_stage == 3 and self.env.world_size > 1)
-            return self.metrics.stats([Response(row.data[key], text, (), row.data, row.origin)
-                                       for (_, row), text in zip(batch, texts)], suffix)
+            with self.run.stoppable():
+                texts = generate_greedy(self.engine.module, self.tokenizer, [ids for ids, _ in batch],
+                                        max_new_tokens=self.cfg.eval.max_new_tokens, device=self.engine.device,
+                                        synced_gpus=self.engine.zero_stage == 3 and self.env.world_size > 1)
+                return self.metrics.stats([Response(row.data[key], text, (), row.data, row.origin)
+                                           for (_, row), text in zip(batch, texts)], suffix)
 
         self.engine.eval()
         return self.eval_means(prompts, stats) if prompts and self.metrics.rules else {}
@@ -215,7 +221,10 @@ class Trainer:
             return finished
         stop_rule = parse_stop_rule(self.cfg.eval.stop_when)
         if step == 0:
-            before = self.evaluate()
+            try:
+                before = self.evaluate()
+            except StepAbandoned:
+                return self._stopped(step, " during the evaluation before training")
             require_finite_start(before, self.evaluated_models(), self.trained_weights(), self.cfg.engine.precision)
             if stop_rule is not None:  # a misspelt metric fails here, not after hours of training
                 stop_rule.require_metric(before)
@@ -227,8 +236,24 @@ class Trainer:
         window: dict[str, list[float]] = defaultdict(list)
         window_start = time.perf_counter()
         self.guard = NonFiniteGuard(self.cfg.train.on_nonfinite, self.cfg.train.max_consecutive_skips)
+        first_after_loading = run.resume_from is not None
         while step < plan.total_steps:
-            metrics = self.guarded_step(step)
+            try:
+                metrics = self.guarded_step(step)
+            except StepAbandoned:
+                return self._stopped(step, f" during step {step + 1}, which is dropped")
+            except NonFiniteError:  # the guard ends the run (train.on_nonfinite=stop, too many skips)
+                if not (first_after_loading and self.guard.nonfinite):
+                    raise
+            if first_after_loading and self.guard.nonfinite:  # from the weights loaded, not from training
+                run.fall_back(self.guard.nonfinite)
+                step = run.resume(self.checkpointable)["step"]
+                self.guard = NonFiniteGuard(self.cfg.train.on_nonfinite, self.cfg.train.max_consecutive_skips)
+                progress.close()
+                progress = run.start_progress(plan.total_steps, step, self.kind)
+                window, window_start = defaultdict(list), time.perf_counter()
+                continue
+            first_after_loading = False
             step += 1
             for key, value in (metrics or {}).items():
                 window[key].append(value)
@@ -238,7 +263,10 @@ class Trainer:
                 window, window_start = defaultdict(list), time.perf_counter()
             every = self.cfg.eval.every_steps
             if every and step % every == 0 and step < plan.total_steps:
-                evaluation = self.evaluate()
+                try:
+                    evaluation = self.evaluate()
+                except StepAbandoned:
+                    return self._stopped(step, f" during the evaluation at step {step}, which is not logged")
                 run.log(step, evaluation)
                 window_start = time.perf_counter()  # keep eval time out of the throughput window
                 if stop_rule is not None and stop_rule.met(evaluation):
@@ -247,13 +275,24 @@ class Trainer:
                     return self._finish(step, before, evaluation, stopped_early={"rule": str(stop_rule), "step": step})
             run.maybe_checkpoint(self.checkpointable, step)
             if run.stop_requested():
-                self._checkpoint_once(step)
-                log.info(f"stop requested: checkpointed at step {step}; rerun the same command to resume")
-                run.finish()
-                return {"status": "stopped", "step": step}
-        after = self.evaluate()
+                return self._stopped(step)
+        try:
+            after = self.evaluate()
+        except StepAbandoned:
+            return self._stopped(step, " during the final evaluation")
         run.log(step, after)
         return self._finish(step, before, after)
+
+    def _stopped(self, step: int, during: str = "") -> dict:
+        """A stop request: checkpoint the `step` steps done (none: nothing to save) and end the run,
+        which the same command resumes (the CLI exits EXIT_REQUEUE)."""
+        if step:
+            self._checkpoint_once(step)
+            log.info(f"stop requested{during}: checkpointed at step {step}; rerun the same command to resume")
+        else:
+            log.info(f"stop requested{during}: no step done, nothing to checkpoint; rerun the same command to start")
+        self.run.finish()
+        return {"status": "stopped", "step": step}
 
     def _finish(self, step: int, before: dict | None, after: dict, **extra: Any) -> dict:
         """Checkpoint, exported model and summary of a run that is done (at its last step or early)."""

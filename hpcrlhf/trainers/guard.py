@@ -38,6 +38,10 @@ SKIPPED_SUFFIX = "skipped_updates"
 """Metrics whose key ends with this count optimizer steps the engines refused (non-finite gradients)."""
 
 
+class NonFiniteError(TrainingError):
+    """The guard ends the run (`train.on_nonfinite=stop`, or too many skipped steps in a row)."""
+
+
 class SkipStep(Exception):
     """Raised inside a step whose inputs are non-finite, on every rank alike; `fit` counts it as a
     skipped step (internal: never reaches the user)."""
@@ -82,9 +86,12 @@ class NonFiniteGuard:
         self.skipped = 0
         self.step = 0
         """The step being run, as logged (1 for the first)."""
+        self.nonfinite: str | None = None
+        """What made the current step's update impossible (NaN/Inf inputs or gradients), else None."""
 
     def begin(self, step: int) -> None:
         self.step = step
+        self.nonfinite = None
 
     def check_inputs(self, tensors: Mapping[str, torch.Tensor], *, all_ranks=None) -> None:
         """Before an update learns from `tensors` (e.g. rewards): raise SkipStep (policy skip) or
@@ -120,8 +127,10 @@ class NonFiniteGuard:
 
     def _fail_or_skip(self, what: str, *, applied: bool) -> None:
         where = f"step {self.step}: {what}"
+        if not applied:
+            self.nonfinite = where
         if self.policy == "stop":
-            raise TrainingError(
+            raise NonFiniteError(
                 f"{where}; stopped (train.on_nonfinite=stop). The step was "
                 + ("applied" if applied else "not applied")
                 + "; rerun the same command to resume from the last checkpoint (lower optim.lr or check the data"
@@ -129,7 +138,7 @@ class NonFiniteGuard:
         if applied:
             log.warning(f"{where} (the update's gradients were finite and it was applied)")
         elif self.in_a_row + 1 > self.max_consecutive:
-            raise TrainingError(
+            raise NonFiniteError(
                 f"{where}; that is {self.in_a_row + 1} skipped steps in a row > train.max_consecutive_skips="
                 f"{self.max_consecutive}: the run is diverging; lower optim.lr, check the data and reward sources, "
                 "then rerun to resume from the last checkpoint (or raise train.max_consecutive_skips)")

@@ -170,10 +170,14 @@ class OnlineTrainer(Trainer):
 
     def setup_online(self) -> None:
         """Training prompts and the held-out prompts `setup` read, as token ids; call after `setup`."""
-        self.prompts = load_train_prompts(self.cfg, self.tokenizer)
+        cfg = self.cfg
+        self.prompts = load_train_prompts(cfg, self.tokenizer)
         rows, key = self.held_out
-        self.eval_prompts = encode_prompt_rows(rows, self.cfg.data, self.tokenizer, key)
-        if self.cfg.rollout.backend == "vllm" and self.cfg.lora.rank:
+        self.eval_prompts = encode_prompt_rows(rows, cfg.data, self.tokenizer, key)
+        for prompts, field, tokens in ((self.prompts, "rollout.max_new_tokens", cfg.rollout.max_new_tokens),
+                                       (self.eval_prompts, "eval.max_new_tokens", cfg.eval.max_new_tokens)):
+            self.window.require_prompts_fit(((len(p.ids), p.origin) for p in prompts), field, tokens)
+        if cfg.rollout.backend == "vllm" and cfg.lora.rank:
             raise ConfigError("rollout.backend: vllm with lora.rank > 0 is not supported yet (the engine needs merged "
                               "weights after every update); use rollout.backend=hf with LoRA")
 
@@ -240,14 +244,16 @@ class OnlineTrainer(Trainer):
         """Make the rollout engine ready to generate (PPO: the roles' generate phase)."""
 
     def score_rollout(self, launched: LaunchedRollout) -> Rollout:
-        """The launched generations (waited for) and their scores."""
-        with self.run.timed("generate"):
-            generations = launched.pending.result()
-        with self.run.timed("reward"):
-            rollout = Rollout(*flatten_generations(launched.prompts, generations, self.tokenizer), None, {})
-            total, rollout.parts = self.rewards.score(rollout.responses)
-            rollout.scores = adjust_scores(total, rollout.lengths, rollout.finished, self.cfg.reward,
-                                           launched.params.max_new_tokens)
+        """The launched generations (waited for) and their scores. A stop request during either
+        abandons the step (`Run.stoppable`): what was cut short is never learned from."""
+        with self.run.stoppable():
+            with self.run.timed("generate"):
+                generations = launched.pending.result()
+            with self.run.timed("reward"):
+                rollout = Rollout(*flatten_generations(launched.prompts, generations, self.tokenizer), None, {})
+                total, rollout.parts = self.rewards.score(rollout.responses)
+        rollout.scores = adjust_scores(total, rollout.lengths, rollout.finished, self.cfg.reward,
+                                       launched.params.max_new_tokens)
         # before anything learns from them; every rank decides alike
         self.guard.check_inputs({**{f"reward/{name}": v for name, v in rollout.parts.items()}, "rollout/score": rollout.scores},
                                 all_ranks=lambda flag: all_reduce_sum([flag])[0])
@@ -275,12 +281,14 @@ class OnlineTrainer(Trainer):
         engine = self.greedy_rollout()
 
         def stats(batch: list[Prompt]) -> Stats:
-            gens = engine.generate([list(p.ids) for p in batch], params)
-            _, flat, responses = flatten_generations(batch, gens, self.tokenizer)
-            total, _ = self.rewards.score(responses)
+            with self.run.stoppable():
+                gens = engine.generate([list(p.ids) for p in batch], params)
+                _, flat, responses = flatten_generations(batch, gens, self.tokenizer)
+                total, _ = self.rewards.score(responses)
+                metrics = self.metrics.stats(responses)
             n = len(batch)
             return merge_evaluation({"eval/reward": (float(total.sum()), n),
                                      "eval/response_length": (float(sum(len(g.response_ids) for g in flat)), n)},
-                                    self.metrics.stats(responses))
+                                    metrics)
 
         return self.eval_means(self.eval_prompts, stats) if self.eval_prompts else {}

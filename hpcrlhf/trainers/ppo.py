@@ -52,6 +52,7 @@ from hpcrlhf.trainers.experience import ExperienceBatch
 from hpcrlhf.trainers.overlap import generate_ahead
 from hpcrlhf.trainers.online import LaunchedRollout, OnlineTrainer, Prompt, Rollout, refill_seed
 from hpcrlhf.trainers.plan import key_settings
+from hpcrlhf.trainers.run import StepAbandoned
 from hpcrlhf.trainers.ppo_roles import LocalRoles, PPORoles
 from hpcrlhf.trainers.sequences import model_batch
 from hpcrlhf.trainers.stats import Stats, reduce_means
@@ -176,10 +177,14 @@ class PPOTrainer(OnlineTrainer):
             launched = self.launch_rollout(self.step_prompts(step), self.sampling(step, n))
         with self.run.timed("generate"):
             launched.pending.result()
-        if generate_ahead(step + 1, self.plan.total_steps, self.cfg.rollout.max_staleness):
-            self.ahead = (step + 1, self.launch_rollout(self.step_prompts(step + 1), self.sampling(step + 1, n)))
-        metrics = {"rollout/staleness": float(stale)} if self.cfg.rollout.max_staleness else {}
-        return self.score_rollout(launched), metrics
+        try:
+            if generate_ahead(step + 1, self.plan.total_steps, self.cfg.rollout.max_staleness):
+                self.ahead = (step + 1, self.launch_rollout(self.step_prompts(step + 1), self.sampling(step + 1, n)))
+            metrics = {"rollout/staleness": float(stale)} if self.cfg.rollout.max_staleness else {}
+            return self.score_rollout(launched), metrics
+        except StepAbandoned:  # the step is redone on resume: its checkpoint keeps the rollout it was given
+            self.ahead = ahead
+            raise
 
     def save_ahead(self, folder: Path, rank: int) -> None:
         """Into a checkpoint: the rollout generated ahead for the next step (done by now: the step's

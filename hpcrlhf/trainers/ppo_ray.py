@@ -87,7 +87,7 @@ class RemoteRewards:
     def score(self, responses: list) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         n = len(responses)
         shards = [[responses[i] for i in rows] for rows in equal_shards(n, len(self.group))]
-        results = gather(self.group.scatter_async("score", shards))
+        results = gather(self.group.scatter_async("score", shards), interruptible=True)  # rules may never return
         total = torch.cat([t for t, _ in results])[:n]
         return total, {name: torch.cat([p[name] for _, p in results])[:n] for name in self.names}
 

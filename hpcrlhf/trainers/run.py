@@ -23,11 +23,11 @@ from hpcrlhf.checkpoint import CheckpointDir
 from hpcrlhf.config.loader import to_dict, to_yaml
 from hpcrlhf.diskspace import DiskFull, folder_bytes, out_of_space_is_an_error
 from hpcrlhf.engines.distributed import DistEnv, all_reduce_sum, barrier, broadcast_object
-from hpcrlhf.errors import ConfigError, HpcrlhfError
+from hpcrlhf.errors import ConfigError, HpcrlhfError, TrainingError
 from hpcrlhf.logs import Progress, get_logger
 from hpcrlhf.metrics import MetricsWriter, read_metrics
 from hpcrlhf.safefiles import append, make_folders, path_problem, refuse, replace_file
-from hpcrlhf.signals import StopFlag
+from hpcrlhf.signals import StopFlag, StopRequested
 from hpcrlhf.trainers.run_lock import RunLock
 
 log = get_logger()
@@ -48,13 +48,15 @@ def environment_record(env: DistEnv) -> dict[str, Any]:
 
 SAFE_CHANGES = ("train.max_steps", "train.on_nonfinite", "train.max_consecutive_skips", "eval.every_steps",
                 "eval.stop_when", "eval.batch_size", "log.", "checkpoint.every_steps", "checkpoint.keep_last",
-                "checkpoint.verify", "checkpoint.save_model", "checkpoint.at_end",
+                "checkpoint.verify", "checkpoint.save_model", "checkpoint.at_end", "reward.rule_timeout_s",
+                "eval.metric_timeout_s",
                 "placement.vllm.max_restarts", "placement.local_network",
                 "rollout.vllm_kv_cache_gb", "rollout.vllm_enforce_eager", "rollout.vllm_max_num_seqs", "rollout.vllm_max_num_batched_tokens")
 """Settings a rerun may change on a run that has checkpoints (a prefix ends with a dot): how long it
 trains (a new `train.max_steps` stretches the rest of the learning-rate schedule to the new end),
-how often it evaluates, logs and checkpoints, and engine limits that change neither what is
-trained nor what is sampled. Any other change would resume one run with another's settings."""
+how often it evaluates, logs and checkpoints, how long the user's rules may take, and engine limits
+that change neither what is trained nor what is sampled. Any other change would resume one run with
+another's settings."""
 RUN_FILES = ("run.lock", "metrics.jsonl", "environment.jsonl", "config.yaml", "summary.json", "placement.json",
              "reference_logps.pt")
 """The files hpcrlhf writes at the top of a run folder (reference_logps.pt: hpcrlhf.trainers.reference)."""
@@ -89,6 +91,11 @@ def is_safe_change(key: str) -> bool:
 
 def _show(changes: dict[str, tuple[Any, Any]]) -> str:
     return "; ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in changes.items())
+
+
+class StepAbandoned(Exception):
+    """A stop request came during a step or an evaluation, and every rank agreed to drop it
+    (`Run.stoppable`); internal: `Trainer.fit` checkpoints the steps done and ends the run."""
 
 
 class Run:
@@ -212,6 +219,37 @@ class Run:
             self._drop_metrics_after(state["step"])
         return state
 
+    def fall_back(self, why: str) -> None:
+        """The checkpoint this run resumed from gave a NaN/Inf first step (`why`): its files are damaged
+        in a way their recorded sizes cannot show. It is marked damaged and `resume_from` becomes the
+        previous intact checkpoint (every rank agrees); a TrainingError when there is none to fall
+        back to, or when `checkpoint.resume` named this one."""
+        outcome: tuple[HpcrlhfError | None, str | None] = (None, None)
+        if self.env.is_main:
+            try:
+                outcome = (None, str(self._previous_intact(why)))
+            except HpcrlhfError as e:
+                outcome = (e, None)
+        error, previous = broadcast_object(outcome)
+        if error is not None:
+            raise error
+        self.resume_from = Path(previous)
+
+    def _previous_intact(self, why: str) -> Path:
+        damaged = self.resume_from
+        said = (f"checkpoint {damaged} gave a non-finite first step after loading it ({why}): its files are damaged "
+                f"though they have the sizes its manifest records (checkpoint.verify=sha256 would have caught it when "
+                f"loading)")
+        if self.cfg.checkpoint.resume != "auto":
+            raise TrainingError(f"{said}; checkpoint.resume names it: resume from another checkpoint")
+        self.checkpoints.mark_damaged(damaged, why)
+        log.warning(f"{said}; it is marked damaged (never loaded again)")
+        previous = self.checkpoints.latest_intact()  # says which one it takes
+        if previous is None:
+            raise TrainingError(f"{said}; it is marked damaged and there is no earlier intact checkpoint: rerun the "
+                                "same command to start again from step 0")
+        return previous
+
     def _drop_metrics_after(self, step: int) -> None:
         """Steps logged after the checkpoint are redone: drop them so no step appears twice (the file
         is replaced whole: a failure leaves the old one)."""
@@ -246,6 +284,22 @@ class Run:
     def stop_requested(self) -> bool:
         """Whether any rank received a stop signal (all ranks must call this together)."""
         return all_reduce_sum([1.0 if self.stop.requested else 0.0])[0] > 0
+
+    @contextmanager
+    def stoppable(self) -> Iterator[None]:
+        """Work of a step (or an evaluation) that a stop request cuts short -- a generation
+        (`hpcrlhf.engines.hf_generate.StopOnRequest`), the user's rules and metrics
+        (`hpcrlhf.usercode`: StopRequested leaves the block) -- done by every rank alike. At its end
+        every rank learns whether any was asked to stop (one all-reduce); if one was, what the work
+        made is incomplete and nothing may learn from it: StepAbandoned on every rank, and the run
+        checkpoints the steps done before it (a resumed run redoes the step from its start). Inside,
+        no collective may follow the user's code (a rank that leaves early would miss it)."""
+        try:
+            yield
+        except StopRequested:
+            pass  # this rank's flag is set: the all-reduce says so to every rank
+        if self.stop_requested():
+            raise StepAbandoned
 
     def save_checkpoint(self, engine, step: int, extra: dict[str, Any] | None = None) -> Path:
         """Every rank writes into the step's staging folder; the main rank commits it (manifest,

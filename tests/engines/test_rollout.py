@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -224,6 +225,29 @@ def test_hf_generates_in_eval_mode_and_restores_the_mode(hf_model, tokenizer, ro
         engine.generate(rollout_prompts[:2], SamplingParams(max_new_tokens=3, seed=0))
         assert modes and not any(modes)
         assert hf_model.training is training
+
+
+def test_a_stop_request_ends_a_generation_at_the_next_decode_step(hf_model, tokenizer, rollout_prompts):
+    """A time-limit signal must not wait for a long generation (issue 36): once this process is asked
+    to stop, HF generate ends at the next decode step, sampled and greedy alike."""
+    from hpcrlhf.signals import STOP_SIGNALS, StopFlag
+
+    fixed = SamplingParams(n=2, max_new_tokens=40, min_new_tokens=40, seed=1)
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, *STOP_SIGNALS)}
+    try:
+        flag = StopFlag().install()
+        one_token = generate_greedy(hf_model, tokenizer, rollout_prompts[:4], max_new_tokens=1, device=CPU)
+        assert {len(g.response_ids) for s in hf_rollout(hf_model, tokenizer).generate(rollout_prompts[:2], fixed)
+                for g in s} == {40}
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert flag.requested
+        cut = hf_rollout(hf_model, tokenizer, batch_size=2).generate(rollout_prompts[:4], fixed)
+        greedy = generate_greedy(hf_model, tokenizer, rollout_prompts[:4], max_new_tokens=40, device=CPU)
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+    assert [len(g.response_ids) for s in cut for g in s] == [1] * 8  # every batch: one token, then done
+    assert greedy == one_token
 
 
 def test_hf_greedy_equals_generate_greedy(hf_model, tokenizer, rollout_prompts):

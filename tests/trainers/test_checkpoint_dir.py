@@ -168,3 +168,64 @@ def test_cli_resume_past_garbage_latest_and_a_truncated_shard_without_manifest(t
     assert "step_000004 is damaged (mp_rank_00_model_states.pt is cut short or damaged" in log, log[-3000:]
     assert "resumed from" in log and "step_000002 at step 2" in log, log[-3000:]
     assert (out / "checkpoints" / "latest").read_text().strip() == "step_000006"
+
+
+def test_a_checkpoint_marked_damaged_is_skipped_until_its_step_is_saved_again(tmp_path, caplog):
+    ckpts = CheckpointDir(tmp_path, keep_last=3)
+    for step in (10, 20):
+        save(ckpts, step)
+    ckpts.mark_damaged(ckpts.path_for(20), "step 21: non-finite gradients")
+    assert verify_checkpoint(ckpts.path_for(20)) == ["marked damaged: step 21: non-finite gradients"]
+    with caplog.at_level(logging.WARNING, logger="hpcrlhf"):
+        assert ckpts.latest_intact() == ckpts.path_for(10)
+    assert "step_000020 is damaged (marked damaged: step 21: non-finite gradients): not loading it" in caplog.text
+    save(ckpts, 20)  # the resumed run saves that step again
+    assert ckpts.latest_intact() == ckpts.path_for(20)
+
+
+def nan_in_place(shard, record: str = "data/0") -> None:
+    """Overwrite one tensor of a torch.save file with NaN, in place: the file keeps its size and stays
+    loadable (torch does not check the zip's CRCs), as after a disk or copy error."""
+    import struct
+    import zipfile
+
+    with zipfile.ZipFile(shard) as z:
+        info = next(i for i in z.infolist() if i.filename.endswith(f"/{record}"))
+    with open(shard, "r+b") as f:
+        f.seek(info.header_offset)
+        name, extra = struct.unpack("<HH", f.read(30)[26:30])
+        f.seek(info.header_offset + 30 + name + extra)
+        f.write(b"\x00\x00\xc0\x7f" * (info.file_size // 4))
+
+
+@pytest.mark.parametrize("policy", ["skip", "stop"])
+def test_a_checkpoint_whose_first_step_is_nonfinite_is_damaged_and_the_previous_one_resumes(tmp_path, policy):
+    """Same-size garbage in the newest checkpoint's weights passes `checkpoint.verify: size`; every
+    rerun loaded it, skipped its NaN steps and stopped with "the run is diverging; lower optim.lr"
+    (a change a rerun may not make). Now its first step's NaN marks it damaged, the previous one
+    resumes with a message, and the run finishes; the damaged one is never loaded again."""
+    from hpcrlhf.metrics import read_metrics
+    from tests.launch_helpers import run_cli
+
+    out = tmp_path / "run"
+    args = ["train", "sft", "-o", str(out), "--set", "train.global_batch_size=16", "--set", "train.micro_batch_size=16",
+            "--set", "checkpoint.every_steps=1", "--set", "checkpoint.keep_last=3", "--set", "eval.every_steps=0",
+            "--set", "log.every_steps=1", "--set", "log.tensorboard=false", "--set", "task.eval_size=16",
+            "--set", "eval.score_prompts=8", "--set", "checkpoint.save_model=false",
+            "--set", f"train.on_nonfinite={policy}"]
+    run_cli([*args, "--set", "train.max_steps=2"], timeout=300)
+    damaged = out / "checkpoints" / "step_000002"
+    nan_in_place(damaged / "mp_rank_00_model_states.pt")
+    assert not verify_checkpoint(damaged)  # sizes cannot tell
+    proc = run_cli([*args, "--set", "train.max_steps=3"], timeout=300, check=False)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and "Traceback" not in log, log[-3000:]
+    assert "step 3: non-finite gradients" in log, log[-3000:]
+    assert (f"checkpoint {damaged} gave a non-finite first step after loading it (step 3: non-finite gradients"
+            in log), log[-3000:]
+    assert "step_000002 is damaged (marked damaged: " in log and "resumed from" in log, log[-3000:]
+    assert "step_000001 at step 1" in log, log[-3000:]
+    rows = [m for m in read_metrics(out) if "train/loss" in m]
+    assert [m["step"] for m in rows] == [1, 2, 3] and all(m["train/loss"] == m["train/loss"] for m in rows)
+    assert (out / "checkpoints" / "latest").read_text().strip() == "step_000003"
+    assert json.loads((out / "summary.json").read_text())["status"] == "done"

@@ -1,0 +1,38 @@
+"""Waiting on Ray workers (`hpcrlhf.cluster.worker_group.gather`) on the package's real Ray cluster."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from hpcrlhf.cluster.worker_group import gather
+from hpcrlhf.signals import STOP_SIGNALS, StopFlag, StopRequested
+
+
+@pytest.mark.slow
+def test_an_interruptible_gather_leaves_work_that_never_returns_on_a_stop_request(ray_cluster):
+    """The reward role runs the user's rules, which may never return: the driver stops waiting for
+    them when it is asked to stop (issue 36), instead of hanging until they end."""
+    import ray
+
+    @ray.remote(num_cpus=1)
+    def forever() -> None:
+        time.sleep(3600)
+
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, *STOP_SIGNALS)}
+    ref = forever.remote()
+    try:
+        StopFlag().install()
+        threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGUSR1)).start()
+        start = time.monotonic()
+        with pytest.raises(StopRequested):
+            gather([ref], interruptible=True)
+        assert time.monotonic() - start < 10
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+        ray.cancel(ref, force=True)
