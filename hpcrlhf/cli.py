@@ -8,7 +8,7 @@ from pathlib import Path
 
 from hpcrlhf import __version__
 from hpcrlhf.config.jobspec import (TrainJob, add_bench_arguments, add_config_arguments, add_train_arguments,
-                                    build_config, resolve_recipe)
+                                    build_config, literal_setting, path_text, resolve_recipe)
 from hpcrlhf.errors import ConfigError, HpcrlhfError, WorkerLost
 from hpcrlhf.signals import EXIT_INTERRUPTED, EXIT_LOST, release_interrupt
 
@@ -43,18 +43,43 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from hpcrlhf.config.schema import GenerateConfig
     from hpcrlhf.inference import run_generate
 
-    overrides = list(args.set)
-    overrides += [f"model.path={args.model}"] if args.model else []
-    overrides += [f"output={args.output}"] if args.output else []
+    overrides = list(args.set) + literal_setting("model.path", args.model) + literal_setting("output", args.output)
     run_generate(load_config(GenerateConfig, resolve_recipe(args.config), overrides))
     return 0
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
-    from hpcrlhf.inference import chat
+    from hpcrlhf.inference import Utf8Lines, chat
 
     return chat(args.model, backend=args.backend, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                greedy=args.greedy, system=args.system, history=not args.no_history, raw=args.raw, seed=args.seed)
+                greedy=args.greedy, system=args.system, history=not args.no_history, raw=args.raw, seed=args.seed,
+                stdin=Utf8Lines(sys.stdin.buffer))
+
+
+def _number(text: str, kind: type, what: str, fix: str) -> int | float:
+    """argparse type: `text` as a finite `kind` (int or float) above 0, else an error naming `what` and `fix`."""
+    import math
+
+    try:
+        value = kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not {what}: {fix}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"{text} is not {what}: {fix}")
+    return value
+
+
+def _new_tokens(text: str) -> int:
+    return _number(text, int, "a number of tokens to generate", "use 1 or more, e.g. 128")
+
+
+def _temperature(text: str) -> float:
+    return _number(text, float, "a sampling temperature", "use a finite number above 0, e.g. 0.7 (lower: more "
+                                                           "predictable; --greedy for the most likely token each time)")
+
+
+def _seconds(text: str) -> float:
+    return _number(text, float, "a number of seconds", "use a finite number above 0, e.g. 10")
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -159,11 +184,12 @@ def cmd_image(args: argparse.Namespace) -> int:
 
 
 def _add_slurm_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("recipe", metavar="RECIPE", nargs="?", help="recipe: a YAML path or a shipped recipe name")
+    p.add_argument("recipe", type=path_text, metavar="RECIPE", nargs="?",
+                   help="recipe: a YAML path or a shipped recipe name")
     p.add_argument("--kind", "-k", default="ppo", help="job kind (default: ppo)")
     p.add_argument("--set", "-s", action="append", default=[], metavar="KEY=VALUE",
                    help="override one setting of the job (repeatable)")
-    p.add_argument("--output-dir", "-o", metavar="DIR",
+    p.add_argument("--output-dir", "-o", type=path_text, metavar="DIR",
                    help="run folder on shared storage (default: runs/KIND-RECIPE, made absolute)")
     p.add_argument("--nodes", "-N", type=int, metavar="N",
                    help="nodes (default: the recipe's placement.nodes for Ray jobs, else 1)")
@@ -177,13 +203,14 @@ def _add_slurm_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--time", "-t", help="time limit in Slurm's format (default: 24:00:00)")
     p.add_argument("--job-name", "-J", help="Slurm job name (default: hpcrlhf-KIND)")
     p.add_argument("--cpus-per-gpu", type=int, metavar="C", help="CPUs per GPU")
-    p.add_argument("--container", metavar="IMAGE.sif",
+    p.add_argument("--container", type=path_text, metavar="IMAGE.sif",
                    help="run every step inside this Apptainer image (apptainer/build.sh builds one)")
-    p.add_argument("--bind", dest="binds", action="append", metavar="SRC[:DST]",
+    p.add_argument("--bind", dest="binds", action="append", type=path_text, metavar="SRC[:DST]",
                    help="also bind this folder into the container (repeatable; the run folder, caches and the "
                         "recipe's local model/data folders are bound already)")
-    p.add_argument("--cache-dir", metavar="DIR", help="shared cache folder (HF_HOME, HPCRLHF_CACHE)")
-    p.add_argument("--python", metavar="PATH", help="Python on the nodes (default: this one; 'python' in a container)")
+    p.add_argument("--cache-dir", type=path_text, metavar="DIR", help="shared cache folder (HF_HOME, HPCRLHF_CACHE)")
+    p.add_argument("--python", type=path_text, metavar="PATH",
+                   help="Python on the nodes (default: this one; 'python' in a container)")
     p.add_argument("--signal-lead-s", type=int, metavar="S",
                    help="seconds between the time-limit signal and the kill (default: 300)")
     p.add_argument("--max-requeues", type=int, metavar="N",
@@ -223,8 +250,9 @@ def build_parser() -> argparse.ArgumentParser:
                                    "prompts) and write one JSON line per response; with a `reward` section each "
                                    "response is also scored. `hpcrlhf config generate` lists the settings.")
     add_config_arguments(p)
-    p.add_argument("--model", "-m", metavar="PATH", help="model folder (same as --set model.path=PATH)")
-    p.add_argument("--output", "-o", metavar="FILE", help="JSONL file to write (same as --set output=FILE)")
+    p.add_argument("--model", "-m", type=path_text, metavar="PATH", help="model folder (same as --set model.path=PATH)")
+    p.add_argument("--output", "-o", type=path_text, metavar="FILE",
+                   help="JSONL file to write (same as --set output=FILE)")
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("chat", help="chat with a model interactively (reads stdin)",
@@ -233,10 +261,12 @@ def build_parser() -> argparse.ArgumentParser:
                                    "two lines of three double quotes (\"\"\"). /reset forgets the conversation, /quit "
                                    "(or Ctrl-D) leaves. Piped input works the same way, a message (or command) per "
                                    "line. Models with a chat template see the whole conversation.")
-    p.add_argument("--model", "-m", required=True, metavar="PATH", help="model folder (e.g. runs/ppo/model)")
+    p.add_argument("--model", "-m", required=True, type=path_text, metavar="PATH",
+                   help="model folder (e.g. runs/ppo/model)")
     p.add_argument("--backend", choices=["hf", "vllm"], default="hf", help="generation engine (default: hf)")
-    p.add_argument("--max-new-tokens", type=int, default=128, metavar="N", help="longest answer (default: 128)")
-    p.add_argument("--temperature", type=float, default=0.7, metavar="T", help="sampling temperature (default: 0.7)")
+    p.add_argument("--max-new-tokens", type=_new_tokens, default=128, metavar="N", help="longest answer (default: 128)")
+    p.add_argument("--temperature", type=_temperature, default=0.7, metavar="T",
+                   help="sampling temperature (default: 0.7)")
     p.add_argument("--greedy", action="store_true", help="greedy decoding instead of sampling")
     p.add_argument("--system", metavar="TEXT", help="system message (models with a chat template)")
     p.add_argument("--no-history", action="store_true", help="answer each message on its own")
@@ -251,7 +281,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "on an allocation of nodes x GPUs as the recipe's `placement` section says, check "
                                    "the layout (GPU counts, TP groups, batch splits, memory per GPU) and print it. "
                                    "Exit status 2 lists every problem with its fix.")
-    p.add_argument("recipe", metavar="RECIPE", help="PPO recipe: a YAML path, or a shipped recipe name (ppo-7b)")
+    p.add_argument("recipe", type=path_text, metavar="RECIPE",
+                   help="PPO recipe: a YAML path, or a shipped recipe name (ppo-7b)")
     p.add_argument("--nodes", type=int, metavar="N", help="nodes of the allocation (default: placement.nodes)")
     p.add_argument("--gpus-per-node", type=int, metavar="G",
                    help="GPUs per node (default: placement.gpus_per_node)")
@@ -266,7 +297,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "teardown, and requeue from the last checkpoint on a time limit. The job is "
                                    "checked against --nodes/--gpus-per-node before anything is written.")
     _add_slurm_args(p)
-    p.add_argument("--script", metavar="FILE", help="where to write the script (default: RUN_DIR/KIND.sbatch)")
+    p.add_argument("--script", type=path_text, metavar="FILE",
+                   help="where to write the script (default: RUN_DIR/KIND.sbatch)")
     p.add_argument("--print", action="store_true", help="print the script instead of writing it")
     p.set_defaults(func=cmd_sbatch)
 
@@ -276,7 +308,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "limit or preemption (up to --max-requeues times).")
     _add_slurm_args(p)
     p.add_argument("--no-follow", dest="follow", action="store_false", help="return once the job is queued")
-    p.add_argument("--poll-s", type=float, default=10.0, metavar="S",
+    p.add_argument("--poll-s", type=_seconds, default=10.0, metavar="S",
                    help="seconds between checks of the job's state and latest metrics (default: 10)")
     p.set_defaults(func=cmd_submit)
 
@@ -284,8 +316,9 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Check that IMAGE is a readable SIF file whose Python imports hpcrlhf, then run "
                                    "its smoke test (`apptainer test`: the stack imports, a tiny model generates).")
     p.add_argument("action", choices=["check"], help="what to do with the image")
-    p.add_argument("image", metavar="IMAGE.sif", help="the image file")
-    p.add_argument("--python", default="python", metavar="PATH", help="the image's Python (default: python)")
+    p.add_argument("image", type=path_text, metavar="IMAGE.sif", help="the image file")
+    p.add_argument("--python", default="python", type=path_text, metavar="PATH",
+                   help="the image's Python (default: python)")
     p.add_argument("--nv", action="store_true", help="test with the host's NVIDIA GPUs (apptainer --nv)")
     p.set_defaults(func=cmd_image)
 
@@ -301,7 +334,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="the main job on the embedded defaults (tiny bundled model and task)",
                        description="Fine-tune the bundled tiny model on the bundled arithmetic task and "
                                    "print its task score before and after. Needs no network, GPU or cluster.")
-    p.add_argument("--output-dir", "-o", default="runs/demo", metavar="DIR", help="demo run folder (default: runs/demo)")
+    p.add_argument("--output-dir", "-o", default="runs/demo", type=path_text, metavar="DIR",
+                   help="demo run folder (default: runs/demo)")
     p.add_argument("--fresh", action="store_true", help="delete the demo folder first instead of resuming it")
     p.set_defaults(func=cmd_demo)
     return parser

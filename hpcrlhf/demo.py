@@ -18,7 +18,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from hpcrlhf.config.loader import load_config
+from hpcrlhf.config.loader import load_config, quoted
 from hpcrlhf.config.schema import PPOConfig, RMConfig, SFTConfig
 from hpcrlhf.logs import get_logger
 
@@ -47,16 +47,20 @@ def run_demo(out: Path, *, fresh: bool = False) -> int:
     if fresh and out.exists():
         shutil.rmtree(out)
     sft_model, rm_model = out / "sft" / "model", out / "rm" / "model"
-    sft = run_sft(load_config(SFTConfig, overrides=[f"output_dir={out / 'sft'}", *HALF_TRAINED_SFT]))
+    def folder(stage: str) -> str:  # -o is a path, taken literally (`quoted`)
+        return f"output_dir={quoted(str(out / stage))}"
+
+    model = f"model.path={quoted(str(sft_model))}"
+    sft = run_sft(load_config(SFTConfig, overrides=[folder("sft"), *HALF_TRAINED_SFT]))
     if sft["status"] != "done":
         return 3
-    rm = run_rm(load_config(RMConfig, overrides=[f"output_dir={out / 'rm'}", f"model.path={sft_model}",
-                                                  f"train.max_steps={RM_STEPS}", "eval.every_steps=100"]))
+    rm = run_rm(load_config(RMConfig, overrides=[folder("rm"), model, f"train.max_steps={RM_STEPS}",
+                                                  "eval.every_steps=100"]))
     if rm["status"] != "done":
         return 3
     ppo = run_ppo(load_config(PPOConfig, overrides=[
-        f"output_dir={out / 'ppo'}", f"model.path={sft_model}", f"train.max_steps={PPO_STEPS}", "eval.every_steps=20",
-        f"reward.sources=[{{model: {rm_model}}}, {{rule: task}}]"]))
+        folder("ppo"), model, f"train.max_steps={PPO_STEPS}", "eval.every_steps=20",
+        f"reward.sources=[{{model: {quoted(str(rm_model))}}}, {{rule: task}}]"]))
     if ppo["status"] != "done":
         return 3
     report = ["", "hpcrlhf demo on held-out arithmetic prompts",

@@ -13,13 +13,14 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, BinaryIO, TextIO
 
 import torch
 
 from hpcrlhf.config.schema import GenerateConfig, RolloutConfig
 from hpcrlhf.diskspace import out_of_space_is_an_error
 from hpcrlhf.engines.rollout import SamplingParams
+from hpcrlhf.errors import DataError
 from hpcrlhf.logs import Progress, get_logger
 from hpcrlhf.safefiles import make_folders, replacing, require_safe
 
@@ -165,6 +166,39 @@ def _records(batch, gens, tokenizer, metrics, rewards) -> list[dict]:
 
 BLOCK = '"""'
 """Three double quotes open and close a chat message of several lines (as in Ollama's REPL)."""
+
+
+MAX_LINE_BYTES = 1 << 20
+"""The longest line chat reads (1 MiB): a message is far shorter, and a line is read whole before anything
+checks it (a pipe of a file with no line breaks would fill the memory first)."""
+
+
+class Utf8Lines:
+    """The lines of a binary stream (chat's stdin) as UTF-8 text. A line that is not UTF-8, or longer than
+    `MAX_LINE_BYTES`, is a DataError naming its number, before any of it is tokenized: text-mode stdin
+    decodes by the locale, and binary input reached the tokenizer as lone surrogates (a TypeError)."""
+
+    def __init__(self, raw: BinaryIO, name: str = "stdin"):
+        self.raw, self.name, self.number = raw, name, 0
+
+    def isatty(self) -> bool:
+        return self.raw.isatty()
+
+    def readline(self) -> str:
+        data = self.raw.readline(MAX_LINE_BYTES + 1)
+        if not data:
+            return ""
+        self.number += 1
+        where = f"{self.name} line {self.number}"
+        if len(data) > MAX_LINE_BYTES and not data.endswith(b"\n"):
+            raise DataError(f"{where} is longer than {MAX_LINE_BYTES >> 20} MiB: chat reads a message per line; "
+                            "split the text into shorter messages (or pipe in text, not a binary file)")
+        try:
+            return data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise DataError(f"{where} is not UTF-8 text (byte {data[e.start]:#04x} at byte {e.start + 1} of the "
+                            "line): chat reads UTF-8 text; convert it first (e.g. iconv -t UTF-8) or pipe in text, "
+                            "not a binary file") from None
 
 
 def read_message(stdin: TextIO, stdout: TextIO, interactive: bool) -> str | None:

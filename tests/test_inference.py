@@ -56,7 +56,7 @@ def test_generate_with_vllm_gives_the_same_greedy_answers(policy_model, tmp_path
 def test_generate_reads_a_prompt_file_and_names_a_missing_field(tiny_llama, tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"question": "1+2="}) + "\n" + json.dumps({"question": "3+4="}) + "\n")
-    out = tmp_path / "out.jsonl"
+    out = tmp_path / 'out "x" #1.jsonl'  # -o is a path, taken literally (it was YAML: this wrote to `out "x"`)
     run_cli(["generate", "-m", tiny_llama, "-o", str(out), "--set", f"data.train_path={prompts}",
              "--set", "data.prompt_key=question", "--set", "task.name=null"])
     assert [r["prompt"] for r in _rows(out)] == ["1+2=", "3+4="] and "task_score" not in _rows(out)[0]
@@ -106,6 +106,38 @@ def test_chat_reads_a_message_of_several_lines(tiny_llama):
     assert proc.returncode == 0, proc.stderr[-3000:]
     answers = proc.stdout.splitlines()
     assert len(answers) == 2 and answers[0] == answers[1], proc.stdout
+
+
+@pytest.mark.parametrize("option, value, expected", [
+    ("--max-new-tokens", "0", "argument --max-new-tokens: 0 is not a number of tokens to generate: use 1 or more"),
+    ("--max-new-tokens", "-5", "argument --max-new-tokens: -5 is not a number of tokens to generate: use 1 or more"),
+    ("--temperature", "0", "argument --temperature: 0 is not a sampling temperature: use a finite number above 0"),
+    ("--temperature", "-1", "argument --temperature: -1 is not a sampling temperature: use a finite number above 0"),
+    ("--temperature", "nan", "argument --temperature: nan is not a sampling temperature: use a finite number above 0"),
+    ("--temperature", "inf", "argument --temperature: inf is not a sampling temperature: use a finite number above 0"),
+])
+def test_chat_arguments_out_of_range_are_refused_before_a_model_loads(option, value, expected, tmp_path, capsys):
+    """Each was a ValueError traceback from SamplingParams once the model had loaded (rc 1); inf sampled noise."""
+    from hpcrlhf.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["chat", "-m", str(tmp_path / "no-model"), option, value])
+    assert e.value.code == 2 and expected in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("given, expected", [
+    (b"1+2=\n3+\xff4=\n", "hpcrlhf: error: stdin line 2 is not UTF-8 text (byte 0xff at byte 3 of the line): chat "
+                           "reads UTF-8 text"),
+    (b"1+2=\n" + b"9" * (2 << 20), "hpcrlhf: error: stdin line 2 is longer than 1 MiB: chat reads a message per line"),
+])
+def test_chat_input_that_is_no_text_message_is_an_error_naming_its_line(tiny_llama, given, expected):
+    """Binary input reached the tokenizer as lone surrogates (a TypeError traceback); a line with no end was
+    read whole into memory."""
+    proc = subprocess.run(cli_command(["chat", "-m", tiny_llama, "--raw", "--greedy", "--max-new-tokens", "1"]),
+                          cwd=ROOT, env=cli_env(), input=given, capture_output=True, timeout=300)
+    err = proc.stderr.decode()
+    assert proc.returncode == 2 and expected in err and "Traceback" not in err, err[-3000:]
+    assert len(proc.stdout.decode().splitlines()) == 1  # line 1 was answered
 
 
 def test_read_message_joins_lines():

@@ -133,11 +133,12 @@ class Suite:
 
     def common_overrides(self, prompts_path: str) -> list[str]:
         """`--set` values every system of the suite runs with."""
-        model = self.model
-        reward = self.reward_model or model
+        from hpcrlhf.config.loader import quoted  # paths (--model, the run folder's prompts) taken literally
+
+        model, reward = quoted(self.model), quoted(self.reward_model or self.model)
         return [
             f"model.path={model}", f"reward.sources=[{{model: {reward}}}]", f"critic.path={reward}",
-            "task.name=null", f"data.train_path={prompts_path}", f"data.max_length={self.prompt_tokens}",
+            "task.name=null", f"data.train_path={quoted(prompts_path)}", f"data.max_length={self.prompt_tokens}",
             f"rollout.prompts_per_step={self.prompts_per_step}", "rollout.samples_per_prompt=1",
             f"rollout.max_new_tokens={self.response_tokens}", f"rollout.min_new_tokens={self.response_tokens}",
             f"train.global_batch_size={self.train_batch}", f"train.max_steps={self.warmup_steps + self.steps}",

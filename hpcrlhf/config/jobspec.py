@@ -35,16 +35,33 @@ def resolve_recipe(spec: Optional[str]) -> Optional[str]:
 
 def build_config(kind: str, recipe: Optional[str], overrides: Sequence[str], output_dir: Optional[str]):
     """The typed config of job `kind`: its defaults, then the recipe, then the overrides (and the run
-    folder, as `output_dir=`)."""
+    folder, as `output_dir=`, taken literally)."""
     from hpcrlhf.config.loader import load_config
     from hpcrlhf.config.schema import JOB_CONFIGS
 
-    overrides = list(overrides) + ([f"output_dir={output_dir}"] if output_dir else [])
+    overrides = list(overrides) + literal_setting("output_dir", output_dir)
     return load_config(JOB_CONFIGS[kind], resolve_recipe(recipe), overrides)
 
 
+def literal_setting(key: str, path: Optional[str]) -> list[str]:
+    """`--set KEY=PATH` for a path given as an option (`-o DIR`, `--model PATH`; none when not given): quoted,
+    so the path is taken as written -- `-o 2024-01-01` or `-o '"x"'` names that folder, not a date or `x`."""
+    from hpcrlhf.config.loader import quoted
+
+    return [] if path is None else [f"{key}={quoted(path)}"]
+
+
+def path_text(text: str) -> str:
+    """argparse type of an option naming a file or folder: the text as given, but never empty (what an unset
+    shell variable gives, `-o "$OUT"`, would otherwise fall back to the default silently)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"{text!r} is an empty path (an unset shell variable?): give the file or "
+                                         "folder, or leave the option out for its default")
+    return text
+
+
 def add_config_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", "-c", metavar="RECIPE",
+    p.add_argument("--config", "-c", type=path_text, metavar="RECIPE",
                    help="YAML recipe overriding the defaults (a path, or a shipped recipe name)")
     p.add_argument("--set", "-s", action="append", default=[], metavar="KEY=VALUE",
                    help="override one setting, e.g. --set optim.lr=3e-4 (repeatable; applied after the recipe)")
@@ -56,22 +73,25 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("kind", choices=sorted(JOB_CONFIGS), help="job kind")
     add_config_arguments(p)
-    p.add_argument("--output-dir", "-o", metavar="DIR", help="run folder (same as --set output_dir=DIR)")
+    p.add_argument("--output-dir", "-o", type=path_text, metavar="DIR",
+                   help="run folder (same as --set output_dir=DIR)")
 
 
 def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     """The arguments of `hpcrlhf bench` (after the command name)."""
-    p.add_argument("--suite", metavar="NAME", help="suite to run (cpu, cpu-small, cpu-tiny, gpu-1, gpu-7b, gpu-13b, gpu-70b)")
-    p.add_argument("--output", "-o", metavar="DIR", help="results folder (default: runs/bench-SUITE)")
+    p.add_argument("--suite", metavar="NAME",
+                   help="suite to run (cpu, cpu-small, cpu-tiny, gpu-1, gpu-7b, gpu-13b, gpu-70b)")
+    p.add_argument("--output", "-o", type=path_text, metavar="DIR", help="results folder (default: runs/bench-SUITE)")
     p.add_argument("--systems", metavar="A,B", help="run only these systems of the suite (dschat: real DeepSpeed-Chat "
                                                     "alone, with --dschat-dir)")
     p.add_argument("--steps", type=int, metavar="N", help="measured steps (after warm-up; default: the suite's)")
-    p.add_argument("--model", metavar="PATH", help="actor/reference model folder (gpu suites need one)")
-    p.add_argument("--reward-model", metavar="PATH", help="reward model (and critic) folder (default: --model)")
-    p.add_argument("--dschat-dir", metavar="DIR",
+    p.add_argument("--model", type=path_text, metavar="PATH", help="actor/reference model folder (gpu suites need one)")
+    p.add_argument("--reward-model", type=path_text, metavar="PATH",
+                   help="reward model (and critic) folder (default: --model)")
+    p.add_argument("--dschat-dir", type=path_text, metavar="DIR",
                    help="a DeepSpeedExamples checkout: also run real DeepSpeed-Chat step 3 on the same models, "
                         "prompts and lengths (GPU suites as its scripts do; CPU suites in bf16, ZeRO-2) and parse its log")
-    p.add_argument("--dschat-critic", metavar="DIR",
+    p.add_argument("--dschat-critic", type=path_text, metavar="DIR",
                    help="DeepSpeed-Chat step-2 output (its critic/reward model, with pytorch_model.bin; default: made "
                         "from the reward model by DeepSpeed-Chat's own code)")
     p.add_argument("--list", action="store_true", help="list the suites and their systems")

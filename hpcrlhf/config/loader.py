@@ -10,10 +10,15 @@ Rules:
 * Every layer is checked first; the layers are then merged and each dataclass is built once, so a
   ``__post_init__`` check sees the final values, never a half-applied recipe.
 * Values are checked strictly against the annotations (``typing.get_type_hints``, so string
-  annotations work): bool takes only true/false; int rejects bools and 2.5; float takes ints and
-  numeric strings (YAML 1.1 reads ``1e-4`` as a *string*: its float pattern needs a dot, as in
-  ``1.0e-4``); str rejects numbers (quote them); ``Literal``, ``X | None``, unions, nested
-  dataclasses, ``tuple[X, ...]`` (stored as a tuple), ``list[X]``, ``dict[str, X]`` and ``Any``.
+  annotations work): bool takes only true/false; int rejects bools and 2.5; float takes ints; a
+  number in quotes is text, refused where a number is expected; str rejects numbers (quote them);
+  ``Literal``, ``X | None``, unions, nested dataclasses, ``tuple[X, ...]`` (stored as a tuple),
+  ``list[X]``, ``dict[str, X]`` and ``Any``. ``Annotated[str, NonEmpty()]`` (a path) refuses an
+  empty value.
+* Numbers are read as a person writes them, not as YAML 1.1 does: ``1e-4`` is a float (YAML 1.1
+  reads it as text: its float pattern needs a dot and a signed exponent), and YAML 1.1's other
+  number forms -- base 60 (``1:30`` is 90), hexadecimal (``0x10``), octal (``010`` is 8) and
+  binary (``0b11``) -- are refused, with the decimal value they would have read as.
 * Every user error is a ``ConfigError`` whose message starts with where the value came from
   (``recipe.yaml:12``, ``--set train.lr=abc``, ``<data>``), then the dotted key path.
 * The string literal under a field documents it (torchtitan style); ``describe`` prints them.
@@ -30,25 +35,42 @@ import inspect
 import itertools
 import math
 import re
+import stat
 import textwrap
 import types
 import typing
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any, Literal, NoReturn, TypeVar, Union
+from typing import Annotated, Any, Literal, NoReturn, TypeVar, Union
 
 import yaml
 
 from hpcrlhf.errors import ConfigError
 
-__all__ = ["load_config", "from_dict", "apply_overrides", "to_dict", "to_yaml", "field_docs", "describe"]
+__all__ = ["load_config", "from_dict", "apply_overrides", "to_dict", "to_yaml", "field_docs", "describe", "NonEmpty",
+           "quoted"]
 
 T = TypeVar("T")
 _FORM = "expected the form --set section.key=value"
 _NAMES = {bool: "a boolean (true or false)", int: "an int", float: "a float", str: "a string",
           list: "a list", tuple: "a list", dict: "a mapping"}
-# What a user means by a number written as text; YAML 1.1 leaves `1e-4` and `3E5` as strings.
+# A number written as text (in quotes, or from Python): refused where a number is expected.
 _NUMBER_TEXT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
+# Floats YAML 1.1 leaves as text: an exponent without a dot (`1e-4`, `3E5`) or without a sign (`1.0e5`).
+_EXPONENT_FLOAT = re.compile(r"[-+]?([0-9][0-9_]*\.?[0-9_]*|\.[0-9][0-9_]*)[eE][-+]?[0-9]+$")
+
+
+@dataclasses.dataclass(frozen=True)
+class NonEmpty:
+    """`Annotated[str, NonEmpty()]`: a setting that names a file or folder. An empty (or blank) value is
+    refused where it is set: it is what an unset shell variable gives (`--set data.train_path=$DATA`),
+    and read as "unset" it would silently train on something else."""
+
+
+def quoted(text: str) -> str:
+    """`text` as a YAML scalar that a recipe or `--set` reads back as exactly that string: what a
+    command-line folder argument (`-o 2024-01-01`, `-o '"x"'`) becomes in an override."""
+    return yaml.dump(text, Dumper=_Dumper, default_style='"', width=math.inf, allow_unicode=True).removesuffix("\n")
 
 
 # ---------------------------------------------------------------- reading YAML with line numbers
@@ -77,6 +99,10 @@ class _TagError(yaml.constructor.ConstructorError):
         self.key_path = key_path
 
 
+class _NumberFormError(_TagError):
+    """A number written in a YAML 1.1 form no one means in a config (`1:30`, `0x10`): valid YAML, refused."""
+
+
 class _SafeLoader(yaml.SafeLoader):
     """SafeLoader whose failures are all YAML errors with a position.
 
@@ -102,6 +128,25 @@ class _SafeLoader(yaml.SafeLoader):
             raise _TagError(f"cannot read {text} as {tag}{detail}; remove the tag or fix the value",
                             node.start_mark, tuple(self.key_path)) from None
 
+    def construct_yaml_int(self, node: yaml.ScalarNode) -> int:
+        text = self.construct_scalar(node)
+        digits = text.replace("_", "").lstrip("+-")
+        kind = ("binary" if digits.startswith("0b") else "hexadecimal" if digits.startswith("0x")
+                else "octal" if digits.startswith("0") and digits != "0" else "base-60" if ":" in digits else None)
+        return self._decimal_only(node, text, kind, super().construct_yaml_int(node))
+
+    def construct_yaml_float(self, node: yaml.ScalarNode) -> float:
+        text = self.construct_scalar(node)
+        return self._decimal_only(node, text, "base-60" if ":" in text else None, super().construct_yaml_float(node))
+
+    def _decimal_only(self, node: yaml.ScalarNode, text: str, kind: str | None, value: Any) -> Any:
+        """`value`, unless `text` is one of YAML 1.1's number forms no one means in a config: base 60
+        (`1:30` is 90, `2:00:00` is 7200), hexadecimal, octal (`010` is 8) or binary."""
+        if kind is None:
+            return value
+        raise _NumberFormError(f"{text} is YAML 1.1's {kind} notation for {value}; write the number in decimal, or "
+                               "quote it if you mean text", node.start_mark, tuple(self.key_path))
+
     def construct_eager_list(self, node: yaml.SequenceNode) -> list[Any]:
         return self.construct_sequence(node, deep=True)
 
@@ -111,6 +156,16 @@ class _SafeLoader(yaml.SafeLoader):
 
 _SafeLoader.add_constructor("tag:yaml.org,2002:seq", _SafeLoader.construct_eager_list)
 _SafeLoader.add_constructor("tag:yaml.org,2002:map", _SafeLoader.construct_eager_map)
+_SafeLoader.add_constructor("tag:yaml.org,2002:int", _SafeLoader.construct_yaml_int)
+_SafeLoader.add_constructor("tag:yaml.org,2002:float", _SafeLoader.construct_yaml_float)
+_SafeLoader.add_implicit_resolver("tag:yaml.org,2002:float", _EXPONENT_FLOAT, list("-+.0123456789"))
+
+
+class _Dumper(yaml.SafeDumper):
+    """Writes YAML that `_SafeLoader` reads back the same: text it would read as a float (`1e-4`) is quoted."""
+
+
+_Dumper.add_implicit_resolver("tag:yaml.org,2002:float", _EXPONENT_FLOAT, list("-+.0123456789"))
 
 
 class _Loader(_SafeLoader):
@@ -176,18 +231,42 @@ def _reader_where(name: str, text: str, err: yaml.reader.ReaderError) -> str:
     return f"{name}:{line}:{err.position - start + 1}"
 
 
-def _read_recipe(path: str | Path) -> Mapping[str, Any]:
-    name, file = str(path), Path(path)
+MAX_RECIPE_BYTES = 1 << 20
+"""The largest recipe read (1 MiB; the shipped ones are about 1 KB): a recipe is read whole before it is
+parsed, and `--config /dev/zero` (or a data file given by mistake) would fill the memory first."""
+
+
+def _recipe_text(name: str, file: Path) -> str:
+    """The text of recipe `file`: a regular file, or a pipe (`--config <(...)`), of at most
+    MAX_RECIPE_BYTES of UTF-8. A directory, a device or a socket is refused by what it is."""
     if not file.exists():
         raise ConfigError(f"recipe file {name!r} does not exist")
     if file.is_dir():
         raise ConfigError(f"recipe file {name!r} is a directory, not a YAML file")
+    mode = file.stat().st_mode
+    if not (stat.S_ISREG(mode) or stat.S_ISFIFO(mode)):
+        kind = "a character device" if stat.S_ISCHR(mode) else "a block device" if stat.S_ISBLK(mode) else "a socket"
+        raise ConfigError(f"recipe file {name!r} is {kind}, not a YAML file: give the recipe's file")
+    limit = (f"more than the {MAX_RECIPE_BYTES >> 20} MiB a recipe may have (a recipe is a few KB of settings): is it "
+             "the right file?")
+    if stat.S_ISREG(mode) and file.stat().st_size > MAX_RECIPE_BYTES:
+        raise ConfigError(f"recipe file {name!r} is {file.stat().st_size:,} bytes, {limit}")
     try:
-        text = file.read_text(encoding="utf-8")
-    except UnicodeDecodeError as err:
-        raise ConfigError(f"{name}: recipe file is not UTF-8 text (byte {err.start})") from None
+        with file.open("rb") as f:
+            data = f.read(MAX_RECIPE_BYTES + 1)  # a regular file may grow, a pipe has no size
     except OSError as err:
         raise ConfigError(f"cannot read recipe file {name!r}: {err.strerror or err}") from None
+    if len(data) > MAX_RECIPE_BYTES:
+        raise ConfigError(f"recipe file {name!r} gives {limit}")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{name}: recipe file is not UTF-8 text (byte {err.start})") from None
+
+
+def _read_recipe(path: str | Path) -> Mapping[str, Any]:
+    name = str(path)
+    text = _recipe_text(name, Path(path))
     loader = None
     try:
         loader = _Loader(text)  # its reader already rejects control characters such as NUL
@@ -294,6 +373,8 @@ def _suggest(word: Any, choices: list[Any]) -> str:
 
 def _type_name(tp: Any) -> str:
     origin = typing.get_origin(tp)
+    if origin is Annotated:
+        return _type_name(typing.get_args(tp)[0])
     if origin is Literal:
         return "one of " + ", ".join(repr(c) for c in typing.get_args(tp))
     if origin in (Union, types.UnionType):
@@ -317,7 +398,7 @@ class _Section:
 
 @functools.cache
 def _hints(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
+    return typing.get_type_hints(cls, include_extras=True)  # keeps Annotated marks (NonEmpty)
 
 
 def _init_fields(cls: type) -> list[dataclasses.Field[Any]]:
@@ -335,6 +416,12 @@ def _convert(tp: Any, value: Any, src: str, line: int | None, path: tuple[Any, .
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if tp is Any or tp is object:
         return _plain(value)
+    if origin is Annotated:
+        checked = _convert(args[0], value, src, line, path)
+        if any(isinstance(mark, NonEmpty) for mark in args[1:]) and isinstance(checked, str) and not checked.strip():
+            _fail(src, line, path, f"{checked!r} is an empty path (an unset shell variable?): give the file or "
+                                   "folder, or leave the setting out for its default")
+        return checked
     if origin is Literal:
         if any(value == c and type(value) is type(c) for c in args):  # type check: True == 1
             return value
@@ -379,17 +466,16 @@ def _convert(tp: Any, value: Any, src: str, line: int | None, path: tuple[Any, .
             return value
         if isinstance(value, float) and value.is_integer():
             return int(value)
-        if isinstance(value, str) and _NUMBER_TEXT.fullmatch(value):  # "12" or 1e6 (text to YAML 1.1)
-            fix = "write it without an exponent" if "e" in value.lower() else "remove the quotes"
-            _fail(src, line, path, f"expected an int, got {_show(value)}; {fix}")
+        if isinstance(value, str) and _NUMBER_TEXT.fullmatch(value):  # "12": text, not a number
+            _fail(src, line, path, f"expected an int, got {_show(value)}; remove the quotes")
     elif tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             try:
                 return float(value)
             except OverflowError:
                 _fail(src, line, path, f"{_show(value)} is too large for a float")
-        if isinstance(value, str) and _NUMBER_TEXT.fullmatch(value):
-            return float(value)
+        if isinstance(value, str) and _NUMBER_TEXT.fullmatch(value.strip()):  # "0.001": text, not a number
+            _fail(src, line, path, f"expected a float, got {_show(value)}; remove the quotes")
     elif tp is str:
         if isinstance(value, str):
             return value
@@ -490,6 +576,8 @@ def _override(cls: type, text: Any) -> _Section:
         raise ConfigError(f"--set {text}: empty key {key.strip()!r}; {_FORM}")
     try:  # a bare `key=` means the empty string; yaml.safe_load("") would give null
         value: Any = yaml.load(raw, Loader=_SafeLoader) if raw.strip() else ""
+    except _NumberFormError as err:  # valid YAML, but not what a person means
+        raise ConfigError(f"--set {text}: {'.'.join(parts)}: {err.problem}") from None
     except yaml.YAMLError as err:
         raise ConfigError(f"--set {text}: {'.'.join(parts)}: the value is not valid YAML: {_yaml_problem(err)}") from None
     except RecursionError:
@@ -554,7 +642,7 @@ def to_dict(cfg: Any) -> dict[str, Any]:
 
 def to_yaml(cfg: Any) -> str:
     """`cfg` as YAML that `load_config(type(cfg), data=yaml.safe_load(...))` turns back into `cfg`."""
-    return yaml.safe_dump(to_dict(cfg), sort_keys=False, allow_unicode=True)
+    return yaml.dump(to_dict(cfg), Dumper=_Dumper, sort_keys=False, allow_unicode=True)
 
 
 @functools.cache

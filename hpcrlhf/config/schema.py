@@ -13,11 +13,15 @@ import math
 import string
 import dataclasses
 from dataclasses import dataclass, field, fields, is_dataclass
-from typing import ClassVar, Literal, Optional
+from typing import Annotated, ClassVar, Literal, Optional
 
 from hpcrlhf.algos.estimators import ADVANTAGE_ESTIMATORS, ESTIMATORS, Estimator
+from hpcrlhf.config.loader import NonEmpty
 from hpcrlhf.config.stop_rule import parse_stop_rule
 from hpcrlhf.errors import ConfigError
+
+PathText = Annotated[str, NonEmpty()]
+"""A setting that names a file or folder: the loader refuses an empty value (an unset shell variable)."""
 
 
 def _require(ok: bool, key: str, value: object, fix: str) -> None:
@@ -57,7 +61,7 @@ def _require_finite_value(value: object, key: str) -> None:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    path: str = "builtin:tiny-llama"
+    path: PathText = "builtin:tiny-llama"
     """Model to start from: a local Hugging Face folder, a hub name (online only), or
     `builtin:tiny-<family>` (llama, mistral, mixtral, qwen2, gpt2) for the bundled tiny models."""
     attn_implementation: Literal["auto", "sdpa", "eager", "flash_attention_2"] = "auto"
@@ -131,10 +135,10 @@ class TaskConfig:
 class DataSourceConfig:
     """Where rows come from and how prompts are tokenised (shared by every job kind's `data`)."""
 
-    train_path: Optional[str] = None
+    train_path: Optional[PathText] = None
     """Training data: a .jsonl/.json/.parquet/.csv file, a folder saved by `datasets`, or a hub
     dataset name (online only). Unset: rows from the bundled task."""
-    eval_path: Optional[str] = None
+    eval_path: Optional[PathText] = None
     """Held-out data in the same forms. Unset: the task's eval split (or none with a train file)."""
     split: str = "train"
     """Split to read from hub datasets."""
@@ -393,7 +397,7 @@ class LogConfig:
 class CheckpointConfig:
     every_steps: int = 0
     """Save a resumable checkpoint every N optimizer steps (0: only at the end)."""
-    resume: str = "auto"
+    resume: PathText = "auto"
     """`auto`: continue from the run folder's latest checkpoint when one exists; `never`: start
     fresh (refuses to overwrite a run folder that has checkpoints); or a checkpoint folder path."""
     keep_last: int = 2
@@ -440,7 +444,7 @@ class LoRAConfig:
 
 @dataclass(frozen=True)
 class ReferenceConfig:
-    path: Optional[str] = None
+    path: Optional[PathText] = None
     """Frozen reference model. Unset: the model training starts from (`model.path`)."""
     offload: bool = False
     """Keep the reference's weights in CPU memory between uses (ZeRO-3 parameter offload; needs
@@ -476,7 +480,7 @@ class TrainJobConfig:
     """Checkpointing and resuming."""
     seed: int = 1234
     """Seed for model init, data order and dropout."""
-    output_dir: str = "runs/train"
+    output_dir: PathText = "runs/train"
     """Run folder: config.yaml, metrics.jsonl, TensorBoard files, checkpoints/, model/."""
 
     derives_mini_batch: ClassVar[bool] = False
@@ -512,7 +516,7 @@ class SFTConfig(TrainJobConfig):
     """Supervised fine-tuning: next-token loss on the response tokens of (prompt, response) rows."""
 
     uses_router_loss: ClassVar[bool] = True
-    output_dir: str = "runs/sft"
+    output_dir: PathText = "runs/sft"
     """Run folder: config.yaml, metrics.jsonl, TensorBoard files, checkpoints/, model/."""
 
 
@@ -527,7 +531,7 @@ class RMConfig(TrainJobConfig):
     """Optimizer and learning-rate schedule."""
     train: TrainConfig = field(default_factory=lambda: TrainConfig(global_batch_size=32))
     """Batch sizes (in pairs) and length of training."""
-    output_dir: str = "runs/rm"
+    output_dir: PathText = "runs/rm"
     """Run folder; `model/` holds the reward model with its reward mean/std in config.json."""
 
     def __post_init__(self) -> None:
@@ -588,7 +592,7 @@ class DPOConfig(PolicyJobConfig):
     """Preference pairs for training and evaluation."""
     dpo: DPOLossConfig = field(default_factory=DPOLossConfig)
     """The preference loss."""
-    output_dir: str = "runs/dpo"
+    output_dir: PathText = "runs/dpo"
     """Run folder: config.yaml, metrics.jsonl, TensorBoard files, checkpoints/, model/."""
 
 
@@ -618,7 +622,7 @@ class KTOConfig(PolicyJobConfig):
     """Labelled (prompt, completion) rows for training and evaluation."""
     kto: KTOLossConfig = field(default_factory=KTOLossConfig)
     """The KTO loss."""
-    output_dir: str = "runs/kto"
+    output_dir: PathText = "runs/kto"
     """Run folder: config.yaml, metrics.jsonl, TensorBoard files, checkpoints/, model/."""
 
 
@@ -669,7 +673,7 @@ class CSFTConfig(TrainJobConfig):
     """(prompt, response, reward) rows for training and evaluation."""
     csft: CSFTSectionConfig = field(default_factory=CSFTSectionConfig)
     """How rewards become conditions."""
-    output_dir: str = "runs/csft"
+    output_dir: PathText = "runs/csft"
     """Run folder; `model/csft.json` records the template and buckets for generation."""
 
 
@@ -761,7 +765,7 @@ class RolloutConfig:
 
 @dataclass(frozen=True)
 class RewardSourceConfig:
-    model: Optional[str] = None
+    model: Optional[PathText] = None
     """A reward model folder (from `hpcrlhf train rm`, or any one-label sequence classifier)."""
     rule: Optional[str] = None
     """A rule-based reward instead: `task` (the bundled task's exact score, 1 or 0),
@@ -869,7 +873,7 @@ class RewardConfig:
 
 @dataclass(frozen=True)
 class CriticConfig:
-    path: Optional[str] = None
+    path: Optional[PathText] = None
     """Model the critic starts from. Unset: the first reward model in reward.sources (head kept),
     else the actor's model.path (a new value head)."""
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-3, scheduler="constant", warmup_ratio=0.0))
@@ -1202,7 +1206,7 @@ class PPOConfig(OnlineJobConfig):
     """Evaluation during and after training."""
     log: LogConfig = field(default_factory=lambda: LogConfig(every_steps=1))
     """Metrics, TensorBoard and progress output."""
-    output_dir: str = "runs/ppo"
+    output_dir: PathText = "runs/ppo"
     """Run folder: config.yaml, metrics.jsonl, TensorBoard files, checkpoints/, model/ (the actor)."""
 
     def critic_source(self) -> tuple[str, str]:
@@ -1318,7 +1322,7 @@ class RSConfig(OnlineJobConfig):
     """How candidate responses are generated."""
     rs: RSSectionConfig = field(default_factory=RSSectionConfig)
     """The rounds of generation and training."""
-    output_dir: str = "runs/rs"
+    output_dir: PathText = "runs/rs"
     """Run folder: config.yaml, metrics.jsonl, rounds/ (each round's selected data), checkpoints/, model/."""
 
     def __post_init__(self) -> None:
@@ -1358,7 +1362,7 @@ class GenerateConfig:
     """Prompts per generation batch."""
     seed: int = 1234
     """Seed for sampling."""
-    output: str = "generations.jsonl"
+    output: PathText = "generations.jsonl"
     """JSONL file written: one line per response with prompt, response, sample index, finished, scores."""
 
     def __post_init__(self) -> None:

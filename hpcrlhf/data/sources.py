@@ -50,6 +50,9 @@ def read_rows(spec: str, *, split: str = "train", limit: int | None = None) -> l
             raise DataError(f"{path}: unknown data file type '{path.suffix}'; use one of {', '.join(FILE_FORMATS)}")
     elif path.is_dir():
         rows = _read_saved_dataset(path, split)
+    elif path.exists():  # a device, a pipe or a socket: nothing hpcrlhf reads rows from
+        raise DataError(f"data path '{spec}' is not a regular file or a folder; give a data file "
+                        f"({', '.join(FILE_FORMATS)}) or a dataset folder")
     elif _looks_local(spec):
         raise DataError(f"data path '{spec}' does not exist")
     else:
@@ -149,11 +152,21 @@ def _looks_local(spec: str) -> bool:
     return spec.startswith(("/", ".", "~")) or Path(spec).suffix in FILE_FORMATS or not is_hub_id(spec)
 
 
+MAX_LINE_CHARS = 1 << 26
+"""The longest JSON Lines row read (64 Mi characters): a line is read whole before it is parsed, and one
+row is one example (a prompt and its responses), far shorter. A file without line breaks would fill the
+memory first."""
+
+
 def _read_jsonl(path: Path, limit: int | None) -> list[Row]:
     rows = []
     try:
         with _open_text(path) as f:
-            for lineno, line in enumerate(f, start=1):
+            for lineno, line in enumerate(iter(lambda: f.readline(MAX_LINE_CHARS + 1), ""), start=1):
+                if len(line) > MAX_LINE_CHARS and not line.endswith("\n"):
+                    raise DataError(f"{path}:{lineno}: a line of more than {MAX_LINE_CHARS:,} characters; a "
+                                    "JSON Lines row is one example, far shorter: is it a JSON Lines file (one object "
+                                    "per line)?")
                 if not line.strip():
                     continue
                 obj = _parse_json(line, path, lineno)
@@ -180,6 +193,48 @@ def _open_text(path: Path) -> TextIO:
 _UNDECODED = re.compile("[\udc80-\udcff]")
 
 
+class _DuplicateKey(Exception):
+    def __init__(self, key: str):
+        self.key = key
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict:
+    """json's `object_pairs_hook`: an object as a dict, refusing a key it holds twice (json would keep only the
+    last value, and a row's `prompt` or `chosen` would silently be the other one)."""
+    obj = dict(pairs)
+    if len(obj) < len(pairs):
+        seen: set[str] = set()
+        raise _DuplicateKey(next(k for k, _ in pairs if k in seen or seen.add(k)))
+    return obj
+
+
+_DECODER = json.JSONDecoder(object_pairs_hook=_unique_keys)  # built once: a decoder per line costs more than the line
+
+
+def _row_holding_twice(text: str) -> int | None:
+    """The number of the row of a whole .json file (a list, or {"data": [...]}) whose object holds a key
+    twice: read again, only once a duplicate was found, marking each such object."""
+    twice: list[dict] = []
+
+    def mark(pairs: list[tuple[str, Any]]) -> dict:
+        obj = dict(pairs)
+        if len(obj) < len(pairs):
+            twice.append(obj)
+        return obj
+
+    value = json.loads(text, object_pairs_hook=mark)
+    rows = value.get("data") if isinstance(value, dict) else value
+    return next((i for i, row in enumerate(rows, 1) if _holds(row, twice[0])), None) if isinstance(rows, list) else None
+
+
+def _holds(value: Any, target: dict) -> bool:
+    """Whether `value` is `target` or holds it (at any depth)."""
+    if value is target:
+        return True
+    items = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
+    return any(_holds(item, target) for item in items)
+
+
 def _parse_json(text: str, path: Path, lineno: int | None = None) -> Any:
     """The JSON value of `text`, or a DataError naming the file and the line: `lineno` for a
     line of a JSON Lines file, else the line of the whole file where reading failed.
@@ -194,7 +249,11 @@ def _parse_json(text: str, path: Path, lineno: int | None = None) -> Any:
         raise DataError(f"{path}:{line}: not UTF-8 text (byte {byte!r}); save the file as UTF-8")
     where = f"{path}:{lineno}" if lineno else str(path)
     try:
-        return json.loads(text)
+        return _DECODER.decode(text)
+    except _DuplicateKey as e:
+        row = None if lineno else _row_holding_twice(text)
+        raise DataError(f"{where}{f': row {row}' if row else ''}: duplicate key {e.key!r} (JSON would silently keep "
+                        "only its last value); remove one of them") from None
     except json.JSONDecodeError as e:
         raise DataError(f"{path}:{lineno or e.lineno}: invalid JSON ({e.msg} at column {e.colno})") from None
     except ValueError as e:  # an integer literal too long for Python to convert

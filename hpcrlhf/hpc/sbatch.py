@@ -128,6 +128,12 @@ class SlurmOptions:
             require(value is None or not _has_het_word(value), name, value, f"{HET_WHY}; choose another name")
         require(30 <= self.signal_lead_s <= 3600, "signal_lead_s", self.signal_lead_s,
                 "give the job 30-3600 s between the signal and the time limit to checkpoint")
+        lead, limit_s = self.signal_lead_s, self.time_seconds
+        shorter = f"--signal-lead-s {limit_s // 2} or less, or " if limit_s // 2 >= 30 else ""
+        require(lead <= limit_s // 2, "signal_lead_s", lead,
+                f"the stop signal would come {lead} s before the end of --time {self.time} ({limit_s} s), "
+                f"{'at once' if lead >= limit_s else f'after only {limit_s - lead} s of work'}; keep the lead at most "
+                f"half the time limit: use {shorter}--time {-(-2 * lead // 60)} (minutes) or more")
         require(self.max_requeues >= 0, "max_requeues", self.max_requeues, "use 0 (never) or more")
         require(self.cpus_per_gpu is None or self.cpus_per_gpu >= 1, "cpus_per_gpu", self.cpus_per_gpu, "use 1 or more")
         require(not self.binds or bool(self.container), "bind", list(self.binds),
@@ -144,16 +150,21 @@ class SlurmOptions:
         return 1 if self.launcher == "ray" else self.gpus_per_node
 
     @property
-    def time_minutes(self) -> int:
-        """`time` in minutes (Slurm's formats: M, M:S, H:M:S, D-H, D-H:M, D-H:M:S)."""
+    def time_seconds(self) -> int:
+        """`time` in seconds (Slurm's formats: M, M:S, H:M:S, D-H, D-H:M, D-H:M:S)."""
         days, _, rest = self.time.rpartition("-")
         parts = [int(p) for p in rest.split(":")]
         if days:
             h, m, s = (parts + [0, 0])[:3]
-            return int(days) * 1440 + h * 60 + m + (s > 0)
+            return ((int(days) * 24 + h) * 60 + m) * 60 + s
         if len(parts) == 3:
-            return parts[0] * 60 + parts[1] + (parts[2] > 0)
-        return parts[0] + (len(parts) == 2 and parts[1] > 0)
+            return (parts[0] * 60 + parts[1]) * 60 + parts[2]
+        return parts[0] * 60 + (parts[1] if len(parts) == 2 else 0)
+
+    @property
+    def time_minutes(self) -> int:
+        """`time` in minutes, a started minute counting whole."""
+        return -(-self.time_seconds // 60)
 
 
 def option_names() -> list[str]:

@@ -163,21 +163,46 @@ def _fits_shape(unit: _Unit, nodes: int, gpus_per_node: int, problems: list[Prob
     return ok
 
 
-def _take(free: dict[int, list[int]], nodes: int, per_node: int, allocation: tuple[int, int]) -> list[Device] | None:
-    """First fit: `per_node` lowest free GPUs on each of the first `nodes` nodes with room. `free` holds
-    the free GPUs of the nodes placed on so far (0, 1, ...); the allocation's (nodes, GPUs per node) next
-    ones are wholly free and join `free` only when chosen."""
-    chosen = [n for n in free if len(free[n]) >= per_node][:nodes]
-    while len(chosen) < nodes and len(free) < allocation[0] and per_node <= allocation[1]:
-        chosen.append(len(free))
-        free[len(free)] = list(range(allocation[1]))
-    if len(chosen) < nodes:
-        return None
-    devices = []
-    for n in chosen:
-        devices += [Device(n, g) for g in free[n][:per_node]]
-        del free[n][:per_node]
-    return devices
+class FreeGPUs:
+    """The free GPUs of the nodes placed on so far (0, 1, ...), and first fit over them.
+
+    The allocation's next nodes are wholly free and join only when chosen, so a huge allocation costs
+    what its used nodes cost. A node's free count only falls, so once a node has fewer than g free GPUs
+    it never again fits a request for g: a cursor per g skips such nodes for good. A run of E engines
+    over N nodes then looks at about E + N nodes, not E x N (`looked` counts them)."""
+
+    def __init__(self, nodes: int, gpus_per_node: int):
+        self.allocation = (nodes, gpus_per_node)
+        self.nodes: list[list[int]] = []
+        """Free GPUs of each node placed on so far, lowest first."""
+        self.looked = 0
+        """Nodes examined by every `take` so far: the cost of placing."""
+        self._cursor: dict[int, int] = {}  # g -> every node before it has fewer than g free GPUs
+
+    def take(self, nodes: int, per_node: int) -> list[Device] | None:
+        """First fit: the `per_node` lowest free GPUs on each of the first `nodes` nodes with room
+        (None, and nothing taken, when there are not enough)."""
+        start = self._cursor.get(per_node, 0)
+        while start < len(self.nodes) and len(self.nodes[start]) < per_node:
+            start, self.looked = start + 1, self.looked + 1
+        self._cursor[per_node] = start
+        chosen = []
+        for n in range(start, len(self.nodes)):
+            if len(chosen) == nodes:
+                break
+            self.looked += 1
+            if len(self.nodes[n]) >= per_node:
+                chosen.append(n)
+        while len(chosen) < nodes and len(self.nodes) < self.allocation[0] and per_node <= self.allocation[1]:
+            chosen.append(len(self.nodes))
+            self.nodes.append(list(range(self.allocation[1])))
+        if len(chosen) < nodes:
+            return None
+        devices = []
+        for n in chosen:
+            devices += [Device(n, g) for g in self.nodes[n][:per_node]]
+            del self.nodes[n][:per_node]
+        return devices
 
 
 def _demand_problem(units: list[_Unit], engines: int, tp: int, nodes: int, gpus_per_node: int) -> Problem:
@@ -218,14 +243,14 @@ def assign(nodes: int, gpus_per_node: int, shapes: Mapping[str, tuple[int, int]]
     over = sum(u.gpus for u in units) + free_engines * tp > nodes * gpus_per_node
     if over:
         problems.append(_demand_problem(units, free_engines, tp, nodes, gpus_per_node))
-    free: dict[int, list[int]] = {}
+    free = FreeGPUs(nodes, gpus_per_node)
     ranks: dict[str, tuple[Device, ...]] = {}
     engine_devices: list[tuple[Device, ...]] = []
     for unit in units:
-        taken = _take(free, unit.nodes, unit.gpus_per_node, (nodes, gpus_per_node))
+        taken = free.take(unit.nodes, unit.gpus_per_node)
         if taken is None:
             if not over:
-                left = ", ".join(f"node {n}: {len(g)}" for n, g in free.items())
+                left = ", ".join(f"node {n}: {len(g)}" for n, g in enumerate(free.nodes))
                 problems.append(Problem(f"placement.{unit.roles[0]}", shape_text(unit.nodes, unit.gpus_per_node),
                                         f"needs {unit.gpus_per_node} free GPUs on each of {unit.nodes} nodes, but "
                                         f"after the roles before it the free GPUs are {left}",
@@ -236,18 +261,18 @@ def assign(nodes: int, gpus_per_node: int, shapes: Mapping[str, tuple[int, int]]
         if unit.with_vllm:  # consecutive GPUs of a node form one TP group
             engine_devices += [tuple(taken[i : i + tp]) for i in range(0, len(taken), tp)]
     for e in range(free_engines):
-        taken = _take(free, 1, tp, (nodes, gpus_per_node))
+        taken = free.take(1, tp)
         if taken is None:
             if not over:
-                most = max(len(g) for g in free.values()) if free else 0
+                most = max(map(len, free.nodes), default=0)
                 problems.append(Problem("placement.vllm.engines", engines, f"engines {e}-{engines - 1} need {tp} free "
                                         f"GPUs on one node each (a TP group cannot span nodes), but at most {most} "
                                         f"are free on any node", f"use {e} engines, a TP size of at most "
                                         f"{max(most, 1)}, or reshape the roles so the free GPUs sit on one node"))
             break
         engine_devices.append(tuple(taken))
-    idle = tuple(Device(n, g) for n, gpus in free.items() for g in gpus)
-    return Layout(ranks, tuple(engine_devices), tuple(groups), idle, len(free), complete=len(problems) == found_before)
+    idle = tuple(Device(n, g) for n, gpus in enumerate(free.nodes) for g in gpus)
+    return Layout(ranks, tuple(engine_devices), tuple(groups), idle, len(free.nodes), complete=len(problems) == found_before)
 
 
 def idle_problem(layout: Layout, nodes: int, gpus_per_node: int, engines: int, tp: int, sequences: int) -> Problem:

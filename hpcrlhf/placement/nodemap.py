@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from hpcrlhf.algos.estimators import ESTIMATORS
@@ -46,6 +46,15 @@ class Occupant:
 
 
 @dataclass(frozen=True)
+class _GpuMemory:
+    """What one GPU holds, by part: in each phase of a step, every occupant's most, and the largest phase."""
+
+    phases: dict[str, MemoryParts]
+    most: MemoryParts
+    peak: tuple[str, MemoryParts]
+
+
+@dataclass(frozen=True)
 class NodeMap:
     """Roles on the GPUs of an allocation of `nodes` x `gpus_per_node`, and what each GPU holds."""
 
@@ -70,6 +79,10 @@ class NodeMap:
     estimator: str = "gae"
     """ppo.advantage_estimator: what it needs (hpcrlhf.algos.estimators) decides the roles."""
     samples_per_prompt: int = 1
+    _by_roles: dict[tuple[str, ...], _GpuMemory] = field(default_factory=dict, init=False, repr=False,
+                                                           compare=False)
+    """What a GPU holds depends only on which roles it holds: each set of roles is summed once, not once per
+    GPU of a map of 100,000 engines."""
 
     def role_ranks(self, role: str) -> list[Device]:
         """The device of each rank of `role` (empty for a role without GPUs)."""
@@ -85,17 +98,27 @@ class NodeMap:
 
     def memory(self, device: Device) -> MemoryParts:
         """What `device` holds, summed over its occupants, by part (every phase's most)."""
-        return sum((self.occupant_memory(o) or MemoryParts() for o in self.devices[device]), MemoryParts())
+        return self._memory(device).most
 
     def phase_memory(self, device: Device) -> dict[str, MemoryParts]:
         """What `device` holds in each phase of a step (`memory.PHASES`), by part."""
-        return {phase: sum((phase_parts(self.occupant_memory(o) or MemoryParts(), kind=self._kind(o),
-                                        sleeps=self._sleeps(o), phase=phase) for o in self.devices[device]),
-                           MemoryParts()) for phase in PHASES}
+        return dict(self._memory(device).phases)
 
     def peak(self, device: Device) -> tuple[str, MemoryParts]:
         """The phase in which `device` holds the most, and what it holds then."""
-        return max(self.phase_memory(device).items(), key=lambda item: item[1].total)
+        return self._memory(device).peak
+
+    def _memory(self, device: Device) -> _GpuMemory:
+        """What a GPU holding `device`'s occupant roles holds, worked out once per set of roles."""
+        roles = tuple(o.role for o in self.devices[device])
+        if roles not in self._by_roles:
+            occupants = [Occupant(role, 0) for role in roles]  # every rank of a role holds the same
+            held = [(self.occupant_memory(o) or MemoryParts(), self._kind(o), self._sleeps(o)) for o in occupants]
+            phases = {phase: sum((phase_parts(parts, kind=kind, sleeps=sleeps, phase=phase)
+                                  for parts, kind, sleeps in held), MemoryParts()) for phase in PHASES}
+            self._by_roles[roles] = _GpuMemory(phases, sum((parts for parts, _, _ in held), MemoryParts()),
+                                               max(phases.items(), key=lambda item: item[1].total))
+        return self._by_roles[roles]
 
     def sleeps(self, device: Device) -> bool:
         """Whether an occupant of `device` frees its memory between phases."""

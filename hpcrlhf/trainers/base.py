@@ -12,7 +12,6 @@ reports the task score and the user's `eval.metrics` of the answers.
 
 from __future__ import annotations
 
-import json
 import time
 from collections import defaultdict
 from typing import Any, Callable, Mapping, Sequence
@@ -212,13 +211,23 @@ class Trainer:
 
     def fit(self) -> dict:
         run, plan = self.run, self.plan
-        step = run.resume(self.checkpointable)["step"]
-        done = run.dir / "summary.json"
-        finished = json.loads(done.read_text()) if done.exists() else None
-        if finished is not None and (step >= plan.total_steps or finished.get("stopped_early")):
-            log.info(f"{run.dir} is already complete ({step} steps); use a new --output-dir to train again")
+        finished = run.finished
+        if finished is not None and (finished["step"] == plan.total_steps or finished.get("stopped_early")):
+            log.info(f"{run.dir} is already complete ({finished['step']} steps); use a new --output-dir to train again")
             run.finish()
             return finished
+        if finished is not None:
+            self._require_steps_left(finished["step"], "finished at")
+            if run.resume_from is None:
+                run.finish()
+                raise ConfigError(f"{self._length()}, but the run in {run.dir} finished at step {finished['step']} "
+                                  "and keeps no checkpoint to train on from (checkpoint.at_end=false, or deleted): use "
+                                  "a new --output-dir")
+        step = run.resume(self.checkpointable)["step"]
+        self._require_steps_left(step, "has a checkpoint at")
+        if finished is not None and step < finished["step"]:
+            log.info(f"{run.dir} finished at step {finished['step']} with no checkpoint there (checkpoint.at_end=false): "
+                     f"steps {step + 1}-{finished['step']} are trained again from its checkpoint at step {step}")
         stop_rule = parse_stop_rule(self.cfg.eval.stop_when)
         if step == 0:
             try:
@@ -293,6 +302,21 @@ class Trainer:
             log.info(f"stop requested{during}: no step done, nothing to checkpoint; rerun the same command to start")
         self.run.finish()
         return {"status": "stopped", "step": step}
+
+    def _length(self) -> str:
+        """The setting that decides the run's length, as `train.max_steps=5` (or epochs and their steps)."""
+        train = self.cfg.train
+        return (f"train.max_steps={train.max_steps}" if train.max_steps is not None
+                else f"train.epochs={train.epochs} ({self.plan.total_steps} steps)")
+
+    def _require_steps_left(self, step: int, where: str) -> None:
+        """A run folder already past this run's length: nothing to train, and finishing would export a model of
+        more steps than asked for. A ConfigError names both numbers and the two ways on."""
+        if step > self.plan.total_steps:
+            self.run.finish()
+            raise ConfigError(f"{self._length()}, but the run in {self.run.dir} {where} step {step}: nothing to train; "
+                              f"raise train.max_steps above {step} to train on, or use a new --output-dir for a run "
+                              f"of {self.plan.total_steps} steps")
 
     def _finish(self, step: int, before: dict | None, after: dict, **extra: Any) -> dict:
         """Checkpoint, exported model and summary of a run that is done (at its last step or early)."""

@@ -111,33 +111,37 @@ class Run:
         self.checkpoints = CheckpointDir(self.dir / "checkpoints", keep_last=cfg.checkpoint.keep_last,
                                          sha256=cfg.checkpoint.verify == "sha256")
         self.lock: RunLock | None = None
-        outcome: tuple[HpcrlhfError | None, str | None] = (None, None)
+        outcome: tuple[HpcrlhfError | None, tuple[str | None, dict[str, Any] | None]] = (None, (None, None))
         if env.is_main:
             try:
                 outcome = (None, self._prepare())
             except HpcrlhfError as e:
-                outcome = (e, None)
+                outcome = (e, (None, None))
                 if self.lock is not None:
                     self.lock.release()
-        error, resume_from = broadcast_object(outcome)  # every rank fails alike, none waits for the others
+        error, (resume_from, finished) = broadcast_object(outcome)  # every rank fails alike, none waits
         if error is not None:
             raise error
         self.resume_from = Path(resume_from) if resume_from else None
+        self.finished: dict[str, Any] | None = finished
+        """The summary of a run this folder holds that is done (`summary.json`), else None."""
         self.metrics = MetricsWriter(self.dir, enabled=env.is_main, tensorboard=cfg.log.tensorboard)
         self.stop = StopFlag().install()
         self.timings: dict[str, float] = {}
         self.progress: Progress | None = None
 
-    def _prepare(self) -> str | None:
-        """Main rank: everything `Run` checks before writing; returns the checkpoint to resume from."""
+    def _prepare(self) -> tuple[str | None, dict[str, Any] | None]:
+        """Main rank: everything `Run` checks before writing; returns the checkpoint to resume from and
+        the summary of a finished run."""
         if self.dir.exists() and not self.dir.is_dir():
             raise ConfigError(f"--output-dir {self.dir} is a file, not a folder: name a new or existing run folder")
         make_folders(self.dir, "--output-dir")
         refuse(self.planted())
         self.lock = RunLock(self.dir).acquire()
         resume_from = self._checkpoint_to_resume()
+        finished = self._finished()
         changes = self._check_config(resume_from)
-        if resume_from is None:
+        if resume_from is None and finished is None:  # a finished run without checkpoints keeps its history
             self._set_history_aside()
         record = environment_record(self.env)
         if changes:
@@ -145,7 +149,24 @@ class Run:
         with out_of_space_is_an_error(self.dir, "config.yaml"):
             replace_file(self.dir / "config.yaml", to_yaml(self.cfg))
             append(self.dir / "environment.jsonl", (json.dumps(record) + "\n").encode())  # one line per start
-        return str(resume_from) if resume_from else None
+        return (str(resume_from) if resume_from else None), finished
+
+    def _finished(self) -> dict[str, Any] | None:
+        """The summary a run wrote when it was done (`summary.json`), else None: a rerun of a finished run
+        returns it without training again, also when no checkpoint holds its last step (checkpoint.at_end=false)."""
+        path = self.dir / "summary.json"
+        if not path.exists():
+            return None
+        try:
+            summary = json.loads(path.read_text())
+            problem = None if isinstance(summary, dict) and summary.get("status") == "done" and \
+                isinstance(summary.get("step"), int) else "no status 'done' and step"
+        except (OSError, ValueError) as e:
+            problem = str(e)
+        if problem:
+            raise ConfigError(f"{path} is not the summary of a finished run ({problem}): remove it to resume the run "
+                              "from its latest checkpoint, or use a new --output-dir")
+        return summary
 
     def planted(self) -> list[str | None]:
         """What sits in the run folder where hpcrlhf writes and is not what it writes there (a link, a

@@ -13,11 +13,12 @@ from hpcrlhf.config.schema import JOB_CONFIGS
 from hpcrlhf.errors import ConfigError
 
 text = st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00"), min_size=1, max_size=30)
+path = text.filter(str.strip)  # a path option refuses an empty (or blank) value
 
 
 @settings(max_examples=300, deadline=None)
-@given(kind=st.sampled_from(sorted(JOB_CONFIGS)), recipe=st.none() | text, overrides=st.lists(text, max_size=4),
-       output_dir=st.none() | text)
+@given(kind=st.sampled_from(sorted(JOB_CONFIGS)), recipe=st.none() | path, overrides=st.lists(text, max_size=4),
+       output_dir=st.none() | path)
 def test_a_train_job_survives_its_command_line_and_the_cli_reads_it_alike(kind, recipe, overrides, output_dir):
     job = TrainJob(kind, recipe, tuple(overrides), output_dir)
     argv = job.argv()
@@ -26,7 +27,7 @@ def test_a_train_job_survives_its_command_line_and_the_cli_reads_it_alike(kind, 
 
 
 @settings(max_examples=200, deadline=None)
-@given(suite=text, output=st.none() | text, model=st.none() | text, systems=st.none() | text,
+@given(suite=text, output=st.none() | path, model=st.none() | path, systems=st.none() | text,
        steps=st.none() | st.integers(-5, 10**6))
 def test_a_bench_job_survives_its_command_line(suite, output, model, systems, steps):
     job = BenchJob(suite, output, model, model, systems, steps)
@@ -67,3 +68,23 @@ def test_a_job_builds_the_config_train_would(tmp_path):
     with pytest.raises(ConfigError, match="--config: 'no-such' is neither a file nor a shipped recipe; shipped "
                                           "recipes: .*ppo-7b"):
         resolve_recipe("no-such")
+
+
+@pytest.mark.parametrize("folder", ["2024-01-01", '"x"', "'x'", "runs/a #1", "null", "~", "1e5", "1:30", "[a]", "x: y"])
+def test_a_run_folder_argument_is_a_path_taken_literally(folder):
+    """`-o '"x"'` wrote into `x/`, `-o 2024-01-01` asked to quote it: -o was read as YAML (issue 36)."""
+    assert TrainJob.from_argv(["train", "sft", "-o", folder]).config().output_dir == folder
+    assert TrainJob.from_args(build_parser().parse_args(["train", "sft", "-o", folder])).config().output_dir == folder
+
+
+@pytest.mark.parametrize("argv", [["train", "sft", "-o", ""], ["train", "sft", "--output-dir", " "],
+                                  ["train", "sft", "--config", ""], ["bench", "--suite", "cpu", "--output", ""],
+                                  ["bench", "--suite", "cpu", "--model", ""]])
+def test_an_empty_path_option_is_refused_not_read_as_the_default(argv, capsys):
+    """`-o "$OUT"` with OUT unset trained into the default folder."""
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(argv)
+    assert e.value.code == 2
+    assert "is an empty path (an unset shell variable?): give the file or folder" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="is an empty path"):
+        job_from_argv(argv)

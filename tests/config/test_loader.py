@@ -6,7 +6,7 @@ import dataclasses
 import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Annotated, Any, Literal, Optional
 
 import pytest
 import yaml
@@ -14,6 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hpcrlhf.config import apply_overrides, describe, field_docs, from_dict, load_config, to_dict, to_yaml
+from hpcrlhf.config.loader import NonEmpty, quoted
 from hpcrlhf.errors import ConfigError
 
 
@@ -48,6 +49,8 @@ class DataConfig:
     """Free-form tags."""
     shape: tuple[int, str] = (2, "x")
     """A fixed-length pair."""
+    eval_path: Optional[Annotated[str, NonEmpty()]] = None
+    """Held-out file (a path: never empty)."""
 
 
 @dataclass(frozen=True)
@@ -231,7 +234,20 @@ def test_union_any_and_optional_section() -> None:
     ("train.bf16=maybe", "train.bf16: expected a boolean (true or false), got 'maybe' (str)"),
     ("train.steps=true", "train.steps: expected an int, got true (bool)"),
     ("train.steps=2.5", "train.steps: expected an int, got 2.5 (float)"),
-    ("train.steps=1e6", "train.steps: expected an int, got '1e6' (str); write it without an exponent"),
+    ("train.lr='0.001'", "train.lr: expected a float, got '0.001' (str); remove the quotes"),
+    ('train.lr="1e-4"', "train.lr: expected a float, got '1e-4' (str); remove the quotes"),
+    ("train.steps=1:30", "train.steps: 1:30 is YAML 1.1's base-60 notation for 90; write the number in decimal, "
+                         "or quote it if you mean text"),
+    ("train.lr=1:30.5", "train.lr: 1:30.5 is YAML 1.1's base-60 notation for 90.5; write the number in decimal, "
+                        "or quote it if you mean text"),
+    ("train.lr=0x10", "train.lr: 0x10 is YAML 1.1's hexadecimal notation for 16; write the number in decimal, or "
+                      "quote it if you mean text"),
+    ("train.steps=-010", "train.steps: -010 is YAML 1.1's octal notation for -8; write the number in decimal, or "
+                         "quote it if you mean text"),
+    ("train.steps=0b101", "train.steps: 0b101 is YAML 1.1's binary notation for 5; write the number in decimal, or "
+                          "quote it if you mean text"),
+    ("model.name=2:00:00", "model.name: 2:00:00 is YAML 1.1's base-60 notation for 7200; write the number in "
+                           "decimal, or quote it if you mean text"),
     ("train.steps='12'", "train.steps: expected an int, got '12' (str); remove the quotes"),
     ("train.steps=null", "train.steps: expected an int, got null"),
     ("train.lr=true", "train.lr: expected a float, got true (bool)"),
@@ -332,7 +348,7 @@ def test_unreadable_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Non
     def deny(*args: Any, **kwargs: Any) -> str:  # chmod is no use when tests run as root
         raise PermissionError(13, "Permission denied")
 
-    monkeypatch.setattr(Path, "read_text", deny)
+    monkeypatch.setattr(Path, "open", deny)
     assert error_of(path) == f"cannot read recipe file '{path}': Permission denied"
 
 
@@ -396,6 +412,61 @@ def test_override_into_unknown_key() -> None:
     message = error_of(overrides=["train.lrr=1"])
     assert message.startswith("--set train.lrr=1: unknown key 'lrr' in section 'train'; valid keys: betas, bf16, ")
     assert message.endswith("(did you mean 'lr'?)")
+
+
+@pytest.mark.parametrize("override, field, value", [
+    ("train.lr=1e-4", "lr", 1e-4), ("train.lr=3E5", "lr", 3e5), ("train.lr=1.0e5", "lr", 1e5),
+    ("train.lr=.5e-3", "lr", 5e-4),
+    ("train.steps=1e6", "steps", 1_000_000), ("train.steps=1_000", "steps", 1000), ("train.steps=0", "steps", 0),
+    ("train.warmup=-0", "warmup", 0)])
+def test_numbers_read_as_a_person_writes_them(override: str, field: str, value: Any) -> None:
+    """YAML 1.1 reads `1e-4` (no dot) and `1.0e5` (no exponent sign) as text; here they are numbers."""
+    got = getattr(load_config(JobConfig, overrides=[override]).train, field)
+    assert got == value and type(got) is type(value)
+
+
+def test_yaml_1_1_number_forms_in_a_recipe_are_refused_by_line(tmp_path: Path) -> None:
+    assert error_of(write(tmp_path, """
+        train:
+          steps: 1:30
+        """)) == (f"{tmp_path / 'recipe.yaml'}:2:10: train.steps: 1:30 is YAML 1.1's base-60 notation for 90; write "
+                  "the number in decimal, or quote it if you mean text")
+    assert error_of(write(tmp_path, """
+        seed: 1
+        train: {lr: "0.001"}
+        """)) == f"{tmp_path / 'recipe.yaml'}:2: train.lr: expected a float, got '0.001' (str); remove the quotes"
+    quoted_text = load_config(JobConfig, write(tmp_path, """
+        model: {name: "1:30"}
+        data: {path: '0x10'}
+        """))
+    assert (quoted_text.model.name, quoted_text.data.path) == ("1:30", "0x10")  # quoted: text, as written
+
+
+def test_to_yaml_quotes_text_the_loader_would_read_as_a_number(tmp_path: Path) -> None:
+    cfg = load_config(JobConfig, overrides=["model.name='1e5'", "data.path='1:30'", "engine.env.B='0x1f'"])
+    assert load_config(JobConfig, write(tmp_path, to_yaml(cfg))) == cfg
+
+
+@pytest.mark.parametrize("text", ["2024-01-01", '"x"', "'x'", "runs/a #1", "a: b", "- a", "~", "null", "true", "1e5",
+                                  "0x10", "1:30", "*a", "&a b", "!tag x", "%x", "[a]", "{a: 1}", "a\\b", "a\tb",
+                                  "a\nb", " lead", "trail ", "é/😀", "x" * 300])
+def test_quoted_text_reads_back_as_written(text: str) -> None:
+    """What `-o DIR` becomes: a folder argument is a path, taken literally."""
+    assert load_config(JobConfig, overrides=[f"model.name={quoted(text)}"]).model.name == text
+
+
+@pytest.mark.parametrize("value", ["", " ", "''", '"  "'])
+def test_an_empty_path_is_refused_where_it_is_set(tmp_path: Path, value: str) -> None:
+    """An unset shell variable (`--set data.eval_path=$EVAL`) is no path; null is how to unset one."""
+    shown = repr(yaml.safe_load(value) if value.strip() else "")
+    assert error_of(overrides=[f"data.eval_path={value}"]) == (
+        f"--set data.eval_path={value}: data.eval_path: {shown} is an empty path (an unset shell variable?): give "
+        "the file or folder, or leave the setting out for its default")
+    in_file = value if value.strip() else "''"  # a bare `key:` in a file is null
+    assert error_of(write(tmp_path, f"data:\n  eval_path: {in_file}\n")).startswith(
+        f"{tmp_path / 'recipe.yaml'}:2: data.eval_path: {shown} is an empty path")
+    assert load_config(JobConfig, overrides=["data.eval_path=null"]).data.eval_path is None
+    assert load_config(JobConfig, overrides=["data.eval_path=held out.jsonl"]).data.eval_path == "held out.jsonl"
 
 
 def test_override_with_invalid_yaml_value() -> None:

@@ -292,8 +292,10 @@ def test_non_finite_floats_never_load(data):
     path = data.draw(st.sampled_from(sorted(FLOAT_FIELDS[kind])))
     value = data.draw(st.sampled_from([math.nan, math.inf, -math.inf, "1e999", "-1e999"]))
     shown = repr(float(value))
-    recipe, edits = nest([Edit(path, value)])
     how = data.draw(st.sampled_from(["data", "file", "set"]))
+    if how == "data":  # "1e999" is text the YAML of a file or --set reads as a number; from Python it is text
+        value = float(value)
+    recipe, edits = nest([Edit(path, value)])
     with tempfile.TemporaryDirectory() as tmp:
         file = Path(tmp) / "recipe.yaml"
         file.write_text(_dump(recipe), encoding="utf-8")
@@ -895,3 +897,73 @@ def test_chat_template_asked_of_a_tokenizer_without_one(tmp_path, tokenizer):
     message = _load(tmp_path, "sft", [b'{"prompt": "1+2=", "response": "3"}\n'], base, apply_chat_template=True)
     assert message == (f"data.apply_chat_template: true, but the tokenizer of {base.name_or_path} has no chat template; "
                        "set data.apply_chat_template=false for a base model, or use a chat model")
+
+
+PATH_SETTINGS = [(kind, key) for kind in sorted(JOB_CONFIGS)
+                 for key in ("model.path", "data.train_path", "data.eval_path", "checkpoint.resume", "output_dir")]
+PATH_SETTINGS += [("dpo", "reference.path"), ("ppo", "reference.path"), ("ppo", "critic.path"),
+                  ("ppo", "reward.sources[0].model"), ("generate", "model.path"), ("generate", "data.train_path"),
+                  ("generate", "output")]
+
+
+@pytest.mark.parametrize("kind, key", PATH_SETTINGS)
+def test_every_path_setting_refuses_an_empty_value(kind, key):
+    """`--set data.train_path=$DATA` with DATA unset trained on the bundled task, rc=0 (issue 36)."""
+    section, _, field = key.partition("[0].")
+    override = "reward.sources=[{model: ''}]" if field else f"{key}="
+    assert _error(load_config, KINDS[kind], overrides=[override]) == (
+        f"--set {override}: {key}: '' is an empty path (an unset shell variable?): give the file or folder, or leave "
+        "the setting out for its default")
+
+
+def test_an_empty_data_path_stops_train_before_the_run_folder(tmp_path, capsys):
+    from hpcrlhf.cli import main
+
+    run = tmp_path / "run"
+    assert main(["train", "sft", "--set", "data.train_path=", "-o", str(run)]) == 2
+    assert "data.train_path: '' is an empty path (an unset shell variable?)" in capsys.readouterr().err
+    assert not run.exists()
+
+
+@pytest.mark.parametrize("make, expected", [
+    (lambda tmp: "/dev/zero", "recipe file '/dev/zero' is a character device, not a YAML file: give the recipe's file"),
+    (lambda tmp: _file(tmp / "big.yaml", b"#" * (2 << 20)),
+     "is 2,097,152 bytes, more than the 1 MiB a recipe may have (a recipe is a few KB of settings): is it the right "
+     "file?"),
+    (lambda tmp: _pipe(tmp / "pipe.yaml", b"#" * (2 << 20)),
+     "gives more than the 1 MiB a recipe may have (a recipe is a few KB of settings): is it the right file?"),
+])
+def test_a_recipe_is_read_only_up_to_its_bound(tmp_path, capsys, make, expected):
+    """`--config /dev/zero` read until the memory ran out (issue 36)."""
+    from hpcrlhf.cli import main
+
+    assert main(["config", "sft", "--config", make(tmp_path)]) == 2
+    assert expected in capsys.readouterr().err
+
+
+def test_a_recipe_through_a_pipe_still_loads(tmp_path):
+    """`--config <(generate-recipe)`: a pipe has no size, and is read up to the bound."""
+    assert load_config(KINDS["sft"], _pipe(tmp_path / "pipe.yaml", b"seed: 7\n")).seed == 7
+
+
+def _file(path: Path, data: bytes) -> str:
+    path.write_bytes(data)
+    return str(path)
+
+
+def _pipe(path: Path, data: bytes) -> str:
+    """A named pipe a thread writes `data` into (it stops when the reader closes the pipe early)."""
+    import os
+    import threading
+
+    os.mkfifo(path)
+
+    def feed() -> None:
+        try:
+            with open(path, "wb") as f:
+                f.write(data)
+        except BrokenPipeError:
+            pass
+
+    threading.Thread(target=feed, daemon=True).start()
+    return str(path)

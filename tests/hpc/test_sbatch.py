@@ -179,7 +179,43 @@ def test_bad_options_name_the_option_and_the_fix(field, value, named):
 @pytest.mark.parametrize("time, minutes", [("90", 90), ("1:30", 2), ("24:00:00", 1440), ("2-00:00:00", 2880),
                                            ("1-12", 2160), ("0:10:30", 11)])
 def test_time_limits_in_minutes(time, minutes):
-    assert SlurmOptions(1, 1, "/r", time=time).time_minutes == minutes
+    assert SlurmOptions(1, 1, "/r", time=time, signal_lead_s=30).time_minutes == minutes
+
+
+@pytest.mark.parametrize("command", ["sbatch", "submit"])
+@pytest.mark.parametrize("time, lead, expected", [
+    ("5", "600", "the stop signal would come 600 s before the end of --time 5 (300 s), at once; keep the lead at most "
+                 "half the time limit: use --signal-lead-s 150 or less, or --time 20 (minutes) or more"),
+    ("15", "600", "the stop signal would come 600 s before the end of --time 15 (900 s), after only 300 s of work; "
+                  "keep the lead at most half the time limit: use --signal-lead-s 450 or less, or --time 20 (minutes) "
+                  "or more"),
+    ("0:50", None, "the stop signal would come 300 s before the end of --time 0:50 (50 s), at once; keep the lead at "
+                   "most half the time limit: use --time 10 (minutes) or more"),  # the default lead: 300 s
+])
+def test_a_stop_signal_not_well_inside_the_time_limit_is_refused(command, time, lead, expected, tmp_path, capsys):
+    """`--time 5 --signal-lead-s 600` asked Slurm to signal the job (checkpoint and stop) the moment it started."""
+    extra = ["--script", str(tmp_path / "job.sbatch")] if command == "sbatch" else ["--no-follow"]
+    lead_args = ["--signal-lead-s", lead] if lead else []
+    status = main([command, "--kind", "sft", "-o", str(tmp_path / "run"), "--time", time, *lead_args, *extra])
+    err = capsys.readouterr().err
+    assert status == 2 and f"--signal-lead-s: {lead or 300} is invalid: {expected}" in err, err
+    assert not (tmp_path / "run").exists() and not (tmp_path / "job.sbatch").exists()
+
+
+@pytest.mark.parametrize("time, lead", [("1", 30), ("10", 300), ("2:00", 60), ("1-00:00:00", 3600)])
+def test_a_lead_of_at_most_half_the_time_limit_is_accepted(time, lead):
+    assert SlurmOptions(1, 1, "/r", time=time, signal_lead_s=lead).signal_lead_s == lead
+
+
+@pytest.mark.parametrize("folder", ["2024-01-01", '"x"', "runs/a #1", "null"])
+def test_the_job_runs_in_the_run_folder_given_taken_literally(folder, tmp_path, monkeypatch):
+    """`-o 'runs/a #1'` made a job whose config wrote into runs/a (the rest read as a YAML comment)."""
+    from hpcrlhf.config.jobspec import TrainJob
+
+    monkeypatch.chdir(tmp_path)
+    job = cluster_job("sft", None, [], folder, nodes=1, python="python")
+    assert job.options.run_dir == str(tmp_path / folder)
+    assert TrainJob.from_argv(job.argv).config().output_dir == str(tmp_path / folder)  # what the nodes run
 
 
 def test_mpi_launcher_refuses_a_ray_ppo_recipe():
@@ -345,3 +381,13 @@ def test_importable_rules_pass_and_a_container_job_notes_where_they_are_checked(
     job = cluster_job("ppo", None, [rule], "/shared/runs/x", **CONTAINER)
     assert any("reward.sources[1].rule 'my_rules:score' not imported here: the job runs them in the image's python"
                in note for note in job.notes)
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "inf"])
+def test_submit_polls_every_positive_number_of_seconds(value, capsys):
+    """`--poll-s nan` reached time.sleep (ValueError traceback); 0 polled Slurm in a busy loop."""
+    with pytest.raises(SystemExit) as e:
+        main(["submit", "--kind", "sft", "--poll-s", value])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument --poll-s: {value} is not a number of seconds: use a finite number above 0" in err

@@ -4,11 +4,12 @@ enumerated, and counts past any real cluster are refused with the limit."""
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 
 from hpcrlhf.cli import main
-from hpcrlhf.placement.layout import MAX_GPUS_PER_NODE, MAX_NODES
+from hpcrlhf.placement.layout import MAX_GPUS_PER_NODE, MAX_NODES, Device, FreeGPUs, assign
 
 from .helpers import find, plan, problems
 
@@ -47,3 +48,43 @@ def test_an_absurd_engine_count_is_a_problem_not_a_long_search():
     found = problems("ppo-7b", "placement.vllm.engines=1000000000")
     find(found, "placement.vllm.engines = 1000000000", "do not split evenly over 1000000000 engines",
          "use 1, 2, 4, 8, 16, 32, 64, 128, 256, 512 or 1024 engines")
+
+
+def _calls_to_place(nodes: int) -> int:
+    """Function calls (Python and builtin) made to place ppo-7b's roles on `nodes` x 8 GPUs and give every
+    GPU they leave to a TP-1 vLLM engine: the placement's work, counted, not timed."""
+    shapes = {"actor": (1, 4), "critic": (1, 4), "ref": (1, 2), "reward": (1, 2)}
+    engines, problems, calls = nodes * 8 - 12, [], 0
+
+    def count(frame, event, arg):
+        nonlocal calls
+        calls += event in ("call", "c_call")
+
+    sys.setprofile(count)
+    try:
+        layout = assign(nodes, 8, shapes, engines, 1, (), problems)
+    finally:
+        sys.setprofile(None)
+    assert not problems and len(layout.engines) == engines and layout.used_nodes == nodes
+    return calls
+
+
+def test_placing_twice_the_engines_is_twice_the_work():
+    # A first fit that rescanned every node for each engine did 3.9x the work here (and took 32 s in all to
+    # plan 127,988 engines, over 120 s for 799,988; benchmarks/README.md)
+    small, large = _calls_to_place(250), _calls_to_place(500)
+    assert large < 2.1 * small, f"{large:,} calls for 3,988 engines vs {small:,} for 1,988: worse than linear"
+
+
+@pytest.mark.parametrize("tp", [1, 2, 8])
+def test_first_fit_looks_at_each_node_a_bounded_number_of_times(tp):
+    """E engines on N nodes look at about E + N nodes, however the roles before them left the nodes."""
+    free = FreeGPUs(nodes=4000, gpus_per_node=8)
+    assert free.take(3, 5) == [Device(n, g) for n in range(3) for g in range(5)]  # a role of 3 nodes x 5 GPUs
+    engines = 0
+    while (taken := free.take(1, tp)) is not None:
+        assert len({d.node for d in taken}) == 1
+        engines += 1
+    assert engines == 3 * (3 // tp) + 3997 * (8 // tp)  # the role's nodes keep 3 free GPUs each
+    assert len(free.nodes) == 4000 and not any(len(gpus) >= tp for gpus in free.nodes)
+    assert free.looked <= 2 * (engines + len(free.nodes)), f"{free.looked:,} node looks for {engines:,} engines"

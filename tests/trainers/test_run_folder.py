@@ -181,6 +181,24 @@ def test_a_run_done_without_its_final_checkpoint_keeps_only_the_periodic_ones(tm
         assert json.loads((out / "summary.json").read_text())["status"] == "done"
         names[at_end] = sorted(p.name for p in (out / "checkpoints").glob("step_*"))
     assert names == {"true": ["step_000002", "step_000003"], "false": ["step_000002"]}
+    # A rerun of the finished run is done at once: it retrained step 3 from step 2's checkpoint on every rerun.
+    metrics = (tmp_path / "false" / "metrics.jsonl").read_text()
+    rerun = sft(tmp_path / "false", "--set", "checkpoint.at_end=false", steps=3)
+    assert f"{tmp_path / 'false'} is already complete (3 steps)" in rerun.stderr and "resumed from" not in rerun.stderr
+    assert (tmp_path / "false" / "metrics.jsonl").read_text() == metrics
+
+
+def test_fewer_steps_than_the_folder_holds_is_refused_naming_both(finished, tmp_path):
+    """train.max_steps lowered below the run's latest checkpoint (step 6) said "done" without a word, and
+    exported the step-6 model as the run's result. (A finished run says "finished at step 6" the same way.)"""
+    out = copy_of(finished, tmp_path)
+    (out / "summary.json").unlink()  # stopped (a time limit) after its step-6 checkpoint, before its end
+    model = (out / "model" / "model.safetensors").stat().st_mtime_ns
+    refused = sft(out, steps=4, check=False)
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr[-3000:]
+    assert (f"train.max_steps=4, but the run in {out} has a checkpoint at step 6: nothing to train; raise "
+            "train.max_steps above 6 to train on, or use a new --output-dir for a run of 4 steps") in refused.stderr
+    assert (out / "model" / "model.safetensors").stat().st_mtime_ns == model and not (out / "summary.json").exists()
 
 
 def test_deleted_checkpoints_start_a_clean_history_and_keep_the_old_one(finished, tmp_path):
@@ -189,6 +207,7 @@ def test_deleted_checkpoints_start_a_clean_history_and_keep_the_old_one(finished
     out = copy_of(finished, tmp_path)
     before = steps_logged(out)
     shutil.rmtree(out / "checkpoints")
+    (out / "summary.json").unlink()  # a run that never finished (a finished one is done: no retraining)
     rerun = sft(out)
     assert "no checkpoint to resume from: training starts again from step 0" in rerun.stderr
     assert steps_logged(out) == before  # each step once, not twice
