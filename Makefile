@@ -2,6 +2,8 @@
 #   make demo     install (.venv/) and run the main job on the embedded defaults
 #   make test     install with test extras and run the whole test suite
 #   make install  create .venv/ only
+#   make docs     regenerate docs/settings/ (the settings reference) from the typed config
+# Documentation: README.md, then docs/index.md.
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
@@ -20,7 +22,7 @@ TEST_WORKERS ?= 2
 PYTEST_ARGS ?=
 DEMO_OUT ?= runs/demo
 
-.PHONY: install install-dev demo test clean
+.PHONY: install install-dev demo test docs clean
 
 install: $(VENV)/.installed
 
@@ -47,6 +49,9 @@ test: install-dev
 	bash slurm/install-test-deps.sh
 	bash apptainer/install-apptainer.sh
 	$(BIN)/python -m pytest $(TESTS) -n $(TEST_WORKERS) $(PYTEST_ARGS)
+
+docs: install
+	$(BIN)/python -m hpcrlhf.config.reference docs/settings
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

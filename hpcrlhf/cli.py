@@ -28,13 +28,14 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def cmd_config(args: argparse.Namespace) -> int:
     from hpcrlhf.config.loader import describe, load_config, to_yaml
-    from hpcrlhf.config.schema import JOB_CONFIGS, GenerateConfig
+    from hpcrlhf.config.reference import config_classes, markdown
 
-    cls = GenerateConfig if args.kind == "generate" else JOB_CONFIGS[args.kind]
-    if args.config or args.set:
-        print(to_yaml(load_config(cls, resolve_recipe(args.config), args.set)), end="")
+    cls = config_classes()[args.kind]
+    cfg = load_config(cls, resolve_recipe(args.config), args.set) if args.config or args.set else None
+    if args.markdown:
+        print(markdown(args.kind, cfg), end="")
     else:
-        print(describe(cls), end="")
+        print(describe(cls) if cfg is None else to_yaml(cfg), end="")
     return 0
 
 
@@ -243,6 +244,9 @@ def build_parser() -> argparse.ArgumentParser:
                                    "or, with --config/--set, the resolved config that `train` would use.")
     p.add_argument("kind", choices=kinds + ["generate"], help="job kind")
     add_config_arguments(p)
+    p.add_argument("--markdown", action="store_true",
+                   help="print a markdown page instead (key, type, default or value, documentation), as in "
+                        "docs/settings/")
     p.set_defaults(func=cmd_config)
 
     p = sub.add_parser("generate", help="batch generation over a dataset, optionally scored, to JSONL",

@@ -9,8 +9,8 @@
 
 The demo's short reward model (400 steps on the default pairs) checks the number of digits reliably
 but ranks the policy's own mistakes (off by 1-3 or by 10) only a little better than chance, which is
-why the exact-match rule joins it; an RM that PPO can use alone takes ~2 minutes more (README, "What
-the reward model must see"). Every stage resumes if the demo is interrupted and run again.
+why the exact-match rule joins it; an RM that PPO can use alone takes ~2 minutes more (docs/jobs/ppo.md,
+"What the reward model must see"). Every stage resumes if the demo is interrupted and run again.
 """
 
 from __future__ import annotations

@@ -39,7 +39,7 @@ import stat
 import textwrap
 import types
 import typing
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal, NoReturn, TypeVar, Union
 
@@ -47,8 +47,8 @@ import yaml
 
 from hpcrlhf.errors import ConfigError
 
-__all__ = ["load_config", "from_dict", "apply_overrides", "to_dict", "to_yaml", "field_docs", "describe", "NonEmpty",
-           "quoted"]
+__all__ = ["load_config", "from_dict", "apply_overrides", "to_dict", "to_yaml", "field_docs", "describe", "settings",
+           "Setting", "NonEmpty", "quoted"]
 
 T = TypeVar("T")
 _FORM = "expected the form --set section.key=value"
@@ -671,23 +671,49 @@ def field_docs(cls: type) -> dict[str, str]:
     return docs
 
 
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    """One field of a config tree, as `describe` and the settings reference (`hpcrlhf.config.reference`) show it."""
+
+    path: tuple[str, ...]
+    """Keys from the top (`("placement", "actor", "nodes")`)."""
+    doc: str
+    """The string literal under the field (`field_docs`)."""
+    annotation: Any
+    """The field's type annotation, `Annotated` marks kept."""
+    value: Any
+    """The config's value, or the field's declared default when the walk has no config."""
+    section: bool
+    """A nested config section: its own fields follow it in the walk."""
+
+
+def settings(cls: type, cfg: Any = None, prefix: tuple[str, ...] = ()) -> Iterator[Setting]:
+    """Every field of config class `cls`, depth first in declaration order: a section, then its
+    fields. Values are `cfg`'s, or without `cfg` the declared defaults (a section's default is
+    built, and its fields read from it). `prefix` is put before every path."""
+    docs, hints = field_docs(cls), _hints(cls)
+    for f in _init_fields(cls):
+        value = getattr(cfg, f.name) if cfg is not None else _default(f)
+        section = dataclasses.is_dataclass(value) and not isinstance(value, type)
+        yield Setting(prefix + (f.name,), docs.get(f.name, ""), hints[f.name], value, section)
+        if section:
+            yield from settings(type(value), value, prefix + (f.name,))
+
+
 def describe(cls_or_cfg: Any) -> str:
     """Commented YAML of every field (the defaults of a class, or the values of an instance)."""
     cfg = cls_or_cfg() if isinstance(cls_or_cfg, type) else cls_or_cfg
-    return "\n".join(_describe(cfg, 0)) + "\n"
-
-
-def _describe(cfg: Any, indent: int) -> list[str]:
-    pad, docs, lines = " " * indent, field_docs(type(cfg)), []
-    for f in _init_fields(type(cfg)):
-        if indent == 0 and lines:
+    walk, lines = list(settings(type(cfg), cfg)), []
+    for i, setting in enumerate(walk):
+        depth = len(setting.path) - 1
+        pad, name = "  " * depth, setting.path[-1]
+        if depth == 0 and lines:
             lines.append("")
-        lines += [f"{pad}# {doc}".rstrip() for doc in docs.get(f.name, "").splitlines()]
-        value = getattr(cfg, f.name)
-        if dataclasses.is_dataclass(value) and not isinstance(value, type):
-            inner = _describe(value, indent + 2)
-            lines += [f"{pad}{f.name}:" + ("" if inner else " {}")] + inner
+        lines += [f"{pad}# {doc}".rstrip() for doc in setting.doc.splitlines()]
+        if setting.section:
+            empty = i + 1 == len(walk) or walk[i + 1].path[:depth + 1] != setting.path
+            lines.append(f"{pad}{name}:" + (" {}" if empty else ""))
         else:  # dumping a one-key mapping gives valid YAML, also for lists and multi-line strings
-            dumped = yaml.safe_dump({f.name: _plain(value)}, sort_keys=False, allow_unicode=True, width=1000)
+            dumped = yaml.safe_dump({name: _plain(setting.value)}, sort_keys=False, allow_unicode=True, width=1000)
             lines += [pad + text for text in dumped.splitlines()]
-    return lines
+    return "\n".join(lines) + "\n"

@@ -136,7 +136,7 @@ class PPOPlan:
 
 def key_settings(cfg, *, ranks: int, micro_batch_rows: int, grad_accum_steps: int) -> str:
     """The settings that decide whether a run on new data learns, in one line for the start-up log
-    (README: "Choosing the key settings"): model, data, learning rate, batch arithmetic and lengths."""
+    (docs/own-task.md: "Choosing the key settings"): model, data, learning rate, batch arithmetic and lengths."""
     data = cfg.data
     task = cfg.task.resolve(data)
     source = f"data {data.train_path}" + (f" (eval {data.eval_path})" if data.eval_path else "") if data.train_path \
