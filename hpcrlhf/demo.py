@@ -18,7 +18,8 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from hpcrlhf.config.loader import load_config, quoted
+from hpcrlhf.config.loader import load_config
+from hpcrlhf.config.recipe_yaml import quoted
 from hpcrlhf.config.schema import PPOConfig, RMConfig, SFTConfig
 from hpcrlhf.logs import get_logger
 

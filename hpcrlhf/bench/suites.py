@@ -133,7 +133,7 @@ class Suite:
 
     def common_overrides(self, prompts_path: str) -> list[str]:
         """`--set` values every system of the suite runs with."""
-        from hpcrlhf.config.loader import quoted  # paths (--model, the run folder's prompts) taken literally
+        from hpcrlhf.config.recipe_yaml import quoted  # paths (--model, the run folder's prompts) taken literally
 
         model, reward = quoted(self.model), quoted(self.reward_model or self.model)
         return [

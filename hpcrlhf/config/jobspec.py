@@ -46,7 +46,7 @@ def build_config(kind: str, recipe: Optional[str], overrides: Sequence[str], out
 def literal_setting(key: str, path: Optional[str]) -> list[str]:
     """`--set KEY=PATH` for a path given as an option (`-o DIR`, `--model PATH`; none when not given): quoted,
     so the path is taken as written -- `-o 2024-01-01` or `-o '"x"'` names that folder, not a date or `x`."""
-    from hpcrlhf.config.loader import quoted
+    from hpcrlhf.config.recipe_yaml import quoted
 
     return [] if path is None else [f"{key}={quoted(path)}"]
 
