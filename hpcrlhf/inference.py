@@ -32,7 +32,8 @@ def load_generator(path: str, backend: str, *, max_model_len: int, rollout: Roll
     """(rollout engine, tokenizer) for a model folder; `rollout` holds the vLLM engine's settings
     (KV cache, batching; None: the defaults); `tokenizer`: the model's, loaded already."""
     from hpcrlhf.engines.distributed import device_for
-    from hpcrlhf.engines.rollout import HFRollout, VLLMRollout
+    from hpcrlhf.engines.rollout.hf import HFRollout
+    from hpcrlhf.engines.rollout.vllm import VLLMRollout
     from hpcrlhf.models.loading import load_causal_lm, load_tokenizer, resolve_model_path
 
     if tokenizer is None:

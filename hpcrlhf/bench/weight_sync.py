@@ -44,7 +44,8 @@ def run(out: Path, params_m: float, engines: int, repeats: int, bucket_mb: int) 
     from hpcrlhf.cluster.engines import EngineWorker
     from hpcrlhf.cluster.local import start_local_cluster
     from hpcrlhf.engines import weight_sync
-    from hpcrlhf.engines.rollout import HFRollout, SamplingParams
+    from hpcrlhf.engines.rollout import SamplingParams
+    from hpcrlhf.engines.rollout.hf import HFRollout
     from hpcrlhf.models.loading import load_causal_lm
     from hpcrlhf.models.tiny import build_sized_llama_dir
 

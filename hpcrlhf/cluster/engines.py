@@ -34,7 +34,7 @@ class EngineWorker(RoleWorker):
     def __init__(self, role: str, rank: int, world_size: int, model_dir: str, *, tensor_parallel_size: int,
                  seed: int = 0, **engine_kwargs: Any) -> None:
         super().__init__(role, rank, world_size)
-        from hpcrlhf.engines.rollout import VLLMRollout
+        from hpcrlhf.engines.rollout.vllm import VLLMRollout
 
         if tensor_parallel_size > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
             import torch
