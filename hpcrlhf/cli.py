@@ -84,10 +84,10 @@ def _seconds(text: str) -> float:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from hpcrlhf.placement import build_node_map
+    from hpcrlhf.placement import build_node_map, render_text
 
     node_map = build_node_map(build_config("ppo", args.recipe, args.set, None), args.nodes, args.gpus_per_node)
-    print(node_map.to_json() if args.json else node_map.render(), end="")
+    print(node_map.to_json() if args.json else render_text(node_map), end="")
     return 0
 
 
