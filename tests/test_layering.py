@@ -5,7 +5,7 @@ The layers, lowest first (a module belongs to the layer of the longest name list
 module or a package holding it; modules of one layer may import each other):
 
  1. `hpcrlhf` (the version), errors, logs, formats                   -- imports nothing of hpcrlhf
- 2. signals, safefiles, diskspace, usercode, cache, hub              -- what keeps files and processes safe,
+ 2. signals, safefiles, diskspace, usercode, cache, hub, namespaces  -- what keeps files and processes safe,
                                                                         used by everything that writes or waits
  3. algos.estimators                                                 -- the advantage estimators' names and
                                                                         needs: plain data the config checks
@@ -47,7 +47,8 @@ ENTRY_POINTS = {"hpcrlhf.__main__"}
 
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("hpcrlhf", "hpcrlhf.errors", "hpcrlhf.logs", "hpcrlhf.formats"),
-    ("hpcrlhf.signals", "hpcrlhf.safefiles", "hpcrlhf.diskspace", "hpcrlhf.usercode", "hpcrlhf.cache", "hpcrlhf.hub"),
+    ("hpcrlhf.signals", "hpcrlhf.safefiles", "hpcrlhf.diskspace", "hpcrlhf.usercode", "hpcrlhf.cache", "hpcrlhf.hub",
+     "hpcrlhf.namespaces"),
     ("hpcrlhf.algos.estimators",),
     ("hpcrlhf.config",),
     ("hpcrlhf.algos",),

@@ -16,23 +16,16 @@ namespaces, else the host's network with a warning), `private` (refuse to start 
 
 from __future__ import annotations
 
-import ctypes
 import errno
-import fcntl
 import os
-import socket
-import struct
 from pathlib import Path
 from typing import Optional
 
 from hpcrlhf.logs import get_logger
+from hpcrlhf.namespaces import CLONE_NEWNET, CLONE_NEWUSER, loopback_up, map_self, unshare
 
 log = get_logger()
 
-CLONE_NEWUSER = 0x10000000
-CLONE_NEWNET = 0x40000000
-SIOCGIFFLAGS, SIOCSIFFLAGS = 0x8913, 0x8914
-IFF_UP = 0x1
 MARKER = "HPCRLHF_PRIVATE_NETWORK"
 """Set (to the namespace's id) in the environment of a process that entered the private network,
 so its children -- Ray nodes and workers -- and a nested call know they are inside."""
@@ -56,39 +49,6 @@ def _threads() -> int:
         return 1
 
 
-REFUSALS = {
-    errno.ENOSPC: "the kernel allows no more user namespaces here (sysctl user.max_user_namespaces is 0 or reached)",
-    errno.EPERM: ("the kernel refuses unprivileged user namespaces here (kernel.unprivileged_userns_clone=0, "
-                  "kernel.apparmor_restrict_unprivileged_userns=1, or a seccomp filter of a container)"),
-    errno.EUSERS: "user namespaces are nested too deeply here",
-}
-"""What unshare(2)'s errors mean for this use, in words (ENOSPC reads 'No space left on device')."""
-
-
-def _unshare(flags: int) -> None:
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.unshare(ctypes.c_int(flags)) != 0:
-        code = ctypes.get_errno()
-        raise OSError(code, REFUSALS.get(code, f"unshare(2) failed: {os.strerror(code)}"))
-
-
-def _map_self(uid: int, gid: int) -> None:
-    """Map this user and group to themselves in the new user namespace (what `unshare
-    --map-current-user` does): files keep their owner, no other identity exists inside."""
-    Path("/proc/self/setgroups").write_text("deny")  # required before an unprivileged gid_map
-    Path("/proc/self/uid_map").write_text(f"{uid} {uid} 1")
-    Path("/proc/self/gid_map").write_text(f"{gid} {gid} 1")
-
-
-def _loopback_up() -> None:
-    """Bring `lo` up (a new network namespace starts with it down): SIOCSIFFLAGS, as `ip link set
-    lo up` would, without needing the `ip` program."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        name = struct.pack("16s", b"lo")
-        flags = struct.unpack_from("h", fcntl.ioctl(s, SIOCGIFFLAGS, name + bytes(24)), 16)[0]
-        fcntl.ioctl(s, SIOCSIFFLAGS, name + struct.pack("h", flags | IFF_UP) + bytes(22))
-
-
 def why_not() -> Optional[str]:
     """Why this process cannot enter a private network now (None: it can try)."""
     if not Path("/proc/self/ns/net").exists():
@@ -107,9 +67,9 @@ def enter() -> None:
     if reason:
         raise OSError(errno.EINVAL, reason)
     uid, gid = os.getuid(), os.getgid()
-    _unshare(CLONE_NEWUSER | CLONE_NEWNET)
-    _map_self(uid, gid)
-    _loopback_up()
+    unshare(CLONE_NEWUSER | CLONE_NEWNET)
+    map_self(uid, gid)
+    loopback_up()
     os.environ[MARKER] = namespace_id()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing outside can be reached: use the cache at once
 
