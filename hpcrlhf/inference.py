@@ -58,7 +58,8 @@ def run_generate(cfg: GenerateConfig) -> dict:
     from hpcrlhf.models.context import require_generation_fits
     from hpcrlhf.models.loading import load_tokenizer
     from hpcrlhf.models.value import ValueModel, load_value_model
-    from hpcrlhf.rewards import EvalMetrics, RewardSet, check_rules
+    from hpcrlhf.rewards.rules import EvalMetrics, check_rules
+    from hpcrlhf.rewards.sources import RewardSet
     from hpcrlhf.trainers.online import encode_prompt_rows, sampling_params
 
     out = Path(cfg.output)
@@ -71,7 +72,7 @@ def run_generate(cfg: GenerateConfig) -> dict:
         log.info(note)
     check_rules(cfg)  # the user's code is imported before the model loads
     task = build_task(cfg.task, cfg.data)
-    metrics = EvalMetrics(cfg.metrics, task, "metrics", cfg.metric_timeout_s, "metric_timeout_s")
+    metrics = EvalMetrics(cfg.metrics, task, "metrics", cfg.metric_timeout_s, "metric_timeout_s", cfg.rules)
     # The prompts file, else the held-out prompts (data.eval_path, or the bundled task's held-out split:
     # never its training prompts).
     if cfg.data.train_path:
@@ -95,7 +96,7 @@ def run_generate(cfg: GenerateConfig) -> dict:
             return FrozenModel(ValueModel(load_value_model(path, pad_token_id=tokenizer.pad_token_id, key=field,
                                                            trust_remote_code=cfg.model.trust_remote_code)), None, device)
 
-        rewards = RewardSet(cfg.reward, load_rm, tokenizer, task, device, cfg.model.trust_remote_code)
+        rewards = RewardSet(cfg.reward, load_rm, tokenizer, task, device, cfg.model.trust_remote_code, cfg.rules)
     params = sampling_params(r, n=r.samples_per_prompt, greedy=cfg.greedy, seed=None if cfg.greedy else cfg.seed)
     totals: dict[str, Any] = {}
     count = 0

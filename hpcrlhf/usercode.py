@@ -12,7 +12,7 @@ it may do must not take the job with it (`user_code`):
 - raise KeyboardInterrupt itself: that is the code's doing, not the user's key press; a real Ctrl-C
   is told apart (`hpcrlhf.signals.Interrupted`) and ends the command as ever.
 
-The caller (`hpcrlhf.rewards.Rule`) turns a timeout, `sys.exit()` (SystemExit) and any other
+The caller (`hpcrlhf.rewards.rules.Rule`) turns a timeout, `sys.exit()` (SystemExit) and any other
 BaseException the code raises into a RuleError naming the rule, instead of the job ending (with
 status 0 for `sys.exit(0)`).
 

@@ -16,7 +16,8 @@ from hpcrlhf.engines.deepspeed_engine import FrozenModel
 from hpcrlhf.errors import ConfigError, RuleError
 from hpcrlhf.models.loading import load_tokenizer
 from hpcrlhf.models.value import ValueModel, load_value_model
-from hpcrlhf.rewards import Response, RewardSet, adjust_scores
+from hpcrlhf.rewards.response import Response
+from hpcrlhf.rewards.sources import RewardSet, adjust_scores
 
 CPU = torch.device("cpu")
 
@@ -92,12 +93,15 @@ def test_unnormalized_source_and_user_rule(tiny_llama, tmp_path, monkeypatch):
     assert total.item() == pytest.approx(raw + 1.5, abs=1e-5)
 
 
-@pytest.mark.parametrize("rule, message", [("nosuch", "not a known rule"), ("nosuchmodule:f", "cannot be imported"),
+@pytest.mark.parametrize("rule, message", [("nosuch", "use a known rule (math, code, format, task, task_partial)"),
+                                           ("maths", "(did you mean 'math'?)"), ("nosuchmodule:f", "cannot be imported"),
                                            ("json:dumps", "(prompt, response, row)")])
 def test_bad_rules_fail_before_anything_loads(rule, message, tiny_llama):
+    """A name that is no rule fails when the config loads; a function that cannot be imported or has
+    the wrong signature, before any reward model loads."""
     loaded = []
-    cfg = RewardConfig(sources=(RewardSourceConfig(model="never-loaded"), RewardSourceConfig(rule=rule)))
-    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        cfg = RewardConfig(sources=(RewardSourceConfig(model="never-loaded"), RewardSourceConfig(rule=rule)))
         RewardSet(cfg, loaded.append, load_tokenizer(tiny_llama), ArithmeticTask(), CPU)
     assert loaded == []
 
@@ -248,7 +252,7 @@ def test_rule_names_lists_every_user_function_of_a_config(tmp_path, monkeypatch)
     """What a cluster submission checks before queueing: every `module:function` (reward rules and
     metrics; the task's rules import nothing), each with the field that names it."""
     from hpcrlhf.config.schema import PPOConfig
-    from hpcrlhf.rewards import check_rules, rule_names
+    from hpcrlhf.rewards.rules import check_rules, rule_names
 
     cfg = load_config(PPOConfig, overrides=["reward.sources=[{rule: task}, {rule: 'userrules:value'}]",
                                             "eval.metrics=[userrules:none, nosuchmodule:f]"])
@@ -263,7 +267,7 @@ def test_rule_names_lists_every_user_function_of_a_config(tmp_path, monkeypatch)
 
 
 def test_a_metric_must_be_finite_and_not_named_like_the_task_score(tmp_path, monkeypatch):
-    from hpcrlhf.rewards import EvalMetrics
+    from hpcrlhf.rewards.rules import EvalMetrics
 
     _user_rules(tmp_path, monkeypatch)
     metrics = EvalMetrics(["userrules:value"], ArithmeticTask())
@@ -395,7 +399,7 @@ def test_a_rule_that_never_returns_ends_at_its_deadline(rule, tmp_path, monkeypa
 
 def test_rules_and_metrics_get_a_copy_of_the_row(tmp_path, monkeypatch):
     """A rule that changed `row` changed what the next rule, the metrics and later evaluations saw."""
-    from hpcrlhf.rewards import EvalMetrics
+    from hpcrlhf.rewards.rules import EvalMetrics
 
     _unruly(tmp_path, monkeypatch)
     row = {"n": 3, "nested": ["a"]}

@@ -50,11 +50,11 @@ def config_paths(cfg: object) -> list[str]:
 
 
 def check_rules(cfg: object, python: str, container: Optional[str]) -> list[str]:
-    """Import every `package.module:function` rule and metric of `cfg` (`hpcrlhf.rewards.rule_names`)
+    """Import every `package.module:function` rule and metric of `cfg` (`hpcrlhf.rewards.rules.rule_names`)
     as the job will, before it is written or queued: a ConfigError names the field, the rule and
     why. Only when the job runs this Python outside a container (the default); otherwise returns a
     note that the job imports them when it starts."""
-    from hpcrlhf.rewards import check_rules as import_rules, rule_names  # imports torch: only for a job config
+    from hpcrlhf.rewards.rules import check_rules as import_rules, rule_names  # imports torch: only for a job config
 
     rules = rule_names(cfg)
     if not rules:

@@ -63,7 +63,7 @@ class Trainer:
         from hpcrlhf.data.loading import held_out_prompt_rows, task_note
         from hpcrlhf.data.tasks import build_task
         from hpcrlhf.models.context import ContextWindow
-        from hpcrlhf.rewards import EvalMetrics, check_rules
+        from hpcrlhf.rewards.rules import EvalMetrics, check_rules
 
         cfg = self.cfg
         self.window = ContextWindow.of(cfg.model.path)
@@ -73,7 +73,7 @@ class Trainer:
             log.info(note)
         check_rules(cfg)
         self.task = build_task(cfg.task, cfg.data)
-        self.metrics = EvalMetrics(cfg.eval.metrics, self.task, timeout_s=cfg.eval.metric_timeout_s)
+        self.metrics = EvalMetrics(cfg.eval.metrics, self.task, timeout_s=cfg.eval.metric_timeout_s, rules=cfg.rules)
         self.held_out = (([], cfg.data.prompt_key) if self.value_head
                          else held_out_prompt_rows(cfg.data, cfg.task, cfg.eval.score_prompts))
 
@@ -194,7 +194,7 @@ class Trainer:
     def generation_scores(self, prompts: Sequence[tuple[list[int], Row]], suffix: str = "") -> dict[str, float]:
         """Means of the task score and `eval.metrics` of greedy answers to (prompt ids, row) pairs,
         as `eval/<name><suffix>` (nothing to generate when there are neither)."""
-        from hpcrlhf.rewards import Response
+        from hpcrlhf.rewards.response import Response
 
         key = self.held_out[1]
 

@@ -19,7 +19,8 @@ from hpcrlhf.engines.rollout import Generation, Pending, SamplingParams, launch
 from hpcrlhf.engines.rollout.shared import Rank0Rollout
 from hpcrlhf.errors import ConfigError, DataError
 from hpcrlhf.logs import get_logger
-from hpcrlhf.rewards import Response, RewardSet, adjust_scores
+from hpcrlhf.rewards.response import Response
+from hpcrlhf.rewards.sources import RewardSet, adjust_scores
 from hpcrlhf.trainers.base import Trainer, merge_evaluation
 from hpcrlhf.trainers.stats import Stats
 
@@ -119,7 +120,7 @@ def vllm_rollout_args(r) -> dict[str, Any]:
 def reward_set(cfg, models, task) -> RewardSet:
     """The job's reward sources: reward models built by `models` (a `ModelFactory`), rules, the task."""
     return RewardSet(cfg.reward, lambda path, field: models.build_frozen_model(path, value_head=True, key=field),
-                     models.tokenizer, task, models.device, cfg.model.trust_remote_code)
+                     models.tokenizer, task, models.device, cfg.model.trust_remote_code, cfg.rules)
 
 
 def push_weights(engine, rollout, cfg) -> dict[str, float] | None:

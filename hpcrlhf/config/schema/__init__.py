@@ -14,17 +14,20 @@ This package is where the configs are imported from; its modules hold them by wh
   batch generation (`GenerateConfig`)
 - `ppo`: the ppo job: its objective, its critic, the checks across its sections
 - `placement`: where a ppo job's roles run on the allocation (the node map's settings)
+- `rules`: the built-in rules' settings (math, code, format) and the names rules and metrics take
 """
 
 from hpcrlhf.config.schema.checks import PathText, largest_divisor
 from hpcrlhf.config.schema.offline import (CSFTConfig, CSFTDataConfig, CSFTSectionConfig, DPOConfig, DPOLossConfig,
                                            KTOConfig, KTOLossConfig, PairDataConfig, PolicyJobConfig, RMConfig,
                                            SFTConfig, UnpairedDataConfig)
-from hpcrlhf.config.schema.online import (TASK_RULES, GenerateConfig, OnlineJobConfig, PromptDataConfig, RewardConfig,
+from hpcrlhf.config.schema.online import (KNOWN_RULES, TASK_RULES, GenerateConfig, OnlineJobConfig, PromptDataConfig, RewardConfig,
                                           RewardSourceConfig, RolloutConfig, RSConfig, RSSectionConfig)
 from hpcrlhf.config.schema.placement import (PLACEMENT_ROLES, PlacementConfig, PlacementRole, RoleConfig,
                                              VLLMPlacementConfig)
 from hpcrlhf.config.schema.ppo import CriticConfig, PPOConfig, PPOSectionConfig
+from hpcrlhf.config.schema.rules import (BUILTIN_RULES, CodeRuleConfig, FormatRuleConfig, MathRuleConfig, RulesConfig,
+                                         metric_name)
 from hpcrlhf.config.schema.sections import (BUNDLED_TASKS, DEFAULT_MAX_LENGTH, DEFAULT_NEW_TOKENS, DEFAULT_TASK,
                                             DEFAULT_USER_CODE_TIMEOUT_S, MAX_STEPS, MICRO_BATCH_CAP, BundledTask,
                                             CheckpointConfig, DataConfig, DataSourceConfig, EngineConfig, EvalConfig,
@@ -38,12 +41,13 @@ JOB_CONFIGS: dict[str, type] = {"sft": SFTConfig, "rm": RMConfig, "dpo": DPOConf
 __all__ = [
     "JOB_CONFIGS", "PathText", "largest_divisor", "resolved_new_tokens",
     "BUNDLED_TASKS", "DEFAULT_MAX_LENGTH", "DEFAULT_NEW_TOKENS", "DEFAULT_TASK", "DEFAULT_USER_CODE_TIMEOUT_S",
-    "MAX_STEPS", "MICRO_BATCH_CAP", "PLACEMENT_ROLES", "TASK_RULES", "BundledTask", "PlacementRole",
+    "MAX_STEPS", "MICRO_BATCH_CAP", "PLACEMENT_ROLES", "TASK_RULES", "KNOWN_RULES", "BUILTIN_RULES", "metric_name", "BundledTask", "PlacementRole",
     "TrainJobConfig", "OnlineJobConfig", "PolicyJobConfig",
     "SFTConfig", "RMConfig", "DPOConfig", "KTOConfig", "CSFTConfig", "PPOConfig", "RSConfig", "GenerateConfig",
     "ModelConfig", "TaskConfig", "DataSourceConfig", "DataConfig", "PairDataConfig", "UnpairedDataConfig",
     "CSFTDataConfig", "PromptDataConfig", "OptimConfig", "TrainConfig", "EngineConfig", "EvalConfig", "LogConfig",
     "CheckpointConfig", "LoRAConfig", "ReferenceConfig", "DPOLossConfig", "KTOLossConfig", "CSFTSectionConfig",
     "RolloutConfig", "RewardSourceConfig", "RewardConfig", "CriticConfig", "PPOSectionConfig", "RSSectionConfig",
-    "PlacementConfig", "RoleConfig", "VLLMPlacementConfig",
+    "PlacementConfig", "RoleConfig", "VLLMPlacementConfig", "RulesConfig", "MathRuleConfig", "CodeRuleConfig",
+    "FormatRuleConfig",
 ]

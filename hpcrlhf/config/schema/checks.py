@@ -60,20 +60,6 @@ def require_timeout(value: float, key: str) -> None:
     require(value > 0, key, value, "use a positive number of seconds, e.g. 300")
 
 
-def require_metrics(metrics: tuple[str, ...], key: str) -> None:
-    """Metrics are `package.module:function`s with distinct function names (each is reported under
-    its function's name); importing them is the job's business (hpcrlhf.rewards)."""
-    seen: dict[str, str] = {}
-    for i, rule in enumerate(metrics):
-        module, sep, name = rule.partition(":")
-        require(bool(sep and module and name.isidentifier()), f"{key}[{i}]", rule,
-                "use package.module:function, a function of (prompt, response, row) returning a number")
-        if name in seen:
-            raise ConfigError(f"{key}[{i}]: {rule!r} and {seen[name]!r} would both be reported as eval/{name}; "
-                              "wrap one in a function of another name")
-        seen[name] = rule
-
-
 def largest_divisor(n: int, cap: int) -> int:
     """The largest divisor of `n` (>= 1) that is at most `cap`."""
     return max(d for d in range(1, min(n, cap) + 1) if n % d == 0)

@@ -4,14 +4,16 @@
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
-from hpcrlhf.config.schema.checks import (PathText, fill_derived, require, require_finite, require_metrics,
+from hpcrlhf.config.schema.checks import (PathText, fill_derived, require, require_finite,
                                           require_timeout, shown)
 from hpcrlhf.config.schema.sections import (DEFAULT_USER_CODE_TIMEOUT_S, MAX_STEPS, DataSourceConfig, ModelConfig,
                                             OptimConfig, ReferenceConfig, TaskConfig, TrainConfig, TrainJobConfig,
                                             resolve_data_length, resolved_new_tokens)
+from hpcrlhf.config.schema.rules import BUILTIN_RULES, RulesConfig, is_user_function, require_metrics
 from hpcrlhf.errors import ConfigError
 
 @dataclass(frozen=True)
@@ -105,9 +107,10 @@ class RewardSourceConfig:
     model: Optional[PathText] = None
     """A reward model folder (from `hpcrlhf train rm`, or any one-label sequence classifier)."""
     rule: Optional[str] = None
-    """A rule-based reward instead: `task` (the bundled task's exact score, 1 or 0),
-    `task_partial` (share of digits right), or `package.module:function` taking
-    (prompt, response, row) and returning a float."""
+    """A rule-based reward instead: a built-in rule (`math`, `code`, `format`: set in the `rules`
+    section, see docs/rewards.md), `task` (the bundled task's exact score, 1 or 0), `task_partial`
+    (share of digits right), or `package.module:function` taking (prompt, response, row) and
+    returning a float."""
     weight: float = 1.0
     """This source's weight in the weighted sum of all sources."""
     normalize: bool = True
@@ -116,12 +119,19 @@ class RewardSourceConfig:
     def __post_init__(self) -> None:
         if (self.model is None) == (self.rule is None):
             raise ConfigError(f"reward.sources: each source sets exactly one of `model` (a reward model folder) "
-                              f"or `rule` (task, task_partial or module:function); got model={self.model!r}, "
+                              f"or `rule` ({', '.join(KNOWN_RULES)} or module:function); got model={self.model!r}, "
                               f"rule={self.rule!r}")
 
 
 TASK_RULES = ("task", "task_partial")
-"""Rules that score answers to the bundled task; any other rule is `package.module:function`."""
+"""Rules that score answers to the bundled task."""
+KNOWN_RULES = BUILTIN_RULES + TASK_RULES
+"""The rules named by a name alone; any other rule is `package.module:function`."""
+
+
+def _close(name: str) -> str:
+    close = difflib.get_close_matches(name, KNOWN_RULES, n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 def _require_task_for_rules(reward: Optional["RewardConfig"], task: TaskConfig, data: DataSourceConfig) -> None:
@@ -167,6 +177,11 @@ class RewardConfig:
         require_finite(self, "reward")
         require_timeout(self.rule_timeout_s, "reward.rule_timeout_s")
         require(len(self.sources) >= 1, "reward.sources", list(self.sources), "give at least one reward model or rule")
+        for i, source in enumerate(self.sources):
+            rule = source.rule
+            if rule is not None and rule not in KNOWN_RULES and not is_user_function(rule):
+                require(False, f"reward.sources[{i}].rule", rule,
+                        f"use a known rule ({', '.join(KNOWN_RULES)}) or package.module:function{_close(rule)}")
         require(self.clip is None or self.clip > 0, "reward.clip", self.clip, "use a positive bound, or null")
         require(self.length_penalty >= 0, "reward.length_penalty", self.length_penalty, "use >= 0")
         require(self.overlong_buffer >= 0, "reward.overlong_buffer", self.overlong_buffer,
@@ -288,8 +303,10 @@ class GenerateConfig:
     reward: Optional[RewardConfig] = None
     """Score each response with these reward models / rules (null: no scores)."""
     metrics: tuple[str, ...] = ()
-    """Your own metrics of each response, as `eval.metrics` of training jobs
-    (`package.module:function`): written per response under `metrics`, their means printed."""
+    """Metrics of each response, as `eval.metrics` of training jobs (built-in rules or
+    `package.module:function`s): written per response under `metrics`, their means printed."""
+    rules: RulesConfig = field(default_factory=RulesConfig)
+    """Settings of the built-in rules (math, code, format) that `metrics` and `reward.sources` name."""
     metric_timeout_s: float = DEFAULT_USER_CODE_TIMEOUT_S
     """Longest one call of a metric may take, in seconds (`eval.metric_timeout_s`)."""
     batch_size: int = 64

@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 from typing import ClassVar, Literal, Optional
 
 from hpcrlhf.config.schema.checks import (PathText, fill_derived, largest_divisor, require, require_finite,
-                                          require_metrics, require_timeout)
+                                          require_timeout)
+from hpcrlhf.config.schema.rules import RulesConfig, require_metrics
 from hpcrlhf.config.stop_rule import parse_stop_rule
 from hpcrlhf.errors import ConfigError
 
@@ -282,9 +283,10 @@ class EvalConfig:
     with checkpoint, exported model and summary as at a normal end (`summary.json` says where and
     why it stopped). Needs `every_steps` > 0. Empty: train for `train.max_steps`/`epochs`."""
     metrics: tuple[str, ...] = ()
-    """Your own metrics of the greedy answers to the held-out prompts: `package.module:function`s
-    taking (prompt, response, row) and returning a real number, like reward rules (the row is the
-    prompt's row of `data.eval_path`). Each is reported as `eval/<function name>` (mean over the
+    """Metrics of the greedy answers to the held-out prompts: built-in rules (`math`, `code`,
+    `format`, set in the `rules` section) or your own `package.module:function`s taking (prompt,
+    response, row) and returning a real number, like reward rules (the row is the prompt's row of
+    `data.eval_path`). Each is reported as `eval/<rule>` or `eval/<function name>` (mean over the
     prompts) in metrics.jsonl, summary.json and the log, and can end the run (`stop_when`)."""
     metric_timeout_s: float = DEFAULT_USER_CODE_TIMEOUT_S
     """Longest one call of a metric (or the task score) may take, in seconds; past it the run fails
@@ -424,6 +426,9 @@ class TrainJobConfig:
     """Metrics, TensorBoard and progress output."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """Checkpointing and resuming."""
+    rules: RulesConfig = field(default_factory=RulesConfig)
+    """Settings of the built-in rules (math, code, format) that eval.metrics (and reward.sources)
+    name."""
     seed: int = 1234
     """Seed for model init, data order and dropout."""
     output_dir: PathText = "runs/train"
