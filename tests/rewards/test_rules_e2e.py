@@ -73,6 +73,8 @@ def task(tmp_path_factory) -> dict[str, Path]:
              "--set", "optim.lr=1e-3", "--set", "train.max_steps=200", "--set", "train.global_batch_size=32",
              "--set", "train.micro_batch_size=32", "--set", "eval.every_steps=0", "--set", "eval.metrics=[math]",
              "--set", "eval.max_new_tokens=12", *QUIET], timeout=900)
+    sft = json.loads((folder / "sft" / "summary.json").read_text())
+    assert sft["before"]["eval/math"] == 0 and sft["after"]["eval/math"] > 0, sft  # the built-in rule as a metric
     return files
 
 
