@@ -170,18 +170,17 @@ class RewardConfig:
     batch_size: int = 128
     """Sequences per reward-model forward pass."""
     rule_timeout_s: float = DEFAULT_USER_CODE_TIMEOUT_S
-    """Longest one call of a rule may take, in seconds; past it the run fails naming the rule (a rule
-    that never returns would hang the job)."""
+    """Longest one call of a `package.module:function` rule may take, in seconds; past it the run
+    fails naming the rule (a rule that never returns would hang the job). The built-in rules have
+    their own (`rules.math.timeout_s`, ...), past which an answer scores 0."""
 
     def __post_init__(self) -> None:
         require_finite(self, "reward")
         require_timeout(self.rule_timeout_s, "reward.rule_timeout_s")
         require(len(self.sources) >= 1, "reward.sources", list(self.sources), "give at least one reward model or rule")
-        for i, source in enumerate(self.sources):
-            rule = source.rule
-            if rule is not None and rule not in KNOWN_RULES and not is_user_function(rule):
-                require(False, f"reward.sources[{i}].rule", rule,
-                        f"use a known rule ({', '.join(KNOWN_RULES)}) or package.module:function{_close(rule)}")
+        for i, rule in enumerate(source.rule for source in self.sources):
+            require(rule is None or rule in KNOWN_RULES or is_user_function(rule), f"reward.sources[{i}].rule", rule,
+                    f"use a known rule ({', '.join(KNOWN_RULES)}) or package.module:function{_close(rule or '')}")
         require(self.clip is None or self.clip > 0, "reward.clip", self.clip, "use a positive bound, or null")
         require(self.length_penalty >= 0, "reward.length_penalty", self.length_penalty, "use >= 0")
         require(self.overlong_buffer >= 0, "reward.overlong_buffer", self.overlong_buffer,
