@@ -5,10 +5,12 @@ behind), runs at most `rules.workers` at once, and bad rows or settings name wha
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 import time
 
 import pytest
@@ -18,6 +20,7 @@ from hpcrlhf.errors import ConfigError, RuleError
 from hpcrlhf.rewards.builtin import build_builtin
 from hpcrlhf.rewards.code_tests import program_in
 from hpcrlhf.rewards.response import Response
+from hpcrlhf.signals import STOP_SIGNALS, StopFlag, StopRequested
 from tests.launch_helpers import ROOT
 from tests.rewards.programs import PYTHON, TOKEN, processes_with_token, tagged
 
@@ -117,6 +120,28 @@ def test_runs_go_at_most_workers_at_once():
     start = time.monotonic()
     assert rule.scores([response(fenced("import time\ntime.sleep(2)\nprint(3)"), ADD_IO[:1])] * 4) == [1.0] * 4
     assert 4 <= time.monotonic() - start < 7  # two rounds of two: not four at once (2 s), nor one by one (8 s)
+
+
+def test_a_stop_request_ends_the_runs_under_way(rule):
+    """SIGTERM (a time limit) while programs run: scoring stops at once, the runs are killed, and
+    the rule scores again afterwards."""
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, *STOP_SIGNALS)}
+    sleeper = response(fenced(tagged("import time\ntime.sleep(3600)")), ADD_IO[:1])
+    try:
+        StopFlag().install()
+        threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGTERM)).start()
+        start = time.monotonic()
+        with pytest.raises(StopRequested):
+            rule.scores([sleeper] * 4)
+        assert time.monotonic() - start < SETTINGS["timeout_s"]
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+    deadline = time.monotonic() + 5  # killed at once; the kernel empties their PID namespaces just after
+    while processes_with_token() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert processes_with_token() == []
+    assert rule.scores([response(fenced("print(3)"), ADD_IO[:1])]) == [1.0]
 
 
 def test_the_program_is_the_last_block_of_the_language():
