@@ -138,7 +138,7 @@ class CodeRule:
         cfg = self.cfg
         if isinstance(item, str):
             return Test(code=item)
-        if isinstance(item, Mapping) and isinstance(item.get(cfg.input_key), str) and isinstance(item.get(cfg.output_key), str):
+        if isinstance(item, Mapping) and all(isinstance(item.get(key), str) for key in (cfg.input_key, cfg.output_key)):
             return Test(stdin=item[cfg.input_key], expected=item[cfg.output_key])
         raise self._bad_tests(r, item, f"a test (Python text, or a mapping of {cfg.input_key!r} and {cfg.output_key!r} "
                                        f"texts: rules.code.input_key, rules.code.output_key)", f"[{j}]")
@@ -152,7 +152,8 @@ class CodeRule:
         program, test = job
         if test.code is None:
             outcome = self.sandbox.run({"solution.py": program}, ["solution.py"], test.stdin.encode())
-            return outcome.exit_status == 0 and normalized(outcome.stdout.decode(errors="replace")) == normalized(test.expected)
+            printed = outcome.stdout.decode(errors="replace")
+            return outcome.exit_status == 0 and normalized(printed) == normalized(test.expected)
         secret = secrets.token_hex(16)
         outcome = self.sandbox.run({"solution.py": program, "test.py": test.code, "harness.py": HARNESS}, ["harness.py"],
                                    (secret + "\n").encode())

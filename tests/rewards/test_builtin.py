@@ -58,8 +58,8 @@ def test_bad_rule_settings_fail_when_the_config_loads(overrides, message):
 
 
 def test_built_in_rules_are_named_in_sources_and_metrics_and_import_no_user_code():
-    cfg = load_config(PPOConfig, overrides=["task.name=null", "data.train_path=prompts.jsonl", "data.eval_path=held_out.jsonl",
-                                            "reward.sources=[{rule: math}, {rule: format, weight: 0.1}]",
+    cfg = load_config(PPOConfig, overrides=["task.name=null", "data.train_path=prompts.jsonl",
+                                            "data.eval_path=held_out.jsonl", "reward.sources=[{rule: math}, {rule: format, weight: 0.1}]",
                                             "eval.metrics=[math, format, 'mine:exact']",
                                             "rules.math.answer_key=solution", "rules.format.pattern='A: .*'"])
     assert [s.rule for s in cfg.reward.sources] == ["math", "format"]
