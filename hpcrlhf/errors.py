@@ -36,6 +36,11 @@ class RuleError(HpcrlhfError):
     real number; the message names the rule, the config field, the prompt's row and the value."""
 
 
+class RewardServerError(HpcrlhfError):
+    """A reward server (`reward.sources[i].url`) refused a request, or failed it on every try: the
+    message names the URL and what came back (hpcrlhf.rewards.remote)."""
+
+
 class TrainingError(HpcrlhfError):
     """Training cannot go on (e.g. NaN/Inf in the loss, rewards or gradients); the message names
     the step and the tensor, and says how to resume."""

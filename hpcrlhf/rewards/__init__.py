@@ -11,7 +11,8 @@
   against the reference with math-verify in worker processes that a deadline can kill
 - `code_tests`: the `code` rule: the response's program run against the row's tests
 - `sandbox`, `sandbox_launch`: where a program runs: limits, namespaces, nothing left behind
-- `workers`: processes checking answers in parallel, each with a deadline
+- `remote`: reward servers (`reward.sources[i].url`), asked over HTTP
+- `workers`: processes checking answers (and requests to servers) in parallel, each with a deadline
 
 The package imports nothing itself, so a worker process (`python -m hpcrlhf.rewards.math_worker`)
 starts without torch.

@@ -10,6 +10,7 @@ generate`). Each source gives one number per response; the score is their weight
   at the last token, standardised with the model's stored reward mean/std when `normalize`.
 - A rule source is a rule (`hpcrlhf.rewards.rules`): a built-in one (math, code, format), the
   bundled task's, or a user's `package.module:function`.
+- A server source is a reward server asked over HTTP (`hpcrlhf.rewards.remote`).
 
 Each source becomes one scorer, a callable from the responses to a tensor of their values
 (`RuleScorer`, `RewardModelScorer`), so another kind of source sits beside these two.
@@ -28,6 +29,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from hpcrlhf.config.schema import RewardConfig, RewardSourceConfig, RulesConfig
+from hpcrlhf.rewards.remote import RemoteSource, server_name
 from hpcrlhf.rewards.response import Response, Scorer
 from hpcrlhf.rewards.rules import resolve_rule
 
@@ -36,9 +38,11 @@ SourceScorer = Callable[[Sequence[Response]], torch.Tensor]
 
 
 def source_name(index: int, source: RewardSourceConfig) -> str:
-    """Metric name of a source: `rule_<name>` or `model<i>_<folder name>`."""
+    """Metric name of a source: `rule_<name>`, `model<i>_<folder name>` or `server<i>_<host>`."""
     if source.rule is not None:
         return "rule_" + source.rule.replace(":", ".").replace("/", ".")
+    if source.url is not None:
+        return f"server{index}_{server_name(source.url)}"
     return f"model{index}_{Path(source.model).name or 'rm'}"
 
 
@@ -87,10 +91,11 @@ class RewardSet:
         self.cfg = cfg
         self.weights = [s.weight for s in cfg.sources]
         self.names = [source_name(i, s) for i, s in enumerate(cfg.sources)]
-        # Rules are resolved first: a typo fails before any reward model is loaded.
+        # Rules and servers are resolved first: a typo or a missing token fails before any reward model is loaded.
         resolved = {i: RuleScorer(resolve_rule(s.rule, task, f"reward.sources[{i}].rule", timeout_s=cfg.rule_timeout_s,
-                                               rules=rules))
-                    for i, s in enumerate(cfg.sources) if s.rule is not None}
+                                               rules=rules) if s.rule is not None
+                                  else RemoteSource(s, cfg.remote, f"reward.sources[{i}]"))
+                    for i, s in enumerate(cfg.sources) if s.model is None}
         self.scorers: list[SourceScorer] = [
             resolved[i] if i in resolved else self._model_scorer(i, s, load_model, tokenizer, device, trust_remote_code)
             for i, s in enumerate(cfg.sources)]
@@ -118,7 +123,7 @@ class RewardSet:
 
 @dataclass(frozen=True)
 class RuleScorer:
-    """A rule as a reward source: its value for each response."""
+    """A rule or a reward server as a reward source: its value for each response."""
 
     rule: Scorer
 

@@ -6,9 +6,9 @@ math-verify's own timeouts use -- waits for it. So the built-in rules check in o
 the job only waits, with a deadline per check:
 
 - `run_parallel(fn, items, workers, abort)`: `fn(item)` for every item, `workers` at a time in
-  threads of this process that each wait on one process (a sandboxed test run, a worker's answer);
-  a stop request (`hpcrlhf.signals.interruptible`) or an error calls `abort` (which kills the
-  processes), drops the items not begun, and is raised.
+  threads of this process that each wait on one process or server (a sandboxed test run, a
+  worker's answer, a reward server's); a stop request (`hpcrlhf.signals.interruptible`) or an error
+  calls `abort` (which kills the processes), drops the items not begun, and is raised at once.
 - `WorkerPool`: long-lived worker processes (a checker that imports sympy once, not per answer)
   answering one JSON request at a time over pipes; a worker past the deadline is killed and a new
   one started for the next request, its answer counted as None. A worker is a `serve(handle)` loop.
@@ -58,12 +58,13 @@ def run_parallel(fn: Callable[[T], R], items: Sequence[T], workers: int, abort: 
     try:
         futures = [pool.submit(fn, item) for item in items]
         with interruptible():
-            return [f.result() for f in futures]
+            results = [f.result() for f in futures]
     except BaseException:
         abort()
+        pool.shutdown(wait=False, cancel_futures=True)  # what `abort` cannot cut short ends by its own deadline
         raise
-    finally:
-        pool.shutdown(wait=True, cancel_futures=True)
+    pool.shutdown()
+    return results
 
 
 class WorkerError(RuntimeError):

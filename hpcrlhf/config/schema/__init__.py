@@ -21,7 +21,8 @@ from hpcrlhf.config.schema.checks import PathText, largest_divisor
 from hpcrlhf.config.schema.offline import (CSFTConfig, CSFTDataConfig, CSFTSectionConfig, DPOConfig, DPOLossConfig,
                                            KTOConfig, KTOLossConfig, PairDataConfig, PolicyJobConfig, RMConfig,
                                            SFTConfig, UnpairedDataConfig)
-from hpcrlhf.config.schema.online import (KNOWN_RULES, TASK_RULES, GenerateConfig, OnlineJobConfig, PromptDataConfig, RewardConfig,
+from hpcrlhf.config.schema.online import (KNOWN_RULES, TASK_RULES, GenerateConfig, OnlineJobConfig, PromptDataConfig,
+                                          RemoteRewardConfig, RewardConfig,
                                           RewardSourceConfig, RolloutConfig, RSConfig, RSSectionConfig)
 from hpcrlhf.config.schema.placement import (PLACEMENT_ROLES, PlacementConfig, PlacementRole, RoleConfig,
                                              VLLMPlacementConfig)
@@ -47,7 +48,7 @@ __all__ = [
     "ModelConfig", "TaskConfig", "DataSourceConfig", "DataConfig", "PairDataConfig", "UnpairedDataConfig",
     "CSFTDataConfig", "PromptDataConfig", "OptimConfig", "TrainConfig", "EngineConfig", "EvalConfig", "LogConfig",
     "CheckpointConfig", "LoRAConfig", "ReferenceConfig", "DPOLossConfig", "KTOLossConfig", "CSFTSectionConfig",
-    "RolloutConfig", "RewardSourceConfig", "RewardConfig", "CriticConfig", "PPOSectionConfig", "RSSectionConfig",
+    "RolloutConfig", "RewardSourceConfig", "RemoteRewardConfig", "RewardConfig", "CriticConfig", "PPOSectionConfig", "RSSectionConfig",
     "PlacementConfig", "RoleConfig", "VLLMPlacementConfig", "RulesConfig", "MathRuleConfig", "CodeRuleConfig",
     "FormatRuleConfig",
 ]

@@ -111,16 +111,73 @@ class RewardSourceConfig:
     section, see docs/rewards.md), `task` (the bundled task's exact score, 1 or 0), `task_partial`
     (share of digits right), or `package.module:function` taking (prompt, response, row) and
     returning a float."""
+    url: Optional[str] = None
+    """A reward server instead (http:// or https://): the responses are POSTed there in batches and
+    it answers one score each (the protocol: docs/rewards.md#reward-servers; `reward.remote` sets
+    batch size, concurrency, timeout and retries)."""
+    token_file: Optional[PathText] = None
+    """url only: a file holding the bearer token sent with each request (only the file's path is
+    written anywhere; the token is read when the job starts)."""
+    token_env: Optional[str] = None
+    """url only: the environment variable holding the bearer token, instead of token_file."""
     weight: float = 1.0
     """This source's weight in the weighted sum of all sources."""
     normalize: bool = True
     """model only: standardise with the reward mean/std stored in the model's config.json."""
 
     def __post_init__(self) -> None:
-        if (self.model is None) == (self.rule is None):
-            raise ConfigError(f"reward.sources: each source sets exactly one of `model` (a reward model folder) "
-                              f"or `rule` ({', '.join(KNOWN_RULES)} or module:function); got model={self.model!r}, "
-                              f"rule={self.rule!r}")
+        kinds = [key for key in ("model", "rule", "url") if getattr(self, key) is not None]
+        if len(kinds) != 1:
+            raise ConfigError(f"reward.sources: each source sets exactly one of `model` (a reward model folder), "
+                              f"`rule` ({', '.join(KNOWN_RULES)} or module:function) or `url` (a reward server); got "
+                              f"model={self.model!r}, rule={self.rule!r}, url={self.url!r}")
+        token_key = "token_file" if self.token_file is not None else "token_env"
+        if self.url is None:
+            require(self.token_file is None and self.token_env is None, token_key, getattr(self, token_key),
+                    "a token is for a reward server: set `url`, or drop the token")
+            return
+        require_url(self.url, "url")
+        require(self.token_file is None or self.token_env is None, "token_env", self.token_env,
+                "give the token one way: token_file or token_env")
+        require(self.token_env is None or bool(self.token_env), "token_env", self.token_env, "name an environment variable")
+
+
+def require_url(url: str, key: str) -> None:
+    """An http(s) URL with a host and no user or password in it (config.yaml and the logs show URLs:
+    a token goes in token_file or token_env)."""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    require(parts.scheme in ("http", "https") and bool(parts.hostname), key, url,
+            "use an http:// or https:// URL with a host, e.g. http://10.0.0.5:8000/score")
+    require(parts.username is None and parts.password is None, key, url.replace(parts.password or "\0", "***"),
+            "put no credentials in the URL (it is written into config.yaml and logs): give the token with token_file "
+            "or token_env")
+
+
+@dataclass(frozen=True)
+class RemoteRewardConfig:
+    """How the reward servers of `reward.sources` (`url`) are asked."""
+
+    batch_size: int = 64
+    """Responses per request."""
+    concurrency: int = 4
+    """Requests in flight at once, per server."""
+    timeout_s: float = 60.0
+    """Longest one request may take (connecting, sending, the server's work, the answer), in seconds."""
+    retries: int = 3
+    """Further tries of a request that failed (no connection, a timeout, status 429 or 5xx, an answer
+    that is not the scores asked for); then the run fails naming the server and what came back."""
+    backoff_s: float = 1.0
+    """Wait before the first retry, in seconds; doubled before each further one."""
+
+    def __post_init__(self) -> None:
+        require_finite(self, "reward.remote")
+        require(self.batch_size >= 1, "reward.remote.batch_size", self.batch_size, "use at least 1")
+        require(self.concurrency >= 1, "reward.remote.concurrency", self.concurrency, "use at least 1")
+        require_timeout(self.timeout_s, "reward.remote.timeout_s")
+        require(self.retries >= 0, "reward.remote.retries", self.retries, "use 0 (no retry) or more")
+        require(self.backoff_s >= 0, "reward.remote.backoff_s", self.backoff_s, "use 0 or more seconds")
 
 
 TASK_RULES = ("task", "task_partial")
@@ -169,6 +226,8 @@ class RewardConfig:
     """The overlong penalty at rollout.max_new_tokens (with reward.overlong_buffer > 0)."""
     batch_size: int = 128
     """Sequences per reward-model forward pass."""
+    remote: RemoteRewardConfig = field(default_factory=RemoteRewardConfig)
+    """How reward servers (`reward.sources[].url`) are asked."""
     rule_timeout_s: float = DEFAULT_USER_CODE_TIMEOUT_S
     """Longest one call of a `package.module:function` rule may take, in seconds; past it the run
     fails naming the rule (a rule that never returns would hang the job). The built-in rules have
