@@ -56,7 +56,8 @@ def test_task_auto_applies_the_bundled_task_only_without_training_data():
 
 
 @pytest.mark.parametrize("kind, overrides, needle", [
-    ("sft", ["eval.metrics=[task]"], "eval.metrics[0]: 'task' is invalid: use package.module:function"),
+    ("sft", ["eval.metrics=[task]"], "eval.metrics[0]: 'task' is invalid: use a built-in rule (math, code, format) or "
+                                     "package.module:function"),
     ("sft", ["eval.metrics=[a.b:score, c:score]"], "eval.metrics[1]: 'c:score' and 'a.b:score' would both be reported as "
                                                    "eval/score; wrap one in a function of another name"),
     ("ppo", ["data.train_path=own.jsonl", "reward.sources=[{rule: 'm:r'}]", "eval.metrics=[m:f]"],
