@@ -49,6 +49,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve_reward(args: argparse.Namespace) -> int:
+    from hpcrlhf.config.loader import load_config
+    from hpcrlhf.config.schema import ServeRewardConfig
+    from hpcrlhf.rewards.server import run_server
+
+    overrides = list(args.set) + literal_setting("output_dir", args.output_dir)
+    return run_server(load_config(ServeRewardConfig, resolve_recipe(args.config), overrides))
+
+
 def cmd_chat(args: argparse.Namespace) -> int:
     from hpcrlhf.inference import Utf8Lines, chat
 
@@ -242,7 +251,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("config", help="print a job kind's settings with their documentation",
                        description="Print every setting of a job kind with its default and documentation, "
                                    "or, with --config/--set, the resolved config that `train` would use.")
-    p.add_argument("kind", choices=kinds + ["generate"], help="job kind")
+    p.add_argument("kind", choices=kinds + ["generate", "serve-reward"], help="job kind")
     add_config_arguments(p)
     p.add_argument("--markdown", action="store_true",
                    help="print a markdown page instead (key, type, default or value, documentation), as in "
@@ -258,6 +267,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output", "-o", type=path_text, metavar="FILE",
                    help="JSONL file to write (same as --set output=FILE)")
     p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("serve-reward", help="serve reward models and rules over HTTP, for jobs elsewhere to ask",
+                       description="Serve `reward.sources` (reward model folders, built-in rules, package.module:"
+                                   "function) over the reward-server protocol (docs/rewards.md): on loopback, with a "
+                                   "token (written to OUTPUT_DIR/token unless token_file is set), until SIGTERM or "
+                                   "Ctrl-C. OUTPUT_DIR/server.json says where. `hpcrlhf config serve-reward` lists "
+                                   "the settings.")
+    add_config_arguments(p)
+    p.add_argument("--output-dir", "-o", type=path_text, metavar="DIR",
+                   help="where server.json (and the token) go (same as --set output_dir=DIR)")
+    p.set_defaults(func=cmd_serve_reward)
 
     p = sub.add_parser("chat", help="chat with a model interactively (reads stdin)",
                        description="Type a message, get the model's answer. A message is one line; end a line with "

@@ -24,19 +24,23 @@ from typing import Annotated, Any, Literal, Union
 import yaml
 
 from hpcrlhf.config.loader import NonEmpty, Setting, _plain, settings
-from hpcrlhf.config.schema import JOB_CONFIGS, GenerateConfig
+from hpcrlhf.config.schema import JOB_CONFIGS, GenerateConfig, ServeRewardConfig
 
 REGENERATE = "python -m hpcrlhf.config.reference docs/settings"
 """The command that rewrites docs/settings/ (named on every page and by the test that checks them)."""
 
 
+COMMANDS = ("generate", "serve-reward")
+"""The configs of commands of their own, beside `hpcrlhf train KIND`."""
+
+
 def config_classes() -> dict[str, type]:
-    """Every config the CLI builds from a recipe: `hpcrlhf train KIND` and `hpcrlhf generate`."""
-    return {**JOB_CONFIGS, "generate": GenerateConfig}
+    """Every config the CLI builds from a recipe: `hpcrlhf train KIND`, `generate` and `serve-reward`."""
+    return {**JOB_CONFIGS, "generate": GenerateConfig, "serve-reward": ServeRewardConfig}
 
 
 def command(kind: str) -> str:
-    return "hpcrlhf generate" if kind == "generate" else f"hpcrlhf train {kind}"
+    return f"hpcrlhf {kind}" if kind in COMMANDS else f"hpcrlhf train {kind}"
 
 
 def markdown(kind: str, cfg: Any = None) -> str:

@@ -155,15 +155,26 @@ class RemoteSource:
         return scores_in(answer, len(batch))
 
     def _status(self, status: int, body: str) -> Failed:
-        what = f"status {status}" + (f": {brief(body)}" if body else "")
+        what = f"status {status}" + (f": {_said(body)}" if body else "")
         if status in RETRIED_STATUSES:
             return Failed(what)
+        if status == 400:  # it read the request and says what is wrong with it (a row a rule cannot score)
+            return Failed(what, retry=False)
         if status in (401, 403):
             fix = ("check the token in the source's token_file or token_env" if self.token is not None else
                    "it sent no token: give the source one with token_file or token_env")
             return Failed(f"{what} (refused); {fix}", retry=False)
         return Failed(f"{what}; check the URL and that the server speaks the protocol of docs/rewards.md#reward-servers",
                       retry=False)
+
+
+def _said(body: str) -> str:
+    """What a server said: the text of its `{"error": ...}` (hpcrlhf serve-reward's), else the body, briefly."""
+    try:
+        error = json.loads(body).get("error")
+    except (ValueError, AttributeError):
+        error = None
+    return error[:2000] if isinstance(error, str) else brief(body)
 
 
 def _body(e: urllib.error.HTTPError) -> str:

@@ -53,7 +53,8 @@ class RewardModelScorer:
         from hpcrlhf.models.value import reward_stats
 
         self.model, self.tokenizer = model, tokenizer
-        self.same_vocab = tokenizer.get_vocab() == policy_tokenizer.get_vocab()
+        # None: no policy (a reward server): the text is all there is
+        self.same_vocab = policy_tokenizer is not None and tokenizer.get_vocab() == policy_tokenizer.get_vocab()
         self.stats = reward_stats(model.module.config) if source.normalize else None
         self.pad_id, self.batch_size, self.device = tokenizer.pad_token_id, batch_size, device
 

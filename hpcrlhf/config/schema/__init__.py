@@ -15,6 +15,7 @@ This package is where the configs are imported from; its modules hold them by wh
 - `ppo`: the ppo job: its objective, its critic, the checks across its sections
 - `placement`: where a ppo job's roles run on the allocation (the node map's settings)
 - `rules`: the built-in rules' settings (math, code, format) and the names rules and metrics take
+- `serve`: `hpcrlhf serve-reward`: reward sources served over HTTP
 """
 
 from hpcrlhf.config.schema.checks import PathText, largest_divisor
@@ -29,6 +30,7 @@ from hpcrlhf.config.schema.placement import (PLACEMENT_ROLES, PlacementConfig, P
 from hpcrlhf.config.schema.ppo import CriticConfig, PPOConfig, PPOSectionConfig
 from hpcrlhf.config.schema.rules import (BUILTIN_RULES, CodeRuleConfig, FormatRuleConfig, MathRuleConfig, RulesConfig,
                                          metric_name)
+from hpcrlhf.config.schema.serve import ServeRewardConfig
 from hpcrlhf.config.schema.sections import (BUNDLED_TASKS, DEFAULT_MAX_LENGTH, DEFAULT_NEW_TOKENS, DEFAULT_TASK,
                                             DEFAULT_USER_CODE_TIMEOUT_S, MAX_STEPS, MICRO_BATCH_CAP, BundledTask,
                                             CheckpointConfig, DataConfig, DataSourceConfig, EngineConfig, EvalConfig,
@@ -50,5 +52,5 @@ __all__ = [
     "CheckpointConfig", "LoRAConfig", "ReferenceConfig", "DPOLossConfig", "KTOLossConfig", "CSFTSectionConfig",
     "RolloutConfig", "RewardSourceConfig", "RemoteRewardConfig", "RewardConfig", "CriticConfig", "PPOSectionConfig", "RSSectionConfig",
     "PlacementConfig", "RoleConfig", "VLLMPlacementConfig", "RulesConfig", "MathRuleConfig", "CodeRuleConfig",
-    "FormatRuleConfig",
+    "FormatRuleConfig", "ServeRewardConfig",
 ]
