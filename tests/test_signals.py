@@ -114,3 +114,56 @@ def test_leaves_sigusr1_ignored_on_purpose():
 
 def test_the_signal_left_ignored_was_restored_before_this_test():
     assert signal.getsignal(signal.SIGUSR1) is not signal.SIG_IGN
+
+
+# A local run with a vLLM engine (issue 36): Ctrl-C and SIGTERM go to the whole process group -- a terminal,
+# `kill -TERM -PGID`, Slurm's preemption -- so they reach the engine's processes too. Those leave the group
+# (hpcrlhf.engines.vllm_plugin); the trainer checkpoints, closes the engine and exits 3 (it used to end in
+# EngineDeadError, exit 1, without a checkpoint).
+VLLM = ["--set", "rollout.backend=vllm", "--set", "rollout.vllm_kv_cache_gb=0.25", "--set", "rollout.prompts_per_step=8",
+        "--set", "train.global_batch_size=16", "--set", "train.micro_batch_size=8", "--set", "eval.score_prompts=16",
+        "--set", "eval.every_steps=0", "--set", "log.tensorboard=false", "--set", "log.every_steps=1",
+        "--set", "train.max_steps=40"]
+
+
+def signal_the_group(out, sig: int) -> tuple[int, str, list[int]]:
+    """`hpcrlhf train ppo` with a vLLM engine, in a process group of its own, given `sig` to the whole
+    group once a step (after any already in the folder) is logged: (exit status, output, the run's
+    processes still alive 10 s after it ended)."""
+    import time
+    import uuid
+
+    from hpcrlhf.cluster.reaper import carrying
+    from hpcrlhf.metrics import read_metrics
+
+    done = len(read_metrics(out)) if (out / "metrics.jsonl").exists() else 0
+    tag = f"HPCRLHF_TEST_RUN={uuid.uuid4().hex}"  # inherited by every process the run starts
+    proc = subprocess.Popen(cli_command(["train", "ppo", "-o", str(out), *VLLM]), cwd=ROOT,
+                            env=cli_env(**dict([tag.split("=")])), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 600
+        while not ((out / "metrics.jsonl").exists() and len(read_metrics(out)) > done + 1):  # eval row + a step
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0][-3000:]
+            time.sleep(0.2)
+        os.killpg(proc.pid, sig)
+        log = proc.communicate(timeout=180)[0]  # the step, a checkpoint, the engine closed: ~20 s
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    deadline = time.monotonic() + 10
+    while carrying(tag) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return proc.returncode, log, carrying(tag)
+
+
+@pytest.mark.slow
+def test_a_group_signal_to_a_vllm_run_checkpoints_exits_3_and_leaves_no_engine(handlers, tmp_path):
+    out = tmp_path / "run"
+    for sig in (signal.SIGTERM, signal.SIGINT):  # the second launch resumes the first
+        status, log, left = signal_the_group(out, sig)
+        assert status == EXIT_REQUEUE, log[-4000:]
+        assert "EngineDeadError" not in log and "Traceback" not in log, log[-4000:]
+        assert "stop requested: checkpointed at step" in log, log[-3000:]
+        assert not left, f"processes of the run alive after it ended: {left}"
+    assert int((out / "checkpoints" / "latest").read_text().strip().split("_")[1]) >= 2
