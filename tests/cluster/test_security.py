@@ -52,7 +52,8 @@ def start_token_cluster(root: Path) -> tuple[LocalRayCluster, bool]:
     token cluster; returns it and whether the caller's RAY_AUTH_* came back unchanged."""
     os.environ["RAY_AUTH_TOKEN"] = STRAY_TOKEN  # must neither become the cluster's token nor be lost
     before = _auth_vars()
-    cluster = start_local_cluster(1, 0, cpus_per_node=1, root=root, auth_token_path=root / "token")
+    cluster = start_local_cluster(1, 0, cpus_per_node=1, root=root, auth_token_path=root / "token",
+                                  die_with_caller=False)  # it outlives this process: the test stops it
     return cluster, _auth_vars() == before
 
 
