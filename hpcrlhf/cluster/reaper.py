@@ -7,13 +7,19 @@ left them running (~600 MB), with the /dev/shm files of the vLLM engines its act
 engines die with their actor, killed by Ray, and leave their shared memory behind: 25-250 MB per
 run). The watcher is started with the cluster, in its own session too, and holds the read end of a
 pipe whose write end only the driver has: it learns of the driver's death the moment the kernel
-closes that end. Then it stops every process of the cluster -- found by a marker in their
-environment (MARKER, given to the nodes' `ray start` and inherited by every worker and everything
-a worker starts, vLLM's engine processes included), SIGTERM then SIGKILL -- removes the
-/dev/shm files those processes had mapped (recorded every few seconds while the driver lived:
-once the engines are killed, nothing else names them) and the cluster's token, and says so on the
-driver's stderr. A driver that stops its cluster tells the watcher first ("done"), which then
-leaves without touching anything.
+closes that end. Then it stops every process of the cluster (SIGTERM, then SIGKILL), removes the
+/dev/shm files they had mapped and the cluster's token, and says so on the driver's stderr. A
+driver that stops its cluster tells the watcher first ("done"), which then leaves without
+touching anything.
+
+The cluster's processes are its `family`: those whose environment holds the cluster's MARKER
+(given to the nodes' `ray start`: the GCS, raylets and agents), every member of their process
+groups, and all their descendants (Ray's workers, the vLLM engines they start). The marker alone
+is not enough: a process that sets its title (Ray's workers, vLLM's) overwrites the memory
+/proc/PID/environ shows. Once the driver is gone Ray kills its actors, and their children are
+handed to init: so the watcher records the family, and the /dev/shm files it maps, every few
+seconds while the driver lives, each process by pid and start time (a pid reused later is not
+taken for it).
 """
 
 from __future__ import annotations
@@ -26,39 +32,71 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Iterable, Optional
 
 MARKER = "HPCRLHF_LOCAL_CLUSTER"
-"""Environment variable (`MARKER=<id>`) in every process of one local cluster."""
+"""Environment variable (`MARKER=<id>`) of the processes that start a local cluster's nodes."""
 SCAN_S = 3.0
-"""How often the watcher records the /dev/shm files the cluster's processes have mapped."""
+"""How often the watcher records the cluster's processes and the /dev/shm files they have mapped."""
 GRACE_S = 5.0
 """How long the cluster's processes get to end on SIGTERM before SIGKILL."""
 DONE = b"done\n"
 
+Identity = tuple[int, int]
+"""A process: (pid, start time in clock ticks since boot) -- unique, unlike a pid."""
 
-def marked(cluster_id: str) -> list[int]:
-    """The pids of this user's processes that carry `MARKER=cluster_id` (not this process)."""
-    return carrying(f"{MARKER}={cluster_id}")
+
+def _stat(pid: int) -> Optional[tuple[str, int, int, int]]:
+    """(state, parent pid, process group, start time) of a process, None when it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return fields[0], int(fields[1]), int(fields[2]), int(fields[19])
+
+
+def _pids() -> list[int]:
+    return [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit()]
 
 
 def carrying(variable: str) -> list[int]:
-    """The pids of the processes (of this user: others' cannot be read) whose environment holds
-    `variable` (`NAME=value`), this one excepted; a process that has exited (a zombie) has none."""
+    """The processes (of this user: others' cannot be read) whose environment holds `variable`
+    (`NAME=value`), this one excepted; a process that has exited (a zombie) has none."""
     word = variable.encode()
     found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+    for pid in _pids():
+        if pid == os.getpid():
             continue
         try:
-            if word in (entry / "environ").read_bytes().split(b"\0"):
-                found.append(int(entry.name))
+            if word in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+                found.append(pid)
         except OSError:  # gone, or another user's
             continue
     return found
 
 
-def shm_mapped(pids: list[int]) -> dict[str, int]:
+def family(variable: str, spare: Iterable[int] = ()) -> set[Identity]:
+    """The processes carrying `variable`, the other members of their process groups (but the groups
+    in `spare`), and every descendant of all of them -- living ones, zombies excepted."""
+    table = {pid: info for pid in _pids() if (info := _stat(pid)) is not None and info[0] != "Z"}
+    roots = [pid for pid in carrying(variable) if pid in table]
+    groups = {table[pid][2] for pid in roots} - set(spare)
+    found = set(roots) | {pid for pid, info in table.items() if info[2] in groups}
+    found.discard(os.getpid())
+    grew = True
+    while grew:  # descendants, generation by generation
+        children = {pid for pid, info in table.items() if info[1] in found and pid not in found}
+        grew = bool(children - {os.getpid()})
+        found |= children - {os.getpid()}
+    return {(pid, table[pid][3]) for pid in found}
+
+
+def alive(processes: Iterable[Identity]) -> list[int]:
+    """The pids of `processes` that still run (same start time: not a reused pid; not a zombie)."""
+    return [pid for pid, start in processes if (info := _stat(pid)) is not None and info[3] == start and info[0] != "Z"]
+
+
+def shm_mapped(pids: Iterable[int]) -> dict[str, int]:
     """/dev/shm files mapped by `pids`: path -> inode (a file of that name made later is not theirs)."""
     files = {}
     for pid in pids:
@@ -68,35 +106,32 @@ def shm_mapped(pids: list[int]) -> dict[str, int]:
             continue
         for line in maps.splitlines():
             fields = line.split(maxsplit=5)
-            if len(fields) == 6 and fields[5].startswith("/dev/shm/"):
-                files[fields[5].removesuffix(" (deleted)")] = int(fields[4])
+            if len(fields) == 6 and fields[5].startswith("/dev/shm/") and not fields[5].endswith(" (deleted)"):
+                files[fields[5]] = int(fields[4])
     return files
 
 
-def terminate(send: Callable[[int], None], alive: Callable[[], bool], grace_s: float) -> None:
-    """`send(SIGTERM)`, wait up to `grace_s` for `alive()` to turn false, then the same with SIGKILL."""
+def terminate(send: Callable[[int], None], running: Callable[[], bool], grace_s: float) -> None:
+    """`send(SIGTERM)`, wait up to `grace_s` for `running()` to turn false, then the same with SIGKILL."""
     for sig in (signal.SIGTERM, signal.SIGKILL):
         send(sig)
         deadline = time.monotonic() + grace_s
-        while alive() and time.monotonic() < deadline:
+        while running() and time.monotonic() < deadline:
             time.sleep(0.2)
-        if not alive():
+        if not running():
             return
 
 
-def stop_marked(cluster_id: str, grace_s: float = GRACE_S) -> int:
-    """SIGTERM every process of the cluster, SIGKILL those left after `grace_s`; how many there were."""
-    count = len(marked(cluster_id))
-
+def stop(processes: set[Identity], grace_s: float = GRACE_S) -> None:
+    """SIGTERM every process of `processes` still running, SIGKILL those left after `grace_s`."""
     def send(sig: int) -> None:
-        for pid in marked(cluster_id):
+        for pid in alive(processes):
             try:
                 os.kill(pid, sig)
             except ProcessLookupError:
                 pass
 
-    terminate(send, lambda: bool(marked(cluster_id)), grace_s)
-    return count
+    terminate(send, lambda: bool(alive(processes)), grace_s)
 
 
 def remove_shm(files: dict[str, int]) -> list[str]:
@@ -116,21 +151,35 @@ def remove_shm(files: dict[str, int]) -> list[str]:
 def watch(cluster_id: str, owner_pid: int, root: str, token: Optional[str], pipe: int = 0) -> int:
     """Wait for the owner on file descriptor `pipe`: "done" ends the watch quietly; its end of the
     pipe closing without it (the owner died) stops and cleans the cluster."""
+    variable = f"{MARKER}={cluster_id}"
+    spare = {os.getpgid(0)}  # never this watcher's group, nor the owner's (its shell's job)
+    try:
+        spare.add(os.getpgid(owner_pid))
+    except ProcessLookupError:
+        pass
+    seen: set[Identity] = set()
     files: dict[str, int] = {}
+
+    def record() -> None:
+        seen.update(family(variable, spare))
+        files.update(shm_mapped(alive(seen)))
+
     said = b""
     while True:
         ready, _, _ = select.select([pipe], [], [], SCAN_S)
-        if ready:
-            data = os.read(pipe, len(DONE))
-            said += data
-            if said == DONE:
-                return 0
-            if not data:
-                break  # EOF: the owner is gone
+        if not ready:
+            record()
             continue
-        files.update(shm_mapped(marked(cluster_id)))
-    files.update(shm_mapped(marked(cluster_id)))
-    count = stop_marked(cluster_id)
+        data = os.read(pipe, len(DONE))
+        said += data
+        if said == DONE:
+            return 0
+        if not data:
+            break  # EOF: the owner is gone
+    record()
+    count = len(alive(seen))
+    stop(seen)
+    stop(family(variable, spare))  # any started since the last look
     removed = remove_shm(files)
     if token:
         Path(token).unlink(missing_ok=True)
@@ -148,8 +197,8 @@ class Reaper:
 
     @classmethod
     def start(cls, cluster_id: str, root: Path, token: Optional[Path]) -> "Reaper":
-        """The watcher of the cluster `cluster_id` (its processes carry MARKER=cluster_id), in a session
-        of its own, with this process's stderr."""
+        """The watcher of the cluster whose nodes carry MARKER=cluster_id, in a session of its own, with
+        this process's stderr."""
         env = {k: v for k, v in os.environ.items() if k != MARKER}
         proc = subprocess.Popen([sys.executable, "-m", "hpcrlhf.cluster.reaper", cluster_id, str(os.getpid()),
                                  str(root), str(token or "")], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
