@@ -49,18 +49,37 @@ def init_distributed(timeout_minutes: float = 30.0) -> DistEnv:
     env = read_dist_env()
     if dist.is_initialized():
         return env
-    if env.world_size == 1:
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(free_port()))
-        os.environ.setdefault("RANK", "0")
-        os.environ.setdefault("LOCAL_RANK", "0")
-        os.environ.setdefault("WORLD_SIZE", "1")
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if torch.cuda.is_available():
         torch.cuda.set_device(env.local_rank)
     # A finite timeout turns a dead peer into an error instead of a hang until the job's time limit.
-    dist.init_process_group(backend, timeout=timedelta(minutes=timeout_minutes))
+    timeout = timedelta(minutes=timeout_minutes)
+    if env.world_size == 1:
+        _init_world_of_one(backend, timeout)
+    else:
+        dist.init_process_group(backend, timeout=timeout)
     return env
+
+
+def _init_world_of_one(backend: str, timeout: timedelta) -> None:
+    """A process group of this process alone, with nothing listening for it: its store in memory
+    (`local_store`: torch's env:// store would listen on every interface, on a port the system
+    picks) and gloo's device on loopback (its default, the host name's address, would be open to
+    other hosts). torchrun's variables are set for libraries that look for them (DeepSpeed)."""
+    from hpcrlhf.engines.rendezvous import local_store
+
+    for key, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "0", "RANK": "0", "LOCAL_RANK": "0",
+                       "WORLD_SIZE": "1"}.items():
+        os.environ.setdefault(key, value)
+    saved = os.environ.get("GLOO_SOCKET_IFNAME")
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # read when the group's gloo device is made, below
+    try:
+        dist.init_process_group(backend, store=local_store(), rank=0, world_size=1, timeout=timeout)
+    finally:
+        if saved is None:
+            os.environ.pop("GLOO_SOCKET_IFNAME", None)
+        else:
+            os.environ["GLOO_SOCKET_IFNAME"] = saved
 
 
 def leave_process_group() -> None:
