@@ -56,9 +56,24 @@ def init_distributed(timeout_minutes: float = 30.0) -> DistEnv:
     timeout = timedelta(minutes=timeout_minutes)
     if env.world_size == 1:
         _init_world_of_one(backend, timeout)
-    else:
+    elif os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":  # torchrun's agent serves the store
         dist.init_process_group(backend, timeout=timeout)
+    else:
+        _init_launched(backend, env, timeout)
     return env
+
+
+_STORE: list = []
+"""The default group's store, kept: torch holds only the C++ half of a store written in Python."""
+
+
+def _init_launched(backend: str, env: DistEnv, timeout: timedelta) -> None:
+    """The default group of ranks started by hpcrlhf's launchers (MPI, `hpcrlhf submit`): its store on
+    MASTER_ADDR only, sealed where the launcher made a secret (hpcrlhf.engines.rendezvous)."""
+    from hpcrlhf.engines.rendezvous import launched_store
+
+    _STORE[:] = [launched_store(env.rank, timeout.total_seconds())]
+    dist.init_process_group(backend, store=_STORE[0], rank=env.rank, world_size=env.world_size, timeout=timeout)
 
 
 def _init_world_of_one(backend: str, timeout: timedelta) -> None:

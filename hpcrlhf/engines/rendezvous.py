@@ -149,6 +149,31 @@ def member_store(meeting: Rendezvous, rank: int, store: Optional["SealedStore"],
     return connect(meeting, timeout_s)
 
 
+SECRET_ENV = "HPCRLHF_STORE_SECRET"
+"""The secret of the default group's store, where hpcrlhf's launcher made one (the MPI launcher:
+rank 0's, broadcast over MPI)."""
+
+
+def launched_store(rank: int, timeout_s: float) -> dist.Store:
+    """The default group's store for ranks started with MASTER_ADDR and MASTER_PORT (hpcrlhf's MPI
+    launcher, `hpcrlhf submit`'s tasks): rank 0 serves it on MASTER_ADDR only (torch's env:// store
+    would listen on every interface), the others connect; sealed where the launcher gave a secret
+    (SECRET_ENV). Under torchrun, whose agent serves the store, torch's env:// is used instead."""
+    host, port = node_address(os.environ["MASTER_ADDR"]), int(os.environ["MASTER_PORT"])
+    secret = os.environ.get(SECRET_ENV)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if rank == 0:
+        fd = listen(host, range(port, port + 1)).detach()
+        try:
+            store = dist.TCPStore(host, port, None, True, timeout, wait_for_workers=False, master_listen_fd=fd)
+        except BaseException:
+            os.close(fd)
+            raise
+    else:
+        store = dist.TCPStore(host, port, None, False, timeout)
+    return SealedStore(store, Rendezvous(host, port, secret)) if secret else store
+
+
 def local_store() -> dist.Store:
     """The store of a world of one: in this process's memory, nothing listens."""
     return dist.HashStore()

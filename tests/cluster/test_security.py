@@ -364,8 +364,8 @@ def _cmdline(p) -> list[str]:
 # secret (hpcrlhf.engines.rendezvous); nothing of the job listens on every interface outside its block.
 # They used to listen on every interface, on ports the system picked, and any client could read their keys.
 WILDCARDS = ("0.0.0.0", "::")
-IN_THE_CLEAR = (b"cpu", b"127.0.")
-"""What members put into a store: their devices (weight sync), gloo's addresses (every group)."""
+DEVICE = b"cpu"
+"""What the members of a weight-sync group put into its store, besides gloo's addresses (every group's)."""
 NOT_THE_JOBS = ("srun", "slurmstepd", "bash", "sh", "tee", "sleep")
 """Processes of a Slurm job that are Slurm's or its script's, not hpcrlhf's."""
 
@@ -455,10 +455,12 @@ def assert_stores_sealed_in_the_block(s: Survey, stores: int) -> None:
                       if any(port in ports for ports in store_ports)}
     assert set(s.stores) == on_store_ports, f"stores {sorted(s.stores)}; on the blocks' store ports {on_store_ports}"
     assert len(s.stores) >= stores, f"found {len(s.stores)} stores, expected {stores}: {sorted(s.stores)}"
+    in_the_clear = [DEVICE, *(socket.inet_aton(ip) for socks in s.listeners.values() for ip, _ in socks
+                              if ip not in WILDCARDS and ":" not in ip)]  # gloo's addresses, packed
     for (ip, port), keys in s.stores.items():
         assert ip not in WILDCARDS, (ip, port)
         assert keys and all(re.fullmatch("[0-9a-f]{64}", name) for name, _ in keys), (ip, port, keys)
-        clear = [value for _, value in keys if any(word in value for word in IN_THE_CLEAR)]
+        clear = [value for _, value in keys if any(word in value for word in in_the_clear)]
         assert not clear, f"the store at {ip}:{port} shows values in the clear: {clear}"
 
 
