@@ -366,8 +366,8 @@ def _cmdline(p) -> list[str]:
 WILDCARDS = ("0.0.0.0", "::")
 DEVICE = b"cpu"
 """What the members of a weight-sync group put into its store, besides gloo's addresses (every group's)."""
-NOT_THE_JOBS = ("srun", "slurmstepd", "bash", "sh", "tee", "sleep")
-"""Processes of a Slurm job that are Slurm's or its script's, not hpcrlhf's."""
+NOT_THE_JOBS = ("slurmd", "slurmstepd", "srun", "bash", "sh", "tee", "sleep")
+"""Processes on a Slurm node that are Slurm's or a job script's, not hpcrlhf's."""
 
 
 @dataclass
@@ -528,3 +528,29 @@ def test_a_killed_driver_leaves_no_process_or_shared_memory_behind(host_network_
     assert not [path for path in killed.shared if os.path.exists(path)], killed.shared
     assert re.search(r"hpcrlhf: the process \(pid \d+\) that started the local Ray cluster in \S+ died without "
                      r"stopping it: stopped its \d+ remaining process\(es\) and removed its shared memory", killed.log)
+
+
+@pytest.fixture(scope="module")
+def slurm_ray_job(slurm_cluster, tmp_path_factory) -> Survey:
+    """A Ray PPO job on the local Slurm cluster (the script `hpcrlhf sbatch ppo-tiny-ray` renders: a Ray
+    node per host, roles over both nodes), surveyed once a step is logged, then cancelled."""
+    from tests.hpc.slurm_jobs import render, slurm_log, wait_for_step
+
+    run = tmp_path_factory.mktemp("slurm-ray") / "run"
+    job = slurm_cluster.sbatch(render(run, "ppo-tiny-ray", "--set", "train.max_steps=300", "--set", "log.every_steps=1",
+                                      "--set", "eval.every_steps=0", "--set", "log.tensorboard=false"))
+    try:
+        wait_for_step(run, 1, timeout=900)
+        return survey([pid for node in slurm_cluster.nodes for pid in slurm_cluster.node_processes(node)])
+    except AssertionError:
+        raise AssertionError(slurm_log(run, job)[-4000:]) from None
+    finally:
+        slurm_cluster.run("scancel", str(job))
+        slurm_cluster.wait(job, 120)
+
+
+@pytest.mark.slow
+def test_a_slurm_jobs_stores_listen_in_its_block_sealed(slurm_ray_job):
+    """On Slurm nodes the same: three roles' groups and the weight-sync group, on the nodes' blocks."""
+    assert len(slurm_ray_job.blocks) == 2, slurm_ray_job.blocks  # one per node
+    assert_stores_sealed_in_the_block(slurm_ray_job, stores=4)
