@@ -77,24 +77,18 @@ def _init_launched(backend: str, env: DistEnv, timeout: timedelta) -> None:
 
 
 def _init_world_of_one(backend: str, timeout: timedelta) -> None:
-    """A process group of this process alone, with nothing listening for it: its store in memory
-    (`local_store`: torch's env:// store would listen on every interface, on a port the system
-    picks) and gloo's device on loopback (its default, the host name's address, would be open to
-    other hosts). torchrun's variables are set for libraries that look for them (DeepSpeed)."""
+    """A process group of this process alone, with nothing listening beyond loopback: its store in
+    memory (`local_store`: torch's env:// store would listen on every interface, on a port the
+    system picks), and gloo's devices -- this group's and those libraries make later (DeepSpeed
+    clones the world group) -- on loopback (GLOO_SOCKET_IFNAME=lo unless set: by default gloo
+    listens on the host name's address, open to other hosts). Every member of any group this
+    process forms is on this host. torchrun's variables are set for libraries that look for them."""
     from hpcrlhf.engines.rendezvous import local_store
 
     for key, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "0", "RANK": "0", "LOCAL_RANK": "0",
-                       "WORLD_SIZE": "1"}.items():
+                       "WORLD_SIZE": "1", "GLOO_SOCKET_IFNAME": "lo"}.items():
         os.environ.setdefault(key, value)
-    saved = os.environ.get("GLOO_SOCKET_IFNAME")
-    os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # read when the group's gloo device is made, below
-    try:
-        dist.init_process_group(backend, store=local_store(), rank=0, world_size=1, timeout=timeout)
-    finally:
-        if saved is None:
-            os.environ.pop("GLOO_SOCKET_IFNAME", None)
-        else:
-            os.environ["GLOO_SOCKET_IFNAME"] = saved
+    dist.init_process_group(backend, store=local_store(), rank=0, world_size=1, timeout=timeout)
 
 
 def leave_process_group() -> None:

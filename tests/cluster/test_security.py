@@ -1,6 +1,8 @@
 """Issue 9, security on shared nodes: a token-authenticated Ray cluster (`start_local_cluster(...,
 auth_token_path=...)`, as a Slurm job's is with RAY_AUTH_MODE=token) admits only clients holding its
-token, keeps the token in a file only its owner can read, and serves no dashboard.
+token, keeps the token in a file only its owner can read, and serves no dashboard. Issue 36: the
+stores of a job's process groups listen in its port block, sealed, on the host's network and on
+Slurm nodes; a SIGKILLed driver leaves no process or shared memory of its cluster behind.
 
 The cluster (one node) is started in a fresh process: Ray allows one driver per process and keeps
 its authentication settings process-wide, and this package's shared cluster (`ray_cluster`) may
