@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+from dataclasses import dataclass
 
 import pytest
 
@@ -150,3 +151,71 @@ def test_a_stop_signal_during_a_long_generation_drops_the_step_at_once(tmp_path)
     assert "stop requested during step 2, which is dropped: checkpointed at step 1" in log, log[-3000:]
     assert (out / "checkpoints" / "latest").read_text().strip() == "step_000001"
     assert max(m["step"] for m in read_metrics(out)) == 1, f"{took:.1f} s"
+
+
+# A local run with a vLLM engine (issue 36): Ctrl-C and SIGTERM go to the whole process group -- a terminal,
+# `kill -TERM -PGID`, Slurm's preemption -- so they reach the engine's processes too. Those leave the group
+# (hpcrlhf.engines.vllm_plugin); the trainer checkpoints, closes the engine and exits 3 (it used to end in
+# EngineDeadError, exit 1, without a checkpoint). A driver killed outright (kill -9) takes its engine along.
+VLLM = ["--set", "rollout.backend=vllm", "--set", "rollout.vllm_kv_cache_gb=0.25", "--set", "rollout.prompts_per_step=8",
+        "--set", "train.global_batch_size=16", "--set", "train.micro_batch_size=8", "--set", "eval.score_prompts=16",
+        "--set", "eval.every_steps=0", "--set", "log.tensorboard=false", "--set", "log.every_steps=1",
+        "--set", "train.max_steps=40"]
+
+
+@dataclass
+class Ended:
+    status: int
+    log: str
+    left: list[int]
+    """The run's processes still alive 10 s after its driver ended."""
+    shared: dict[str, int]
+    """The /dev/shm files the run's processes had mapped when it was signalled."""
+
+
+def signal_after_a_step(out, sig: int, group: bool = True) -> Ended:
+    """`hpcrlhf train ppo` with a vLLM engine, in a process group of its own, given `sig` (to the whole
+    group, else to the driver alone) once a step (after any already in the folder) is logged."""
+    import time
+    import uuid
+
+    from hpcrlhf.cluster.reaper import alive, family, shm_mapped
+    from hpcrlhf.metrics import read_metrics
+
+    done = len(read_metrics(out)) if (out / "metrics.jsonl").exists() else 0
+    tag = f"HPCRLHF_TEST_RUN={uuid.uuid4().hex}"  # inherited by every process the run starts
+    proc = subprocess.Popen(cli_command(["train", "ppo", "-o", str(out), *VLLM]), cwd=ROOT,
+                            env=cli_env(**dict([tag.split("=")])), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 600
+        while not ((out / "metrics.jsonl").exists() and len(read_metrics(out)) > done + 1):  # eval row + a step
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0][-3000:]
+            time.sleep(0.2)
+        run = family(tag)  # the driver, its children (the engine's processes), theirs
+        shared = shm_mapped(alive(run))
+        os.killpg(proc.pid, sig) if group else proc.send_signal(sig)
+        log = proc.communicate(timeout=180)[0]  # the step, a checkpoint, the engine closed: ~20 s
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    deadline = time.monotonic() + 10
+    while alive(run) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return Ended(proc.returncode, log, alive(run), shared)
+
+
+@pytest.mark.slow
+def test_a_group_signal_to_a_vllm_run_checkpoints_exits_3_and_leaves_no_engine(handlers, tmp_path):
+    out = tmp_path / "run"
+    for sig in (signal.SIGTERM, signal.SIGINT):  # the second launch resumes the first
+        ended = signal_after_a_step(out, sig)
+        assert ended.status == EXIT_REQUEUE, ended.log[-4000:]
+        assert "EngineDeadError" not in ended.log and "Traceback" not in ended.log, ended.log[-4000:]
+        assert "stop requested: checkpointed at step" in ended.log, ended.log[-3000:]
+        assert not ended.left, f"processes of the run alive after it ended: {ended.left}"
+    assert int((out / "checkpoints" / "latest").read_text().strip().split("_")[1]) >= 2
+    killed = signal_after_a_step(out, signal.SIGKILL, group=False)  # the driver alone, killed outright
+    assert killed.status == -signal.SIGKILL and killed.shared, killed.log[-3000:]  # the engine had shared memory
+    assert not killed.left, f"processes of the killed run still alive 10 s later: {killed.left}"
+    assert not [path for path in killed.shared if os.path.exists(path)], killed.shared

@@ -66,8 +66,8 @@ def run(out: Path, params_m: float, engines: int, repeats: int, bucket_mb: int) 
             actor = ray.remote(EngineWorker).options(num_cpus=0)
             workers = [actor.remote("vllm", i, engines, str(folder), tensor_parallel_size=1, max_model_len=64,
                                     kv_cache_bytes=1 << 27) for i in range(engines)]
-            store, port = weight_sync.serve_store("127.0.0.1")
-            spec = weight_sync.SyncGroup("127.0.0.1", port, 1 + engines, "bench-weights")
+            store, at = weight_sync.serve_store("127.0.0.1")
+            spec = weight_sync.SyncGroup(at, 1 + engines, "bench-weights")
             joined = [w.join_weight_group.remote(spec, 1 + i) for i, w in enumerate(workers)]
             group = weight_sync.join(spec, 0, store)
             ray.get(joined)

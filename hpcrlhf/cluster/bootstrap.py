@@ -19,7 +19,18 @@ from typing import Callable, Optional, Sequence
 from hpcrlhf.errors import HpcrlhfError
 
 PORTS_PER_NODE = 120
-"""Ports one Ray node takes from its base: 10 service ports, then its worker port range."""
+"""Ports one node of a job takes from its base: Ray's 10 service ports, its 100 worker ports, then
+10 for the job's own rendezvous stores (hpcrlhf.engines.rendezvous)."""
+
+
+STORE_PORTS_ENV = "HPCRLHF_STORE_PORTS"
+"""`FIRST-LAST`: the ports of this node's share of the job's block that the job's stores may use
+(hpcrlhf.engines.rendezvous), in the environment of the node's `ray start`, which its workers inherit."""
+
+
+def ports_text(ports: range) -> str:
+    """`FIRST-LAST`, the form of STORE_PORTS_ENV."""
+    return f"{ports.start}-{ports.stop - 1}"
 
 
 @dataclass(frozen=True)
@@ -48,11 +59,19 @@ class RayPorts:
         names = [f.name for f in fields(cls)][:10]
         return cls(**{n: base + i for i, n in enumerate(names)}, min_worker=base + 10, max_worker=base + 109)
 
+    @property
+    def stores(self) -> range:
+        """The node's ports for the job's torch.distributed stores (rendezvous of process groups and
+        weight-sync groups): the block's last 10, after Ray's."""
+        return range(self.max_worker + 1, self.gcs + PORTS_PER_NODE)
+
     def env(self) -> dict[str, str]:
-        """Environment of `ray start` for the ports Ray takes from variables, not flags: the head's
-        autoscaler and dashboard metrics servers (Ray's defaults, 44217 and 44227, would be shared
-        by every job on a node and, bound to all interfaces, tell each job's metrics to any user)."""
-        return {"AUTOSCALER_METRIC_PORT": str(self.autoscaler_metrics), "DASHBOARD_METRIC_PORT": str(self.dashboard_metrics)}
+        """Environment of `ray start` for the ports not given as flags: the head's autoscaler and
+        dashboard metrics servers (Ray's defaults, 44217 and 44227, would be shared by every job on a
+        node and, bound to all interfaces, tell each job's metrics to any user), and the ports of the
+        job's stores, which the node's workers inherit (hpcrlhf.engines.rendezvous)."""
+        return {"AUTOSCALER_METRIC_PORT": str(self.autoscaler_metrics), "DASHBOARD_METRIC_PORT": str(self.dashboard_metrics),
+                STORE_PORTS_ENV: ports_text(self.stores)}
 
 
 HEALTH_CHECKS = {"health_check_period_ms": 2000, "health_check_timeout_ms": 6000, "health_check_failure_threshold": 5}

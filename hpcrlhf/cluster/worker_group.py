@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import functools
 import os
-import socket
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
@@ -63,27 +62,36 @@ class RoleWorker:
         out, self.busy_s = self.busy_s, 0.0
         return out
 
-    def free_port(self) -> int:
-        with socket.socket() as s:
-            s.bind(("", 0))
-            return s.getsockname()[1]
+    def serve_rendezvous(self, timeout_s: float = COLLECTIVE_TIMEOUT_S):
+        """(Rank 0) Serve the store of this role's process group on this node's address, on a port of
+        the job's block, sealed (hpcrlhf.engines.rendezvous); its rendezvous, for the group's ranks."""
+        from hpcrlhf.engines import rendezvous
+
+        self._store, meeting = rendezvous.serve(self.node_ip(), timeout_s)
+        return meeting
 
     def node_ip(self) -> str:
         import ray
 
         return ray.util.get_node_ip_address()
 
-    def init_process_group(self, master_addr: str, master_port: int, timeout_s: float = COLLECTIVE_TIMEOUT_S) -> None:
-        """Join this role's process group (ranks of other roles are not in it)."""
+    def init_process_group(self, meeting, timeout_s: float = COLLECTIVE_TIMEOUT_S) -> None:
+        """Join this role's process group (ranks of other roles are not in it) at `meeting`, the
+        store rank 0 serves (`serve_rendezvous`)."""
         import datetime
 
         import torch
         import torch.distributed as dist
 
-        os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(self.rank),
+        from hpcrlhf.engines import rendezvous
+
+        # kept for the group's life: torch holds only the C++ half of a store written in Python
+        self._store = rendezvous.member_store(meeting, self.rank, getattr(self, "_store", None), timeout_s)
+        # torchrun's variables, for libraries that look for them (DeepSpeed does); the store is given
+        os.environ.update(MASTER_ADDR=meeting.host, MASTER_PORT=str(meeting.port), RANK=str(self.rank),
                           WORLD_SIZE=str(self.world_size), LOCAL_RANK="0")
         backend = "nccl" if torch.cuda.is_available() else "gloo"
-        dist.init_process_group(backend, rank=self.rank, world_size=self.world_size,
+        dist.init_process_group(backend, store=self._store, rank=self.rank, world_size=self.world_size,
                                 timeout=datetime.timedelta(seconds=timeout_s))
 
     def check_group(self) -> int:
@@ -116,8 +124,8 @@ class WorkerGroup:
         self.workers = [self._spawn(rank) for rank in range(world)]
         self.joined = join
         if join and world > 0:
-            addr, port = ray.get([self.workers[0].node_ip.remote(), self.workers[0].free_port.remote()])
-            ray.get([w.init_process_group.remote(addr, port) for w in self.workers])
+            meeting = ray.get(self.workers[0].serve_rendezvous.remote())
+            ray.get([w.init_process_group.remote(meeting) for w in self.workers])
 
     @classmethod
     def for_role(cls, role: str, worker_cls: type, reservation: Reservation, *args: Any, **kwargs: Any) -> "WorkerGroup":

@@ -594,9 +594,8 @@ class VLLMRollout:
     def _own_group(self) -> weight_sync.Group:
         """The weight-sync group of this process and the engine's workers, formed at first use."""
         if self._group is None:
-            host = "127.0.0.1"
-            store, port = weight_sync.serve_store(host)
-            spec = weight_sync.SyncGroup(host, port, 1 + self.tensor_parallel_size, f"hpcrlhf-local-{port}", kind="local")
+            store, at = weight_sync.serve_store("127.0.0.1", local=True)
+            spec = weight_sync.SyncGroup(at, 1 + self.tensor_parallel_size, f"hpcrlhf-local-{at.port}", kind="local")
             with ThreadPoolExecutor(1, thread_name_prefix="hpcrlhf-weights") as pool:
                 joined = pool.submit(self.join_weight_group, spec, 1)
                 self._group = weight_sync.join(spec, 0, store)

@@ -290,14 +290,14 @@ class WeightPush:
 
         self.members = None
         rank0 = self.actor.workers[0]
-        host, port = ray.get(rank0.serve_weight_group.remote())
+        at = ray.get(rank0.serve_weight_group.remote())
         self.formed += 1
-        spec = SyncGroup(host, port, 1 + len(engines) * self.tp, f"hpcrlhf-weights-{self.formed}")
+        spec = SyncGroup(at, 1 + len(engines) * self.tp, f"hpcrlhf-weights-{self.formed}")
         chosen = gather([rank0.open_weight_group.remote(spec),
                          *[e.join_weight_group.remote(spec, 1 + i * self.tp) for i, e in enumerate(engines)]])[0]
         self.members = self.ids(engines)
         log.info(f"weight-sync group {spec.name}: actor rank 0 and {len(engines)} engine(s) x TP {self.tp} "
-                 f"({spec.world_size} members, {chosen}) at {host}:{port}")
+                 f"({spec.world_size} members, {chosen}) at {at.address}")
 
 
 def start_problems(cfg: PPOConfig, node_map: NodeMap) -> list[Problem]:

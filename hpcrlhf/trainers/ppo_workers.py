@@ -99,13 +99,13 @@ class ActorWorker(TrainedWorker):
             ref = ray.put({k: v.detach().cpu() for k, v in state.items()})
             gather([engine.load_weights.remote(ref) for engine in engines])
 
-    def serve_weight_group(self) -> tuple[str, int]:
-        """Rank 0: a store for a new weight-sync group (address, port); `open_weight_group` next."""
+    def serve_weight_group(self):
+        """Rank 0: a store for a new weight-sync group, on this node's address; its rendezvous (for
+        the group's members only); `open_weight_group` next."""
         from hpcrlhf.engines import weight_sync
 
-        address = self.node_ip()
-        self._weight_store, port = weight_sync.serve_store(address)
-        return address, port
+        self._weight_store, at = weight_sync.serve_store(self.node_ip())
+        return at
 
     def open_weight_group(self, spec) -> str:
         """Rank 0 joins the group `spec` as its rank 0 (returns when every engine worker has joined):

@@ -126,8 +126,8 @@ def test_broadcast_delivers_every_tensor_bit_exact_in_order(transport):
     from hpcrlhf.engines import weight_sync
 
     ctx = multiprocessing.get_context("spawn")
-    store, port = weight_sync.serve_store("127.0.0.1", timeout_s=120)
-    spec = weight_sync.SyncGroup("127.0.0.1", port, 3, "test", timeout_s=120, transport=transport)
+    store, at = weight_sync.serve_store("127.0.0.1", timeout_s=120)
+    spec = weight_sync.SyncGroup(at, 3, "test", timeout_s=120, transport=transport)
     queue = ctx.Queue()
     members = [ctx.Process(target=_member, args=(spec, rank, queue)) for rank in (1, 2)]
     for m in members:
@@ -175,8 +175,8 @@ def _armed_member(spec, queue) -> None:
 def _rank0_then_gone(queue) -> None:
     from hpcrlhf.engines import weight_sync
 
-    store, port = weight_sync.serve_store("127.0.0.1", timeout_s=300)
-    spec = weight_sync.SyncGroup("127.0.0.1", port, 2, "orphan", timeout_s=300)
+    store, at = weight_sync.serve_store("127.0.0.1", timeout_s=300)
+    spec = weight_sync.SyncGroup(at, 2, "orphan", timeout_s=300)
     queue.put(spec)
     weight_sync.join(spec, 0, store)
     time.sleep(600)  # killed by the test
@@ -190,8 +190,8 @@ def test_a_member_armed_long_before_a_sync_waits_for_it_past_the_group_timeout()
     from hpcrlhf.engines import weight_sync
 
     ctx = multiprocessing.get_context("spawn")
-    store, port = weight_sync.serve_store("127.0.0.1", timeout_s=2)
-    spec = weight_sync.SyncGroup("127.0.0.1", port, 2, "armed", timeout_s=2)
+    store, at = weight_sync.serve_store("127.0.0.1", timeout_s=2)
+    spec = weight_sync.SyncGroup(at, 2, "armed", timeout_s=2)
     queue = ctx.Queue()
     member = ctx.Process(target=_armed_member, args=(spec, queue))
     member.start()

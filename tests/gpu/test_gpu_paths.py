@@ -201,7 +201,8 @@ def test_weight_broadcast_between_gpu_processes():
     """Two processes: NCCL when each has its own GPU, CUDA IPC when they share one."""
     import torch.multiprocessing as mp
 
-    from hpcrlhf.engines.distributed import free_port
+    from hpcrlhf.engines import weight_sync
     from tests.gpu.nccl_ranks import broadcast_and_check
 
-    mp.spawn(broadcast_and_check, args=(min(2, torch.cuda.device_count()), free_port()), nprocs=2, join=True)
+    store, at = weight_sync.serve_store("127.0.0.1", timeout_s=120)  # kept alive while the ranks use it
+    mp.spawn(broadcast_and_check, args=(min(2, torch.cuda.device_count()), at), nprocs=2, join=True)
