@@ -5,6 +5,7 @@ without a traceback. (It used to end in a KeyboardInterrupt traceback and no che
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 from dataclasses import dataclass
@@ -212,7 +213,9 @@ def test_a_group_signal_to_a_vllm_run_checkpoints_exits_3_and_leaves_no_engine(h
         ended = signal_after_a_step(out, sig)
         assert ended.status == EXIT_REQUEUE, ended.log[-4000:]
         assert "EngineDeadError" not in ended.log and "Traceback" not in ended.log, ended.log[-4000:]
-        assert "stop requested: checkpointed at step" in ended.log, ended.log[-3000:]
+        # the signal may come while the step generates: then that step is dropped (issue 36, item 5)
+        assert re.search(r"stop requested(| during step \d+, which is dropped): checkpointed at step", ended.log), \
+            ended.log[-3000:]
         assert not ended.left, f"processes of the run alive after it ended: {ended.left}"
     assert int((out / "checkpoints" / "latest").read_text().strip().split("_")[1]) >= 2
     killed = signal_after_a_step(out, signal.SIGKILL, group=False)  # the driver alone, killed outright
