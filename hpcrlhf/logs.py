@@ -314,7 +314,7 @@ def third_party_processes(what: str) -> Iterator[None]:
                                                      if to_file else f"rerun with {VERBOSE_ENV}=1 to see its output"))
 
 
-def last_lines(path: Path, count: int = 20, most_bytes: int = 16384) -> str:
+def last_lines(path: Path, count: int = 40, most_bytes: int = 16384) -> str:
     """The last `count` lines of a text file (of its last `most_bytes`)."""
     with open(path, "rb") as f:
         f.seek(max(0, f.seek(0, os.SEEK_END) - most_bytes))
