@@ -10,6 +10,7 @@ from hpcrlhf import __version__
 from hpcrlhf.config.jobspec import (TrainJob, add_bench_arguments, add_config_arguments, add_train_arguments,
                                     build_config, literal_setting, path_text, resolve_recipe)
 from hpcrlhf.errors import ConfigError, HpcrlhfError, WorkerLost
+from hpcrlhf.logs import route_third_party, stop_routing_third_party
 from hpcrlhf.signals import EXIT_INTERRUPTED, EXIT_LOST, release_interrupt
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -345,7 +346,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+RUN_COMMANDS = ("train", "demo")
+"""Commands that write into run folders: the libraries' output goes to the run's third_party.log."""
+
+
 def main(argv: list[str] | None = None) -> int:
+    """The `hpcrlhf` program (argv None: sys.argv), or a call of it in a caller's process (argv given:
+    a test, a script), which gets its own logging back when the call returns (hpcrlhf.logs)."""
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
     if unknown:
@@ -353,6 +360,7 @@ def main(argv: list[str] | None = None) -> int:
             return _unknown_options(parser, args.command, unknown)
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
+        route_third_party(run_folder_follows=args.command in RUN_COMMANDS)
         return args.func(args)
     except HpcrlhfError as e:
         print(f"hpcrlhf: error: {e}", file=sys.stderr)
@@ -364,6 +372,8 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_INTERRUPTED
     finally:
         release_interrupt()
+        if argv is not None:
+            stop_routing_third_party()
 
 
 def _unknown_options(parser: argparse.ArgumentParser, command: str, unknown: list[str]) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import re
 import subprocess
 import sys
 from concurrent.futures import ProcessPoolExecutor
@@ -43,6 +44,17 @@ def run_cli(args: list[str], *, nproc: int = 1, timeout: float = 600, check: boo
     if check and proc.returncode != 0:
         raise AssertionError(f"hpcrlhf {' '.join(args)} exited {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
     return proc
+
+
+HPCRLHF_LINE = re.compile(r"\[\d\d:\d\d:\d\d hpcrlhf\] |hpcrlhf[: ]")
+"""How each line hpcrlhf itself writes to the terminal starts: its log lines (the progress too, outside
+a terminal), its errors and notes (`hpcrlhf: error: ...`, `hpcrlhf COMMAND: error: ...`)."""
+
+
+def foreign_lines(proc: subprocess.CompletedProcess) -> list[str]:
+    """The non-empty lines a CLI run wrote to its terminal (stdout and stderr) that are not hpcrlhf's."""
+    return [line for text in (proc.stdout, proc.stderr) for line in text.splitlines()
+            if line.strip() and not HPCRLHF_LINE.match(line)]
 
 
 def stop_after(args: list[str], out: Path, step: int, key: str = "train/loss") -> int:

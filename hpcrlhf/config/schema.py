@@ -388,6 +388,11 @@ class LogConfig:
     """Also write TensorBoard event files into the run folder."""
     progress: bool = True
     """Show a progress bar (rank 0) with rate and ETA."""
+    third_party: Literal["file", "console"] = "file"
+    """Where the libraries' own output goes (transformers, DeepSpeed, vLLM and its engine processes,
+    Ray, torch, Python warnings): `file`: the run folder's `third_party.log`, their errors also on the
+    terminal; `console`: the terminal, as they print it. HPCRLHF_VERBOSE=1 shows it on the terminal
+    for any command."""
 
     def __post_init__(self) -> None:
         _require(self.every_steps >= 1, "log.every_steps", self.every_steps, "use at least 1 (every step)")

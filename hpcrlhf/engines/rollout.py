@@ -68,7 +68,7 @@ from hpcrlhf.engines.hf_generate import left_pad, stop_on_request
 from hpcrlhf.engines.vllm_plugin import IDLE_SPIN_ENV
 from hpcrlhf.engines.weight_sync import SyncStats
 from hpcrlhf.errors import ConfigError
-from hpcrlhf.logs import get_logger
+from hpcrlhf.logs import get_logger, third_party_processes
 from hpcrlhf.models.context import model_positions
 
 log = get_logger()
@@ -521,13 +521,14 @@ class VLLMRollout:
                      + f", chunked prefill {'on' if kwargs['enable_chunked_prefill'] else 'off'}, at most "
                      f"{kwargs.get('max_num_seqs', 'vLLM default')} sequences and "
                      f"{kwargs.get('max_num_batched_tokens', 'vLLM default')} tokens per step, eager={enforce_eager}")
-            self._llm = LLM(
-                model=str(model_dir), tokenizer=str(model_dir), seed=seed, max_model_len=max_model_len, dtype=dtype,
-                enforce_eager=enforce_eager, tensor_parallel_size=tensor_parallel_size,
-                gpu_memory_utilization=gpu_memory_utilization,
-                logprobs_mode="raw_logprobs",  # vLLM's default, stated: log-probs before temperature/top-p/top-k
-                worker_extension_cls=_EXTENSION, enable_sleep_mode=self.sleep_mode, **kwargs,
-            )
+            with third_party_processes("starting vLLM's engine"):  # its processes print into the run log
+                self._llm = LLM(
+                    model=str(model_dir), tokenizer=str(model_dir), seed=seed, max_model_len=max_model_len, dtype=dtype,
+                    enforce_eager=enforce_eager, tensor_parallel_size=tensor_parallel_size,
+                    gpu_memory_utilization=gpu_memory_utilization,
+                    logprobs_mode="raw_logprobs",  # vLLM's default, stated: log-probs before temperature/top-p/top-k
+                    worker_extension_cls=_EXTENSION, enable_sleep_mode=self.sleep_mode, **kwargs,
+                )
         self.asleep: set[str] = set()
         """Sleep-mode memory tags released (`sleep`) and not woken yet."""
 

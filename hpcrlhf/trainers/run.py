@@ -24,7 +24,7 @@ from hpcrlhf.config.loader import to_dict, to_yaml
 from hpcrlhf.diskspace import DiskFull, folder_bytes, out_of_space_is_an_error
 from hpcrlhf.engines.distributed import DistEnv, all_reduce_sum, barrier, broadcast_object
 from hpcrlhf.errors import ConfigError, HpcrlhfError, TrainingError
-from hpcrlhf.logs import Progress, get_logger
+from hpcrlhf.logs import THIRD_PARTY_LOG, Progress, get_logger, third_party_to
 from hpcrlhf.metrics import MetricsWriter, read_metrics
 from hpcrlhf.safefiles import append, make_folders, path_problem, refuse, replace_file
 from hpcrlhf.signals import StopFlag, StopRequested
@@ -58,9 +58,10 @@ how often it evaluates, logs and checkpoints, how long the user's rules may take
 that change neither what is trained nor what is sampled. Any other change would resume one run with
 another's settings."""
 RUN_FILES = ("run.lock", "metrics.jsonl", "environment.jsonl", "config.yaml", "summary.json", "placement.json",
-             "reference_logps.pt")
-"""The files hpcrlhf writes at the top of a run folder (reference_logps.pt: hpcrlhf.trainers.reference)."""
-IN_PLACE_FILES = ("run.lock", "metrics.jsonl", "environment.jsonl")
+             "reference_logps.pt", THIRD_PARTY_LOG)
+"""The files hpcrlhf writes at the top of a run folder (reference_logps.pt: hpcrlhf.trainers.reference;
+third_party.log: hpcrlhf.logs)."""
+IN_PLACE_FILES = ("run.lock", "metrics.jsonl", "environment.jsonl", THIRD_PARTY_LOG)
 """Those written in place (appended to, or rewritten through the lock's descriptor), not replaced."""
 RUN_FOLDERS = ("checkpoints", "model", "tensorboard", "rounds")
 """The folders it writes there (rounds/: hpcrlhf.trainers.rs)."""
@@ -122,6 +123,7 @@ class Run:
         error, (resume_from, finished) = broadcast_object(outcome)  # every rank fails alike, none waits
         if error is not None:
             raise error
+        third_party_to(cfg.log.third_party, self.dir / THIRD_PARTY_LOG)
         self.resume_from = Path(resume_from) if resume_from else None
         self.finished: dict[str, Any] | None = finished
         """The summary of a run this folder holds that is done (`summary.json`), else None."""

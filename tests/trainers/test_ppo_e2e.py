@@ -9,8 +9,9 @@ import json
 
 import pytest
 
+from hpcrlhf.logs import THIRD_PARTY_LOG
 from hpcrlhf.metrics import read_metrics
-from tests.launch_helpers import run_cli, stop_after
+from tests.launch_helpers import foreign_lines, run_cli, stop_after
 
 QUIET = ["--set", "log.tensorboard=false", "--set", "eval.every_steps=0", "--set", "log.every_steps=1"]
 RL = [*QUIET, "--set", "task.eval_size=512", "--set", "eval.score_prompts=512", "--set", "rollout.prompts_per_step=32", "--set", "train.global_batch_size=64",
@@ -233,7 +234,9 @@ def test_vllm_rollouts_stay_in_sync_with_the_actor(nproc, extra, policy_model, t
     ZeRO-3, gathered chunk by chunk, in 1 MB buckets): if a sync were missed or garbled, the
     engine's log-probs (old weights) would differ from the trainer's (new weights). The 2-rank run
     also sleeps between phases (engines, actor and critic take turns: on CPU the moves are no-ops,
-    the switching is not) and evaluates with the engine, since the actor sleeps while it generates."""
+    the switching is not) and evaluates with the engine, since the actor sleeps while it generates.
+    vLLM's own lines -- its engine's start and shutdown in this process and in the engine's processes
+    -- are in the run's third_party.log, not on the terminal (one rank: torchrun prints its own)."""
     out = tmp_path / "run"
     proc = run_cli(["train", "ppo", "-o", str(out), "--set", f"model.path={policy_model}", "--set", "train.max_steps=3",
                     "--set", "rollout.backend=vllm", "--set", "rollout.vllm_kv_cache_gb=0.25", "--set", "optim.lr=1e-3",
@@ -248,6 +251,11 @@ def test_vllm_rollouts_stay_in_sync_with_the_actor(nproc, extra, policy_model, t
     assert all(("timing/swap" in r) == bool(extra) for r in rows)
     if extra:
         assert "placement.vllm.sleep: vLLM on cpu has no sleep mode" in proc.stdout + proc.stderr
+    else:
+        assert foreign_lines(proc) == [], proc.stdout + proc.stderr
+        log = (out / THIRD_PARTY_LOG).read_text()
+        for line in ("INFO vllm.", "(EngineCore pid=", "[shutdown] Process manager", "Loading safetensors checkpoint shards"):
+            assert line in log, (line, log[-3000:])
 
 
 @pytest.mark.slow

@@ -255,6 +255,7 @@ def test_an_output_dir_that_cannot_be_a_run_folder_is_refused(tmp_path, make, me
 
 PLANTED = {  # entry of the run folder -> what is planted there
     "links to the user's files and folders": {"run.lock": "link", "metrics.jsonl": "link", "config.yaml": "link",
+                                              "third_party.log": "link",
                                               "summary.json": "link", "checkpoints/latest": "link",
                                               "model": "folder link"},
     "a linked checkpoints folder, a FIFO, a folder for a file": {"checkpoints": "folder link", "metrics.jsonl": "FIFO",
@@ -394,7 +395,8 @@ def test_an_export_that_runs_out_of_space_leaves_no_half_model_folder(tmpfs):
     assert "no space left on the filesystem of" in full.stderr
     assert "while writing the exported model (model/)" in full.stderr
     assert " free; it needs about 1.6 MiB" in full.stderr and "Traceback" not in full.stderr
-    assert sorted(p.name for p in out.iterdir()) == ["config.yaml", "environment.jsonl", "metrics.jsonl", "run.lock"]
+    assert sorted(p.name for p in out.iterdir()) == ["config.yaml", "environment.jsonl", "metrics.jsonl", "run.lock",
+                                                     "third_party.log"]
 
 
 # --- the permission policy ----------------------------------------------------------------------------
