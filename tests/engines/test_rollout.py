@@ -33,6 +33,17 @@ from hpcrlhf.engines.rollout import Generation, HFRollout, SamplingParams, build
 from hpcrlhf.models.loading import load_causal_lm, load_tokenizer
 
 TOL = 1e-4
+
+
+def engine_tol() -> float:
+    """A vLLM engine on a GPU (fp32, its CUDA kernels) against the trainer's CPU forward, measured on
+    an H200 (2026-11-26): 4.2e-4 on the tiny llama, 1.46e-3 on the tiny mixtral (fused_moe). Asked of
+    vLLM's platform, not `torch.cuda`: CUDA initialised in the test process breaks the engine's
+    forked core."""
+    from vllm.platforms import current_platform
+
+    return TOL if current_platform.is_cpu() else 2e-3
+
 CPU = torch.device("cpu")
 
 
@@ -417,7 +428,7 @@ def test_vllm_seeded_batch_larger_than_the_token_budget(vllm_rollout, hf_model, 
     params = SamplingParams(n=8, max_new_tokens=12, seed=7)
     gens = vllm_rollout.generate(prompts, params)
     check_structure(gens, prompts, n=8, max_new_tokens=12, eos=tokenizer.eos_token_id)
-    assert max_logprob_error(hf_model, gens[:4]) < TOL
+    assert max_logprob_error(hf_model, gens[:4]) < engine_tol()
     small = [s for i in range(0, len(prompts), 4)
              for s in vllm_rollout.generate(prompts[i : i + 4], replace(params, first_index=i))]
     assert tokens(small) == tokens(gens)

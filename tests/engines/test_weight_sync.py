@@ -24,9 +24,7 @@ from hpcrlhf.engines.rollout import HFRollout, SamplingParams
 from hpcrlhf.models.export import checkpoint_names
 from hpcrlhf.models.loading import load_causal_lm, load_tokenizer
 from hpcrlhf.models.tiny import build_tiny_model_dir
-from tests.engines.test_rollout import max_logprob_error, one_torch_thread, perturbed, tokens  # noqa: F401
-
-TOL = 1e-4
+from tests.engines.test_rollout import engine_tol, max_logprob_error, one_torch_thread, perturbed, tokens  # noqa: F401
 
 
 @pytest.mark.parametrize("family", ["mistral", "mixtral", "qwen2", "gpt2"])
@@ -51,7 +49,7 @@ def test_weight_sync_follows_the_trainer_for_each_family(family):
         after = engine.generate(prompts, greedy)
         assert tokens(after) != tokens(before)  # the update reached the engine ...
         assert tokens(after) == tokens(hf.generate(prompts, greedy))  # ... whole and in the right layout
-        assert max_logprob_error(model, after) < TOL
+        assert max_logprob_error(model, after) < engine_tol()
     finally:
         engine.close()
 
