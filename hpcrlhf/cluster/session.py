@@ -21,6 +21,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator, Optional
 
+from hpcrlhf.cluster import netns
+from hpcrlhf.cluster.local import ray_auth_environ, start_local_cluster
 from hpcrlhf.errors import ConfigError
 from hpcrlhf.logs import get_logger
 from hpcrlhf.placement.layout import plural, shape_text
@@ -64,7 +66,6 @@ def isolate_local_cluster(kind: str, cfg) -> None:
     placement = getattr(cfg, "placement", None)
     if kind != "ppo" or placement is None or placement.runtime != "ray" or os.environ.get("RAY_ADDRESS"):
         return
-    from hpcrlhf.cluster import netns
 
     try:
         netns.isolate(placement.local_network)
@@ -92,8 +93,6 @@ def ray_session(nodes: int, gpus_per_node: int) -> Iterator[Optional[list[str]]]
         finally:
             ray.shutdown()
         return
-
-    from hpcrlhf.cluster.local import ray_auth_environ, start_local_cluster
 
     root = Path(tempfile.mkdtemp(prefix="ray", dir="/tmp"))  # short: Ray's socket paths are limited; 0700
     log.info(f"no RAY_ADDRESS: starting a local Ray cluster of {nodes} node(s) x {gpus_per_node} GPU(s), "

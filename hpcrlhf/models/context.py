@@ -40,7 +40,7 @@ def model_config(path: str) -> Optional[dict]:
     """The config.json of model `path` (a folder, a bundled `builtin:` name, or a hub name in the
     local hub cache), None when there is none to read here (the loaders report why, later)."""
     if path.startswith("builtin:"):
-        from hpcrlhf.models.tiny import resolve_model_path
+        from hpcrlhf.models.tiny import resolve_model_path  # torch, transformers: for builtin: names only
 
         path = resolve_model_path(path)
     file = Path(path).expanduser() / "config.json"
