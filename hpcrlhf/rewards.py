@@ -48,7 +48,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from hpcrlhf.config.schema import DEFAULT_USER_CODE_TIMEOUT_S, TASK_RULES, RewardConfig, RewardSourceConfig
+from hpcrlhf.config.schema import DEFAULT_USER_CODE_TIMEOUT_S, TASK_RULES, JobConfig, RewardConfig, RewardSourceConfig
 from hpcrlhf.data.sources import brief
 from hpcrlhf.errors import ConfigError, RuleError
 from hpcrlhf.models.value import last_token_values, reward_stats
@@ -211,7 +211,7 @@ def metric_name(rule: str) -> str:
     return rule.partition(":")[2]
 
 
-def rule_names(cfg) -> list[tuple[str, str]]:
+def rule_names(cfg: JobConfig) -> list[tuple[str, str]]:
     """(config field, rule) of every `package.module:function` a job or generate config names: its
     reward rules (`reward.sources[i].rule`) and its evaluation metrics (`eval.metrics[i]`, or
     `metrics[i]` for generate). These import the user's code, so a node that runs the job must be
@@ -226,7 +226,7 @@ def rule_names(cfg) -> list[tuple[str, str]]:
     return out
 
 
-def check_rules(cfg) -> None:
+def check_rules(cfg: JobConfig) -> None:
     """Import and check every `package.module:function` of `cfg` (`rule_names`): a ConfigError names
     the first field whose rule cannot be imported or is no function of (prompt, response, row)."""
     for field, rule in rule_names(cfg):

@@ -23,6 +23,7 @@ from typing import Iterator, Optional
 
 from hpcrlhf.cluster import netns
 from hpcrlhf.cluster.local import ray_auth_environ, start_local_cluster
+from hpcrlhf.config.schema import TrainJobConfig
 from hpcrlhf.errors import ConfigError
 from hpcrlhf.logs import get_logger
 from hpcrlhf.placement.layout import plural, shape_text
@@ -59,7 +60,7 @@ def local_cluster_problem(nodes: int, gpus_per_node: int, *, gpus_here: int, sim
     return Problem("placement", shape_text(nodes, gpus_per_node), reason, fix)
 
 
-def isolate_local_cluster(kind: str, cfg) -> None:
+def isolate_local_cluster(kind: str, cfg: TrainJobConfig) -> None:
     """First thing of a job that will start its own Ray cluster (a Ray PPO job without RAY_ADDRESS):
     move the process into a private network as placement.local_network asks (hpcrlhf.cluster.netns),
     while it is still single-threaded. Other jobs are left alone."""

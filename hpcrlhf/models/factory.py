@@ -18,6 +18,7 @@ from hpcrlhf.engines.deepspeed_engine import (FrozenModel, TrainingEngine, build
                                               build_frozen_deepspeed_config, maybe_zero3_init_context,
                                               prepare_extensions, save_hf_model, zero3_init_paused)
 from hpcrlhf.engines.distributed import device_for, init_distributed
+from hpcrlhf.config.schema import TrainJobConfig
 from hpcrlhf.errors import ConfigError
 from hpcrlhf.models.export import export_pretrained
 from hpcrlhf.models.loading import load_causal_lm, load_tokenizer
@@ -32,7 +33,7 @@ def trainable_parameters(engine) -> int:
 
 
 class ModelFactory:
-    def __init__(self, cfg) -> None:
+    def __init__(self, cfg: TrainJobConfig) -> None:
         self.cfg = cfg
         self.env = init_distributed()
         torch.manual_seed(cfg.seed)

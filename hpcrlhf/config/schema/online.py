@@ -11,7 +11,7 @@ from hpcrlhf.config.schema.checks import (PathText, fill_derived, require, requi
                                           require_timeout, shown)
 from hpcrlhf.config.schema.sections import (DEFAULT_USER_CODE_TIMEOUT_S, MAX_STEPS, DataSourceConfig, ModelConfig,
                                             OptimConfig, ReferenceConfig, TaskConfig, TrainConfig, TrainJobConfig,
-                                            resolve_data_length, resolved_new_tokens)
+                                            resolved_max_length, resolved_new_tokens)
 from hpcrlhf.errors import ConfigError
 
 @dataclass(frozen=True)
@@ -302,7 +302,7 @@ class GenerateConfig:
     def __post_init__(self) -> None:
         require(self.batch_size >= 1, "batch_size", self.batch_size, "use at least 1")
         require_timeout(self.metric_timeout_s, "metric_timeout_s")
-        resolve_data_length(self)
+        fill_derived(self, "data", max_length=resolved_max_length(self.data.max_length, self.task, self.data))
         fill_derived(self, "rollout", max_new_tokens=resolved_new_tokens(self.rollout.max_new_tokens, self.task, self.data))
         require_metrics(self.metrics, "metrics")
         _require_task_for_rules(self.reward, self.task, self.data)

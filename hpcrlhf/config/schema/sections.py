@@ -393,11 +393,10 @@ def resolved_new_tokens(given: Optional[int], task: TaskConfig, data: "DataSourc
     return _task_default(given, task, data, "answer_tokens", DEFAULT_NEW_TOKENS)
 
 
-def resolve_data_length(cfg) -> None:
-    """A null `data.max_length`: the bundled task's sample length when it applies, else
+def resolved_max_length(given: Optional[int], task: TaskConfig, data: "DataSourceConfig") -> int:
+    """`given` (`data.max_length`), or the bundled task's sample length when it applies, else
     `DEFAULT_MAX_LENGTH`."""
-    fill_derived(cfg, "data", max_length=_task_default(cfg.data.max_length, cfg.task, cfg.data, "sample_tokens",
-                                                   DEFAULT_MAX_LENGTH))
+    return _task_default(given, task, data, "sample_tokens", DEFAULT_MAX_LENGTH)
 
 
 @dataclass(frozen=True)
@@ -437,7 +436,7 @@ class TrainJobConfig:
     def __post_init__(self) -> None:
         if self.task.name is None and self.data.train_path is None:
             raise ConfigError("data.train_path: null needs a task for data: set data.train_path or task.name")
-        resolve_data_length(self)
+        fill_derived(self, "data", max_length=resolved_max_length(self.data.max_length, self.task, self.data))
         if self.model.router_aux_loss_coef and not self.uses_router_loss:
             raise ConfigError(f"model.router_aux_loss_coef: {self.model.router_aux_loss_coef} is used by sft and the ppo "
                               "actor only; use 0 for this job")
