@@ -23,6 +23,8 @@ import functools
 import os
 from typing import Literal, Optional
 
+from hpcrlhf.logs import get_logger
+
 RepoType = Literal["model", "dataset"]
 
 PROBE_TIMEOUT_S = 5.0
@@ -91,8 +93,6 @@ def _probe(name: str, repo_type: RepoType) -> Optional[str]:
     except Exception as e:  # no answer: connection refused, DNS, timeout (httpx's errors, not OSErrors)
         why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         if repo_type == "model" and model_in_hub_cache(name):  # loads from the cache, after the loader's retries
-            from hpcrlhf.logs import get_logger
-
             get_logger().warning(f"the hub ({ENDPOINT}) cannot be reached ({why}): loading '{name}' from the local hub "
                                  "cache; set HF_HUB_OFFLINE=1 to skip the loader's retries")
             return None

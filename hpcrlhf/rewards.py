@@ -48,9 +48,10 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from hpcrlhf.config.schema import DEFAULT_USER_CODE_TIMEOUT_S, TASK_RULES, RewardConfig, RewardSourceConfig
+from hpcrlhf.config.schema import DEFAULT_USER_CODE_TIMEOUT_S, TASK_RULES, JobConfig, RewardConfig, RewardSourceConfig
 from hpcrlhf.data.sources import brief
 from hpcrlhf.errors import ConfigError, RuleError
+from hpcrlhf.models.value import last_token_values, reward_stats
 from hpcrlhf.signals import Interrupted, StopRequested
 from hpcrlhf.usercode import UserCodeTimeout, user_code
 
@@ -210,7 +211,7 @@ def metric_name(rule: str) -> str:
     return rule.partition(":")[2]
 
 
-def rule_names(cfg) -> list[tuple[str, str]]:
+def rule_names(cfg: JobConfig) -> list[tuple[str, str]]:
     """(config field, rule) of every `package.module:function` a job or generate config names: its
     reward rules (`reward.sources[i].rule`) and its evaluation metrics (`eval.metrics[i]`, or
     `metrics[i]` for generate). These import the user's code, so a node that runs the job must be
@@ -225,7 +226,7 @@ def rule_names(cfg) -> list[tuple[str, str]]:
     return out
 
 
-def check_rules(cfg) -> None:
+def check_rules(cfg: JobConfig) -> None:
     """Import and check every `package.module:function` of `cfg` (`rule_names`): a ConfigError names
     the first field whose rule cannot be imported or is no function of (prompt, response, row)."""
     for field, rule in rule_names(cfg):
@@ -270,8 +271,6 @@ class RewardModelScorer:
     """A frozen reward model scoring prompt + response sequences at their last token."""
 
     def __init__(self, model, tokenizer, policy_tokenizer, source: RewardSourceConfig, batch_size: int, device):
-        from hpcrlhf.models.value import reward_stats
-
         self.model, self.tokenizer = model, tokenizer
         self.same_vocab = tokenizer.get_vocab() == policy_tokenizer.get_vocab()
         self.stats = reward_stats(model.module.config) if source.normalize else None
@@ -285,8 +284,7 @@ class RewardModelScorer:
 
     @torch.no_grad()
     def __call__(self, responses: Sequence[Response]) -> torch.Tensor:
-        from hpcrlhf.engines.hf_generate import right_pad
-        from hpcrlhf.models.value import last_token_values
+        from hpcrlhf.engines.hf_generate import right_pad  # transformers (+3 s): `hpcrlhf sbatch` checks rules here
 
         out = []
         for start in range(0, len(responses), self.batch_size):
@@ -308,7 +306,7 @@ class RewardSet:
 
     def __init__(self, cfg: RewardConfig, load_model: Callable[[str, str], Any], tokenizer, task, device,
                  trust_remote_code: bool = False):
-        from hpcrlhf.models.loading import load_tokenizer
+        from hpcrlhf.models.loading import load_tokenizer  # transformers (+3 s): `hpcrlhf sbatch` checks rules here
 
         self.cfg = cfg
         self.weights = [s.weight for s in cfg.sources]

@@ -31,6 +31,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Literal, Optional
 
+from hpcrlhf.algos.estimators import CRITIC_FREE
+from hpcrlhf.config.recipe_yaml import quoted
 from hpcrlhf.errors import ConfigError
 
 SystemKind = Literal["hpcrlhf", "dschat-style", "trl"]
@@ -69,8 +71,6 @@ class System:
     def trains_critic(self) -> bool:
         """Whether a critic is trained each step (PPO with GAE); TRL's GRPO and the hpcrlhf GRPO
         systems train the actor alone."""
-        from hpcrlhf.algos.estimators import CRITIC_FREE
-
         if self.kind == "trl":
             return False
         chosen = [o.split("=", 1)[1] for o in self.overrides if o.startswith("ppo.advantage_estimator=")]
@@ -132,9 +132,8 @@ class Suite:
                           f"{', '.join(s.name for s in self.systems)}")
 
     def common_overrides(self, prompts_path: str) -> list[str]:
-        """`--set` values every system of the suite runs with."""
-        from hpcrlhf.config.loader import quoted  # paths (--model, the run folder's prompts) taken literally
-
+        """`--set` values every system of the suite runs with (paths -- `--model`, the run folder's
+        prompts -- quoted: taken literally)."""
         model, reward = quoted(self.model), quoted(self.reward_model or self.model)
         return [
             f"model.path={model}", f"reward.sources=[{{model: {reward}}}]", f"critic.path={reward}",

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from hpcrlhf.bench.suites import GRPO_GROUP as SAMPLES_PER_PROMPT
+from hpcrlhf.errors import ConfigError
 
 
 def trl_version() -> Optional[str]:
@@ -48,8 +49,6 @@ def trl_version() -> Optional[str]:
 def rounds_layout(prompts_per_step: int, per_device_batch: int, processes: int) -> int:
     """Optimizer steps per generation round: the round's samples in per-device batches on every
     process; the numbers must divide (GRPO's groups of 2 included)."""
-    from hpcrlhf.errors import ConfigError
-
     global_batch = per_device_batch * processes
     if prompts_per_step % global_batch or prompts_per_step % SAMPLES_PER_PROMPT:
         raise ConfigError(f"trl: prompts_per_step {prompts_per_step} must be a multiple of the train batch "
@@ -164,8 +163,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from datasets import Dataset
     from trl import GRPOConfig
 
-    from hpcrlhf.engines.deepspeed_engine import skip_shm_comm_build
-    from hpcrlhf.models.loading import load_tokenizer, resolve_model_path
+    from hpcrlhf.engines.deepspeed_engine import skip_shm_comm_build  # torch, as the imports above
+    from hpcrlhf.models.loading import load_tokenizer, resolve_model_path  # torch, transformers
 
     skip_shm_comm_build()  # as hpcrlhf's own ranks: not built, not loaded under torch's lock file
     out = Path(args.output_dir)

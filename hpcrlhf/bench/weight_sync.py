@@ -28,7 +28,14 @@ from pathlib import Path
 
 import torch
 
+from hpcrlhf.cluster.engines import EngineWorker
+from hpcrlhf.cluster.local import start_local_cluster
+from hpcrlhf.engines import weight_sync
+from hpcrlhf.engines.rollout import SamplingParams
+from hpcrlhf.engines.rollout.hf import HFRollout
 from hpcrlhf.logs import get_logger
+from hpcrlhf.models.loading import load_causal_lm
+from hpcrlhf.models.tiny import build_sized_llama_dir
 
 log = get_logger()
 
@@ -40,13 +47,6 @@ def perturb(state: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor
 
 def run(out: Path, params_m: float, engines: int, repeats: int, bucket_mb: int) -> dict:
     import ray
-
-    from hpcrlhf.cluster.engines import EngineWorker
-    from hpcrlhf.cluster.local import start_local_cluster
-    from hpcrlhf.engines import weight_sync
-    from hpcrlhf.engines.rollout import HFRollout, SamplingParams
-    from hpcrlhf.models.loading import load_causal_lm
-    from hpcrlhf.models.tiny import build_sized_llama_dir
 
     out.mkdir(parents=True, exist_ok=True)
     root = Path(tempfile.mkdtemp(prefix="ray", dir="/tmp"))

@@ -15,6 +15,7 @@ from typing import Any, Mapping, Sequence
 
 from hpcrlhf.cluster.worker_group import (RoleWorker, WorkerGroup, busy, dead_worker_message, death_verdict,
                                           even_bounds, gather, lost_worker_error)
+from hpcrlhf.engines.rollout.vllm import VLLMRollout
 from hpcrlhf.logs import get_logger
 
 log = get_logger()
@@ -34,7 +35,6 @@ class EngineWorker(RoleWorker):
     def __init__(self, role: str, rank: int, world_size: int, model_dir: str, *, tensor_parallel_size: int,
                  seed: int = 0, **engine_kwargs: Any) -> None:
         super().__init__(role, rank, world_size)
-        from hpcrlhf.engines.rollout import VLLMRollout
 
         if tensor_parallel_size > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
             import torch

@@ -21,6 +21,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator, Optional
 
+from hpcrlhf.cluster import netns
+from hpcrlhf.cluster.local import ray_auth_environ, start_local_cluster
+from hpcrlhf.config.schema import TrainJobConfig
 from hpcrlhf.errors import ConfigError
 from hpcrlhf.logs import get_logger
 from hpcrlhf.placement.layout import plural, shape_text
@@ -57,14 +60,13 @@ def local_cluster_problem(nodes: int, gpus_per_node: int, *, gpus_here: int, sim
     return Problem("placement", shape_text(nodes, gpus_per_node), reason, fix)
 
 
-def isolate_local_cluster(kind: str, cfg) -> None:
+def isolate_local_cluster(kind: str, cfg: TrainJobConfig) -> None:
     """First thing of a job that will start its own Ray cluster (a Ray PPO job without RAY_ADDRESS):
     move the process into a private network as placement.local_network asks (hpcrlhf.cluster.netns),
     while it is still single-threaded. Other jobs are left alone."""
     placement = getattr(cfg, "placement", None)
     if kind != "ppo" or placement is None or placement.runtime != "ray" or os.environ.get("RAY_ADDRESS"):
         return
-    from hpcrlhf.cluster import netns
 
     try:
         netns.isolate(placement.local_network)
@@ -92,8 +94,6 @@ def ray_session(nodes: int, gpus_per_node: int) -> Iterator[Optional[list[str]]]
         finally:
             ray.shutdown()
         return
-
-    from hpcrlhf.cluster.local import ray_auth_environ, start_local_cluster
 
     root = Path(tempfile.mkdtemp(prefix="ray", dir="/tmp"))  # short: Ray's socket paths are limited; 0700
     log.info(f"no RAY_ADDRESS: starting a local Ray cluster of {nodes} node(s) x {gpus_per_node} GPU(s), "

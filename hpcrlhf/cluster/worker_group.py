@@ -15,6 +15,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from hpcrlhf.cluster.reservation import Reservation
 from hpcrlhf.placement import Device
+from hpcrlhf.signals import StopRequested, stop_requested_here
 
 
 COLLECTIVE_TIMEOUT_S = 1800.0
@@ -201,8 +202,6 @@ def gather(refs: Sequence[Any], *, interruptible: bool = False) -> list[Any]:
     (the caller's `Run.stoppable` drops the step; the workers go with the job, or end at their
     rule's deadline)."""
     import ray
-
-    from hpcrlhf.signals import StopRequested, stop_requested_here
 
     pending = list(refs)
     while pending:

@@ -14,6 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
+from hpcrlhf.config.loader import load_config
+from hpcrlhf.config.recipe_yaml import quoted
+from hpcrlhf.config.schema import JOB_CONFIGS
 from hpcrlhf.errors import ConfigError
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
@@ -36,9 +39,6 @@ def resolve_recipe(spec: Optional[str]) -> Optional[str]:
 def build_config(kind: str, recipe: Optional[str], overrides: Sequence[str], output_dir: Optional[str]):
     """The typed config of job `kind`: its defaults, then the recipe, then the overrides (and the run
     folder, as `output_dir=`, taken literally)."""
-    from hpcrlhf.config.loader import load_config
-    from hpcrlhf.config.schema import JOB_CONFIGS
-
     overrides = list(overrides) + literal_setting("output_dir", output_dir)
     return load_config(JOB_CONFIGS[kind], resolve_recipe(recipe), overrides)
 
@@ -46,8 +46,6 @@ def build_config(kind: str, recipe: Optional[str], overrides: Sequence[str], out
 def literal_setting(key: str, path: Optional[str]) -> list[str]:
     """`--set KEY=PATH` for a path given as an option (`-o DIR`, `--model PATH`; none when not given): quoted,
     so the path is taken as written -- `-o 2024-01-01` or `-o '"x"'` names that folder, not a date or `x`."""
-    from hpcrlhf.config.loader import quoted
-
     return [] if path is None else [f"{key}={quoted(path)}"]
 
 
@@ -69,8 +67,6 @@ def add_config_arguments(p: argparse.ArgumentParser) -> None:
 
 def add_train_arguments(p: argparse.ArgumentParser) -> None:
     """The arguments of `hpcrlhf train` (after the command name)."""
-    from hpcrlhf.config.schema import JOB_CONFIGS
-
     p.add_argument("kind", choices=sorted(JOB_CONFIGS), help="job kind")
     add_config_arguments(p)
     p.add_argument("--output-dir", "-o", type=path_text, metavar="DIR",

@@ -22,8 +22,10 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from hpcrlhf.cache import cache_dir, cache_root
 from hpcrlhf.config.schema import EngineConfig, OptimConfig
 from hpcrlhf.engines.schedule import lr_multiplier
+from hpcrlhf.safefiles import open_in_place
 
 
 def build_deepspeed_config(
@@ -295,8 +297,6 @@ def _step_disabled(optimizer: torch.optim.Optimizer):
 def prepare_extensions(ds_config: dict[str, Any]) -> None:
     """DeepSpeed's JIT ops (CPU Adam) build once per machine into hpcrlhf's cache; load the ones
     `ds_config` needs now, safely (see `load_jit_op`)."""
-    from hpcrlhf.cache import cache_dir
-
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(cache_dir("torch_extensions")))
     if "offload_optimizer" in ds_config["zero_optimization"]:
         from deepspeed.ops.op_builder import CPUAdamBuilder
@@ -314,9 +314,6 @@ def load_jit_op(builder, extensions_dir: Path):
     lock file left in hpcrlhf's own cache belongs to a dead process and remove it. Later loads in
     this process reuse the op (DeepSpeed caches loaded ops by name)."""
     import fcntl
-
-    from hpcrlhf.cache import cache_root
-    from hpcrlhf.safefiles import open_in_place
 
     extensions_dir.mkdir(parents=True, exist_ok=True)
     with os.fdopen(open_in_place(extensions_dir / ".hpcrlhf-build.flock", os.O_RDWR | os.O_CREAT), "r+b") as guard:

@@ -20,7 +20,10 @@ import sys
 from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence
 
-from hpcrlhf.errors import ConfigError, PlacementError
+from hpcrlhf.bench.runner import bench_fits
+from hpcrlhf.config.jobspec import BenchJob, job_from_argv
+from hpcrlhf.errors import ConfigError, HpcrlhfError, PlacementError
+from hpcrlhf.placement import build_node_map
 
 
 @dataclass(frozen=True)
@@ -108,17 +111,11 @@ def check_fits(args: Sequence[str], nodes: int, gpus_per_node: int, *, launcher:
     """Raise unless the job `hpcrlhf <args>` fits `nodes` x `gpus_per_node` under `launcher`.
 
     `where` names what is checked against ("the allocation of job 42", "--nodes/--gpus-per-node")."""
-    from hpcrlhf.config.jobspec import BenchJob, job_from_argv
-
     job = job_from_argv(args)
     if isinstance(job, BenchJob):
-        from hpcrlhf.bench.runner import bench_fits
-
         return bench_fits(job, nodes, gpus_per_node, where)
     kind, cfg = job.kind, job.config()
     if launcher == "ray":
-        from hpcrlhf.placement import build_node_map
-
         node_map = build_node_map(cfg)  # the map the driver will use: a bad recipe fails here
         if node_map.nodes > nodes or node_map.gpus_per_node > gpus_per_node:
             raise PlacementError(
@@ -134,8 +131,6 @@ def check_fits(args: Sequence[str], nodes: int, gpus_per_node: int, *, launcher:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Exit 0 when `hpcrlhf <args>` fits this job's allocation under the launcher, else 2 with why."""
-    from hpcrlhf.errors import HpcrlhfError
-
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] not in ("ray", "mpi"):
         print("usage: python -m hpcrlhf.hpc.allocation {ray|mpi} HPCRLHF_ARGS", file=sys.stderr)

@@ -19,6 +19,7 @@ import tempfile
 from pathlib import Path
 from typing import Optional
 
+from hpcrlhf import __version__
 from hpcrlhf.errors import ConfigError
 
 SIF_MAGIC = b"SIF_MAGIC"
@@ -62,8 +63,6 @@ def probe_hpcrlhf(path: str, python: str = "python", apptainer: str = "apptainer
 
 def check_image(path: str, python: str = "python") -> list[str]:
     """Raise ConfigError unless `path` is a usable image; returns notes for the user."""
-    from hpcrlhf import __version__
-
     problem = image_problem(path)
     if problem:
         raise unusable(path, problem)
@@ -91,7 +90,7 @@ def selftest() -> int:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        from hpcrlhf.models.tiny import build_tiny_model_dir
+        from hpcrlhf.models.tiny import build_tiny_model_dir  # torch, transformers (as above)
 
         folder = build_tiny_model_dir("llama")
         tokenizer = AutoTokenizer.from_pretrained(str(folder))

@@ -21,6 +21,8 @@ import sys
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
+from hpcrlhf.hpc.program import CLI, run_module
+
 
 @dataclass(frozen=True)
 class RankInfo:
@@ -82,8 +84,6 @@ def discover(comm=None) -> RankInfo:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Discover the ranks, then run `hpcrlhf ARGS...` (or, given `-m MODULE ARGS...`, that module
     as `python -m` would: e.g. the benchmark's TRL system) with torchrun's variables set."""
-    from hpcrlhf.hpc.program import CLI, run_module
-
     args = list(sys.argv[1:] if argv is None else argv)
     info = discover()
     os.environ.update(info.torch_env())

@@ -24,8 +24,11 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from hpcrlhf.cluster.bootstrap import PORTS_PER_NODE, RayPorts, private_temp_dir, ray_start_args, wait_for_nodes
+from hpcrlhf.cluster.local import free_port_block, ray_executable, stop_process_groups
 from hpcrlhf.errors import HpcrlhfError
 from hpcrlhf.hpc.allocation import Allocation, check_fits, node_addresses
+from hpcrlhf.hpc.program import CLI, run_module
+from hpcrlhf.signals import catch_early_stop_signals
 
 PORT_BASE = 20000
 PORT_SLOTS = 60
@@ -64,8 +67,6 @@ def wait_for_head(address: str, timeout_s: float = JOIN_TIMEOUT_S) -> None:
 
 
 def node_ports(alloc: Allocation, node_index: int, node_ip: str) -> RayPorts:
-    from hpcrlhf.cluster.local import free_port_block
-
     ports = job_ports(alloc.job_id, node_index)
     first = ports.gcs
     if node_index == 0:
@@ -81,8 +82,6 @@ def node_ports(alloc: Allocation, node_index: int, node_ip: str) -> RayPorts:
 def start_node(alloc: Allocation, node_index: int) -> subprocess.Popen:
     """`ray start --block` for this host as node `node_index` of the allocation, in its own session,
     with SIGUSR1/SIGUSR2 ignored by every Ray process (inherited through exec)."""
-    from hpcrlhf.cluster.local import ray_executable
-
     node_ip = node_addresses([socket.gethostname()])[0]
     ports = node_ports(alloc, node_index, node_ip)
     head = None if node_index == 0 else head_address(alloc)
@@ -105,8 +104,6 @@ def start_node(alloc: Allocation, node_index: int) -> subprocess.Popen:
 
 
 def stop_node(proc: subprocess.Popen) -> None:
-    from hpcrlhf.cluster.local import stop_process_groups
-
     stop_process_groups([proc.pid], timeout_s=10)
 
 
@@ -153,9 +150,6 @@ def prepare_driver(argv: Sequence[str], alloc: Optional[Allocation] = None) -> d
 
 
 def run_driver(argv: Sequence[str]) -> int:
-    from hpcrlhf.hpc.program import CLI, run_module
-    from hpcrlhf.signals import catch_early_stop_signals
-
     catch_early_stop_signals()
     os.environ.update(prepare_driver(argv))
     return run_module(CLI, argv)

@@ -27,6 +27,7 @@ import shlex
 from dataclasses import dataclass, fields
 from typing import Literal, Optional, Sequence
 
+from hpcrlhf import __version__
 from hpcrlhf.errors import ConfigError
 from hpcrlhf.placement.layout import MAX_GPUS_PER_NODE, MAX_NODES
 
@@ -257,8 +258,6 @@ def ray_token_env(o: SlurmOptions) -> list[str]:
 
 def render_sbatch(args: Sequence[str], o: SlurmOptions) -> str:
     """The sbatch script running `hpcrlhf <args>` with options `o`."""
-    from hpcrlhf import __version__
-
     py = exec_prefix(o)
     job = " ".join(_q(a) for a in args)
     shown = job.replace("\r", "\\r").replace("\n", "\\n")  # a newline would end the comment: a command, or the header

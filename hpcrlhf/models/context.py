@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Optional
 
+from hpcrlhf.config.schema import JobConfig
 from hpcrlhf.errors import ConfigError, DataError
 from hpcrlhf.logs import get_logger
 
@@ -40,7 +41,7 @@ def model_config(path: str) -> Optional[dict]:
     """The config.json of model `path` (a folder, a bundled `builtin:` name, or a hub name in the
     local hub cache), None when there is none to read here (the loaders report why, later)."""
     if path.startswith("builtin:"):
-        from hpcrlhf.models.tiny import resolve_model_path
+        from hpcrlhf.models.tiny import resolve_model_path  # torch, transformers: for builtin: names only
 
         path = resolve_model_path(path)
     file = Path(path).expanduser() / "config.json"
@@ -125,7 +126,7 @@ class ContextWindow:
             self.require_prompt_fits(tokens, field, new_tokens, where)
 
 
-def generation_lengths(cfg) -> list[tuple[str, int]]:
+def generation_lengths(cfg: JobConfig) -> list[tuple[str, int]]:
     """(config field, tokens) of every response length a job or generate config asks the model for."""
     lengths = []
     rollout = getattr(cfg, "rollout", None)
@@ -137,7 +138,7 @@ def generation_lengths(cfg) -> list[tuple[str, int]]:
     return lengths
 
 
-def require_generation_fits(cfg, kind: str = "") -> ContextWindow:
+def require_generation_fits(cfg: JobConfig, kind: str = "") -> ContextWindow:
     """Before a job or `generate` loads anything: every response length its config asks for fits
     the window of `model.path` (a reward model job, `kind` rm, generates nothing); returns the window."""
     window = ContextWindow.of(cfg.model.path, say_unlimited=kind != "rm")

@@ -5,7 +5,7 @@ rank), places them on the allocation (`layout`), checks the result against the c
 GPU's memory, and returns a `NodeMap`, or raises one `PlacementError` listing every problem with
 its fix. Nothing is adjusted to make a layout fit. The runtime places its Ray actors exactly as
 the map says: `role_ranks(role)` gives rank r's device, `engines` each vLLM engine's TP group.
-`hpcrlhf plan` prints `render()` (or `to_json()`).
+`hpcrlhf plan` prints it as text (`render.render_text`) or JSON (`to_json()`).
 """
 
 from __future__ import annotations
@@ -133,12 +133,6 @@ class NodeMap:
     def to_json(self) -> str:
         """The map as JSON of plain types with sorted keys (stable for tools and golden files)."""
         return json.dumps(_plain(self), indent=2, sort_keys=True) + "\n"
-
-    def render(self) -> str:
-        """The map as text: node by node, GPU by GPU, then one line per role and per engine."""
-        from hpcrlhf.placement.render import render_text
-
-        return render_text(self)
 
 
 def _device(d: Device) -> dict[str, int]:

@@ -16,7 +16,7 @@ import torch
 
 from hpcrlhf.engines.distributed import all_reduce_sum
 from hpcrlhf.engines.rollout import Generation, Pending, SamplingParams, launch
-from hpcrlhf.engines.shared_rollout import Rank0Rollout
+from hpcrlhf.engines.rollout.shared import Rank0Rollout
 from hpcrlhf.errors import ConfigError, DataError
 from hpcrlhf.logs import get_logger
 from hpcrlhf.rewards import Response, RewardSet, adjust_scores
@@ -190,7 +190,7 @@ class OnlineTrainer(Trainer):
     def rollout_engines(self, engine):
         """(the rollout engine, the trained module of `engine` as a generator): the same object
         with rollout.backend hf; with vllm, an engine on rank 0 serving every rank."""
-        from hpcrlhf.engines.rollout import HFRollout
+        from hpcrlhf.engines.rollout.hf import HFRollout
 
         synced = engine.zero_stage == 3 and self.env.world_size > 1
         hf = HFRollout(engine.module, pad_token_id=self.pad_id, eos_token_id=self.tokenizer.eos_token_id,
@@ -201,7 +201,7 @@ class OnlineTrainer(Trainer):
         return (vllm if self.env.world_size == 1 else Rank0Rollout(vllm, self.env)), hf
 
     def _build_vllm(self):
-        from hpcrlhf.engines.rollout import VLLMRollout
+        from hpcrlhf.engines.rollout.vllm import VLLMRollout
 
         return VLLMRollout(**vllm_engine_args(self.cfg))
 

@@ -41,8 +41,10 @@ import torch
 
 from hpcrlhf.algos.advantages import compute_advantages
 from hpcrlhf.algos.logprobs import IGNORE
-from hpcrlhf.algos.ppo import (RunningMoments, build_kl_controller, clip_rewards, kl_estimate, masked_sum,
-                               normalize_scores, shape_rewards, truncated_is_weights)
+from hpcrlhf.algos.kl import build_kl_controller, kl_estimate
+from hpcrlhf.algos.masked import masked_sum
+from hpcrlhf.algos.ppo import truncated_is_weights
+from hpcrlhf.algos.reward_shaping import RunningMoments, clip_rewards, normalize_scores, shape_rewards
 from hpcrlhf.config.schema import PPOConfig
 from hpcrlhf.data.sft import TokenizedSample
 from hpcrlhf.engines.distributed import all_reduce_sum

@@ -17,7 +17,9 @@ from typing import Callable, Literal
 import torch
 
 from hpcrlhf.algos.logprobs import IGNORE, token_logprobs
-from hpcrlhf.algos.ppo import aggregate_loss, entropy_from_logits, kl_estimate, masked_sum, policy_loss, value_loss
+from hpcrlhf.algos.kl import kl_estimate
+from hpcrlhf.algos.masked import masked_sum
+from hpcrlhf.algos.ppo import aggregate_loss, entropy_from_logits, policy_loss, value_loss
 from hpcrlhf.engines.distributed import all_reduce_sum
 from hpcrlhf.models.moe import router_kwargs
 from hpcrlhf.trainers.stats import Stats, add_stats, new_stats

@@ -337,10 +337,10 @@ def run_ray_ppo(cfg: PPOConfig) -> dict:
     map's GPUs, train, clean up. A plan that cannot work, or cannot start here, fails before Ray starts."""
     from hpcrlhf.cluster.reservation import reserve
     from hpcrlhf.cluster.session import ray_session
-    from hpcrlhf.placement import build_node_map
+    from hpcrlhf.placement import build_node_map, render_text
 
     node_map = build_node_map(cfg)
-    log.info("node map:\n" + node_map.render())
+    log.info("node map:\n" + render_text(node_map))
     raise_problems(start_problems(cfg, node_map), title="ppo on Ray would fail here, so nothing was started")
     with ray_session(node_map.nodes, node_map.gpus_per_node) as node_ips:
         reservation = reserve(node_map, node_ips)

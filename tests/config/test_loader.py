@@ -14,7 +14,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hpcrlhf.config import apply_overrides, describe, field_docs, from_dict, load_config, to_dict, to_yaml
-from hpcrlhf.config.loader import NonEmpty, quoted
+from hpcrlhf.config.loader import NonEmpty
+from hpcrlhf.config.recipe_yaml import quoted
 from hpcrlhf.errors import ConfigError
 
 

@@ -89,7 +89,9 @@ def test_qlora_trains_adapters_over_a_4bit_base(tmp_path):
 def test_vllm_cuda_engine_generates_as_hf_and_takes_new_weights(tiny_llama):
     from transformers import AutoModelForCausalLM
 
-    from hpcrlhf.engines.rollout import HFRollout, SamplingParams, VLLMRollout
+    from hpcrlhf.engines.rollout import SamplingParams
+    from hpcrlhf.engines.rollout.hf import HFRollout
+    from hpcrlhf.engines.rollout.vllm import VLLMRollout
 
     model = AutoModelForCausalLM.from_pretrained(tiny_llama).cuda()
     hf = HFRollout(model, pad_token_id=model.config.pad_token_id, eos_token_id=model.config.eos_token_id, device="cuda")
@@ -117,7 +119,9 @@ def test_vllm_sleep_frees_the_gpu_and_wakes_with_new_weights(tiny_llama):
     (weights, then the sync, then the KV cache) it generates with the new weights."""
     from transformers import AutoModelForCausalLM
 
-    from hpcrlhf.engines.rollout import HFRollout, SamplingParams, VLLMRollout
+    from hpcrlhf.engines.rollout import SamplingParams
+    from hpcrlhf.engines.rollout.hf import HFRollout
+    from hpcrlhf.engines.rollout.vllm import VLLMRollout
 
     model = AutoModelForCausalLM.from_pretrained(tiny_llama).cuda()
     hf = HFRollout(model, pad_token_id=model.config.pad_token_id, eos_token_id=model.config.eos_token_id, device="cuda")

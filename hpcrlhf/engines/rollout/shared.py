@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from hpcrlhf.engines.rollout import ENGINE_MEMORY, Generation, SamplingParams
+from hpcrlhf.engines.rollout.contract import ENGINE_MEMORY, Generation, SamplingParams
 
 
 class Rank0Rollout:

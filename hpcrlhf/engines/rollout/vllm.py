@@ -1,23 +1,6 @@
-"""The rollout-engine seam: how PPO (and every online trainer) turns prompts into responses.
-
-A trainer asks a `RolloutEngine` for `n` responses per prompt and gets back, for every response
-token, its log-probability under the policy. Two backends sit behind the same three methods
-(`generate`, `load_weights`, `close`); trainers never import vLLM:
-
-- `HFRollout`: Hugging Face `generate` on the trainer's own module. Slow (one Python step per
-  token) but always available, and it works under ZeRO-3 (`synced_gpus`). It *shares* the
-  trained parameters, so its `load_weights` is a no-op: the engine is in sync by construction.
-- `VLLMRollout`: a vLLM engine on a Hugging Face folder, 15-30x faster on the tiny model here.
-  It holds its own copy of the weights, so the trainer pushes the actor's state dict after every
-  update (`load_weights`).
-
-Why the log-probs are raw. PPO's ratio is pi_new(a|s) / pi_old(a|s), where pi_old is the
-probability the *trained model* gave the token when it was sampled. The trainer recomputes
-pi_new with a plain forward pass: log_softmax of the model's logits, no temperature, no top-p or
-top-k. So the rollout engine reports the same thing: log p(token | context) from the
-unmodified distribution (HF: `output_logits=True`, the logits before any processor; vLLM:
-`logprobs_mode="raw_logprobs"`), in fp32, whatever temperature/top-p/top-k chose the token.
-Both backends agree with the trainer's forward pass to ~1e-6 in fp32 (tested at 1e-4).
+"""Rollouts with a vLLM engine on a Hugging Face model folder (`VLLMRollout`): 15-30x faster than
+HF generate on the tiny model here; it holds its own copy of the weights, so the trainer pushes the
+actor's weights after every update (`load_weights`).
 
 Weight sync into vLLM. `load_weights` streams the weights (checkpoint names, e.g. from
 `models.export.checkpoint_stream`) into the engine's workers by a broadcast in a small process
@@ -53,18 +36,16 @@ import dataclasses
 import gc
 import hashlib
 import os
-import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from hpcrlhf.engines import weight_sync
-from hpcrlhf.engines.hf_generate import left_pad, stop_on_request
+from hpcrlhf.engines.rollout.contract import ENGINE_MEMORY, Generation, SamplingParams, check_prompts, greedy_copies
+from hpcrlhf.engines.rollout.vllm_worker import EXTENSION_CLASS
 from hpcrlhf.engines.vllm_plugin import IDLE_SPIN_ENV
 from hpcrlhf.engines.weight_sync import SyncStats
 from hpcrlhf.errors import ConfigError
@@ -73,329 +54,6 @@ from hpcrlhf.models.context import model_positions
 
 log = get_logger()
 
-BACKENDS = ("hf", "vllm")
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """How responses are drawn; backend-neutral (each engine maps it to its own options)."""
-
-    n: int = 1
-    """Responses per prompt."""
-    temperature: float = 1.0
-    """Softmax temperature for sampling (> 0; ignored when `greedy`)."""
-    top_p: float = 1.0
-    """Nucleus sampling: keep the smallest set of tokens with this much probability; 1 = off."""
-    top_k: int = 0
-    """Keep only the k most likely tokens; 0 = off."""
-    max_new_tokens: int = 8
-    """Longest response, EOS included."""
-    min_new_tokens: int = 0
-    """EOS is not generated before this many tokens (benchmarks set it to `max_new_tokens`:
-    every response then has exactly that length)."""
-    greedy: bool = False
-    """Argmax decoding. With n > 1 every sample of a prompt is the same greedy response
-    (computed once, returned n times)."""
-    seed: int | None = None
-    """Makes sampling reproducible: same seed, weights, prompts and params give the same
-    responses. None draws from the engine's own random stream."""
-    first_index: int = 0
-    """Position of this call's first prompt in the caller's whole batch. vLLM seeds prompt i by
-    (seed, first_index + i), so a batch split over several engines samples exactly as one
-    engine given the whole batch would."""
-
-    def __post_init__(self) -> None:
-        problems = []
-        if self.n < 1:
-            problems.append(f"n must be >= 1, got {self.n}")
-        if self.max_new_tokens < 1:
-            problems.append(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if not 0 <= self.min_new_tokens <= self.max_new_tokens:
-            problems.append(f"min_new_tokens must be in [0, max_new_tokens={self.max_new_tokens}], got {self.min_new_tokens}")
-        if not self.greedy and not self.temperature > 0:
-            problems.append(f"temperature must be > 0 when sampling (greedy=True for argmax), got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            problems.append(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            problems.append(f"top_k must be >= 0 (0 = off), got {self.top_k}")
-        if problems:
-            raise ValueError("SamplingParams: " + "; ".join(problems))
-
-
-@dataclass
-class Generation:
-    """One response to one prompt."""
-
-    prompt_ids: list[int]
-    response_ids: list[int]
-    """Generated tokens, EOS included when the model produced it; never padding."""
-    logprobs: list[float]
-    """log p(token | context) of each response token under the model's unmodified distribution
-    (softmax of the raw logits: temperature 1, no top-p/top-k), fp32; len == len(response_ids)."""
-    finished: bool
-    """True if the response ended with EOS, False if it was cut at max_new_tokens."""
-
-
-class RolloutEngine(Protocol):
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[list[Generation]]:
-        """`params.n` generations per prompt: result[i][j] is sample j of prompts[i]."""
-        ...
-
-    def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]) -> None:
-        """Replace the engine's weights by the causal LM's full weights in checkpoint names
-        (`models.export.checkpoint_names`): a state dict, or (name, tensor) pairs that may be
-        streamed (each pair is used before the next is asked for)."""
-        ...
-
-    def close(self) -> None:
-        """Free the engine's resources (processes, memory)."""
-        ...
-
-
-class Pending(Protocol):
-    """A batch of generations under way (`launch`)."""
-
-    launched: float
-    """time.monotonic() when it was handed to the engine."""
-
-    def result(self) -> list[list[Generation]]:
-        """The generations, once done (waits)."""
-        ...
-
-    def finished(self) -> float | None:
-        """time.monotonic() when the last of it was done; None while it is still under way."""
-        ...
-
-
-class Done:
-    """A batch generated at launch (engines that generate in the caller: nothing runs meanwhile)."""
-
-    def __init__(self, generations: list[list[Generation]]) -> None:
-        self.generations, self.launched = generations, time.monotonic()
-
-    def result(self) -> list[list[Generation]]:
-        return self.generations
-
-    def finished(self) -> float:
-        return self.launched
-
-
-def launch(engine, prompts: Sequence[Sequence[int]], params: SamplingParams) -> Pending:
-    """Start generating: on an engine that runs elsewhere (`launch` method: Ray engine actors) the
-    batch is under way when this returns; any other engine generates it here and now."""
-    if hasattr(engine, "launch"):
-        return engine.launch(prompts, params)
-    return Done(engine.generate(prompts, params))
-
-
-def _check_prompts(prompts: Sequence[Sequence[int]]) -> None:
-    empty = [i for i, p in enumerate(prompts) if len(p) == 0]
-    if empty:
-        raise ValueError(f"rollout: prompts {empty[:5]} are empty; every prompt needs at least one token")
-
-
-def _cut_at_eos(tokens: list[int], logprobs: list[float], eos_token_id: int) -> tuple[list[int], list[float], bool]:
-    """The response up to and including its first EOS (what follows is padding)."""
-    if eos_token_id in tokens:
-        end = tokens.index(eos_token_id) + 1
-        return tokens[:end], logprobs[:end], True
-    return tokens, logprobs, False
-
-
-def _copies(g: Generation, n: int) -> list[Generation]:
-    """n copies of one (greedy) generation, each with its own lists so callers may edit one."""
-    return [Generation(list(g.prompt_ids), list(g.response_ids), list(g.logprobs), g.finished) for _ in range(n)]
-
-
-@contextmanager
-def _seeded(seed: int | None, device: torch.device) -> Iterator[None]:
-    """Seed the RNGs sampling uses for the duration of the block, leaving the caller's streams
-    as they were (nothing happens when `seed` is None)."""
-    if seed is None:
-        yield
-        return
-    cuda = device.type == "cuda"
-    devices = [device.index if device.index is not None else torch.cuda.current_device()] if cuda else []
-    with torch.random.fork_rng(devices=devices):
-        torch.default_generator.manual_seed(seed)
-        if cuda:
-            with torch.cuda.device(devices[0]):
-                torch.cuda.manual_seed(seed)
-        yield
-
-
-class HFRollout:
-    """Rollouts with Hugging Face `generate` on a module the trainer owns (and keeps training).
-
-    `model` is the trainer's causal LM module itself (e.g. the DeepSpeed engine's `.module`), so
-    generation always sees the latest weights and `load_weights` has nothing to do. Under ZeRO-3
-    pass `synced_gpus=True`: parameters are gathered layer by layer in every forward, so all
-    ranks must run the same number of forwards; give every rank the same number of prompts (the
-    same number of batches), and the ranks whose rows finish early keep stepping with the rest.
-
-    Prompts are left-padded and run `batch_size` rows at a time (a row is one sample, so a batch
-    holds `batch_size // n` prompts). The model is put in eval mode while generating and its
-    previous mode restored afterwards. Memory note: HF keeps every step's logits
-    (rows x steps x vocab) until the batch ends; lower `batch_size` for long responses.
-    """
-
-    def __init__(self, model, *, pad_token_id: int, eos_token_id: int, device, batch_size: int = 256,
-                 synced_gpus: bool = False):
-        if batch_size < 1:
-            raise ValueError(f"HFRollout: batch_size must be >= 1, got {batch_size}")
-        self.model = model
-        self.pad_token_id = pad_token_id
-        self.eos_token_id = eos_token_id
-        self.device = torch.device(device)
-        self.batch_size = batch_size
-        self.synced_gpus = synced_gpus
-
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[list[Generation]]:
-        _check_prompts(prompts)
-        rows_per_prompt = 1 if params.greedy else params.n
-        prompts_per_batch = max(1, self.batch_size // rows_per_prompt)
-        was_training = self.model.training
-        self.model.eval()
-        out: list[list[Generation]] = []
-        try:
-            with _seeded(params.seed, self.device):
-                for start in range(0, len(prompts), prompts_per_batch):
-                    out.extend(self._generate_batch(prompts[start : start + prompts_per_batch], params))
-        finally:
-            self.model.train(was_training)
-        return out
-
-    @torch.no_grad()
-    def _generate_batch(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[list[Generation]]:
-        ids, mask = left_pad(prompts, self.pad_token_id)
-        if params.greedy:
-            sampling: dict[str, Any] = dict(do_sample=False)
-            rows_per_prompt = 1
-        else:
-            # Explicit neutral values: SamplingParams alone decides, not the model's generation_config.
-            sampling = dict(do_sample=True, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
-                            repetition_penalty=1.0, num_return_sequences=params.n)
-            rows_per_prompt = params.n
-        if params.min_new_tokens:
-            sampling["min_new_tokens"] = params.min_new_tokens
-        out = self.model.generate(
-            input_ids=ids.to(self.device), attention_mask=mask.to(self.device), max_new_tokens=params.max_new_tokens,
-            pad_token_id=self.pad_token_id, eos_token_id=self.eos_token_id, synced_gpus=self.synced_gpus,
-            stopping_criteria=stop_on_request(), output_logits=True, return_dict_in_generate=True, **sampling,
-        )
-        tokens = out.sequences[:, ids.shape[1] :]
-        # `out.logits` are the raw logits of each step (before temperature/top-p/top-k), one
-        # (rows, vocab) tensor per step; gather step by step to avoid a rows x steps x vocab copy.
-        logps = torch.stack([F.log_softmax(step.float(), dim=-1).gather(-1, tokens[:, t, None]).squeeze(-1)
-                             for t, step in enumerate(out.logits)], dim=1).cpu()
-        tokens = tokens.cpu()
-        result: list[list[Generation]] = []
-        for i, prompt in enumerate(prompts):
-            samples = []
-            for j in range(rows_per_prompt):
-                row = i * rows_per_prompt + j  # num_return_sequences repeats each prompt's rows in place
-                resp, lps, finished = _cut_at_eos(tokens[row].tolist(), logps[row].tolist(), self.eos_token_id)
-                samples.append(Generation(list(prompt), resp, lps, finished))
-            result.append(_copies(samples[0], params.n) if params.greedy else samples)
-        return result
-
-    def load_weights(self, state: Mapping[str, torch.Tensor]) -> None:
-        """Nothing to do: the engine generates with the trainer's own module (shared weights)."""
-
-    def close(self) -> None:
-        """Nothing to free: the module belongs to the trainer."""
-
-
-ENGINE_MEMORY = ("weights", "kv_cache")
-"""vLLM's sleep-mode memory tags, in the order they are woken."""
-
-
-class _WeightSyncExtension:
-    """Mixed into vLLM's worker class (`LLM(worker_extension_cls=...)`), in the worker process.
-
-    Only the method's *name* crosses the process boundary in `collective_rpc`, so no pickled
-    callables (and no VLLM_ALLOW_INSECURE_SERIALIZATION) are involved."""
-
-    def hpcrlhf_reader_spins(self) -> list[float]:
-        """How long each shared-memory queue reader of this worker busy-waits after a read
-        (`hpcrlhf.engines.vllm_plugin`)."""
-        from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
-
-        def reader(o) -> bool:
-            try:
-                return isinstance(o, SpinCondition) and o.is_reader
-            except ReferenceError:  # a weak proxy whose object is gone
-                return False
-
-        return [o.busy_loop_s for o in gc.get_objects() if reader(o)]
-
-    def hpcrlhf_join_weight_group(self, spec: dict, first_rank: int) -> int:
-        """Join a weight-sync group (`hpcrlhf.engines.weight_sync`) as rank `first_rank` + this
-        worker's rank in its engine. A worker may be in two groups: its engine's own (`load_weights`)
-        and a trainer's; joining a group of the same kind replaces the one joined before."""
-        from hpcrlhf.engines import weight_sync
-
-        spec = weight_sync.SyncGroup(**spec)
-        rank = first_rank + self.rank  # type: ignore[attr-defined]
-        if not hasattr(self, "hpcrlhf_weight_groups"):
-            self.hpcrlhf_weight_groups = {}
-        self.hpcrlhf_weight_groups[spec.kind] = weight_sync.join(spec, rank)
-        return rank
-
-    def hpcrlhf_receive_weights(self, kind: str) -> tuple[int, float]:
-        """Load the weights rank 0 of the group of `kind` is broadcasting, layer by layer as they
-        arrive (vLLM's in-place reload: checkpoint names, fused layers, TP shards, CPU repacking).
-        Returns how many tensors arrived and the seconds from the first one to the end (a worker
-        may wait for the sender long before that: an engine armed while the actor trains)."""
-        from hpcrlhf.engines import weight_sync
-
-        count, first = 0, None
-
-        def counted():
-            nonlocal count, first
-            for item in weight_sync.receive(self.hpcrlhf_weight_groups[kind]):
-                first = first or time.perf_counter()
-                count += 1
-                yield item
-
-        stream = counted()
-        self.reload_weights(weights_iterator=stream)  # type: ignore[attr-defined]
-        for _ in stream:  # whatever the loader left unread: on to the last bucket, or the group hangs
-            pass
-        _repack_cpu_experts(self.model_runner.get_model())  # type: ignore[attr-defined]
-        return count, time.perf_counter() - (first or time.perf_counter())
-
-
-def _repack_cpu_experts(model: torch.nn.Module) -> int:
-    """Redo the CPU grouped-GEMM packing of mixture-of-experts weights after an in-place reload.
-
-    vLLM 0.32 packs a CPU MoE layer's expert weights (`cpu_prepack_moe_weight`) only when the
-    layer is first set up; on a weight update (`_setup_kernel` with a kernel already built) it
-    copies the new weights in *unpacked* and skips that step, so the kernel reads the raw
-    layout as packed: the same weights reloaded give log-probs off by ~0.1 (measured on
-    tiny-mixtral). Here each such layer's weights are packed in place, as the first setup does.
-    Layers of other backends (GPU, zentorch) and other vLLM versions are left alone. Returns
-    the number of layers repacked."""
-    try:
-        from vllm._custom_ops import cpu_prepack_moe_weight
-        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
-    except ImportError:
-        return 0
-    repacked = 0
-    for layer in model.modules():
-        kernel = getattr(getattr(layer, "quant_method", None), "moe_kernel", None)
-        experts = getattr(kernel, "fused_experts", None)
-        if not isinstance(experts, CPUUnquantizedExperts) or getattr(experts, "_use_zentorch", False):
-            continue
-        for name in ("w13_weight", "w2_weight"):
-            weight = getattr(layer, name)
-            with torch.no_grad():
-                weight.data.copy_(cpu_prepack_moe_weight(weight.data, experts.isa))
-        repacked += 1
-    return repacked
-
-
-_EXTENSION = f"{__name__}._WeightSyncExtension"
 CPU_IDLE_SPIN_S = 0.005
 """How long a CPU engine's queue readers (its workers, its engine core) busy-wait for the next
 message before they sleep on a socket (vLLM: 1 s); see `hpcrlhf.engines.vllm_plugin`."""
@@ -527,7 +185,7 @@ class VLLMRollout:
                     enforce_eager=enforce_eager, tensor_parallel_size=tensor_parallel_size,
                     gpu_memory_utilization=gpu_memory_utilization,
                     logprobs_mode="raw_logprobs",  # vLLM's default, stated: log-probs before temperature/top-p/top-k
-                    worker_extension_cls=_EXTENSION, enable_sleep_mode=self.sleep_mode, **kwargs,
+                    worker_extension_cls=EXTENSION_CLASS, enable_sleep_mode=self.sleep_mode, **kwargs,
                 )
         self.asleep: set[str] = set()
         """Sleep-mode memory tags released (`sleep`) and not woken yet."""
@@ -541,7 +199,7 @@ class VLLMRollout:
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[list[Generation]]:
         from vllm import SamplingParams as VllmSamplingParams
 
-        _check_prompts(prompts)
+        check_prompts(prompts)
         if not prompts:
             return []
         # detokenize=False: only token ids are needed (EOS detection works on ids).
@@ -569,7 +227,7 @@ class VLLMRollout:
                 response = list(c.token_ids)  # vLLM keeps the EOS that stopped the sequence
                 logprobs = [float(pos[tok].logprob) for pos, tok in zip(c.logprobs, response)]
                 samples.append(Generation(list(prompt), response, logprobs, c.finish_reason == "stop"))
-            result.append(_copies(samples[0], params.n) if params.greedy else samples)
+            result.append(greedy_copies(samples[0], params.n) if params.greedy else samples)
         return result
 
     def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]) -> SyncStats:
@@ -678,12 +336,3 @@ class Received:
 
     tensors: int
     load_s: float
-
-
-def build_rollout(backend: Literal["hf", "vllm"], **kwargs) -> RolloutEngine:
-    """The rollout engine for `backend` ("hf": HFRollout(model, ...), "vllm": VLLMRollout(model_dir, ...))."""
-    if backend == "hf":
-        return HFRollout(**kwargs)
-    if backend == "vllm":
-        return VLLMRollout(**kwargs)
-    raise ValueError(f"unknown rollout backend {backend!r}: valid backends are {', '.join(repr(b) for b in BACKENDS)}")
