@@ -22,7 +22,7 @@ on, passes through that logger's `callHandlers`; a library's loggers made after 
 Output that bypasses Python's logging is a process's own: vLLM's engine core and its workers
 print logs, warnings, C++ messages and progress bars on their standard output and error, which
 they inherit when they start. `third_party_processes` points this process's stdout and stderr at
-the run log while it starts them (hpcrlhf.engines.rollout). Ray's workers never print to the
+the run log while it starts them (hpcrlhf.engines.rollout.vllm). Ray's workers never print to the
 driver's terminal (hpcrlhf starts Ray with log_to_driver=False); their output is in Ray's session
 logs. Library calls from Python (not the `hpcrlhf` command) are left alone.
 """

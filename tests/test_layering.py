@@ -4,9 +4,10 @@ included): no import circle, and no import from a lower layer into a higher one.
 The layers, lowest first (a module belongs to the layer of the longest name listed below that is the
 module or a package holding it; modules of one layer may import each other):
 
- 1. `hpcrlhf` (the version), errors, logs, formats                   -- imports nothing of hpcrlhf
- 2. signals, safefiles, diskspace, usercode, cache, hub              -- what keeps files and processes safe,
+ 1. `hpcrlhf` (the version), errors, formats                         -- imports nothing of hpcrlhf
+ 2. logs, signals, safefiles, diskspace, usercode, cache, hub        -- what keeps files and processes safe,
                                                                         used by everything that writes or waits
+                                                                        (logs writes the run's third_party.log)
  3. algos.estimators                                                 -- the advantage estimators' names and
                                                                         needs: plain data the config checks
  4. config                                                           -- typed configs, recipes, jobs as data
@@ -51,8 +52,8 @@ ENTRY_POINTS = {"hpcrlhf.__main__"}
 """Modules that are programs, not library: they may import the CLI."""
 
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("hpcrlhf", "hpcrlhf.errors", "hpcrlhf.logs", "hpcrlhf.formats"),
-    ("hpcrlhf.signals", "hpcrlhf.safefiles", "hpcrlhf.diskspace", "hpcrlhf.usercode", "hpcrlhf.cache", "hpcrlhf.hub"),
+    ("hpcrlhf", "hpcrlhf.errors", "hpcrlhf.formats"),
+    ("hpcrlhf.logs", "hpcrlhf.signals", "hpcrlhf.safefiles", "hpcrlhf.diskspace", "hpcrlhf.usercode", "hpcrlhf.cache", "hpcrlhf.hub"),
     ("hpcrlhf.algos.estimators",),
     ("hpcrlhf.config",),
     ("hpcrlhf.algos",),

@@ -16,21 +16,12 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
+from hpcrlhf.engines.store_ports import STORE_PORTS_ENV, ports_text
 from hpcrlhf.errors import HpcrlhfError
 
 PORTS_PER_NODE = 120
 """Ports one node of a job takes from its base: Ray's 10 service ports, its 100 worker ports, then
 10 for the job's own rendezvous stores (hpcrlhf.engines.rendezvous)."""
-
-
-STORE_PORTS_ENV = "HPCRLHF_STORE_PORTS"
-"""`FIRST-LAST`: the ports of this node's share of the job's block that the job's stores may use
-(hpcrlhf.engines.rendezvous), in the environment of the node's `ray start`, which its workers inherit."""
-
-
-def ports_text(ports: range) -> str:
-    """`FIRST-LAST`, the form of STORE_PORTS_ENV."""
-    return f"{ports.start}-{ports.stop - 1}"
 
 
 @dataclass(frozen=True)

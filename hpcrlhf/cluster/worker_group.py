@@ -66,7 +66,7 @@ class RoleWorker:
     def serve_rendezvous(self, timeout_s: float = COLLECTIVE_TIMEOUT_S):
         """(Rank 0) Serve the store of this role's process group on this node's address, on a port of
         the job's block, sealed (hpcrlhf.engines.rendezvous); its rendezvous, for the group's ranks."""
-        from hpcrlhf.engines import rendezvous
+        from hpcrlhf.engines import rendezvous  # torch: imported where a worker uses it, as torch is below
 
         self._store, meeting = rendezvous.serve(self.node_ip(), timeout_s)
         return meeting
@@ -84,7 +84,7 @@ class RoleWorker:
         import torch
         import torch.distributed as dist
 
-        from hpcrlhf.engines import rendezvous
+        from hpcrlhf.engines import rendezvous  # torch, as above
 
         # kept for the group's life: torch holds only the C++ half of a store written in Python
         self._store = rendezvous.member_store(meeting, self.rank, getattr(self, "_store", None), timeout_s)

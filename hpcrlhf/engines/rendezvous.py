@@ -43,8 +43,9 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from hpcrlhf.cluster.bootstrap import STORE_PORTS_ENV, ports_text
+from hpcrlhf.engines.store_ports import STORE_PORTS_ENV, ports_text, store_ports
 from hpcrlhf.errors import HpcrlhfError
+
 SECRET_BYTES = 64
 """An AES-256-SIV key (two 256-bit halves)."""
 
@@ -69,20 +70,6 @@ class Rendezvous:
     @property
     def address(self) -> str:
         return f"{self.host}:{self.port}"
-
-
-def store_ports(environ: Optional[dict[str, str]] = None) -> Optional[range]:
-    """This node's ports for rendezvous stores (STORE_PORTS_ENV), or None where none are set."""
-    value = (os.environ if environ is None else environ).get(STORE_PORTS_ENV)
-    if not value:
-        return None
-    try:
-        first, last = (int(p) for p in value.split("-"))
-    except ValueError:
-        raise HpcrlhfError(f"{STORE_PORTS_ENV}={value!r}: expected FIRST-LAST (two port numbers)") from None
-    if not 0 < first <= last < 65536:
-        raise HpcrlhfError(f"{STORE_PORTS_ENV}={value!r}: expected FIRST-LAST with 0 < FIRST <= LAST < 65536")
-    return range(first, last + 1)
 
 
 def listen(host: str, ports: Optional[range]) -> socket.socket:

@@ -38,7 +38,7 @@ class RankInfo:
 
     def torch_env(self) -> dict[str, str]:
         """The environment torchrun gives a rank (and the store's secret, where there is one)."""
-        from hpcrlhf.engines.rendezvous import SECRET_ENV
+        from hpcrlhf.engines.rendezvous import SECRET_ENV  # torch: hpc/ modules import it only where used
 
         env = {"RANK": str(self.rank), "WORLD_SIZE": str(self.world_size), "LOCAL_RANK": str(self.local_rank),
                "LOCAL_WORLD_SIZE": str(self.local_world_size), "GROUP_RANK": str(self.node_rank),
@@ -63,7 +63,7 @@ def _free_port(host: str) -> int:
 
 def discover(comm=None) -> RankInfo:
     """This rank's place in the MPI job (collective: every rank must call)."""
-    from hpcrlhf.engines.rendezvous import SECRET_BYTES, node_address
+    from hpcrlhf.engines.rendezvous import SECRET_BYTES, node_address  # torch, as above
 
     if comm is None:
         from mpi4py import MPI
