@@ -13,7 +13,7 @@ background job) stays ignored.
 Two kinds of work do not wait for the next step: a generation ends at its next decode step
 (`stop_requested_here`), and the user's own code (a reward rule, a metric), which may never return,
 is interrupted: while it runs (`interruptible`), the request raises StopRequested in it. Either way
-the step is dropped on every rank (`hpcrlhf.trainers.run.Run.stoppable`) and the steps before it
+the step is dropped on every rank (`hpcrlhf.run.folder.Run.stoppable`) and the steps before it
 are checkpointed.
 """
 
@@ -120,7 +120,7 @@ def _interrupt_user_code() -> None:
 
 
 def installed_flag() -> StopFlag | None:
-    """The StopFlag whose handlers this process runs (a run's, `hpcrlhf.trainers.run.Run`), else None."""
+    """The StopFlag whose handlers this process runs (a run's, `hpcrlhf.run.folder.Run`), else None."""
     flag = getattr(signal.getsignal(signal.SIGTERM), "__self__", None)
     return flag if isinstance(flag, StopFlag) else None
 

@@ -408,7 +408,7 @@ def test_rules_and_metrics_get_a_copy_of_the_row(tmp_path, monkeypatch):
 
 def test_the_deadline_is_a_setting_a_rerun_may_change():
     from hpcrlhf.config.schema import EvalConfig
-    from hpcrlhf.trainers.run import is_safe_change
+    from hpcrlhf.run.folder import is_safe_change
 
     assert RewardConfig().rule_timeout_s == EvalConfig().metric_timeout_s == GenerateConfig().metric_timeout_s == 300
     for bad in (0, -1, float("inf")):

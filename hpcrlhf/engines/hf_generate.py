@@ -7,7 +7,7 @@ the same number of batches.
 A stop request (a time-limit signal, Ctrl-C: `hpcrlhf.signals`) ends a generation at the next decode
 step (`StopOnRequest`), so a long one does not outlast the time before the kill. Under `synced_gpus`
 a rank that stops goes on with the forward passes its peers need (transformers' synced loop) until
-they are done too; the caller throws the cut result away (`hpcrlhf.trainers.run.Run.stoppable`).
+they are done too; the caller throws the cut result away (`hpcrlhf.run.folder.Run.stoppable`).
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ from typing import Iterator
 import pytest
 
 from hpcrlhf.metrics import read_metrics
-from hpcrlhf.trainers.run import config_changes, is_safe_change
+from hpcrlhf.run.folder import config_changes, is_safe_change
 from hpcrlhf.trainers.run_lock import LOCK_NAME, STALE_S, Owner, read_owner, takeover_reason
 from tests.launch_helpers import ROOT, cli_command, cli_env, run_cli
 

@@ -101,7 +101,7 @@ class StepAbandoned(Exception):
 class Run:
     """A run folder owned by this job. The main rank checks and prepares it before anything is
     written there (every rank then agrees on the outcome): the folder is a writable folder, no
-    other job owns it (`run_lock`), the checkpoint to resume from, a rerun's config against the
+    other job owns it (`run.lock`), the checkpoint to resume from, a rerun's config against the
     folder's (`SAFE_CHANGES`), a metrics history without checkpoints set aside; only then are
     config.yaml and this attempt's line of environment.jsonl written."""
 
