@@ -28,7 +28,7 @@ from hpcrlhf.logs import Progress, get_logger
 from hpcrlhf.metrics import MetricsWriter, read_metrics
 from hpcrlhf.safefiles import append, make_folders, path_problem, refuse, replace_file
 from hpcrlhf.signals import StopFlag, StopRequested
-from hpcrlhf.trainers.run_lock import RunLock
+from hpcrlhf.run.lock import RunLock
 
 log = get_logger()
 

@@ -14,7 +14,7 @@ def _runner(kind: str):
 
     def run(cfg):
         from hpcrlhf.models.context import require_generation_fits
-        from hpcrlhf.trainers.run_lock import release_all
+        from hpcrlhf.run.lock import release_all
 
         require_generation_fits(cfg, kind)  # before anything is loaded, started or written
         try:

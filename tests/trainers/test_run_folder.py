@@ -22,7 +22,7 @@ import pytest
 
 from hpcrlhf.metrics import read_metrics
 from hpcrlhf.run.folder import config_changes, is_safe_change
-from hpcrlhf.trainers.run_lock import LOCK_NAME, STALE_S, Owner, read_owner, takeover_reason
+from hpcrlhf.run.lock import LOCK_NAME, STALE_S, Owner, read_owner, takeover_reason
 from tests.launch_helpers import ROOT, cli_command, cli_env, run_cli
 
 QUICK = ["--set", "eval.every_steps=0", "--set", "log.tensorboard=false", "--set", "eval.score_prompts=8",
