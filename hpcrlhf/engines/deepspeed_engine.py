@@ -222,7 +222,7 @@ class TrainingEngine:
 
     def save_checkpoint(self, folder: Path, client_state: dict[str, Any]) -> None:
         """Model, optimizer and scheduler (sharded per rank) plus the trainer's client state."""
-        # hpcrlhf writes `latest` itself, after every rank has finished (see hpcrlhf.checkpoint).
+        # hpcrlhf writes `latest` itself, after every rank has finished (see hpcrlhf.run.checkpoint).
         self.engine.save_checkpoint(str(folder.parent), tag=folder.name, client_state=client_state, save_latest=False)
 
     def load_checkpoint(self, folder: Path) -> dict[str, Any]:

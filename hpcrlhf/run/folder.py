@@ -19,7 +19,7 @@ from typing import Any, Iterator
 
 import yaml
 
-from hpcrlhf.checkpoint import CheckpointDir
+from hpcrlhf.run.checkpoint import CheckpointDir
 from hpcrlhf.config.loader import to_dict, to_yaml
 from hpcrlhf.diskspace import DiskFull, folder_bytes, out_of_space_is_an_error
 from hpcrlhf.engines.distributed import DistEnv, all_reduce_sum, barrier, broadcast_object
@@ -324,7 +324,7 @@ class Run:
 
     def save_checkpoint(self, engine, step: int, extra: dict[str, Any] | None = None) -> Path:
         """Every rank writes into the step's staging folder; the main rank commits it (manifest,
-        rename, `latest`) once all have finished (hpcrlhf.checkpoint)."""
+        rename, `latest`) once all have finished (hpcrlhf.run.checkpoint)."""
         staging = self.checkpoints.staging_for(step)
         latest = self.checkpoints.latest()
         space = dict(needs=folder_bytes(latest) if latest else None,

@@ -8,7 +8,7 @@ import logging
 
 import pytest
 
-from hpcrlhf.checkpoint import MANIFEST, CheckpointDir, verify_checkpoint
+from hpcrlhf.run.checkpoint import MANIFEST, CheckpointDir, verify_checkpoint
 
 
 def save(ckpts: CheckpointDir, step: int, payload: bytes = b"weights") -> None:
