@@ -123,7 +123,7 @@ def test_a_stop_signal_during_a_long_generation_drops_the_step_at_once(tmp_path)
     keeps its checkpoint of step 1 and exits 3. (It used to finish the step first.)"""
     import time
 
-    from hpcrlhf.metrics import read_metrics
+    from hpcrlhf.run.metrics import read_metrics
 
     out = tmp_path / "run"
     proc = subprocess.Popen(cli_command(["train", "ppo", "-o", str(out), "--set", "train.max_steps=3",

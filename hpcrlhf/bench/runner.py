@@ -19,7 +19,7 @@ from hpcrlhf.bench.suites import DSCHAT_KL, DSCHAT_PER_DEVICE_BATCH, Suite, Syst
 from hpcrlhf.config.jobspec import BenchJob
 from hpcrlhf.errors import ConfigError, HpcrlhfError
 from hpcrlhf.logs import get_logger
-from hpcrlhf.metrics import read_metrics
+from hpcrlhf.run.metrics import read_metrics
 
 log = get_logger()
 

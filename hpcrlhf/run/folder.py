@@ -25,7 +25,7 @@ from hpcrlhf.diskspace import DiskFull, folder_bytes, out_of_space_is_an_error
 from hpcrlhf.engines.distributed import DistEnv, all_reduce_sum, barrier, broadcast_object
 from hpcrlhf.errors import ConfigError, HpcrlhfError, TrainingError
 from hpcrlhf.logs import Progress, get_logger
-from hpcrlhf.metrics import MetricsWriter, read_metrics
+from hpcrlhf.run.metrics import MetricsWriter, read_metrics
 from hpcrlhf.safefiles import append, make_folders, path_problem, refuse, replace_file
 from hpcrlhf.signals import StopFlag, StopRequested
 from hpcrlhf.run.lock import RunLock

@@ -24,7 +24,7 @@ from hpcrlhf.engines.distributed import all_reduce_sum
 from hpcrlhf.engines.hf_generate import generate_greedy
 from hpcrlhf.errors import ConfigError
 from hpcrlhf.logs import get_logger
-from hpcrlhf.metrics import read_metrics
+from hpcrlhf.run.metrics import read_metrics
 from hpcrlhf.trainers.guard import SKIPPED_SUFFIX, NonFiniteError, NonFiniteGuard, SkipStep, require_finite_start
 from hpcrlhf.trainers.plan import BatchPlan, eval_shards, key_settings
 from hpcrlhf.run.folder import Run, StepAbandoned

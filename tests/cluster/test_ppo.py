@@ -21,7 +21,7 @@ import time
 
 import pytest
 
-from hpcrlhf.metrics import read_metrics
+from hpcrlhf.run.metrics import read_metrics
 from tests.hpc.slurm_jobs import attempts, render, slurm_log, wait_for_step
 from tests.launch_helpers import ROOT, cli_command, cli_env, run_cli
 from tests.slurm_cluster import node_address

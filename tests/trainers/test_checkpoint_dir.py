@@ -204,7 +204,7 @@ def test_a_checkpoint_whose_first_step_is_nonfinite_is_damaged_and_the_previous_
     rerun loaded it, skipped its NaN steps and stopped with "the run is diverging; lower optim.lr"
     (a change a rerun may not make). Now its first step's NaN marks it damaged, the previous one
     resumes with a message, and the run finishes; the damaged one is never loaded again."""
-    from hpcrlhf.metrics import read_metrics
+    from hpcrlhf.run.metrics import read_metrics
     from tests.launch_helpers import run_cli
 
     out = tmp_path / "run"

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from hpcrlhf.errors import TrainingError
-from hpcrlhf.metrics import read_metrics
+from hpcrlhf.run.metrics import read_metrics
 from hpcrlhf.trainers.guard import NonFiniteGuard, SkipStep, describe_nonfinite
 from tests.launch_helpers import ROOT, cli_env, run_cli
 

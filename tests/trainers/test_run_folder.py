@@ -20,7 +20,7 @@ from typing import Iterator
 
 import pytest
 
-from hpcrlhf.metrics import read_metrics
+from hpcrlhf.run.metrics import read_metrics
 from hpcrlhf.run.folder import config_changes, is_safe_change
 from hpcrlhf.run.lock import LOCK_NAME, STALE_S, Owner, read_owner, takeover_reason
 from tests.launch_helpers import ROOT, cli_command, cli_env, run_cli
@@ -342,7 +342,7 @@ def test_a_full_disk_ends_the_run_clearly_and_the_rerun_resumes(tmpfs):
 
 def test_a_metrics_write_that_runs_out_of_space_leaves_no_torn_line(tmpfs):
     from hpcrlhf.diskspace import DiskFull
-    from hpcrlhf.metrics import MetricsWriter
+    from hpcrlhf.run.metrics import MetricsWriter
 
     writer = MetricsWriter(tmpfs, tensorboard=False)
     writer.log(1, {"train/loss": 1.0})
