@@ -28,7 +28,7 @@ from hpcrlhf.run.metrics import read_metrics
 from hpcrlhf.trainers.guard import SKIPPED_SUFFIX, NonFiniteError, NonFiniteGuard, SkipStep, require_finite_start
 from hpcrlhf.trainers.plan import BatchPlan, eval_shards, key_settings
 from hpcrlhf.run.folder import Run, StepAbandoned
-from hpcrlhf.trainers.stats import Stats, add_stats, new_stats, reduce_means
+from hpcrlhf.run.stats import Stats, add_stats, new_stats, reduce_means
 
 log = get_logger()
 

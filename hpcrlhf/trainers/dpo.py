@@ -18,7 +18,7 @@ from hpcrlhf.algos.preference import dpo_loss
 from hpcrlhf.config.schema import DPOConfig
 from hpcrlhf.data.preference import PairSample, load_pairs
 from hpcrlhf.trainers.base import merge_evaluation
-from hpcrlhf.trainers.stats import Stats
+from hpcrlhf.run.stats import Stats
 from hpcrlhf.trainers.policy import PolicyTrainer
 
 

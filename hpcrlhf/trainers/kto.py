@@ -16,7 +16,7 @@ from hpcrlhf.config.schema import KTOConfig
 from hpcrlhf.data.preference import UnpairedSample, load_unpaired
 from hpcrlhf.engines.distributed import all_reduce_sum
 from hpcrlhf.trainers.base import merge_evaluation
-from hpcrlhf.trainers.stats import Stats
+from hpcrlhf.run.stats import Stats
 from hpcrlhf.trainers.policy import PolicyTrainer, task_pairs
 
 

@@ -21,7 +21,7 @@ from hpcrlhf.errors import ConfigError, DataError
 from hpcrlhf.logs import get_logger
 from hpcrlhf.rewards import Response, RewardSet, adjust_scores
 from hpcrlhf.trainers.base import Trainer, merge_evaluation
-from hpcrlhf.trainers.stats import Stats
+from hpcrlhf.run.stats import Stats
 
 log = get_logger()
 

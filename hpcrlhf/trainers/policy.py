@@ -18,7 +18,7 @@ import torch
 from hpcrlhf.data.preference import PairSample
 from hpcrlhf.data.sft import TokenizedSample
 from hpcrlhf.trainers.base import Trainer
-from hpcrlhf.trainers.stats import Stats
+from hpcrlhf.run.stats import Stats
 from hpcrlhf.trainers.reference import Reference
 from hpcrlhf.trainers.sequences import response_logps
 

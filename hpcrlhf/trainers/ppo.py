@@ -55,7 +55,7 @@ from hpcrlhf.trainers.plan import key_settings
 from hpcrlhf.run.folder import StepAbandoned
 from hpcrlhf.trainers.ppo_roles import LocalRoles, PPORoles
 from hpcrlhf.trainers.sequences import model_batch
-from hpcrlhf.trainers.stats import Stats, reduce_means
+from hpcrlhf.run.stats import Stats, reduce_means
 
 log = get_logger()
 

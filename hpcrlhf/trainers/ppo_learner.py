@@ -20,7 +20,7 @@ from hpcrlhf.algos.logprobs import IGNORE, token_logprobs
 from hpcrlhf.algos.ppo import aggregate_loss, entropy_from_logits, kl_estimate, masked_sum, policy_loss, value_loss
 from hpcrlhf.engines.distributed import all_reduce_sum
 from hpcrlhf.models.moe import router_kwargs
-from hpcrlhf.trainers.stats import Stats, add_stats, new_stats
+from hpcrlhf.run.stats import Stats, add_stats, new_stats
 from hpcrlhf.trainers.experience import ReplayBuffer, collate_experience
 from hpcrlhf.trainers.guard import SKIPPED_SUFFIX
 from hpcrlhf.trainers.plan import PPOPlan

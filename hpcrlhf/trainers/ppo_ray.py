@@ -52,7 +52,7 @@ from hpcrlhf.trainers.online import reward_set, vllm_engine_args
 from hpcrlhf.trainers.phases import PhaseSwitch
 from hpcrlhf.trainers.ppo import PPOTrainer
 from hpcrlhf.trainers.ppo_roles import TokenScores, role_plan
-from hpcrlhf.trainers.stats import Stats, add_stats, new_stats
+from hpcrlhf.run.stats import Stats, add_stats, new_stats
 
 log = get_logger()
 

@@ -24,7 +24,7 @@ from hpcrlhf.models.factory import ModelFactory
 from hpcrlhf.trainers.experience import ExperienceBatch, ReplayBuffer
 from hpcrlhf.trainers.plan import PPOPlan
 from hpcrlhf.trainers.ppo_learner import PPOLearner, build_role_model, forward_logps, forward_values
-from hpcrlhf.trainers.stats import Stats
+from hpcrlhf.run.stats import Stats
 
 
 class PPOWorker(RoleWorker):

@@ -19,7 +19,7 @@ from hpcrlhf.config.schema import RMConfig
 from hpcrlhf.data.preference import PairSample, load_pairs
 from hpcrlhf.models.value import REWARD_MEAN, REWARD_STD, last_token_values
 from hpcrlhf.trainers.base import Trainer
-from hpcrlhf.trainers.stats import Stats
+from hpcrlhf.run.stats import Stats
 from hpcrlhf.trainers.sequences import model_batch
 
 STATS_SAMPLE = 1024
