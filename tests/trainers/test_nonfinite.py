@@ -14,7 +14,7 @@ import torch
 
 from hpcrlhf.errors import TrainingError
 from hpcrlhf.run.metrics import read_metrics
-from hpcrlhf.trainers.guard import NonFiniteGuard, SkipStep, describe_nonfinite
+from hpcrlhf.run.guard import NonFiniteGuard, SkipStep, describe_nonfinite
 from tests.launch_helpers import ROOT, cli_env, run_cli
 
 QUIET = ["--set", "eval.every_steps=0", "--set", "log.every_steps=1", "--set", "log.tensorboard=false",
