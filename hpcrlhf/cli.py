@@ -10,11 +10,11 @@ from hpcrlhf import __version__
 from hpcrlhf.config.jobspec import (TrainJob, add_bench_arguments, add_config_arguments, add_train_arguments,
                                     build_config, literal_setting, path_text, resolve_recipe)
 from hpcrlhf.errors import ConfigError, HpcrlhfError, WorkerLost
-from hpcrlhf.signals import EXIT_INTERRUPTED, EXIT_LOST, release_interrupt
+from hpcrlhf.run.signals import EXIT_INTERRUPTED, EXIT_LOST, release_interrupt
 
 def cmd_train(args: argparse.Namespace) -> int:
     from hpcrlhf.cluster.session import isolate_local_cluster
-    from hpcrlhf.signals import EXIT_REQUEUE
+    from hpcrlhf.run.signals import EXIT_REQUEUE
 
     cfg = TrainJob.from_args(args).config()
     isolate_local_cluster(args.kind, cfg)
@@ -357,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
     except HpcrlhfError as e:
         print(f"hpcrlhf: error: {e}", file=sys.stderr)
         return EXIT_LOST if isinstance(e, WorkerLost) else 2
-    except KeyboardInterrupt:  # Ctrl-C before a run could checkpoint, or twice (hpcrlhf.signals)
+    except KeyboardInterrupt:  # Ctrl-C before a run could checkpoint, or twice (hpcrlhf.run.signals)
         rerun = ("; stopped at once, without a new checkpoint: the same command resumes from the last one (if any)"
                  if args.command == "train" else "")
         print(f"\nhpcrlhf: interrupted (Ctrl-C){rerun}", file=sys.stderr)

@@ -43,7 +43,7 @@ class TrainingError(HpcrlhfError):
 
 class WorkerLost(TrainingError):
     """A worker process or a whole node died mid-run: nothing the user did, and nothing lost but the
-    steps since the last checkpoint. The CLI exits `hpcrlhf.signals.EXIT_LOST` for it, on which
+    steps since the last checkpoint. The CLI exits `hpcrlhf.run.signals.EXIT_LOST` for it, on which
     hpcrlhf's Slurm jobs requeue themselves and resume (on healthy nodes: Slurm never starts a job on
     a node it has marked down)."""
 

@@ -51,7 +51,7 @@ import torch
 from hpcrlhf.config.schema import DEFAULT_USER_CODE_TIMEOUT_S, TASK_RULES, RewardConfig, RewardSourceConfig
 from hpcrlhf.data.sources import brief
 from hpcrlhf.errors import ConfigError, RuleError
-from hpcrlhf.signals import Interrupted, StopRequested
+from hpcrlhf.run.signals import Interrupted, StopRequested
 from hpcrlhf.usercode import UserCodeTimeout, user_code
 
 RuleFn = Callable[[str, str, Mapping[str, Any]], Any]

@@ -8,9 +8,9 @@ it may do must not take the job with it (`user_code`):
   (`reward.rule_timeout_s`, `eval.metric_timeout_s`, generate's `metric_timeout_s`); past it
   `UserCodeTimeout` is raised in the call, and then again every `REPEAT_S` should the call catch it;
 - be running when a stop request comes (a time limit, preemption, Ctrl-C): StopRequested is raised
-  in it (`hpcrlhf.signals.interruptible`), the step is dropped and the run checkpoints;
+  in it (`hpcrlhf.run.signals.interruptible`), the step is dropped and the run checkpoints;
 - raise KeyboardInterrupt itself: that is the code's doing, not the user's key press; a real Ctrl-C
-  is told apart (`hpcrlhf.signals.Interrupted`) and ends the command as ever.
+  is told apart (`hpcrlhf.run.signals.Interrupted`) and ends the command as ever.
 
 The caller (`hpcrlhf.rewards.Rule`) turns a timeout, `sys.exit()` (SystemExit) and any other
 BaseException the code raises into a RuleError naming the rule, instead of the job ending (with
@@ -33,7 +33,7 @@ import threading
 from contextlib import contextmanager, nullcontext
 from typing import Iterator
 
-from hpcrlhf.signals import Interrupted, interruptible
+from hpcrlhf.run.signals import Interrupted, interruptible
 
 REPEAT_S = 1.0
 """After the deadline, how often the timeout is raised again in code that caught it."""

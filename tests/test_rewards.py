@@ -438,7 +438,7 @@ def test_a_stop_signal_is_honoured_while_a_rule_never_returns(tmp_path):
     import subprocess
     import time
 
-    from hpcrlhf.signals import EXIT_REQUEUE
+    from hpcrlhf.run.signals import EXIT_REQUEUE
     from tests.launch_helpers import ROOT, cli_command, cli_env
 
     (tmp_path / "unruly.py").write_text(UNRULY)

@@ -10,7 +10,7 @@ import subprocess
 
 import pytest
 
-from hpcrlhf.signals import EXIT_INTERRUPTED, EXIT_REQUEUE, STOP_SIGNALS, StopFlag, release_interrupt
+from hpcrlhf.run.signals import EXIT_INTERRUPTED, EXIT_REQUEUE, STOP_SIGNALS, StopFlag, release_interrupt
 from tests.launch_helpers import ROOT, cli_command, cli_env, run_cli
 
 

@@ -194,7 +194,7 @@ def gather(refs: Sequence[Any], *, interruptible: bool = False) -> list[Any]:
     rule's deadline)."""
     import ray
 
-    from hpcrlhf.signals import StopRequested, stop_requested_here
+    from hpcrlhf.run.signals import StopRequested, stop_requested_here
 
     pending = list(refs)
     while pending:

@@ -154,7 +154,7 @@ def prepare_driver(argv: Sequence[str], alloc: Optional[Allocation] = None) -> d
 
 def run_driver(argv: Sequence[str]) -> int:
     from hpcrlhf.hpc.program import CLI, run_module
-    from hpcrlhf.signals import catch_early_stop_signals
+    from hpcrlhf.run.signals import catch_early_stop_signals
 
     catch_early_stop_signals()
     os.environ.update(prepare_driver(argv))

@@ -92,7 +92,7 @@ class ClusterTask:
         return self._child.returncode
 
     def _result(self, status: int, rank: int) -> Any:
-        from hpcrlhf.signals import EXIT_LOST, EXIT_REQUEUE
+        from hpcrlhf.run.signals import EXIT_LOST, EXIT_REQUEUE
 
         run_dir = Path(self.argv[self.argv.index("--output-dir") + 1])
         if status == EXIT_REQUEUE:

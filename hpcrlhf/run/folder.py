@@ -27,7 +27,7 @@ from hpcrlhf.errors import ConfigError, HpcrlhfError, TrainingError
 from hpcrlhf.logs import Progress, get_logger
 from hpcrlhf.run.metrics import MetricsWriter, read_metrics
 from hpcrlhf.safefiles import append, make_folders, path_problem, refuse, replace_file
-from hpcrlhf.signals import StopFlag, StopRequested
+from hpcrlhf.run.signals import StopFlag, StopRequested
 from hpcrlhf.run.lock import RunLock
 
 log = get_logger()
