@@ -18,7 +18,7 @@ from typing import Any, BinaryIO, TextIO
 import torch
 
 from hpcrlhf.config.schema import GenerateConfig, RolloutConfig
-from hpcrlhf.diskspace import out_of_space_is_an_error
+from hpcrlhf.run.diskspace import out_of_space_is_an_error
 from hpcrlhf.engines.rollout import SamplingParams
 from hpcrlhf.errors import DataError
 from hpcrlhf.logs import Progress, get_logger

@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from hpcrlhf.config.schema import LoRAConfig
-from hpcrlhf.diskspace import out_of_space_is_an_error
+from hpcrlhf.run.diskspace import out_of_space_is_an_error
 from hpcrlhf.models.lora import merge_adapters
 from hpcrlhf.models.value import ValueModel
 from hpcrlhf.safefiles import replace_file, staged_folder

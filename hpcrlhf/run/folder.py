@@ -21,7 +21,7 @@ import yaml
 
 from hpcrlhf.run.checkpoint import CheckpointDir
 from hpcrlhf.config.loader import to_dict, to_yaml
-from hpcrlhf.diskspace import DiskFull, folder_bytes, out_of_space_is_an_error
+from hpcrlhf.run.diskspace import DiskFull, folder_bytes, out_of_space_is_an_error
 from hpcrlhf.engines.distributed import DistEnv, all_reduce_sum, barrier, broadcast_object
 from hpcrlhf.errors import ConfigError, HpcrlhfError, TrainingError
 from hpcrlhf.logs import Progress, get_logger

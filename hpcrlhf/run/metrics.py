@@ -16,7 +16,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from hpcrlhf.diskspace import out_of_space_is_an_error
+from hpcrlhf.run.diskspace import out_of_space_is_an_error
 from hpcrlhf.errors import DataError
 from hpcrlhf.logs import get_logger
 from hpcrlhf.safefiles import append, require_safe

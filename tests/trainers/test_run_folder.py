@@ -341,7 +341,7 @@ def test_a_full_disk_ends_the_run_clearly_and_the_rerun_resumes(tmpfs):
 
 
 def test_a_metrics_write_that_runs_out_of_space_leaves_no_torn_line(tmpfs):
-    from hpcrlhf.diskspace import DiskFull
+    from hpcrlhf.run.diskspace import DiskFull
     from hpcrlhf.run.metrics import MetricsWriter
 
     writer = MetricsWriter(tmpfs, tensorboard=False)
