@@ -151,7 +151,7 @@ def cmd_sbatch(args: argparse.Namespace) -> int:
     if args.print:
         print(text, end="")
         return 0
-    from hpcrlhf.safefiles import make_folders, replace_file
+    from hpcrlhf.run.files import make_folders, replace_file
 
     script = Path(args.script or Path(job.options.run_dir) / f"{args.kind}.sbatch")
     make_folders(script.parent, "--script" if args.script else "--output-dir")

@@ -51,4 +51,4 @@ class WorkerLost(TrainingError):
 class UnsafeFileError(HpcrlhfError):
     """A path hpcrlhf is about to write is not what it writes there: a symbolic link (hpcrlhf never
     writes through one), a file with other hard links, a FIFO, a device or a folder in place of a file.
-    The message names the path and what is there (hpcrlhf.safefiles)."""
+    The message names the path and what is there (hpcrlhf.run.files)."""

@@ -22,7 +22,7 @@ from hpcrlhf.run.diskspace import out_of_space_is_an_error
 from hpcrlhf.engines.rollout import SamplingParams
 from hpcrlhf.errors import DataError
 from hpcrlhf.logs import Progress, get_logger
-from hpcrlhf.safefiles import make_folders, replacing, require_safe
+from hpcrlhf.run.files import make_folders, replacing, require_safe
 
 log = get_logger()
 

@@ -1,4 +1,4 @@
-"""hpcrlhf.safefiles on real files: links, FIFOs, hard links and devices planted where hpcrlhf writes
+"""hpcrlhf.run.files on real files: links, FIFOs, hard links and devices planted where hpcrlhf writes
 are refused by name and what they point at is untouched; replaced files and staged folders are whole
 or absent; new files get the umask's modes, secrets 0600.
 
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from hpcrlhf.errors import UnsafeFileError
-from hpcrlhf.safefiles import (append, current_umask, open_in_place, replace_file, replacing, staged_folder,
+from hpcrlhf.run.files import (append, current_umask, open_in_place, replace_file, replacing, staged_folder,
                                write_secret)
 
 

@@ -316,7 +316,7 @@ def load_jit_op(builder, extensions_dir: Path):
     import fcntl
 
     from hpcrlhf.cache import cache_root
-    from hpcrlhf.safefiles import open_in_place
+    from hpcrlhf.run.files import open_in_place
 
     extensions_dir.mkdir(parents=True, exist_ok=True)
     with os.fdopen(open_in_place(extensions_dir / ".hpcrlhf-build.flock", os.O_RDWR | os.O_CREAT), "r+b") as guard:

@@ -175,7 +175,7 @@ def executor(o: SlurmOptions):
 
 def submit(argv: Sequence[str], o: SlurmOptions):
     """Queue `hpcrlhf <argv>` with options `o`; returns submitit's job handle."""
-    from hpcrlhf.safefiles import make_folders, require_safe
+    from hpcrlhf.run.files import make_folders, require_safe
 
     make_folders(Path(o.run_dir), "--output-dir")
     require_safe(Path(o.run_dir) / "submitit", "folder")  # submitit writes the job's pickle into it by path

@@ -6,7 +6,7 @@ makes `step_000120.partial/` afresh, private (0700) while written; every rank wr
 after all have finished, the main rank writes
 `manifest.json` (every file's size, and its SHA-256 with `checkpoint.verify: sha256`), gives the
 folder the umask's modes, renames it to `step_000120/` and then points `checkpoints/latest` at it
-(write aside, rename). Nothing is written through a link (hpcrlhf.safefiles).
+(write aside, rename). Nothing is written through a link (hpcrlhf.run.files).
 An interrupted save leaves only a `.partial` folder, which is never loaded and is removed by the
 next save. On resume the newest checkpoint is verified against its manifest; a missing, truncated
 or (sha256) altered file makes it fall back to the previous complete checkpoint, with a warning
@@ -34,7 +34,7 @@ import torch
 
 from hpcrlhf.formats import file_problem
 from hpcrlhf.logs import get_logger
-from hpcrlhf.safefiles import ensure_folder, fresh_folder, publish, replace_file, replace_folder
+from hpcrlhf.run.files import ensure_folder, fresh_folder, publish, replace_file, replace_folder
 
 log = get_logger()
 
@@ -179,7 +179,7 @@ class CheckpointDir:
     def begin(self, step: int) -> Path:
         """Main rank, before the ranks write step `step`'s checkpoint: `checkpoints/` a real folder, and
         the step's staging folder fresh and private (0700) until committed: nothing planted in it, and
-        what an interrupted save left there removed (hpcrlhf.safefiles)."""
+        what an interrupted save left there removed (hpcrlhf.run.files)."""
         ensure_folder(self.root)
         return fresh_folder(self.staging_for(step))
 

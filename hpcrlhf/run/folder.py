@@ -26,7 +26,7 @@ from hpcrlhf.engines.distributed import DistEnv, all_reduce_sum, barrier, broadc
 from hpcrlhf.errors import ConfigError, HpcrlhfError, TrainingError
 from hpcrlhf.logs import Progress, get_logger
 from hpcrlhf.run.metrics import MetricsWriter, read_metrics
-from hpcrlhf.safefiles import append, make_folders, path_problem, refuse, replace_file
+from hpcrlhf.run.files import append, make_folders, path_problem, refuse, replace_file
 from hpcrlhf.run.signals import StopFlag, StopRequested
 from hpcrlhf.run.lock import RunLock
 
@@ -170,7 +170,7 @@ class Run:
 
     def planted(self) -> list[str | None]:
         """What sits in the run folder where hpcrlhf writes and is not what it writes there (a link, a
-        FIFO, a folder for a file: hpcrlhf.safefiles), one problem per entry (None: fine)."""
+        FIFO, a folder for a file: hpcrlhf.run.files), one problem per entry (None: fine)."""
         d = self.dir
         return ([path_problem(d / name, in_place=name in IN_PLACE_FILES) for name in RUN_FILES]
                 + [path_problem(d / name, "folder") for name in RUN_FOLDERS]

@@ -35,7 +35,7 @@ from typing import Optional
 from hpcrlhf.run.diskspace import out_of_space_is_an_error
 from hpcrlhf.errors import ConfigError
 from hpcrlhf.logs import get_logger
-from hpcrlhf.safefiles import open_in_place, os_error_reason
+from hpcrlhf.run.files import open_in_place, os_error_reason
 
 log = get_logger()
 
@@ -148,7 +148,7 @@ class RunLock:
         self._thread: Optional[threading.Thread] = None
 
     def acquire(self) -> "RunLock":
-        try:  # never through a link, never a FIFO or a file with other hard links (hpcrlhf.safefiles)
+        try:  # never through a link, never a FIFO or a file with other hard links (hpcrlhf.run.files)
             fd = open_in_place(self.path, os.O_RDWR | os.O_CREAT)
         except OSError as e:
             raise ConfigError(f"--output-dir {self.path.parent}: cannot write {LOCK_NAME} there "

@@ -5,7 +5,7 @@ plots and benchmarks can be compared. Only rank 0 writes.
 
 A line is appended whole or not at all: when a write fails (a full disk), the file is cut back to
 its previous end, so a rerun never meets half a line; never through a link, never into a FIFO
-(hpcrlhf.safefiles.append). `read_metrics` also drops a torn last line
+(hpcrlhf.run.files.append). `read_metrics` also drops a torn last line
 (a crash or power loss mid-write) with a warning, and names the line of any other bad one.
 """
 
@@ -19,7 +19,7 @@ from typing import Any
 from hpcrlhf.run.diskspace import out_of_space_is_an_error
 from hpcrlhf.errors import DataError
 from hpcrlhf.logs import get_logger
-from hpcrlhf.safefiles import append, require_safe
+from hpcrlhf.run.files import append, require_safe
 
 
 class MetricsWriter:

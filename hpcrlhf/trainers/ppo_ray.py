@@ -43,7 +43,7 @@ from hpcrlhf.cluster.worker_group import (WorkerGroup, dead_worker_message, deat
 from hpcrlhf.config.schema import PPOConfig
 from hpcrlhf.errors import PlacementError, WorkerLost
 from hpcrlhf.logs import get_logger
-from hpcrlhf.safefiles import replace_file
+from hpcrlhf.run.files import replace_file
 from hpcrlhf.placement import NodeMap
 from hpcrlhf.placement.problems import Problem, raise_problems
 from hpcrlhf.placement.roles import TRAINED

@@ -19,7 +19,7 @@ import torch
 from hpcrlhf.data.sft import TokenizedSample
 from hpcrlhf.engines.distributed import all_reduce_tensor
 from hpcrlhf.logs import get_logger
-from hpcrlhf.safefiles import replace_file
+from hpcrlhf.run.files import replace_file
 from hpcrlhf.trainers.plan import eval_shards
 from hpcrlhf.trainers.sequences import response_logps
 

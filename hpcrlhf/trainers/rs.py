@@ -28,7 +28,7 @@ from hpcrlhf.data.sft import TokenizedSample
 from hpcrlhf.engines.distributed import barrier
 from hpcrlhf.errors import ConfigError, DataError
 from hpcrlhf.logs import get_logger
-from hpcrlhf.safefiles import ensure_folder, replace_file
+from hpcrlhf.run.files import ensure_folder, replace_file
 from hpcrlhf.run.stats import Stats, reduce_means
 from hpcrlhf.trainers.online import OnlineTrainer, Rollout
 from hpcrlhf.trainers.plan import BatchPlan, rows_for_step
