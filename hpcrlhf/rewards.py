@@ -25,7 +25,7 @@ answer caused it). `rule_names(cfg)` lists every `module:function` a config name
 imports them all.
 
 Each call gets its own copy of the row (what a rule changes in it, no other rule, metric or later
-evaluation sees) and runs as the user's code (`hpcrlhf.usercode`): past its deadline
+evaluation sees) and runs as the user's code (`hpcrlhf.run.usercode`): past its deadline
 (`reward.rule_timeout_s`, `eval.metric_timeout_s`), or on `sys.exit()` and other exceptions that
 would end the job, it fails with a RuleError naming the rule; a stop request interrupts it.
 
@@ -52,7 +52,7 @@ from hpcrlhf.config.schema import DEFAULT_USER_CODE_TIMEOUT_S, TASK_RULES, Rewar
 from hpcrlhf.data.sources import brief
 from hpcrlhf.errors import ConfigError, RuleError
 from hpcrlhf.run.signals import Interrupted, StopRequested
-from hpcrlhf.usercode import UserCodeTimeout, user_code
+from hpcrlhf.run.usercode import UserCodeTimeout, user_code
 
 RuleFn = Callable[[str, str, Mapping[str, Any]], Any]
 CONTRACT = "a rule returns a real number: an int, a float or a bool (True counts 1.0, False 0.0)"

@@ -310,7 +310,7 @@ class Run:
     def stoppable(self) -> Iterator[None]:
         """Work of a step (or an evaluation) that a stop request cuts short -- a generation
         (`hpcrlhf.engines.hf_generate.StopOnRequest`), the user's rules and metrics
-        (`hpcrlhf.usercode`: StopRequested leaves the block) -- done by every rank alike. At its end
+        (`hpcrlhf.run.usercode`: StopRequested leaves the block) -- done by every rank alike. At its end
         every rank learns whether any was asked to stop (one all-reduce); if one was, what the work
         made is incomplete and nothing may learn from it: StepAbandoned on every rank, and the run
         checkpoints the steps done before it (a resumed run redoes the step from its start). Inside,

@@ -40,7 +40,7 @@ class StopRequested(BaseException):
 
 
 class Interrupted(KeyboardInterrupt):
-    """A Ctrl-C the user pressed (the second one with a StopFlag; see `hpcrlhf.usercode` for the
+    """A Ctrl-C the user pressed (the second one with a StopFlag; see `hpcrlhf.run.usercode` for the
     first one elsewhere): unlike a KeyboardInterrupt some code raised itself, it ends the command."""
 
 
