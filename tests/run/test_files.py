@@ -3,7 +3,7 @@ are refused by name and what they point at is untouched; replaced files and stag
 or absent; new files get the umask's modes, secrets 0600.
 
 The run-level cases (a planted run.lock, metrics.jsonl, checkpoints/ ... at the CLI) are in
-tests/trainers/test_run_folder.py; these cover each primitive, including a link planted after a run
+tests/run/test_folder.py; these cover each primitive, including a link planted after a run
 has checked its folder.
 """
 
