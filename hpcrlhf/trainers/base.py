@@ -26,7 +26,7 @@ from hpcrlhf.errors import ConfigError
 from hpcrlhf.logs import get_logger
 from hpcrlhf.run.metrics import read_metrics
 from hpcrlhf.run.guard import SKIPPED_SUFFIX, NonFiniteError, NonFiniteGuard, SkipStep, require_finite_start
-from hpcrlhf.trainers.plan import BatchPlan, eval_shards, key_settings
+from hpcrlhf.trainers.batches import BatchPlan, eval_shards, key_settings
 from hpcrlhf.run.folder import Run, StepAbandoned
 from hpcrlhf.run.stats import Stats, add_stats, new_stats, reduce_means
 

@@ -51,7 +51,7 @@ from hpcrlhf.logs import get_logger
 from hpcrlhf.trainers.experience import ExperienceBatch
 from hpcrlhf.trainers.overlap import generate_ahead
 from hpcrlhf.trainers.online import LaunchedRollout, OnlineTrainer, Prompt, Rollout, refill_seed
-from hpcrlhf.trainers.plan import key_settings
+from hpcrlhf.trainers.batches import key_settings
 from hpcrlhf.run.folder import StepAbandoned
 from hpcrlhf.trainers.ppo_roles import LocalRoles, PPORoles
 from hpcrlhf.trainers.sequences import model_batch

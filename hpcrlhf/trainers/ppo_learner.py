@@ -23,7 +23,7 @@ from hpcrlhf.models.moe import router_kwargs
 from hpcrlhf.run.stats import Stats, add_stats, new_stats
 from hpcrlhf.trainers.experience import ReplayBuffer, collate_experience
 from hpcrlhf.run.guard import SKIPPED_SUFFIX
-from hpcrlhf.trainers.plan import PPOPlan
+from hpcrlhf.trainers.batches import PPOPlan
 
 """Metric -> [sum, count] over micro-batches (count 0: a plain sum, see `reduce_means`)."""
 

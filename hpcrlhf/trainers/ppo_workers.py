@@ -22,7 +22,7 @@ import torch
 from hpcrlhf.cluster.worker_group import RoleWorker, busy, gather
 from hpcrlhf.models.factory import ModelFactory
 from hpcrlhf.trainers.experience import ExperienceBatch, ReplayBuffer
-from hpcrlhf.trainers.plan import PPOPlan
+from hpcrlhf.trainers.batches import PPOPlan
 from hpcrlhf.trainers.ppo_learner import PPOLearner, build_role_model, forward_logps, forward_values
 from hpcrlhf.run.stats import Stats
 

@@ -20,7 +20,7 @@ from hpcrlhf.data.sft import TokenizedSample
 from hpcrlhf.engines.distributed import all_reduce_tensor
 from hpcrlhf.logs import get_logger
 from hpcrlhf.run.files import replace_file
-from hpcrlhf.trainers.plan import eval_shards
+from hpcrlhf.trainers.batches import eval_shards
 from hpcrlhf.trainers.sequences import response_logps
 
 log = get_logger()

@@ -31,7 +31,7 @@ from hpcrlhf.logs import get_logger
 from hpcrlhf.run.files import ensure_folder, replace_file
 from hpcrlhf.run.stats import Stats, reduce_means
 from hpcrlhf.trainers.online import OnlineTrainer, Rollout
-from hpcrlhf.trainers.plan import BatchPlan, rows_for_step
+from hpcrlhf.trainers.batches import BatchPlan, rows_for_step
 from hpcrlhf.trainers.sequences import response_logps
 from hpcrlhf.trainers.sft import nll_step
 

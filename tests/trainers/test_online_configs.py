@@ -10,7 +10,7 @@ import pytest
 from hpcrlhf.config.loader import load_config
 from hpcrlhf.config.schema import PPOConfig, RSConfig, TrainConfig
 from hpcrlhf.errors import ConfigError
-from hpcrlhf.trainers.plan import PPOPlan
+from hpcrlhf.trainers.batches import PPOPlan
 
 
 @pytest.mark.parametrize("overrides, message", [

@@ -1,5 +1,6 @@
-"""Derived batch numbers, computed once from the config and the world size, and which rows
-each rank works on.
+"""Batch arithmetic: the derived batch numbers (`BatchPlan`, `PPOPlan`), computed once from the config
+and the world size, and which rows each rank works on. (`hpcrlhf plan` is something else: the
+placement of a job's roles on nodes and GPUs, `hpcrlhf.placement`.)
 
 Configs never change after loading; everything that follows from them (accumulation steps,
 rows per rank, steps per epoch) lives here with names that carry their unit.

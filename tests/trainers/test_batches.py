@@ -2,7 +2,7 @@ import pytest
 
 from hpcrlhf.config.schema import TrainConfig
 from hpcrlhf.errors import ConfigError
-from hpcrlhf.trainers.plan import BatchPlan
+from hpcrlhf.trainers.batches import BatchPlan
 
 
 def test_plan_derives_accumulation_and_steps():
