@@ -59,7 +59,7 @@ that change neither what is trained nor what is sampled. Any other change would 
 another's settings."""
 RUN_FILES = ("run.lock", "metrics.jsonl", "environment.jsonl", "config.yaml", "summary.json", "placement.json",
              "reference_logps.pt")
-"""The files hpcrlhf writes at the top of a run folder (reference_logps.pt: hpcrlhf.trainers.reference)."""
+"""The files hpcrlhf writes at the top of a run folder (reference_logps.pt: hpcrlhf.trainers.offline_policy)."""
 IN_PLACE_FILES = ("run.lock", "metrics.jsonl", "environment.jsonl")
 """Those written in place (appended to, or rewritten through the lock's descriptor), not replaced."""
 RUN_FOLDERS = ("checkpoints", "model", "tensorboard", "rounds")
