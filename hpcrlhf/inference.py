@@ -58,7 +58,8 @@ def run_generate(cfg: GenerateConfig) -> dict:
     from hpcrlhf.models.loading import load_tokenizer
     from hpcrlhf.models.value import ValueModel, load_value_model
     from hpcrlhf.rewards import EvalMetrics, RewardSet, check_rules
-    from hpcrlhf.trainers.online import encode_prompt_rows, sampling_params
+    from hpcrlhf.data.prompts import encode_prompt_rows
+    from hpcrlhf.trainers.online import sampling_params
 
     out = Path(cfg.output)
     require_safe(out, fix="name another file with -o (--output)")  # a folder, /dev/full, a link: before loading

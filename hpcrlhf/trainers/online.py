@@ -10,66 +10,21 @@ for everyone (`engines.shared_rollout.Rank0Rollout`); the Ray launcher replaces 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Sequence
 
 import torch
 
+from hpcrlhf.data.prompts import Prompt, encode_prompt_rows, load_train_prompts
 from hpcrlhf.engines.distributed import all_reduce_sum
 from hpcrlhf.engines.rollout import Generation, Pending, SamplingParams, launch
 from hpcrlhf.engines.shared_rollout import Rank0Rollout
-from hpcrlhf.errors import ConfigError, DataError
+from hpcrlhf.errors import ConfigError
 from hpcrlhf.logs import get_logger
 from hpcrlhf.rewards import Response, RewardSet, adjust_scores
 from hpcrlhf.trainers.base import Trainer, merge_evaluation
 from hpcrlhf.run.stats import Stats
 
 log = get_logger()
-
-
-@dataclass(frozen=True)
-class Prompt:
-    ids: tuple[int, ...]
-    text: str
-    row: Mapping[str, Any]
-    origin: str = ""
-    """Where the row came from (`prompts.jsonl:17`), for errors about it."""
-
-
-def load_prompts(cfg, tokenizer, eval_limit: int | None = None) -> tuple[list[Prompt], list[Prompt]]:
-    """(train prompts, up to `eval_limit` held-out prompts (`held_out_prompt_rows`))."""
-    from hpcrlhf.data.loading import held_out_prompt_rows
-
-    eval_rows, key = held_out_prompt_rows(cfg.data, cfg.task, eval_limit)
-    return load_train_prompts(cfg, tokenizer), encode_prompt_rows(eval_rows, cfg.data, tokenizer, key)
-
-
-def load_train_prompts(cfg, tokenizer) -> list[Prompt]:
-    """Training prompts from `data.train_path` or the bundled task's prompt rows."""
-    from hpcrlhf.data.loading import load_train_rows, require_task_prompts
-
-    rows = load_train_rows(cfg.data, cfg.task, lambda task, split, n: task.prompt_rows(split, n))
-    if cfg.data.train_path:  # a task named on purpose scores these too (rollout/task_score, `task` rules)
-        require_task_prompts(rows, cfg.data.prompt_key, cfg.task, cfg.data)
-    return encode_prompt_rows(rows, cfg.data, tokenizer)
-
-
-def encode_prompt_rows(rows, data, tokenizer, key: str | None = None) -> list[Prompt]:
-    """Checked, tokenised prompts of dataset rows (field `key`, default `data.prompt_key`; chat
-    template, max length)."""
-    from hpcrlhf.data.sft import encode_prompts
-    from hpcrlhf.data.sources import require_text
-
-    if not rows:
-        return []
-    key = key or data.prompt_key
-    require_text(rows, (key,), key_option={key: "data.prompt_key"})
-    texts = [r.data[key] for r in rows]
-    ids = encode_prompts(tokenizer, texts, data.apply_chat_template)
-    for row, p in zip(rows, ids):
-        if len(p) > data.max_length:
-            raise DataError(f"{row.origin}: prompt has {len(p)} tokens > data.max_length {data.max_length}; "
-                            "raise data.max_length or shorten the prompt")
-    return [Prompt(tuple(p), t, r.data, r.origin) for p, t, r in zip(ids, texts, rows)]
 
 
 def sampling_params(r, *, n: int, seed: int | None, greedy: bool = False) -> SamplingParams:

@@ -50,7 +50,8 @@ from hpcrlhf.engines.rollout import Done
 from hpcrlhf.logs import get_logger
 from hpcrlhf.trainers.experience import ExperienceBatch
 from hpcrlhf.trainers.overlap import generate_ahead
-from hpcrlhf.trainers.online import LaunchedRollout, OnlineTrainer, Prompt, Rollout, refill_seed
+from hpcrlhf.data.prompts import Prompt
+from hpcrlhf.trainers.online import LaunchedRollout, OnlineTrainer, Rollout, refill_seed
 from hpcrlhf.trainers.batches import key_settings
 from hpcrlhf.run.folder import StepAbandoned
 from hpcrlhf.trainers.ppo_roles import LocalRoles, PPORoles
