@@ -40,7 +40,7 @@ PPO_STEPS = 60
 
 def run_demo(out: Path, *, fresh: bool = False) -> int:
     from hpcrlhf.plots import plot_metrics
-    from hpcrlhf.trainers.ppo_runtime import run_ppo
+    from hpcrlhf.trainers.ppo import run_ppo
     from hpcrlhf.trainers.rm import run_rm
     from hpcrlhf.trainers.sft import run_sft
 

@@ -6,7 +6,7 @@ from importlib import import_module
 
 _RUNNERS = {"sft": ("sft", "run_sft"), "rm": ("rm", "run_rm"), "dpo": ("dpo", "run_dpo"),
             "kto": ("kto", "run_kto"), "csft": ("csft", "run_csft"),
-            "ppo": ("ppo_runtime", "run_ppo"), "rs": ("rs", "run_rs")}
+            "ppo": ("ppo", "run_ppo"), "rs": ("rs", "run_rs")}
 
 
 def _runner(kind: str):

@@ -50,7 +50,7 @@ from hpcrlhf.placement.roles import TRAINED
 from hpcrlhf.trainers.experience import ExperienceBatch
 from hpcrlhf.trainers.online import reward_set, vllm_engine_args
 from hpcrlhf.trainers.phases import PhaseSwitch
-from hpcrlhf.trainers.ppo import PPOTrainer
+from hpcrlhf.trainers.ppo.driver import PPOTrainer
 from hpcrlhf.trainers.ppo_roles import TokenScores, role_plan
 from hpcrlhf.run.stats import Stats, add_stats, new_stats
 

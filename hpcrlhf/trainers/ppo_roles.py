@@ -1,4 +1,4 @@
-"""The roles interface the PPO driver (`trainers.ppo.PPOTrainer`) runs its steps through, and its
+"""The roles interface the PPO driver (`trainers.ppo.driver.PPOTrainer`) runs its steps through, and its
 single-machine implementation.
 
 A PPO step needs its models for a handful of things only; `PPORoles` names them, and the driver

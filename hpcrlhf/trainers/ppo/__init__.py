@@ -11,6 +11,6 @@ def run_ppo(cfg: PPOConfig) -> dict:
         from hpcrlhf.trainers.ppo_ray import run_ray_ppo
 
         return run_ray_ppo(cfg)
-    from hpcrlhf.trainers.ppo import PPOTrainer
+    from hpcrlhf.trainers.ppo.driver import PPOTrainer
 
     return PPOTrainer(cfg).fit()
