@@ -1,7 +1,7 @@
 """PPO on Ray: every role on its own workers, placed by the static node map.
 
 The driver is `PPOTrainer` itself (same loop, same step, same maths, same checkpoints); `RayRoles`
-is its roles interface (`trainers.ppo_roles.PPORoles`) on Ray workers:
+is its roles interface (`trainers.ppo.roles.PPORoles`) on Ray workers:
 
     rollout         the vLLM engine actors (`EngineFleet`), prompts split over engines
     rewards         the rules here; reward models on the reward role's workers
@@ -51,7 +51,7 @@ from hpcrlhf.trainers.experience import ExperienceBatch
 from hpcrlhf.trainers.online import reward_set, vllm_engine_args
 from hpcrlhf.trainers.phases import PhaseSwitch
 from hpcrlhf.trainers.ppo.driver import PPOTrainer
-from hpcrlhf.trainers.ppo_roles import TokenScores, role_plan
+from hpcrlhf.trainers.ppo.roles import TokenScores, role_plan
 from hpcrlhf.run.stats import Stats, add_stats, new_stats
 
 log = get_logger()

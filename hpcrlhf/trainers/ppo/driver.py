@@ -26,7 +26,7 @@ The PPO ratio's denominator is the actor's own recomputed log-prob of each respo
 temperature 1), not the rollout engine's: the two agree to ~1e-5 (logged as
 `rollout/logprob_max_diff`), and recomputing keeps the ratio exactly 1 at the first update.
 
-The models are reached through a roles interface (`trainers.ppo_roles.PPORoles`): `LocalRoles`
+The models are reached through a roles interface (`trainers.ppo.roles.PPORoles`): `LocalRoles`
 holds them in this process (one rank of a torchrun group), `ppo_ray.RayRoles` on Ray workers placed
 by the node map (`placement.runtime: ray`); the driver, its schedule and its checkpoints are the same.
 """
@@ -54,7 +54,7 @@ from hpcrlhf.data.prompts import Prompt
 from hpcrlhf.trainers.online import LaunchedRollout, OnlineTrainer, Rollout, refill_seed
 from hpcrlhf.trainers.batches import key_settings
 from hpcrlhf.run.folder import StepAbandoned
-from hpcrlhf.trainers.ppo_roles import LocalRoles, PPORoles
+from hpcrlhf.trainers.ppo.roles import LocalRoles, PPORoles
 from hpcrlhf.trainers.sequences import model_batch
 from hpcrlhf.run.stats import Stats, reduce_means
 
