@@ -2,7 +2,7 @@
 
 A rank builds its model exactly as the single-machine trainer does (`ModelFactory.build_trained_model`
 / `build_frozen_model`, with its role's ZeRO settings from the map) and runs the same per-role
-code (`trainers.ppo_learner`): the only difference is that its process group holds its role's
+code (`trainers.ppo.learner`): the only difference is that its process group holds its role's
 ranks alone. The driver (`trainers.ppo_ray`) moves one typed batch between the roles.
 
 Weight sync (`placement.vllm.weight_sync`): by default actor rank 0 broadcasts the weights to
@@ -23,7 +23,7 @@ from hpcrlhf.cluster.worker_group import RoleWorker, busy, gather
 from hpcrlhf.models.factory import ModelFactory
 from hpcrlhf.trainers.experience import ExperienceBatch, ReplayBuffer
 from hpcrlhf.trainers.batches import PPOPlan
-from hpcrlhf.trainers.ppo_learner import PPOLearner, build_role_model, forward_logps, forward_values
+from hpcrlhf.trainers.ppo.learner import PPOLearner, build_role_model, forward_logps, forward_values
 from hpcrlhf.run.stats import Stats
 
 

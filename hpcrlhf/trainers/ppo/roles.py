@@ -31,7 +31,7 @@ from hpcrlhf.trainers.experience import ExperienceBatch, ReplayBuffer
 from hpcrlhf.trainers.online import push_weights, reward_set
 from hpcrlhf.trainers.phases import PhaseSwitch
 from hpcrlhf.trainers.batches import PPOPlan
-from hpcrlhf.trainers.ppo_learner import PPOLearner, build_role_model, forward_logps, forward_values
+from hpcrlhf.trainers.ppo.learner import PPOLearner, build_role_model, forward_logps, forward_values
 from hpcrlhf.run.stats import Stats, add_stats, new_stats
 
 if TYPE_CHECKING:
