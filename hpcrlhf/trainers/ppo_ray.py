@@ -47,7 +47,7 @@ from hpcrlhf.run.files import replace_file
 from hpcrlhf.placement import NodeMap
 from hpcrlhf.placement.problems import Problem, raise_problems
 from hpcrlhf.placement.roles import TRAINED
-from hpcrlhf.trainers.experience import ExperienceBatch
+from hpcrlhf.trainers.ppo.experience import ExperienceBatch
 from hpcrlhf.trainers.online import reward_set, vllm_engine_args
 from hpcrlhf.trainers.phases import PhaseSwitch
 from hpcrlhf.trainers.ppo.driver import PPOTrainer

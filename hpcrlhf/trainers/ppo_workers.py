@@ -21,7 +21,7 @@ import torch
 
 from hpcrlhf.cluster.worker_group import RoleWorker, busy, gather
 from hpcrlhf.models.factory import ModelFactory
-from hpcrlhf.trainers.experience import ExperienceBatch, ReplayBuffer
+from hpcrlhf.trainers.ppo.experience import ExperienceBatch, ReplayBuffer
 from hpcrlhf.trainers.batches import PPOPlan
 from hpcrlhf.trainers.ppo.learner import PPOLearner, build_role_model, forward_logps, forward_values
 from hpcrlhf.run.stats import Stats

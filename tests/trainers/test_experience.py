@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from hpcrlhf.cluster.worker_group import even_bounds
-from hpcrlhf.trainers.experience import ExperienceBatch, collate_experience
+from hpcrlhf.trainers.ppo.experience import ExperienceBatch, collate_experience
 from hpcrlhf.trainers.ppo_ray import pad_rows
 
 

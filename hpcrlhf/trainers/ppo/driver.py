@@ -48,7 +48,7 @@ from hpcrlhf.data.sft import TokenizedSample
 from hpcrlhf.engines.distributed import all_reduce_sum
 from hpcrlhf.engines.rollout import Done
 from hpcrlhf.logs import get_logger
-from hpcrlhf.trainers.experience import ExperienceBatch
+from hpcrlhf.trainers.ppo.experience import ExperienceBatch
 from hpcrlhf.trainers.overlap import generate_ahead
 from hpcrlhf.data.prompts import Prompt
 from hpcrlhf.trainers.online import LaunchedRollout, OnlineTrainer, Rollout, refill_seed

@@ -21,7 +21,7 @@ from hpcrlhf.algos.ppo import aggregate_loss, entropy_from_logits, kl_estimate, 
 from hpcrlhf.engines.distributed import all_reduce_sum
 from hpcrlhf.models.moe import router_kwargs
 from hpcrlhf.run.stats import Stats, add_stats, new_stats
-from hpcrlhf.trainers.experience import ReplayBuffer, collate_experience
+from hpcrlhf.trainers.ppo.experience import ReplayBuffer, collate_experience
 from hpcrlhf.run.guard import SKIPPED_SUFFIX
 from hpcrlhf.trainers.batches import PPOPlan
 

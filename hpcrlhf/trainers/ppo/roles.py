@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Protocol, Sequence
 
 import torch
 
-from hpcrlhf.trainers.experience import ExperienceBatch, ReplayBuffer
+from hpcrlhf.trainers.ppo.experience import ExperienceBatch, ReplayBuffer
 from hpcrlhf.trainers.online import push_weights, reward_set
 from hpcrlhf.trainers.phases import PhaseSwitch
 from hpcrlhf.trainers.batches import PPOPlan
