@@ -49,7 +49,7 @@ from hpcrlhf.placement.problems import Problem, raise_problems
 from hpcrlhf.placement.roles import TRAINED
 from hpcrlhf.trainers.ppo.experience import ExperienceBatch
 from hpcrlhf.trainers.online import reward_set, vllm_engine_args
-from hpcrlhf.trainers.phases import PhaseSwitch
+from hpcrlhf.trainers.ppo.phases import PhaseSwitch
 from hpcrlhf.trainers.ppo.driver import PPOTrainer
 from hpcrlhf.trainers.ppo.roles import TokenScores, role_plan
 from hpcrlhf.run.stats import Stats, add_stats, new_stats

@@ -9,7 +9,7 @@ from contextlib import nullcontext
 import pytest
 
 from hpcrlhf.placement.memory import PHASES, MemoryParts, phase_parts
-from hpcrlhf.trainers.phases import PhaseSwitch, swap_actions
+from hpcrlhf.trainers.ppo.phases import PhaseSwitch, swap_actions
 
 ENGINE = MemoryParts(weights=3, kv_cache=7)
 TRAINED = MemoryParts(weights=1, gradients=1, optimizer=6)  # activations come and go inside `train`

@@ -5,7 +5,7 @@ A PPO step needs its models for a handful of things only; `PPORoles` names them,
 keeps everything else (prompts, rollout scheduling, rewards maths, advantages, the KL controller,
 metrics, checkpoints' composite, evaluation):
 
-    enter          a phase of the step (`trainers.phases`): who holds GPU memory, where roles sleep
+    enter          a phase of the step (`trainers.ppo.phases`): who holds GPU memory, where roles sleep
     score_tokens   actor and reference log-probs and critic values of a rollout batch
     learn          the named trained roles' PPO epochs on an experience (seconds per role)
     push_weights   the actor's weights into the rollout engine
@@ -29,7 +29,7 @@ import torch
 
 from hpcrlhf.trainers.ppo.experience import ExperienceBatch, ReplayBuffer
 from hpcrlhf.trainers.online import push_weights, reward_set
-from hpcrlhf.trainers.phases import PhaseSwitch
+from hpcrlhf.trainers.ppo.phases import PhaseSwitch
 from hpcrlhf.trainers.batches import PPOPlan
 from hpcrlhf.trainers.ppo.learner import PPOLearner, build_role_model, forward_logps, forward_values
 from hpcrlhf.run.stats import Stats, add_stats, new_stats
