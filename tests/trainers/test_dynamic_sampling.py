@@ -1,4 +1,4 @@
-"""DAPO dynamic sampling (hpcrlhf.trainers.dynamic_sampling) on scripted rounds: which groups a
+"""DAPO dynamic sampling (hpcrlhf.trainers.ppo.dynamic_sampling) on scripted rounds: which groups a
 step keeps, in which order, when rounds stop (on every rank together), and what is counted.
 Expected values are written out by hand from the scripted scores."""
 
@@ -9,7 +9,7 @@ import torch
 
 from hpcrlhf.config.jobspec import build_config
 from hpcrlhf.errors import ConfigError
-from hpcrlhf.trainers.dynamic_sampling import fill_step, informative_groups, join_rollouts, take_groups
+from hpcrlhf.trainers.ppo.dynamic_sampling import fill_step, informative_groups, join_rollouts, take_groups
 from hpcrlhf.trainers.online import Rollout
 
 

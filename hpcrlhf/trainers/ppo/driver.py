@@ -165,7 +165,7 @@ class PPOTrainer(OnlineTrainer):
         the next step's is started here, once this one's generations are in."""
         n = self.cfg.rollout.samples_per_prompt
         if self.cfg.ppo.dynamic_sampling:
-            from hpcrlhf.trainers.dynamic_sampling import fill_step
+            from hpcrlhf.trainers.ppo.dynamic_sampling import fill_step
 
             filled = fill_step(lambda r: self.rollout_step(self.step_prompts(step, r), self.sampling(step, n, r)),
                                n=n, max_rounds=self.cfg.ppo.dynamic_sampling_max_rounds,
