@@ -82,7 +82,7 @@ def test_ppo_plan_rejects_impossible_shapes(kwargs, message):
 
 
 def test_rollouts_are_generated_ahead_only_within_the_run():
-    from hpcrlhf.trainers.overlap import generate_ahead
+    from hpcrlhf.trainers.ppo.staleness import generate_ahead
 
     # 5 steps: step i's rollout (0-based) may be generated during step i-1, never one past the last step
     assert [i for i in range(7) if generate_ahead(i, 5, 1)] == [1, 2, 3, 4]

@@ -16,7 +16,7 @@ One step reads top to bottom, each phase timed under its metric name:
 
 With rollout.max_staleness 1 the next step's rollout is launched as soon as this step's generations
 are in, so engines that run elsewhere (Ray) generate it while this step scores and trains; the sync
-waits for it first (timing/generate_ahead_wait, timing/overlap; see `trainers.overlap`).
+waits for it first (timing/generate_ahead_wait, timing/overlap; see `trainers.ppo.staleness`).
 
 The maths are pure functions in `algos.ppo` and `algos.advantages`. Every batch statistic
 (whitening, the KL controller's measured KL, running reward moments, loss normalisers) is
@@ -49,7 +49,7 @@ from hpcrlhf.engines.distributed import all_reduce_sum
 from hpcrlhf.engines.rollout import Done
 from hpcrlhf.logs import get_logger
 from hpcrlhf.trainers.ppo.experience import ExperienceBatch
-from hpcrlhf.trainers.overlap import generate_ahead
+from hpcrlhf.trainers.ppo.staleness import generate_ahead
 from hpcrlhf.data.prompts import Prompt
 from hpcrlhf.trainers.online import LaunchedRollout, OnlineTrainer, Rollout, refill_seed
 from hpcrlhf.trainers.batches import key_settings
