@@ -36,7 +36,7 @@ from typing import Any, Sequence
 import torch
 
 from hpcrlhf.cluster.engines import EngineFleet, EngineWorker
-from hpcrlhf.trainers.ppo_workers import ROLE_WORKERS, role_config
+from hpcrlhf.trainers.ppo.ray.workers import ROLE_WORKERS, role_config
 from hpcrlhf.cluster.reservation import Reservation
 from hpcrlhf.cluster.worker_group import (WorkerGroup, dead_worker_message, death_verdict, even_bounds, gather,
                                           lost_node_message, lost_worker_error, unreachable, worker_with_id)

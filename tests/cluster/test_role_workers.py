@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from hpcrlhf.config.jobspec import resolve_recipe
-from hpcrlhf.trainers.ppo_workers import RewardWorker, role_config
+from hpcrlhf.trainers.ppo.ray.workers import RewardWorker, role_config
 from hpcrlhf.cluster.reservation import reserve
 from hpcrlhf.cluster.worker_group import WorkerGroup
 from hpcrlhf.config.loader import load_config
