@@ -13,7 +13,7 @@ from hpcrlhf.config.loader import load_config
 from hpcrlhf.config.schema import PPOConfig
 from hpcrlhf.models.loading import load_tokenizer
 from hpcrlhf.placement import Device, build_node_map
-from hpcrlhf.trainers.ppo_ray import RemoteRewards
+from hpcrlhf.trainers.ppo.ray.roles import RemoteRewards
 from tests.test_rewards import _make_rm, _reference_reward, _responses
 
 

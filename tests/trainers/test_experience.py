@@ -8,7 +8,7 @@ import torch
 
 from hpcrlhf.cluster.worker_group import even_bounds
 from hpcrlhf.trainers.ppo.experience import ExperienceBatch, collate_experience
-from hpcrlhf.trainers.ppo_ray import pad_rows
+from hpcrlhf.trainers.ppo.ray.roles import pad_rows
 
 
 def batch(lengths: list[int]) -> ExperienceBatch:

@@ -14,7 +14,7 @@ metrics, checkpoints' composite, evaluation):
     optimizer_stats, trained_weights, save_model, close
 
 Two implementations: `LocalRoles` (this module: every model in this process, one rank of a
-torchrun group) and `trainers.ppo_ray.RayRoles` (every role on its own Ray workers, placed by the
+torchrun group) and `trainers.ppo.ray.roles.RayRoles` (every role on its own Ray workers, placed by the
 node map). Each builds its roles' models with `ppo_learner.build_role_model` and runs their halves
 of a step with `ppo_learner`.
 """

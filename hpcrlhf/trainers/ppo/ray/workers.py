@@ -3,7 +3,7 @@
 A rank builds its model exactly as the single-machine trainer does (`ModelFactory.build_trained_model`
 / `build_frozen_model`, with its role's ZeRO settings from the map) and runs the same per-role
 code (`trainers.ppo.learner`): the only difference is that its process group holds its role's
-ranks alone. The driver (`trainers.ppo_ray`) moves one typed batch between the roles.
+ranks alone. The driver (`trainers.ppo.ray.roles`) moves one typed batch between the roles.
 
 Weight sync (`placement.vllm.weight_sync`): by default actor rank 0 broadcasts the weights to
 every engine worker in a process group made for it (`hpcrlhf.engines.weight_sync`), every actor
