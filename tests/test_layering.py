@@ -94,7 +94,7 @@ def test_the_circle_finder_finds_circles_and_only_them():
 
 def test_the_graph_sees_function_local_imports():
     graph = import_graph()
-    assert "hpcrlhf.trainers.ppo.ray.roles" in graph["hpcrlhf.trainers.ppo"]  # imported inside run_ppo only
+    assert "hpcrlhf.trainers.ppo.ray.entry" in graph["hpcrlhf.trainers.ppo"]  # imported inside run_ppo only
     assert "hpcrlhf.cli" in graph["hpcrlhf.__main__"]
 
 

@@ -8,7 +8,7 @@ from hpcrlhf.config.schema import PPOConfig
 
 def run_ppo(cfg: PPOConfig) -> dict:
     if cfg.placement.runtime == "ray":
-        from hpcrlhf.trainers.ppo.ray.roles import run_ray_ppo
+        from hpcrlhf.trainers.ppo.ray.entry import run_ray_ppo
 
         return run_ray_ppo(cfg)
     from hpcrlhf.trainers.ppo.driver import PPOTrainer

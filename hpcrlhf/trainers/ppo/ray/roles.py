@@ -1,4 +1,4 @@
-"""PPO on Ray: every role on its own workers, placed by the static node map.
+"""PPO's roles on Ray: every role on its own workers, placed by the static node map.
 
 The driver is `PPOTrainer` itself (same loop, same step, same maths, same checkpoints); `RayRoles`
 is its roles interface (`trainers.ppo.roles.PPORoles`) on Ray workers:
@@ -12,7 +12,7 @@ is its roles interface (`trainers.ppo.roles.PPORoles`) on Ray workers:
                     the weight push queued right behind them (`EngineFleet.start_sync`) where
                     nobody sleeps between phases and the engines have nothing else to do
     push_weights    actor ranks gather the weights chunk by chunk, rank 0 broadcasts them to every
-                    engine worker in a weight-sync group (`WeightPush`; or, as the
+                    engine worker in a weight-sync group (`weight_push.WeightPush`; or, as the
                     `placement.vllm.weight_sync=object_store` fallback, hands the whole state dict to
                     every engine through Ray's object store); or waits for the rest of the push
                     `learn` queued
@@ -28,7 +28,6 @@ map (`placement.json` in the run folder records both).
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 from typing import Any, Sequence
@@ -36,30 +35,22 @@ from typing import Any, Sequence
 import torch
 
 from hpcrlhf.cluster.engines import EngineFleet, EngineWorker
-from hpcrlhf.trainers.ppo.ray.workers import ROLE_WORKERS, role_config
 from hpcrlhf.cluster.reservation import Reservation
-from hpcrlhf.cluster.worker_group import (WorkerGroup, dead_worker_message, death_verdict, even_bounds, gather,
-                                          lost_node_message, lost_worker_error, unreachable, worker_with_id)
-from hpcrlhf.config.schema import PPOConfig
-from hpcrlhf.errors import PlacementError, WorkerLost
+from hpcrlhf.cluster.worker_group import WorkerGroup, even_bounds, gather
+from hpcrlhf.errors import PlacementError
 from hpcrlhf.logs import get_logger
-from hpcrlhf.run.files import replace_file
-from hpcrlhf.placement import NodeMap
-from hpcrlhf.placement.problems import Problem, raise_problems
 from hpcrlhf.placement.roles import TRAINED
-from hpcrlhf.trainers.ppo.experience import ExperienceBatch
-from hpcrlhf.trainers.online import reward_set, vllm_engine_args
-from hpcrlhf.trainers.ppo.phases import PhaseSwitch
-from hpcrlhf.trainers.ppo.driver import PPOTrainer
-from hpcrlhf.trainers.ppo.roles import TokenScores, role_plan
+from hpcrlhf.run.files import replace_file
 from hpcrlhf.run.stats import Stats, add_stats, new_stats
+from hpcrlhf.trainers.online import reward_set, vllm_engine_args
+from hpcrlhf.trainers.ppo.driver import PPOTrainer
+from hpcrlhf.trainers.ppo.experience import ExperienceBatch
+from hpcrlhf.trainers.ppo.phases import PhaseSwitch
+from hpcrlhf.trainers.ppo.ray.weight_push import WeightPush
+from hpcrlhf.trainers.ppo.ray.workers import ROLE_WORKERS, role_config
+from hpcrlhf.trainers.ppo.roles import TokenScores, role_plan
 
 log = get_logger()
-
-NODE_VERDICT_S = 60.0
-"""How long a run that lost contact with a worker waits for Ray to say whether the worker's node died
-(hpcrlhf.cluster.bootstrap.HEALTH_CHECKS decide in 10-30 s), to name the node in its error."""
-
 
 def equal_shards(n: int, parts: int) -> list[list[int]]:
     """Row indices of `parts` equal shards of n rows, the last row repeated to fill: every rank of
@@ -240,133 +231,3 @@ class RayRoles:
         self.rollout.close()
         for group in self.groups.values():
             group.kill()
-
-
-class WeightPush:
-    """`push(engines)`: the actor's current weights into `engines` (all the fleet's), by the
-    `placement.vllm.weight_sync` path; or in two halves, `finish(start(engines))`, so that the
-    push can be under way while the driver does something else. The collective path's group spans
-    actor rank 0 and every worker of those engines; it is formed at the first push and again
-    whenever the engines are not the ones it was formed with (an engine restarted). `last`: the
-    last push's metrics."""
-
-    def __init__(self, actor: WorkerGroup, tensor_parallel_size: int, mode: str) -> None:
-        self.actor, self.tp, self.mode = actor, tensor_parallel_size, mode
-        self.members: list[str] | None = None
-        self.formed = 0
-        self.last: dict[str, float] = {}
-
-    def __call__(self, engines: list[Any]) -> None:
-        if self.mode == "collective" and self.members != self.ids(engines):
-            self.form(engines)
-        self.finish(self.start(engines))
-
-    def start(self, engines: list[Any]) -> list[Any] | None:
-        """Queue the push on the actor's ranks and on `engines` (each side runs it after the work
-        queued before: the actor sends once it has learned, each engine receives once it is free);
-        the tasks to `finish`. None where the collective group must be formed first (the first
-        push, a restarted engine): forming it needs the actor now."""
-        if self.mode == "object_store":
-            return self.actor.call_async("push_weights", engines)
-        if self.members != self.ids(engines):
-            return None
-        return [*self.actor.call_async("broadcast_weights"), *[e.receive_weights.remote() for e in engines]]
-
-    def finish(self, pushing: list[Any]) -> None:
-        """Wait for a push `start`ed (raising what failed in it)."""
-        sent = gather(pushing)[0]
-        if self.mode == "collective":
-            self.last = {"weight_sync/bytes": float(sent["bytes"]), "weight_sync/buckets": float(sent["buckets"]),
-                         "weight_sync/broadcast_s": sent["seconds"]}
-
-    @staticmethod
-    def ids(engines: list[Any]) -> list[str]:
-        return [e._actor_id.hex() for e in engines]
-
-    def form(self, engines: list[Any]) -> None:
-        import ray
-
-        from hpcrlhf.engines.weight_sync import SyncGroup
-
-        self.members = None
-        rank0 = self.actor.workers[0]
-        host, port = ray.get(rank0.serve_weight_group.remote())
-        self.formed += 1
-        spec = SyncGroup(host, port, 1 + len(engines) * self.tp, f"hpcrlhf-weights-{self.formed}")
-        chosen = gather([rank0.open_weight_group.remote(spec),
-                         *[e.join_weight_group.remote(spec, 1 + i * self.tp) for i, e in enumerate(engines)]])[0]
-        self.members = self.ids(engines)
-        log.info(f"weight-sync group {spec.name}: actor rank 0 and {len(engines)} engine(s) x TP {self.tp} "
-                 f"({spec.world_size} members, {chosen}) at {host}:{port}")
-
-
-def start_problems(cfg: PPOConfig, node_map: NodeMap) -> list[Problem]:
-    """What would make the run fail once started, checked before Ray starts: a local cluster (no
-    RAY_ADDRESS) this host's GPUs cannot hold, and a model path of a role with GPUs that is neither
-    a model folder nor a hub model the hub can provide now."""
-    from hpcrlhf.cluster import netns
-    from hpcrlhf.cluster.session import host_gpus, local_cluster_problem
-    from hpcrlhf.models.loading import ModelPathError, check_model_source
-    from hpcrlhf.models.tiny import resolve_model_path
-    from hpcrlhf.placement.roles import role_models
-
-    problems = []
-    if not os.environ.get("RAY_ADDRESS"):
-        problem = local_cluster_problem(node_map.nodes, node_map.gpus_per_node, gpus_here=host_gpus(),
-                                        simulated=cfg.placement.simulated_gpus)
-        problems += [problem] if problem else []
-    checked = set()
-    for role in [*node_map.roles, *(["vllm"] if node_map.vllm else [])]:
-        for key, path in role_models(cfg)[role]:
-            if path in checked:  # each path once, under the first field that names it
-                continue
-            checked.add(path)
-            try:
-                check_model_source(resolve_model_path(path), key)
-            except ModelPathError as e:
-                fix = e.fix
-                if "hub" in e.reason and netns.inside():
-                    fix += ("; this job runs in a private network (placement.local_network), where the hub cannot be "
-                            "reached: download the model beforehand, or set placement.local_network=host")
-                problems.append(Problem(e.key, repr(e.path), e.reason, fix))
-    return problems
-
-
-def run_ray_ppo(cfg: PPOConfig) -> dict:
-    """Plan, check the host and the model paths, connect to (or start) the Ray cluster, reserve the
-    map's GPUs, train, clean up. A plan that cannot work, or cannot start here, fails before Ray starts."""
-    from hpcrlhf.cluster.reservation import reserve
-    from hpcrlhf.cluster.session import ray_session
-    from hpcrlhf.placement import build_node_map
-
-    node_map = build_node_map(cfg)
-    log.info("node map:\n" + node_map.render())
-    raise_problems(start_problems(cfg, node_map), title="ppo on Ray would fail here, so nothing was started")
-    with ray_session(node_map.nodes, node_map.gpus_per_node) as node_ips:
-        reservation = reserve(node_map, node_ips)
-        trainer = None
-        try:
-            trainer = PPOTrainer(cfg, lambda t: RayRoles(t, reservation))
-            return trainer.fit()
-        except Exception as e:
-            groups = trainer.roles.all_groups if trainer is not None else []
-            cause = lost_worker_error(e, groups)
-            if cause is None:
-                raise
-            verdict_by = time.monotonic() + NODE_VERDICT_S
-            if unreachable(cause):
-                log.info(f"lost contact with a worker: waiting up to {NODE_VERDICT_S:.0f} s for Ray to tell whether "
-                         "it or its node died")
-                cause = death_verdict(worker_with_id(cause.actor_id, groups), cause, NODE_VERDICT_S)
-            message = dead_worker_message(cause, groups)
-            lost = reservation.lost_nodes(max(0.0, verdict_by - time.monotonic()) if unreachable(cause) else 0.0)
-            if lost:
-                message = "; ".join(lost_node_message(reservation.nodes[i].describe(i), i, groups) for i in lost)
-            latest = trainer.run.checkpoints.latest() if trainer is not None else None
-            raise WorkerLost(f"ppo on Ray: {message}. Every other worker was stopped; rerun the same command to "
-                             "resume from " + (f"the last checkpoint ({latest.name})" if latest else
-                                               "the start (no checkpoint yet: see checkpoint.every_steps)")) from None
-        finally:
-            if trainer is not None:
-                trainer.close()
-            reservation.release()
