@@ -17,6 +17,7 @@ import torch
 from hpcrlhf.config.schema import TrainConfig
 from hpcrlhf.engines.distributed import DistEnv
 from hpcrlhf.errors import ConfigError
+from hpcrlhf.trainers.seeds import epoch_order_seed
 
 
 @dataclass(frozen=True)
@@ -67,7 +68,7 @@ def rows_for_step(num_rows: int, step: int, seed: int, rank: int, *, steps_per_e
     just its step: no sample is lost or repeated across a restart.
     """
     epoch, within = divmod(step, steps_per_epoch)
-    order = torch.randperm(num_rows, generator=torch.Generator().manual_seed(seed + epoch))
+    order = torch.randperm(num_rows, generator=torch.Generator().manual_seed(epoch_order_seed(seed, epoch)))
     start = within * global_rows + rank * rows_per_rank
     return order[start : start + rows_per_rank].tolist()
 

@@ -23,6 +23,7 @@ from hpcrlhf.logs import get_logger
 from hpcrlhf.rewards import Response, RewardSet, adjust_scores
 from hpcrlhf.trainers.base import Trainer, merge_evaluation
 from hpcrlhf.run.stats import Stats
+from hpcrlhf.trainers.seeds import sampling_seed
 
 log = get_logger()
 
@@ -31,12 +32,6 @@ def sampling_params(r, *, n: int, seed: int | None, greedy: bool = False) -> Sam
     """The engine's sampling settings from a `rollout` config section."""
     return SamplingParams(n=n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_new_tokens,
                           min_new_tokens=r.min_new_tokens, greedy=greedy, seed=seed)
-
-
-def refill_seed(seed: int, round: int) -> int:
-    """The seed of a step's generation round: the run's own for the first, another per refill round
-    of ppo.dynamic_sampling (a prompt order and sampling of its own, the same on every attempt)."""
-    return seed + round * 1_000_033
 
 
 def flatten_generations(prompts: Sequence[Prompt], generations: list[list[Generation]], tokenizer
@@ -176,10 +171,7 @@ class OnlineTrainer(Trainer):
         self.rollout_synced = True
 
     def sampling(self, step: int, n: int, round: int = 0) -> SamplingParams:
-        # A seed per (step, rank) -- and per dynamic-sampling round -- makes a resumed run generate
-        # exactly what the first run would have.
-        seed = refill_seed(self.cfg.seed, round) * 1_000_003 + step * 7919 + self.env.rank
-        return sampling_params(self.cfg.rollout, n=n, seed=seed)
+        return sampling_params(self.cfg.rollout, n=n, seed=sampling_seed(self.cfg.seed, step, self.env.rank, round))
 
     def rollout_step(self, prompts: Sequence[Prompt], params: SamplingParams) -> Rollout:
         """Generate `params.n` responses per prompt and score them."""

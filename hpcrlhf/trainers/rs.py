@@ -33,6 +33,7 @@ from hpcrlhf.run.stats import Stats, reduce_means
 from hpcrlhf.trainers.online import OnlineTrainer, Rollout
 from hpcrlhf.trainers.batches import BatchPlan, rows_for_step
 from hpcrlhf.trainers.sequences import response_logps
+from hpcrlhf.trainers.seeds import selection_order_seed
 from hpcrlhf.trainers.sft import nll_step
 
 log = get_logger()
@@ -146,7 +147,7 @@ class RSTrainer(OnlineTrainer):
         g = self.plan.global_batch_rows
         # A small selection is cycled through: its indices tiled to at least one global batch.
         order = list(range(len(self.selected))) * max(1, -(-g // len(self.selected)))
-        idx = rows_for_step(len(order), within, self.cfg.seed + 1000 * k, self.env.rank,
+        idx = rows_for_step(len(order), within, selection_order_seed(self.cfg.seed, k), self.env.rank,
                             steps_per_epoch=len(order) // g, global_rows=g,
                             rows_per_rank=self.plan.rows_per_rank_per_step)
         records = [self.selected[order[i]] for i in idx]

@@ -51,7 +51,8 @@ from hpcrlhf.logs import get_logger
 from hpcrlhf.trainers.ppo.experience import ExperienceBatch
 from hpcrlhf.trainers.ppo.staleness import generate_ahead
 from hpcrlhf.data.prompts import Prompt
-from hpcrlhf.trainers.online import LaunchedRollout, OnlineTrainer, Rollout, refill_seed
+from hpcrlhf.trainers.online import LaunchedRollout, OnlineTrainer, Rollout
+from hpcrlhf.trainers.seeds import refill_seed
 from hpcrlhf.trainers.batches import key_settings
 from hpcrlhf.run.folder import StepAbandoned
 from hpcrlhf.trainers.ppo.roles import LocalRoles, PPORoles

@@ -24,6 +24,7 @@ from hpcrlhf.run.stats import Stats, add_stats, new_stats
 from hpcrlhf.trainers.ppo.experience import ReplayBuffer, collate_experience
 from hpcrlhf.run.guard import SKIPPED_SUFFIX
 from hpcrlhf.trainers.batches import PPOPlan
+from hpcrlhf.trainers.seeds import minibatch_seed
 
 """Metric -> [sum, count] over micro-batches (count 0: a plain sum, see `reduce_means`)."""
 
@@ -57,11 +58,6 @@ def forward_values(model, batch: dict[str, torch.Tensor], chunk_rows: int, devic
     """A value model's estimate at every position (B, T) on the CPU."""
     return torch.cat([model(input_ids=c["input_ids"], attention_mask=c["attention_mask"]).float().cpu()
                       for c in _chunks(batch, chunk_rows, device)])
-
-
-def minibatch_seed(seed: int, step: int, rank: int) -> int:
-    """Seed of a rank's mini-batch order at a step: actor and critic see the same mini-batches."""
-    return seed * 1_000_003 + step * 31 + rank
 
 
 class PPOLearner:
