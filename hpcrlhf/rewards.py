@@ -30,7 +30,7 @@ evaluation sees) and runs as the user's code (`hpcrlhf.run.usercode`): past its 
 would end the job, it fails with a RuleError naming the rule; a stop request interrupts it.
 
 `adjust_scores` then applies the configured penalties (length, missing EOS). Reward models are
-frozen models (see `Trainer.build_frozen_model`): sharded under ZeRO-3, so every rank must call
+frozen models (see `ModelFactory.build_frozen_model`): sharded under ZeRO-3, so every rank must call
 `score` with the same number of sequences.
 """
 
@@ -235,7 +235,7 @@ def check_rules(cfg) -> None:
 class EvalMetrics:
     """What evaluation reports about each generated answer: the task score (with a task) and the
     user's metrics (`eval.metrics`: `package.module:function` rules, reported under the function's
-    name). `stats` gives `eval/<name>` sums for `Trainer.eval_means`, `values` each answer's."""
+    name). `stats` gives `eval/<name>` sums for `TrainingLoop.eval_means`, `values` each answer's."""
 
     def __init__(self, metrics: Sequence[str], task, field: str = "eval.metrics",
                  timeout_s: float = DEFAULT_USER_CODE_TIMEOUT_S, timeout_key: str = "eval.metric_timeout_s"):

@@ -281,7 +281,7 @@ def test_a_metric_must_be_finite_and_not_named_like_the_task_score(tmp_path, mon
 
 
 def test_a_metric_named_like_one_the_job_reports_is_refused():
-    from hpcrlhf.trainers.base import merge_evaluation
+    from hpcrlhf.trainers.loop import merge_evaluation
 
     assert merge_evaluation({"eval/loss": 1.0}, {"eval/exact": 0.5}) == {"eval/loss": 1.0, "eval/exact": 0.5}
     with pytest.raises(ConfigError, match="a metric function named 'loss' is reported as eval/loss, which this job's "

@@ -95,7 +95,7 @@ def _show(changes: dict[str, tuple[Any, Any]]) -> str:
 
 class StepAbandoned(Exception):
     """A stop request came during a step or an evaluation, and every rank agreed to drop it
-    (`Run.stoppable`); internal: `Trainer.fit` checkpoints the steps done and ends the run."""
+    (`Run.stoppable`); internal: `TrainingLoop.fit` checkpoints the steps done and ends the run."""
 
 
 class Run:

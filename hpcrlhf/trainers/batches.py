@@ -15,6 +15,7 @@ from typing import Sequence
 import torch
 
 from hpcrlhf.config.schema import TrainConfig
+from hpcrlhf.data.batching import shard_rows
 from hpcrlhf.engines.distributed import DistEnv
 from hpcrlhf.errors import ConfigError
 from hpcrlhf.trainers.seeds import epoch_order_seed
@@ -157,9 +158,9 @@ def key_settings(cfg, *, ranks: int, micro_batch_rows: int, grad_accum_steps: in
 
 
 def eval_shards(items: Sequence, env: DistEnv, batch_size: int) -> list[tuple[list, bool]]:
-    """This rank's share of `items` in batches; every rank gets the same number of batches (a
-    ZeRO-3 requirement), padded with dummy batches flagged True."""
-    shard = list(items[env.rank :: env.world_size])
+    """This rank's share of `items` (`shard_rows`) in batches; every rank gets the same number of
+    batches (a ZeRO-3 requirement), padded with dummy batches flagged True."""
+    shard = [items[i] for i in shard_rows(len(items), env.world_size)[env.rank]]
     n_batches = math.ceil(math.ceil(len(items) / env.world_size) / batch_size) if items else 0
     batches = [shard[i * batch_size : (i + 1) * batch_size] for i in range(n_batches)]
     return [(b, False) if b else ([items[0]], True) for b in batches]

@@ -32,7 +32,7 @@ from hpcrlhf.engines.distributed import DistEnv, all_reduce_tensor
 from hpcrlhf.logs import Progress, get_logger
 from hpcrlhf.run.files import replace_file
 from hpcrlhf.run.stats import Stats
-from hpcrlhf.trainers.base import Trainer
+from hpcrlhf.trainers.single_model import SingleModelTrainer
 from hpcrlhf.trainers.batches import eval_shards
 from hpcrlhf.trainers.sequences import response_logps
 
@@ -42,7 +42,7 @@ CACHE = "reference_logps.pt"
 """The precomputed tables' file in the run folder."""
 
 
-class OfflinePolicyTrainer(Trainer):
+class OfflinePolicyTrainer(SingleModelTrainer):
     """Each training/eval item holds SEQUENCES_PER_ITEM sequences (a pair's chosen and rejected
     response; a KTO sample and its mismatched sequence). Reference tables lay them out item by
     item, so sequence `part` of item i has id `SEQUENCES_PER_ITEM * i + part` (`sequence_ids`)."""

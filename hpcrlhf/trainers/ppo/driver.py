@@ -27,7 +27,7 @@ temperature 1), not the rollout engine's: the two agree to ~1e-5 (logged as
 `rollout/logprob_max_diff`), and recomputing keeps the ratio exactly 1 at the first update.
 
 The models are reached through a roles interface (`trainers.ppo.roles.PPORoles`): `LocalRoles`
-holds them in this process (one rank of a torchrun group), `ppo_ray.RayRoles` on Ray workers placed
+holds them in this process (one rank of a torchrun group), `ray.roles.RayRoles` on Ray workers placed
 by the node map (`placement.runtime: ray`); the driver, its schedule and its checkpoints are the same.
 """
 
@@ -44,20 +44,20 @@ from hpcrlhf.algos.logprobs import IGNORE
 from hpcrlhf.algos.ppo import (RunningMoments, build_kl_controller, clip_rewards, kl_estimate, masked_sum,
                                normalize_scores, shape_rewards, truncated_is_weights)
 from hpcrlhf.config.schema import PPOConfig
-from hpcrlhf.data.sft import TokenizedSample
+from hpcrlhf.data.prompts import Prompt
 from hpcrlhf.engines.distributed import all_reduce_sum
 from hpcrlhf.engines.rollout import Done
 from hpcrlhf.logs import get_logger
-from hpcrlhf.trainers.ppo.experience import ExperienceBatch
-from hpcrlhf.trainers.ppo.staleness import generate_ahead
-from hpcrlhf.data.prompts import Prompt
-from hpcrlhf.trainers.online import LaunchedRollout, OnlineTrainer, Rollout
-from hpcrlhf.trainers.seeds import refill_seed
-from hpcrlhf.trainers.batches import key_settings
 from hpcrlhf.run.folder import StepAbandoned
-from hpcrlhf.trainers.ppo.roles import LocalRoles, PPORoles
-from hpcrlhf.trainers.sequences import model_batch
 from hpcrlhf.run.stats import Stats, reduce_means
+from hpcrlhf.trainers.batches import key_settings
+from hpcrlhf.trainers.loop import Checkpointable
+from hpcrlhf.trainers.online import LaunchedRollout, OnlineTrainer, Rollout
+from hpcrlhf.trainers.ppo.dynamic_sampling import fill_step
+from hpcrlhf.trainers.ppo.experience import ExperienceBatch, rollout_batch
+from hpcrlhf.trainers.ppo.roles import LocalRoles, PPORoles, RoleContext
+from hpcrlhf.trainers.ppo.staleness import generate_ahead, load_ahead, save_ahead
+from hpcrlhf.trainers.seeds import refill_seed
 
 log = get_logger()
 
@@ -66,18 +66,22 @@ class PPOTrainer(OnlineTrainer):
     kind = "ppo"
     progress_key = "rollout/score"
 
-    def __init__(self, cfg: PPOConfig, roles: Callable[[PPOTrainer], PPORoles] = LocalRoles):
-        """`roles(trainer)` builds the job's models once the prompts are loaded: `LocalRoles` in this
-        process, or `ppo_ray.RayRoles` on the node map's Ray workers."""
+    def __init__(self, cfg: PPOConfig, roles: Callable[[RoleContext], PPORoles] = LocalRoles):
+        """`roles(context)` builds the job's models once the prompts are loaded: `LocalRoles` in this
+        process, or `ray.roles.RayRoles` on the node map's Ray workers."""
         self.setup(cfg)
         self.setup_online()
-        self.roles = roles(self)
-        self.plan, self.rollout, self.hf_rollout, self.rewards = (self.roles.plan, self.roles.rollout,
-                                                                  self.roles.hf_rollout, self.roles.rewards)
+        self.roles = roles(RoleContext(cfg, self.models, self.task, len(self.prompts), self.run.dir, self.run.timed))
         # a vLLM engine starts from model.path: the actor's weights go in before it generates
         self.rollout_synced = self.rollout is self.hf_rollout
         self.setup_ppo_state()
         self.log_start(self.roles.where)
+
+    # -- what the roles hold, read from them (the driver keeps no copy) --------------------------
+    plan = property(lambda self: self.roles.plan)
+    rollout = property(lambda self: self.roles.rollout)
+    hf_rollout = property(lambda self: self.roles.hf_rollout)
+    rewards = property(lambda self: self.roles.rewards)
 
     def setup_ppo_state(self) -> None:
         """The KL controller, the running reward moments and the rollout generated ahead."""
@@ -104,16 +108,19 @@ class PPOTrainer(OnlineTrainer):
         log.info(key_settings(cfg, ranks=plan.data_parallel_size, micro_batch_rows=plan.micro_batch_rows,
                               grad_accum_steps=plan.grad_accum_steps))
 
+    # -- the loop's questions, answered by the roles --------------------------------------------
     @property
-    def checkpointable(self):
+    def checkpointable(self) -> Checkpointable:
         return PPOState(self)
 
-    # -- the roles' side ------------------------------------------------------------------------
     def trained_weights(self):
         return self.roles.trained_weights()
 
     def optimizer_stats(self) -> dict[str, float | None]:
         return self.roles.optimizer_stats()
+
+    def skipped_updates(self) -> None:
+        return None  # each learner reports its engine's in the step's metrics
 
     def save_outputs(self) -> None:
         self.roles.save_model()
@@ -121,12 +128,8 @@ class PPOTrainer(OnlineTrainer):
     def close(self) -> None:
         self.roles.close()
 
-    def sync_rollout(self) -> None:
-        """Push the actor's weights into the rollout engine (nothing to do when it generates with
-        the trained module itself)."""
-        if self.rollout is not self.hf_rollout:
-            self.sync_metrics = self.roles.push_weights() or self.sync_metrics
-        self.rollout_synced = True
+    def send_policy_weights(self) -> dict[str, float] | None:
+        return self.roles.push_weights()
 
     def greedy_rollout(self):
         """Evaluation generates with the trained module where this process holds it (and keeps it
@@ -151,7 +154,7 @@ class PPOTrainer(OnlineTrainer):
         with self.run.timed("make_experience"):
             experience, stats = self.make_experience(rollout)
         with self.run.timed("train"):  # wall time of the updates (train_actor/critic may overlap)
-            sums = self.learn(experience, step)
+            sums = self.train_roles(experience, step)
         self.await_ahead()
         with self.run.timed("weight_sync"):
             self.sync_rollout()
@@ -166,8 +169,6 @@ class PPOTrainer(OnlineTrainer):
         the next step's is started here, once this one's generations are in."""
         n = self.cfg.rollout.samples_per_prompt
         if self.cfg.ppo.dynamic_sampling:
-            from hpcrlhf.trainers.ppo.dynamic_sampling import fill_step
-
             filled = fill_step(lambda r: self.rollout_step(self.step_prompts(step, r), self.sampling(step, n, r)),
                                n=n, max_rounds=self.cfg.ppo.dynamic_sampling_max_rounds,
                                missing_anywhere=lambda missing: int(all_reduce_sum([missing])[0]))
@@ -188,21 +189,15 @@ class PPOTrainer(OnlineTrainer):
             self.ahead = ahead
             raise
 
-    def save_ahead(self, folder: Path, rank: int) -> None:
-        """Into a checkpoint: the rollout generated ahead for the next step (done by now: the step's
-        sync waited for it), so that a run resumed here scores the samples an uninterrupted one does."""
-        if self.ahead is not None:
-            step, launched = self.ahead
-            torch.save({"step": step, "generations": launched.pending.result()}, folder / f"ahead_rank{rank}.pt")
-
-    def load_ahead(self, folder: Path, rank: int) -> None:
-        path = folder / f"ahead_rank{rank}.pt"
+    def restore_ahead(self, folder: Path, rank: int) -> None:
+        """The rollout generated ahead that a checkpoint holds (`staleness.save_ahead`), if any."""
+        saved = load_ahead(folder, rank)
         self.ahead = None
-        if path.exists():
-            state = torch.load(path, weights_only=False)
-            step, n = state["step"], self.cfg.rollout.samples_per_prompt
-            self.ahead = (step, LaunchedRollout(self.step_prompts(step), self.sampling(step, n),
-                                                Done(state["generations"])))
+        if saved is not None:
+            step, generations = saved
+            self.ahead = (step, LaunchedRollout(self.step_prompts(step),
+                                                self.sampling(step, self.cfg.rollout.samples_per_prompt),
+                                                Done(generations)))
 
     def await_ahead(self) -> None:
         """Wait for the rollout generated ahead (before new weights go into its engines) and log
@@ -217,9 +212,6 @@ class PPOTrainer(OnlineTrainer):
             pending.result()
         self.run.add_timing("overlap", max(0.0, min(pending.finished() or waited, waited) - pending.launched))
 
-    def skipped_updates(self) -> None:
-        return None  # each learner reports its engine's in the step's metrics
-
     def step_prompts(self, step: int, round: int = 0) -> list[Prompt]:
         """The step's prompts of the actor ranks this driver generates for, in rank order (`round`
         > 0: a dynamic-sampling refill, drawn from an order of its own)."""
@@ -229,16 +221,15 @@ class PPOTrainer(OnlineTrainer):
     @torch.no_grad()
     def make_experience(self, rollout: Rollout) -> tuple[ExperienceBatch, Stats]:
         """Old log-probs, reference log-probs, values, rewards and advantages of a rollout."""
-        batch = rollout_batch(rollout, self.pad_id)
-        old, ref, values = self.roles.score_tokens(batch)
-        return self.experience_from(rollout, batch, old, ref, values)
+        return self.experience_from(rollout, self.roles.score_tokens(rollout_batch(rollout, self.pad_id)))
 
-    def experience_from(self, rollout: Rollout, batch: dict[str, torch.Tensor], old: torch.Tensor,
-                        ref: torch.Tensor | None, values: torch.Tensor | None) -> tuple[ExperienceBatch, Stats]:
+    def experience_from(self, rollout: Rollout, scored: ExperienceBatch) -> tuple[ExperienceBatch, Stats]:
         """The maths of an experience: scores (normalised, clipped), the KL penalty, per-token
-        rewards, advantages and returns, from the models' numbers for the rollout's tokens."""
+        rewards, advantages and returns, from the models' numbers for the rollout's tokens
+        (`scored`: the rollout's batch with `old_logps`, and `ref_logps`, `values` where there are)."""
         cfg, ppo = self.cfg, self.cfg.ppo
-        mask = batch["labels"] != IGNORE
+        old, ref, values = (scored.tensors.get(k) for k in ("old_logps", "ref_logps", "values"))
+        mask = scored.tensors["labels"] != IGNORE
         if values is not None:
             values = values * mask
         scores = rollout.scores.clone()
@@ -263,11 +254,8 @@ class PPOTrainer(OnlineTrainer):
             start = len(r.sequence_ids) - len(g.response_ids)
             rollout_logps[i, start - 1 : start - 1 + len(g.logprobs)] = torch.tensor(g.logprobs)
         is_weights = truncated_is_weights(old, rollout_logps, mask, ppo.tis_cap) if ppo.tis_cap else None
-        lengths = [len(r.sequence_ids) for r in rollout.responses]
-        experience = ExperienceBatch({"input_ids": batch["input_ids"], "labels": batch["labels"], "old_logps": old,
-                                      "advantages": advantages, "returns": returns, "values": values,
-                                      "ref_logps": ref if ppo.kl_loss_coef > 0 else None,
-                                      "is_weights": is_weights}, lengths)
+        experience = scored.with_tensors(advantages=advantages, returns=returns, values=values,
+                                         ref_logps=ref if ppo.kl_loss_coef > 0 else None, is_weights=is_weights)
         n = len(experience)
         stats = self.rollout_stats(rollout)
         if is_weights is not None:
@@ -283,7 +271,7 @@ class PPOTrainer(OnlineTrainer):
         return experience, stats
 
     # -- updates ----------------------------------------------------------------------------
-    def learn(self, experience: ExperienceBatch, step: int) -> Stats:
+    def train_roles(self, experience: ExperienceBatch, step: int) -> Stats:
         """The trained roles' PPO epochs on the new experience (the actor waits out
         `ppo.freeze_actor_steps`), timed per role (`timing/train_<role>`: from the common start
         to the role's end, where roles train at once). The weight sync that follows may start
@@ -307,15 +295,6 @@ class PPOTrainer(OnlineTrainer):
         return metrics
 
 
-def rollout_batch(rollout: Rollout, pad_id: int) -> dict[str, torch.Tensor]:
-    """The rollout's prompt + response sequences as one right-padded CPU batch, labels on the
-    response tokens only."""
-    samples = [TokenizedSample(r.sequence_ids, (False,) * (len(r.sequence_ids) - len(g.response_ids))
-                               + (True,) * len(g.response_ids), "rollout")
-               for r, g in zip(rollout.responses, rollout.generations)]
-    return model_batch(samples, pad_id, torch.device("cpu"))
-
-
 class PPOState:
     """Everything a PPO checkpoint holds: the roles' (actor and critic engines with their optimizers
     and schedules, their replay buffers), the driver's KL controller and running reward moments,
@@ -328,12 +307,12 @@ class PPOState:
     def save_checkpoint(self, folder: Path, client_state: dict[str, Any]) -> None:
         t = self.t
         t.roles.save(folder, {**client_state, **t.controller_state()})
-        t.save_ahead(folder, t.env.rank)
+        save_ahead(t.ahead, folder, t.env.rank)
 
     def load_checkpoint(self, folder: Path) -> dict[str, Any]:
         t = self.t
         state = t.roles.load(folder)
         t.load_controller_state(state)
-        t.load_ahead(folder, t.env.rank)
+        t.restore_ahead(folder, t.env.rank)
         t.rollout_synced = t.rollout is t.hf_rollout  # push the resumed weights before generating
         return state

@@ -1,5 +1,6 @@
-"""Experience: what one rollout leaves for the PPO updates, one sequence at a time, and the
-replay buffer that hands it out in mini-batches.
+"""The batch a PPO step passes around (`ExperienceBatch`): a rollout's sequences (`rollout_batch`),
+then the roles' numbers for their tokens, then the experience the updates learn from; one
+`Experience` per sequence, and the replay buffer that hands them out in mini-batches.
 
 Per-token fields are 1-D tensors aligned with the model's logits (see `data.batching`): position
 t holds the numbers of the action "emit token t+1", so `labels[t]` is that token (or -100 where
@@ -12,11 +13,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Iterator, Optional, Sequence
 
 import torch
 
 from hpcrlhf.algos.logprobs import IGNORE
+from hpcrlhf.data.batching import shard_rows
+from hpcrlhf.data.sft import TokenizedSample
+from hpcrlhf.trainers.online import Rollout
+from hpcrlhf.trainers.sequences import model_batch
 
 
 @dataclass
@@ -40,9 +45,13 @@ class Experience:
 
 @dataclass
 class ExperienceBatch:
-    """Experiences as right-padded (B, T) tensors, one per `Experience` field, plus each row's
-    length: how a rollout's experience is made and how it crosses between processes (a handful of
-    tensors, not one object per sequence)."""
+    """A rollout's sequences as named per-row tensors: the one batch shape that crosses between the
+    PPO driver and its roles, growing as the step goes. Token fields are right-padded (B, T)
+    tensors aligned with the logits: the forward inputs (`input_ids`, `attention_mask`, `labels`),
+    the roles' scores (`old_logps`, `ref_logps`, `values`), the experience (`advantages`,
+    `returns`, `is_weights`); per-row numbers are (B,) tensors (a reward worker's scores).
+    `lengths` holds each row's tokens. A handful of tensors, not one object per sequence; it
+    splits into row shards for a role's ranks (`split`) and joins again (`concat`)."""
 
     tensors: dict[str, Optional[torch.Tensor]]
     lengths: list[int]
@@ -56,12 +65,39 @@ class ExperienceBatch:
         return [Experience(**{k: (v[i, :n].clone() if v is not None else None) for k, v in self.tensors.items()
                               if k in names}) for i, n in enumerate(self.lengths)]
 
-    def shard(self, start: int, stop: int) -> "ExperienceBatch":
-        """Rows [start, stop), padding cut to their longest row."""
-        lengths = self.lengths[start:stop]
-        width = max(lengths, default=0)
-        return ExperienceBatch({k: (v[start:stop, :width].clone() if v is not None else None)
-                                for k, v in self.tensors.items()}, lengths)
+    def select(self, rows: Sequence[int]) -> "ExperienceBatch":
+        """The rows `rows`, in that order (a row may repeat); tensors keep their width."""
+        index = torch.tensor(list(rows), dtype=torch.long)
+        return ExperienceBatch({k: (v[index] if v is not None else None) for k, v in self.tensors.items()},
+                               [self.lengths[i] for i in rows])
+
+    def split(self, parts: int, *, pad_to_equal: bool = False) -> list["ExperienceBatch"]:
+        """`parts` contiguous row shards (`data.batching.shard_rows`, `pad_to_equal` as there)."""
+        return [self.select(rows) for rows in shard_rows(len(self), parts, pad_to_equal=pad_to_equal)]
+
+    def head(self, n: int) -> "ExperienceBatch":
+        return self.select(range(n))
+
+    @classmethod
+    def concat(cls, parts: Sequence["ExperienceBatch"]) -> "ExperienceBatch":
+        """The rows of `parts` in order (shards of one batch: the same fields and width)."""
+        return cls({k: (torch.cat([p.tensors[k] for p in parts]) if v is not None else None)
+                    for k, v in parts[0].tensors.items()}, [n for p in parts for n in p.lengths])
+
+    def with_tensors(self, **tensors: Optional[torch.Tensor]) -> "ExperienceBatch":
+        """These rows with more (or replaced) fields."""
+        return ExperienceBatch({**self.tensors, **tensors}, self.lengths)
+
+
+def rollout_batch(rollout: Rollout, pad_id: int) -> ExperienceBatch:
+    """The rollout's prompt + response sequences as one right-padded CPU batch of forward inputs
+    (`input_ids`, `attention_mask`, `labels`: the response tokens only)."""
+    samples = [TokenizedSample(r.sequence_ids, (False,) * (len(r.sequence_ids) - len(g.response_ids))
+                               + (True,) * len(g.response_ids), "rollout")
+               for r, g in zip(rollout.responses, rollout.generations)]
+    batch = model_batch(samples, pad_id, torch.device("cpu"))
+    return ExperienceBatch({k: batch[k] for k in ("input_ids", "attention_mask", "labels")},
+                           [len(r.sequence_ids) for r in rollout.responses])
 
 
 def collate_experience(items: list[Experience], pad_id: int, device: torch.device) -> dict[str, torch.Tensor]:

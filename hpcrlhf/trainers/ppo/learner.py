@@ -1,7 +1,8 @@
 """The per-role halves of a PPO step, shared by the single-machine roles and the Ray role workers:
 
 - `build_role_model`: a role's model as its config section says (actor, critic, reference);
-- forward passes over a rollout batch: token log-probs (actor, reference) and values (critic);
+- `token_scores`: a role's forward pass over a rollout batch, token log-probs (actor, reference)
+  or values (critic);
 - `PPOLearner`: a trained role's PPO epochs over its replay buffer (actor: clipped policy loss,
   entropy bonus, KL loss; critic: clipped value loss).
 
@@ -18,19 +19,19 @@ import torch
 
 from hpcrlhf.algos.logprobs import IGNORE, token_logprobs
 from hpcrlhf.algos.ppo import aggregate_loss, entropy_from_logits, kl_estimate, masked_sum, policy_loss, value_loss
+from hpcrlhf.config.schema import PPOConfig
 from hpcrlhf.engines.distributed import all_reduce_sum
+from hpcrlhf.models.factory import ModelFactory
 from hpcrlhf.models.moe import router_kwargs
-from hpcrlhf.run.stats import Stats, add_stats, new_stats
-from hpcrlhf.trainers.ppo.experience import ReplayBuffer, collate_experience
 from hpcrlhf.run.guard import SKIPPED_SUFFIX
+from hpcrlhf.run.stats import Stats, add_stats, new_stats
 from hpcrlhf.trainers.batches import PPOPlan
+from hpcrlhf.trainers.ppo.experience import ExperienceBatch, ReplayBuffer, collate_experience
 from hpcrlhf.trainers.seeds import minibatch_seed
 
-"""Metric -> [sum, count] over micro-batches (count 0: a plain sum, see `reduce_means`)."""
 
-
-def build_role_model(models, cfg, role: Literal["actor", "critic", "ref"], plan: PPOPlan):
-    """The model of a PPO role, built by `models` (a `ModelFactory`) for a role whose ranks follow
+def build_role_model(models: ModelFactory, cfg: PPOConfig, role: Literal["actor", "critic", "ref"], plan: PPOPlan):
+    """The model of a PPO role, built by `models` for a role whose ranks follow
     `plan`: the actor from model.path and the critic from its source (DeepSpeed training engines
     with their own optimizers), the reference from its source (frozen)."""
     if role == "ref":
@@ -41,23 +42,23 @@ def build_role_model(models, cfg, role: Literal["actor", "critic", "ref"], plan:
     return models.build_trained_model(path, value_head=role == "critic", optim=optim, key=field, **plan.engine_args())
 
 
-def _chunks(batch: dict[str, torch.Tensor], size: int, device: torch.device):
-    for start in range(0, batch["input_ids"].shape[0], size):
-        yield {k: v[start : start + size].to(device) for k, v in batch.items()}
+SCORE_FIELDS = {"actor": "old_logps", "ref": "ref_logps", "critic": "values"}
+"""The batch field each role's forward pass fills (`token_scores`)."""
+FORWARD_INPUTS = ("input_ids", "attention_mask", "labels")
 
 
 @torch.no_grad()
-def forward_logps(model, batch: dict[str, torch.Tensor], chunk_rows: int, device: torch.device) -> torch.Tensor:
-    """Log-prob of every label token (B, T) on the CPU, in chunks of `chunk_rows` sequences."""
-    return torch.cat([token_logprobs(model(input_ids=c["input_ids"], attention_mask=c["attention_mask"]).logits,
-                                     c["labels"]).cpu() for c in _chunks(batch, chunk_rows, device)])
-
-
-@torch.no_grad()
-def forward_values(model, batch: dict[str, torch.Tensor], chunk_rows: int, device: torch.device) -> torch.Tensor:
-    """A value model's estimate at every position (B, T) on the CPU."""
-    return torch.cat([model(input_ids=c["input_ids"], attention_mask=c["attention_mask"]).float().cpu()
-                      for c in _chunks(batch, chunk_rows, device)])
+def token_scores(role: Literal["actor", "ref", "critic"], model, batch: ExperienceBatch, chunk_rows: int,
+                 device: torch.device) -> ExperienceBatch:
+    """`role`'s number for every token of `batch` (B, T) on the CPU, computed in chunks of
+    `chunk_rows` sequences: the log-prob of each label token (actor, reference) or the value
+    model's estimate at each position (critic), as the batch field `SCORE_FIELDS[role]`."""
+    scores = []
+    for start in range(0, len(batch), chunk_rows):
+        c = {k: batch.tensors[k][start : start + chunk_rows].to(device) for k in FORWARD_INPUTS}
+        out = model(input_ids=c["input_ids"], attention_mask=c["attention_mask"])
+        scores.append(out.float().cpu() if role == "critic" else token_logprobs(out.logits, c["labels"]).cpu())
+    return ExperienceBatch({SCORE_FIELDS[role]: torch.cat(scores)}, batch.lengths)
 
 
 class PPOLearner:
@@ -66,7 +67,7 @@ class PPOLearner:
     (or sequence) count, so accumulation over micro-batches and ranks gives the exact mini-batch
     mean."""
 
-    def __init__(self, role: Literal["actor", "critic"], engine, cfg, plan: PPOPlan, pad_id: int, buffer: ReplayBuffer):
+    def __init__(self, role: Literal["actor", "critic"], engine, cfg: PPOConfig, plan: PPOPlan, pad_id: int, buffer: ReplayBuffer):
         self.role, self.engine, self.cfg, self.plan, self.pad_id, self.buffer = role, engine, cfg, plan, pad_id, buffer
         self.micro_loss: Callable = self.actor_loss if role == "actor" else self.critic_loss
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import time
 
-from hpcrlhf.cluster.reservation import Reservation
 from hpcrlhf.cluster.worker_group import (dead_worker_message, death_verdict, lost_node_message, lost_worker_error,
                                           unreachable, worker_with_id)
 from hpcrlhf.config.schema import PPOConfig
@@ -73,7 +72,7 @@ def run_ray_ppo(cfg: PPOConfig) -> dict:
         reservation = reserve(node_map, node_ips)
         trainer = None
         try:
-            trainer = PPOTrainer(cfg, lambda t: RayRoles(t, reservation))
+            trainer = PPOTrainer(cfg, lambda ctx: RayRoles(ctx, reservation))
             return trainer.fit()
         except Exception as e:
             groups = trainer.roles.all_groups if trainer is not None else []

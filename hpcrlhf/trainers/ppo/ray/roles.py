@@ -18,8 +18,10 @@ is its roles interface (`trainers.ppo.roles.PPORoles`) on Ray workers:
                     `learn` queued
     pop_busy        each role's busy seconds, read from its workers
 
-Data crosses between the driver and the roles as typed batches: padded tensors for forward
-passes, `ExperienceBatch` shards for updates, `Response`s for reward models.
+Data crosses between the driver and the roles as one batch shape, split into row shards over a
+role's ranks and joined again (`WorkerGroup.scatter_rows`, `gather_rows`): `ExperienceBatch`
+shards for forward passes, updates and back the scores; reward workers get the responses
+(`RowList`) and answer with an `ExperienceBatch` of scores.
 
 Before the first step the driver reads back where every worker runs and fails unless it is the
 map (`placement.json` in the run folder records both).
@@ -36,35 +38,22 @@ import torch
 
 from hpcrlhf.cluster.engines import EngineFleet, EngineWorker
 from hpcrlhf.cluster.reservation import Reservation
-from hpcrlhf.cluster.worker_group import WorkerGroup, even_bounds, gather
+from hpcrlhf.cluster.worker_group import WorkerGroup, gather, gather_rows
+from hpcrlhf.data.batching import RowList
 from hpcrlhf.errors import PlacementError
 from hpcrlhf.logs import get_logger
 from hpcrlhf.placement.roles import TRAINED
 from hpcrlhf.run.files import replace_file
 from hpcrlhf.run.stats import Stats, add_stats, new_stats
 from hpcrlhf.trainers.online import reward_set, vllm_engine_args
-from hpcrlhf.trainers.ppo.driver import PPOTrainer
 from hpcrlhf.trainers.ppo.experience import ExperienceBatch
+from hpcrlhf.trainers.ppo.learner import SCORE_FIELDS
 from hpcrlhf.trainers.ppo.phases import PhaseSwitch
 from hpcrlhf.trainers.ppo.ray.weight_push import WeightPush
 from hpcrlhf.trainers.ppo.ray.workers import ROLE_WORKERS, role_config
-from hpcrlhf.trainers.ppo.roles import TokenScores, role_plan
+from hpcrlhf.trainers.ppo.roles import RoleContext
 
 log = get_logger()
-
-def equal_shards(n: int, parts: int) -> list[list[int]]:
-    """Row indices of `parts` equal shards of n rows, the last row repeated to fill: every rank of
-    a ZeRO-3 role must run the same number of forward passes."""
-    size = -(-n // parts)
-    rows = list(range(n)) + [n - 1] * (size * parts - n)
-    return [rows[i * size : (i + 1) * size] for i in range(parts)]
-
-
-def pad_rows(batch: dict[str, torch.Tensor], parts: int) -> tuple[list[dict[str, torch.Tensor]], int]:
-    """Equal row shards of a batch for `parts` ranks, and the real row count."""
-    n = batch["input_ids"].shape[0]
-    return [{k: v[rows] for k, v in batch.items()} for rows in equal_shards(n, parts)], n
-
 
 class RemoteRewards:
     """The reward role's workers as a `RewardSet`: responses split evenly over its ranks."""
@@ -76,28 +65,27 @@ class RemoteRewards:
         self.names = ray.get(group.workers[0].names.remote())
 
     def score(self, responses: list) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        n = len(responses)
-        shards = [[responses[i] for i in rows] for rows in equal_shards(n, len(self.group))]
-        results = gather(self.group.scatter_async("score", shards), interruptible=True)  # rules may never return
-        total = torch.cat([t for t, _ in results])[:n]
-        return total, {name: torch.cat([p[name] for _, p in results])[:n] for name in self.names}
+        # equal shards: a ZeRO-3 reward model's ranks run the same forward passes; rules may never return
+        (scores,) = gather_rows(self.group.scatter_rows("score", RowList(responses), pad_to_equal=True),
+                                interruptible=True)
+        return scores.tensors["score"], {name: scores.tensors[f"reward/{name}"] for name in self.names}
 
 
 class RayRoles:
     """PPO's roles on the workers of `reservation`'s node map (`PPORoles`): one worker group per
     role, the vLLM engines, and the weight push between them. The driver holds no model."""
 
-    def __init__(self, trainer: PPOTrainer, reservation: Reservation):
-        t, cfg = trainer, trainer.cfg
-        self.t, self.reservation, node_map = t, reservation, reservation.node_map
-        self.plan = role_plan(t, len(node_map.role_ranks("actor")))
+    def __init__(self, ctx: RoleContext, reservation: Reservation):
+        cfg, node_map = ctx.cfg, reservation.node_map
+        self.reservation, self.run_dir, self.is_main = reservation, ctx.run_dir, ctx.models.env.is_main
+        self.plan = ctx.role_plan(len(node_map.role_ranks("actor")))
         self.prompt_ranks = range(self.plan.data_parallel_size)
         self.groups: dict[str, WorkerGroup] = {}
         for role, worker in ROLE_WORKERS.items():
             if not node_map.role_ranks(role):
                 continue
             r = node_map.roles[role]
-            plan = role_plan(t, r.ranks) if role in TRAINED else self.plan
+            plan = ctx.role_plan(r.ranks) if role in TRAINED else self.plan
             self.groups[role] = WorkerGroup.for_role(
                 role, worker, reservation, role_config(cfg, r.zero_stage, r.offload_optimizer, r.offload_params, role),
                 plan)
@@ -109,9 +97,10 @@ class RayRoles:
         self.hf_rollout = None  # the actor module lives on its workers
         gather([ref for g in self.groups.values() for ref in g.call_async("setup")])
         # rules only without a reward role (the plan gives the reward role GPUs whenever there is a reward model)
-        self.rewards = RemoteRewards(self.groups["reward"]) if "reward" in self.groups else reward_set(cfg, t.models, t.task)
+        self.rewards = (RemoteRewards(self.groups["reward"]) if "reward" in self.groups
+                        else reward_set(cfg, ctx.models, ctx.task))
         self.phases = PhaseSwitch.for_job(cfg, self.trained, self.rollout,
-                                          lambda role, verb: self.groups[role].call(verb), lambda: t.run.timed("swap"))
+                                          lambda role, verb: self.groups[role].call(verb), lambda: ctx.timed("swap"))
         self.check_placement()
         self.where = (f"on Ray: {', '.join(f'{r} {len(g)} rank(s)' for r, g in self.groups.items())}, "
                       f"{len(engines)} vLLM engine(s) x TP {tp}")
@@ -137,24 +126,20 @@ class RayRoles:
             if (w.node_ip, w.visible_devices) != want:
                 wrong.append(f"{w.role}[{w.rank}] runs on {w.node_ip} GPUs {w.visible_devices!r}, the map says "
                              f"{want[0]} GPUs {want[1]!r}")
-        if self.t.env.is_main:
-            replace_file(self.t.run.dir / "placement.json", json.dumps(
+        if self.is_main:
+            replace_file(self.run_dir / "placement.json", json.dumps(
                 {"node_map": json.loads(self.reservation.node_map.to_json()), "workers": rows}, indent=2) + "\n")
         if wrong:
             raise PlacementError("workers are not where the node map puts them:\n" + "\n".join(f"- {x}" for x in wrong))
 
     # -- PPORoles --------------------------------------------------------------------------------
-    def score_tokens(self, batch: dict[str, torch.Tensor]) -> TokenScores:
+    def score_tokens(self, batch: ExperienceBatch) -> ExperienceBatch:
+        """Every scoring role at once, each rank on an equal row shard (ZeRO-3 ranks run the same
+        forward passes)."""
         self.phases.enter("train")
-        wanted = {"actor": "logps", "ref": "logps", "critic": "values"}
-        pending: dict[str, tuple[list[Any], int]] = {}
-        for role, method in wanted.items():
-            if role in self.groups:
-                shards, n = pad_rows(batch, len(self.groups[role]))
-                pending[role] = (self.groups[role].scatter_async(method, shards), n)
-        results = iter(gather([ref for refs, _ in pending.values() for ref in refs]))
-        out = {role: torch.cat([next(results) for _ in refs])[:n] for role, (refs, n) in pending.items()}
-        return out["actor"], out.get("ref"), out.get("critic")
+        scattered = [self.groups[role].scatter_rows("token_scores", batch, pad_to_equal=True)
+                     for role in SCORE_FIELDS if role in self.groups]
+        return batch.with_tensors(**{k: v for scores in gather_rows(*scattered) for k, v in scores.tensors.items()})
 
     def learn(self, experience: ExperienceBatch, step: int, roles: Sequence[str],
               push: bool = False) -> tuple[Stats, dict[str, float]]:
@@ -165,11 +150,7 @@ class RayRoles:
         import ray
 
         self.phases.enter("train")
-        pending: dict[str, list[Any]] = {}
-        for role in roles:
-            group = self.groups[role]
-            shards = [experience.shard(a, b) for a, b in even_bounds(len(experience), len(group))]
-            pending[role] = group.scatter_async("learn", shards, step)
+        pending = {role: self.groups[role].scatter_rows("update", experience, step).refs for role in roles}
         if push and not self.phases.sleepers:
             self.rollout.start_sync()
         start, left, seconds = time.perf_counter(), {role: set(refs) for role, refs in pending.items()}, {}

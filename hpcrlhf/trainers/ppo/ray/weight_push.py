@@ -39,7 +39,7 @@ class WeightPush:
         the tasks to `finish`. None where the collective group must be formed first (the first
         push, a restarted engine): forming it needs the actor now."""
         if self.mode == "object_store":
-            return self.actor.call_async("push_weights", engines)
+            return self.actor.call_async("put_weights", engines)
         if self.members != self.ids(engines):
             return None
         return [*self.actor.call_async("broadcast_weights"), *[e.receive_weights.remote() for e in engines]]

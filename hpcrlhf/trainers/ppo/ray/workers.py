@@ -3,7 +3,8 @@
 A rank builds its model exactly as the single-machine trainer does (`ModelFactory.build_trained_model`
 / `build_frozen_model`, with its role's ZeRO settings from the map) and runs the same per-role
 code (`trainers.ppo.learner`): the only difference is that its process group holds its role's
-ranks alone. The driver (`trainers.ppo.ray.roles`) moves one typed batch between the roles.
+ranks alone. The driver (`trainers.ppo.ray.roles`) sends each rank its row shard of one batch
+(`ExperienceBatch`) and joins their answers.
 
 Weight sync (`placement.vllm.weight_sync`): by default actor rank 0 broadcasts the weights to
 every engine worker in a process group made for it (`hpcrlhf.engines.weight_sync`), every actor
@@ -17,21 +18,24 @@ import dataclasses
 from pathlib import Path
 from typing import Any, Sequence
 
-import torch
 
 from hpcrlhf.cluster.worker_group import RoleWorker, busy, gather
+from hpcrlhf.config.schema import PPOConfig
+from hpcrlhf.data.batching import RowList
+from hpcrlhf.data.tasks import build_task
 from hpcrlhf.models.factory import ModelFactory
-from hpcrlhf.trainers.ppo.experience import ExperienceBatch, ReplayBuffer
-from hpcrlhf.trainers.batches import PPOPlan
-from hpcrlhf.trainers.ppo.learner import PPOLearner, build_role_model, forward_logps, forward_values
 from hpcrlhf.run.stats import Stats
+from hpcrlhf.trainers.batches import PPOPlan
+from hpcrlhf.trainers.online import reward_set
+from hpcrlhf.trainers.ppo.experience import ExperienceBatch, ReplayBuffer
+from hpcrlhf.trainers.ppo.learner import PPOLearner, build_role_model, token_scores
 
 
 class PPOWorker(RoleWorker):
     """One rank of a PPO model role. `setup()` (after the role's process group is joined) builds
     its model; the role's methods then serve the driver."""
 
-    def __init__(self, role: str, rank: int, world_size: int, cfg, plan: PPOPlan) -> None:
+    def __init__(self, role: str, rank: int, world_size: int, cfg: PPOConfig, plan: PPOPlan) -> None:
         super().__init__(role, rank, world_size)
         self.cfg, self.plan = cfg, plan
 
@@ -42,8 +46,15 @@ class PPOWorker(RoleWorker):
     def build(self) -> None:
         raise NotImplementedError
 
-    def _logps(self, model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        return forward_logps(model, batch, self.cfg.eval.batch_size, self.models.device)
+    def scoring_model(self):
+        """The model whose numbers `token_scores` returns, ready for a forward pass."""
+        raise NotImplementedError
+
+    @busy
+    def token_scores(self, batch: ExperienceBatch) -> ExperienceBatch:
+        """This rank's row shard of a rollout batch -> the role's numbers for its tokens
+        (`learner.token_scores`: log-probs for the actor and reference, values for the critic)."""
+        return token_scores(self.role, self.scoring_model(), batch, self.cfg.eval.batch_size, self.models.device)
 
 
 class TrainedWorker(PPOWorker):
@@ -55,9 +66,14 @@ class TrainedWorker(PPOWorker):
         self.buffer = ReplayBuffer(cfg.ppo.buffer_limit)
         self.learner = PPOLearner(self.role, self.engine, cfg, plan, self.models.pad_id, self.buffer)
 
+    def scoring_model(self):
+        self.engine.eval()
+        return self.engine
+
     @busy
-    def learn(self, experience: ExperienceBatch, step: int) -> Stats:
-        """This rank's share of a rollout's experience -> PPO epochs on it; returns metric sums."""
+    def update(self, experience: ExperienceBatch, step: int) -> Stats:
+        """This rank's share of a rollout's experience -> its learner's PPO epochs on it; returns
+        metric sums."""
         self.buffer.add(experience.rows())
         return self.learner.update(step, self.rank)
 
@@ -82,13 +98,9 @@ class TrainedWorker(PPOWorker):
 
 class ActorWorker(TrainedWorker):
     @busy
-    def logps(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        self.engine.eval()
-        return self._logps(self.engine, batch)
-
-    @busy
-    def push_weights(self, engines: Sequence[Any]) -> None:
-        """The actor's full weights into every vLLM engine (all actor ranks call: ZeRO-3 gathers)."""
+    def put_weights(self, engines: Sequence[Any]) -> None:
+        """The actor's full weights into every vLLM engine through Ray's object store (the
+        `placement.vllm.weight_sync=object_store` path; all actor ranks call: ZeRO-3 gathers)."""
         import ray
 
         from hpcrlhf.models.export import checkpoint_names
@@ -148,43 +160,40 @@ class ActorWorker(TrainedWorker):
 
 
 class CriticWorker(TrainedWorker):
-    @busy
-    def values(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        self.engine.eval()
-        return forward_values(self.engine, batch, self.cfg.eval.batch_size, self.models.device)
+    pass
 
 
 class ReferenceWorker(PPOWorker):
     def build(self) -> None:
         self.model = build_role_model(self.models, self.cfg, "ref", self.plan)
 
-    @busy
-    def logps(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        return self._logps(self.model, batch)
+    def scoring_model(self):
+        return self.model
 
 
 class RewardWorker(PPOWorker):
     """The reward sources (every reward model and rule) on one rank."""
 
     def build(self) -> None:
-        from hpcrlhf.data.tasks import build_task
-        from hpcrlhf.trainers.online import reward_set
-
         self.rewards = reward_set(self.cfg, self.models, build_task(self.cfg.task, self.cfg.data))
 
     def names(self) -> list[str]:
         return list(self.rewards.names)
 
     @busy
-    def score(self, responses: list) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        return self.rewards.score(responses)
+    def score(self, responses: RowList) -> ExperienceBatch:
+        """This rank's share of the responses -> their scores (`score`) and each source's values
+        (`reward/<name>`), (B,) rows."""
+        total, parts = self.rewards.score(responses)
+        return ExperienceBatch({"score": total, **{f"reward/{name}": v for name, v in parts.items()}},
+                               [len(r.sequence_ids) for r in responses])
 
 
 ROLE_WORKERS: dict[str, type[PPOWorker]] = {"actor": ActorWorker, "critic": CriticWorker, "ref": ReferenceWorker,
                                             "reward": RewardWorker}
 
 
-def role_config(cfg, zero_stage: int, offload_optimizer: bool, offload_params: bool, role: str):
+def role_config(cfg: PPOConfig, zero_stage: int, offload_optimizer: bool, offload_params: bool, role: str):
     """The job config as one role's ranks run it: the role's effective DeepSpeed settings (from
     the node map) in `engine` (and `reference.offload` for the reference)."""
     engine = dataclasses.replace(cfg.engine, zero_stage=zero_stage, offload_optimizer=offload_optimizer,

@@ -1,37 +1,48 @@
-"""The training loop every single-model trainer shares (SFT, RM, DPO, KTO, CSFT).
+"""The fit loop every job shares (SFT, RM, DPO, KTO, CSFT, rejection sampling, PPO).
 
-A subclass calls `setup(cfg)`, loads its data, calls `build_engine(num_rows)`, and supplies the
-two things that differ between algorithms: `train_step(step)` (one optimizer step; returns
-`train/*` metrics for that step, `train/tokens` included) and `evaluate()`. The base owns the
-rest: model loading (causal LM or value model, LoRA), the DeepSpeed engine, resume, progress,
-windowed metrics, periodic evaluation and checkpoints, stop requests, the exported model and the
-summary. `sample_mean_step` and `eval_means` are the shared shapes of a step and an evaluation
-whose loss is a mean over samples; `generation_scores` answers the held-out prompts greedily and
-reports the task score and the user's `eval.metrics` of the answers.
+A trainer calls `setup(cfg)`, builds its models and plan (`self.plan`: total steps, steps per
+epoch), and supplies what differs between jobs: `train_step(step)` (one step; returns `train/*`
+metrics for that step, `train/tokens` included), `evaluate()`, and what its models are
+(`checkpointable`, `trained_weights`, `optimizer_stats`, `skipped_updates`, `save_outputs`: one
+trained engine in `single_model.SingleModelTrainer`, PPO's roles in `ppo.driver.PPOTrainer`). The
+loop owns the rest: the run folder, resume, progress, windowed metrics, periodic evaluation and
+checkpoints, the NaN/Inf guard, stop requests, early stopping, the exported model and the summary.
+`eval_means` is the shared shape of an evaluation: means over items sharded over ranks.
 """
 
 from __future__ import annotations
 
 import time
 from collections import defaultdict
-from typing import Any, Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Callable, Mapping, Protocol, Sequence
 
 import torch
 
+from hpcrlhf.config.schema import TrainJobConfig
 from hpcrlhf.config.stop_rule import parse_stop_rule
-from hpcrlhf.data.sources import Row
-from hpcrlhf.engines.distributed import all_reduce_sum
-from hpcrlhf.engines.hf_generate import generate_greedy
+from hpcrlhf.data.loading import held_out_prompt_rows, task_note
+from hpcrlhf.data.tasks import build_task
 from hpcrlhf.errors import ConfigError
 from hpcrlhf.logs import get_logger
-from hpcrlhf.run.metrics import read_metrics
-from hpcrlhf.run.guard import SKIPPED_SUFFIX, NonFiniteError, NonFiniteGuard, SkipStep, require_finite_start
-from hpcrlhf.trainers.batches import BatchPlan, eval_shards, key_settings
+from hpcrlhf.models.context import ContextWindow
+from hpcrlhf.models.factory import ModelFactory
+from hpcrlhf.rewards import EvalMetrics, check_rules
 from hpcrlhf.run.folder import Run, StepAbandoned
+from hpcrlhf.run.guard import SKIPPED_SUFFIX, NonFiniteError, NonFiniteGuard, SkipStep, require_finite_start
+from hpcrlhf.run.metrics import read_metrics
 from hpcrlhf.run.stats import Stats, add_stats, new_stats, reduce_means
+from hpcrlhf.trainers.batches import BatchPlan, PPOPlan, eval_shards
 
 log = get_logger()
 
+
+class Checkpointable(Protocol):
+    """What a checkpoint saves and restores (`Run.save_checkpoint`, `Run.resume`)."""
+
+    def save_checkpoint(self, folder: Path, client_state: dict[str, Any]) -> None: ...
+
+    def load_checkpoint(self, folder: Path) -> dict[str, Any]: ...
 
 
 def idle_shares(timings: dict[str, float]) -> dict[str, float]:
@@ -42,15 +53,20 @@ def idle_shares(timings: dict[str, float]) -> dict[str, float]:
             for key, value in timings.items() if key.startswith("timing/busy_") and step > 0}
 
 
-class Trainer:
+class TrainingLoop:
+    """A job's training loop (`fit`); subclasses supply the steps, the evaluation and their models."""
+
     kind = "train"
     progress_key = "train/loss"
     """The metric shown next to the progress bar."""
     value_head = False
-    """True for trainers whose model is a value model (reward model), else a causal LM."""
+    """True for trainers whose model is a value model (reward model), else a causal LM: a value
+    model generates nothing, so evaluation answers no held-out prompts."""
+    plan: BatchPlan | PPOPlan
+    """The run's length (`total_steps`, `steps_per_epoch`) and batch arithmetic."""
 
     # -- construction ---------------------------------------------------------------------------
-    def setup(self, cfg) -> None:
+    def setup(self, cfg: TrainJobConfig) -> None:
         self.setup_process(cfg)
         self.run = Run(cfg, self.env)
         self.setup_evaluation()
@@ -60,11 +76,6 @@ class Trainer:
         generated answer with (`self.metrics`: task score and `eval.metrics`, imported now) and the
         held-out prompts it answers (`self.held_out`: rows and their prompt field; none for a value
         model). A mistake in any of them, or in a reward rule, fails here, before a model loads."""
-        from hpcrlhf.data.loading import held_out_prompt_rows, task_note
-        from hpcrlhf.data.tasks import build_task
-        from hpcrlhf.models.context import ContextWindow
-        from hpcrlhf.rewards import EvalMetrics, check_rules
-
         cfg = self.cfg
         self.window = ContextWindow.of(cfg.model.path)
         """The generating model's positions: each prompt plus its response must fit."""
@@ -77,31 +88,11 @@ class Trainer:
         self.held_out = (([], cfg.data.prompt_key) if self.value_head
                          else held_out_prompt_rows(cfg.data, cfg.task, cfg.eval.score_prompts))
 
-    def setup_process(self, cfg) -> None:
+    def setup_process(self, cfg: TrainJobConfig) -> None:
         """This process's rank in its group, seed, tokenizer and model factory (hpcrlhf.models.factory)."""
-        from hpcrlhf.models.factory import ModelFactory
-
         self.cfg = cfg
         self.models = ModelFactory(cfg)
         self.env, self.tokenizer, self.pad_id = self.models.env, self.models.tokenizer, self.models.pad_id
-
-    def build_engine(self, num_rows: int) -> None:
-        """The batch plan and the trained model under DeepSpeed (with LoRA when configured)."""
-        from hpcrlhf.models.factory import trainable_parameters
-
-        cfg = self.cfg
-        self.plan = BatchPlan.build(cfg.train, num_rows=num_rows, data_parallel_size=self.env.world_size)
-        self.engine = self.models.build_trained_model(cfg.model.path, value_head=self.value_head, optim=cfg.optim,
-                                                      micro_batch_rows=self.plan.micro_batch_rows,
-                                                      grad_accum_steps=self.plan.grad_accum_steps,
-                                                      total_steps=self.plan.total_steps)
-        log.info(f"{self.kind}: {num_rows} training rows, {self.plan.total_steps} steps, {self.env.world_size} rank(s) x "
-                 f"{self.plan.micro_batch_rows} rows x {self.plan.grad_accum_steps} accumulation, ZeRO-{cfg.engine.zero_stage}, "
-                 f"{cfg.engine.precision} on {self.device}"
-                 + (f", LoRA rank {cfg.lora.rank} ({trainable_parameters(self.engine)} trainable parameters)"
-                    if cfg.lora.rank else ""))
-        log.info(key_settings(cfg, ranks=self.env.world_size, micro_batch_rows=self.plan.micro_batch_rows,
-                              grad_accum_steps=self.plan.grad_accum_steps))
 
     @property
     def device(self) -> torch.device:
@@ -112,17 +103,6 @@ class Trainer:
         first evaluation is NaN/Inf)."""
         return {"model.path": self.cfg.model.path}
 
-    def trained_weights(self):
-        """The trained model's (name, tensor) pairs, None when this process does not hold them whole
-        (ZeRO-3 shards)."""
-        return None if self.engine.zero_stage == 3 else self.engine.module.named_parameters()
-
-    @property
-    def checkpointable(self):
-        """What a checkpoint saves and restores (`save_checkpoint(folder, client_state)`,
-        `load_checkpoint(folder)`): the trained engine, or a trainer's composite of several."""
-        return self.engine
-
     # -- what each trainer supplies -------------------------------------------------------------
     def train_step(self, step: int) -> dict[str, float]:
         raise NotImplementedError
@@ -130,49 +110,30 @@ class Trainer:
     def evaluate(self) -> dict[str, float]:
         raise NotImplementedError
 
-    def exported_config(self) -> dict[str, Any]:
-        """Extra entries for the exported model's config.json."""
-        return {}
+    @property
+    def checkpointable(self) -> Checkpointable:
+        """What a checkpoint saves and restores: the trained engine, or a trainer's composite of several."""
+        raise NotImplementedError
 
-    def exported_files(self) -> dict[str, str]:
-        """Extra files (name -> text) exported with the model, in `model/`."""
-        return {}
+    def trained_weights(self):
+        """The trained model's (name, tensor) pairs (checked when the first evaluation is NaN/Inf),
+        None when this process does not hold them whole."""
+        raise NotImplementedError
+
+    def optimizer_stats(self) -> dict[str, float | None]:
+        """The trained model's learning rate and last gradient norm, logged with each window."""
+        raise NotImplementedError
+
+    def skipped_updates(self) -> int | None:
+        """Optimizer steps the trained engine has refused so far (non-finite gradients); None for
+        trainers whose updates report it in their metrics (`*skipped_updates`)."""
+        raise NotImplementedError
 
     def save_outputs(self) -> None:
-        """Write the final model in Hugging Face format into `model/` of the run folder (LoRA
-        adapters merged, the adapter alone in `model/adapter/`)."""
-        extra = self.exported_config()  # may need every rank (collectives)
-        self.models.export(self.engine, value_head=self.value_head, config_updates=extra, files=self.exported_files())
+        """Write the final model into `model/` of the run folder."""
+        raise NotImplementedError
 
-    # -- shared shapes of a step and of an evaluation ------------------------------------------
-    def sample_mean_step(self, step: int, num_rows: int,
-                         micro_loss: Callable[[list[int]], tuple[torch.Tensor, int, Stats]],
-                         indices: list[int] | None = None) -> dict[str, float]:
-        """One optimizer step on a loss that is a mean over the samples of the global batch.
-
-        `micro_loss(indices)` returns the mean loss over those samples, their token count and
-        statistics. Each micro-batch's mean is weighted by its share of the global batch (every
-        rank gets the same number of rows), so 1 rank and N ranks compute the same update.
-        `indices` overrides the plan's choice of this rank's rows.
-        """
-        if indices is None:
-            indices = self.plan.rows_for_step(num_rows, step, self.cfg.seed, self.env.rank)
-        global_rows, world = self.plan.global_batch_rows, self.env.world_size
-        self.engine.train()
-        sums = new_stats()
-        tokens = 0
-        for start in range(0, len(indices), self.plan.micro_batch_rows):
-            part = indices[start : start + self.plan.micro_batch_rows]
-            loss, n_tokens, stats = micro_loss(part)
-            self.engine.backward(loss * (len(part) * world / global_rows))
-            self.engine.step()
-            tokens += n_tokens
-            add_stats(sums, {"train/loss": (float(loss.detach()) * len(part), len(part)), **stats})
-        means = reduce_means(sums)
-        means["train/tokens"] = all_reduce_sum([tokens])[0]
-        means["train/samples"] = float(global_rows)
-        return means
-
+    # -- the shared shape of an evaluation -------------------------------------------------------
     def eval_means(self, items: Sequence, batch_stats: Callable[[list], Stats]) -> dict[str, float]:
         """Means of `batch_stats` over `items`, sharded over ranks (ZeRO-3 safe)."""
         sums = new_stats()
@@ -180,34 +141,6 @@ class Trainer:
             stats = batch_stats(batch)
             add_stats(sums, {k: (0.0, 0.0) for k in stats} if dummy else stats)
         return reduce_means(sums)
-
-    def score_prompts(self, template: Callable[[str], str] = str) -> list[tuple[list[int], Row]]:
-        """(token ids of template(prompt), row) for the held-out prompts evaluation answers."""
-        from hpcrlhf.data.sft import encode_prompts
-
-        rows, key = self.held_out
-        ids = encode_prompts(self.tokenizer, [template(r.data[key]) for r in rows], self.cfg.data.apply_chat_template)
-        self.window.require_prompts_fit(((len(p), r.origin) for p, r in zip(ids, rows)), "eval.max_new_tokens",
-                                        self.cfg.eval.max_new_tokens)
-        return list(zip(ids, rows))
-
-    def generation_scores(self, prompts: Sequence[tuple[list[int], Row]], suffix: str = "") -> dict[str, float]:
-        """Means of the task score and `eval.metrics` of greedy answers to (prompt ids, row) pairs,
-        as `eval/<name><suffix>` (nothing to generate when there are neither)."""
-        from hpcrlhf.rewards import Response
-
-        key = self.held_out[1]
-
-        def stats(batch: list) -> Stats:
-            with self.run.stoppable():
-                texts = generate_greedy(self.engine.module, self.tokenizer, [ids for ids, _ in batch],
-                                        max_new_tokens=self.cfg.eval.max_new_tokens, device=self.engine.device,
-                                        synced_gpus=self.engine.zero_stage == 3 and self.env.world_size > 1)
-                return self.metrics.stats([Response(row.data[key], text, (), row.data, row.origin)
-                                           for (_, row), text in zip(batch, texts)], suffix)
-
-        self.engine.eval()
-        return self.eval_means(prompts, stats) if prompts and self.metrics.rules else {}
 
     def fit(self) -> dict:
         run, plan = self.run, self.plan
@@ -348,11 +281,6 @@ class Trainer:
             return None
         return {k: v for k, v in metrics.items() if not k.endswith(SKIPPED_SUFFIX)}  # train/skipped_steps says it
 
-    def skipped_updates(self) -> int | None:
-        """Optimizer steps the trained engine has refused so far (non-finite gradients); None for
-        trainers whose updates report it in their metrics (`*skipped_updates`)."""
-        return self.engine.skipped_updates
-
     def _log_window(self, step: int, window: dict[str, list[float]], elapsed_s: float) -> None:
         """Mean of each train metric since the last log, plus lr, grad norm, epoch and throughput
         (skipped steps count in the time, not in the means)."""
@@ -366,10 +294,6 @@ class Trainer:
                             "throughput/tokens_per_sec": tokens / elapsed_s,
                             "throughput/samples_per_sec": samples / elapsed_s,
                             **timings, **idle_shares(timings)})
-
-    def optimizer_stats(self) -> dict[str, float | None]:
-        """The trained model's learning rate and last gradient norm."""
-        return self.engine.optimizer_stats()
 
     def _checkpoint_once(self, step: int) -> None:
         if self.run.checkpoints.latest() != self.run.checkpoints.path_for(step):
