@@ -17,28 +17,26 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
+import torch
 import yaml
 
-from hpcrlhf.run.checkpoint import CheckpointDir
+from hpcrlhf import __version__
 from hpcrlhf.config.loader import to_dict, to_yaml
-from hpcrlhf.run.diskspace import DiskFull, folder_bytes, out_of_space_is_an_error
 from hpcrlhf.engines.distributed import DistEnv, all_reduce_sum, barrier, broadcast_object
 from hpcrlhf.errors import ConfigError, HpcrlhfError, TrainingError
 from hpcrlhf.logs import Progress, get_logger
-from hpcrlhf.run.metrics import MetricsWriter, read_metrics
+from hpcrlhf.run.checkpoint import CheckpointDir
+from hpcrlhf.run.diskspace import DiskFull, folder_bytes, out_of_space_is_an_error
 from hpcrlhf.run.files import append, make_folders, path_problem, refuse, replace_file
-from hpcrlhf.run.signals import StopFlag, StopRequested
 from hpcrlhf.run.lock import RunLock
+from hpcrlhf.run.metrics import MetricsWriter, read_metrics
+from hpcrlhf.run.signals import StopFlag, StopRequested
 
 log = get_logger()
 
 
 def environment_record(env: DistEnv) -> dict[str, Any]:
     """Where and with what this attempt of the run started (one line of environment.jsonl)."""
-    import torch
-
-    from hpcrlhf import __version__
-
     return {"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "host": socket.gethostname(), "hpcrlhf": __version__,
             "python": sys.executable, "torch": torch.__version__, "world_size": env.world_size,
             "container": os.environ.get("APPTAINER_CONTAINER"), "slurm_job_id": os.environ.get("SLURM_JOB_ID"),

@@ -32,9 +32,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional
 
-from hpcrlhf.run.diskspace import out_of_space_is_an_error
 from hpcrlhf.errors import ConfigError
 from hpcrlhf.logs import get_logger
+from hpcrlhf.run.diskspace import out_of_space_is_an_error
 from hpcrlhf.run.files import open_in_place, os_error_reason
 
 log = get_logger()

@@ -16,9 +16,9 @@ import math
 from pathlib import Path
 from typing import Any
 
-from hpcrlhf.run.diskspace import out_of_space_is_an_error
 from hpcrlhf.errors import DataError
 from hpcrlhf.logs import get_logger
+from hpcrlhf.run.diskspace import out_of_space_is_an_error
 from hpcrlhf.run.files import append, require_safe
 
 

@@ -17,8 +17,8 @@ import torch
 from hpcrlhf.algos.preference import dpo_loss
 from hpcrlhf.config.schema import DPOConfig
 from hpcrlhf.data.preference import PairSample, load_pairs
-from hpcrlhf.trainers.loop import merge_evaluation
 from hpcrlhf.run.stats import Stats
+from hpcrlhf.trainers.loop import merge_evaluation
 from hpcrlhf.trainers.offline_policy import OfflinePolicyTrainer
 
 

@@ -15,8 +15,8 @@ from hpcrlhf.algos.preference import kto_loss
 from hpcrlhf.config.schema import KTOConfig
 from hpcrlhf.data.preference import UnpairedSample, load_unpaired
 from hpcrlhf.engines.distributed import all_reduce_sum
-from hpcrlhf.trainers.loop import merge_evaluation
 from hpcrlhf.run.stats import Stats
+from hpcrlhf.trainers.loop import merge_evaluation
 from hpcrlhf.trainers.offline_policy import OfflinePolicyTrainer, task_pairs
 
 

@@ -32,9 +32,9 @@ from hpcrlhf.engines.distributed import DistEnv, all_reduce_tensor
 from hpcrlhf.logs import Progress, get_logger
 from hpcrlhf.run.files import replace_file
 from hpcrlhf.run.stats import Stats
-from hpcrlhf.trainers.single_model import SingleModelTrainer
 from hpcrlhf.trainers.batches import eval_shards
 from hpcrlhf.trainers.sequences import response_logps
+from hpcrlhf.trainers.single_model import SingleModelTrainer
 
 log = get_logger()
 

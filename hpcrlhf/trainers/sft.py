@@ -14,14 +14,14 @@ import torch
 from hpcrlhf.algos.logprobs import nll_sum
 from hpcrlhf.config.schema import SFTConfig
 from hpcrlhf.data.batching import collate, pack_rows
-from hpcrlhf.data.sft import TokenizedSample, keep_usable, tokenize_sft
 from hpcrlhf.data.loading import load_rows
+from hpcrlhf.data.sft import TokenizedSample, keep_usable, tokenize_sft
 from hpcrlhf.data.sources import Row, require_text
 from hpcrlhf.engines.distributed import all_reduce_sum
 from hpcrlhf.models.moe import router_kwargs
 from hpcrlhf.trainers.loop import merge_evaluation
-from hpcrlhf.trainers.single_model import SingleModelTrainer
 from hpcrlhf.trainers.sequences import model_batch
+from hpcrlhf.trainers.single_model import SingleModelTrainer
 
 
 @dataclass(frozen=True)

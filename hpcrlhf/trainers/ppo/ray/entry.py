@@ -9,13 +9,19 @@ from __future__ import annotations
 import os
 import time
 
+from hpcrlhf.cluster import netns
+from hpcrlhf.cluster.reservation import reserve
+from hpcrlhf.cluster.session import host_gpus, local_cluster_problem, ray_session
 from hpcrlhf.cluster.worker_group import (dead_worker_message, death_verdict, lost_node_message, lost_worker_error,
                                           unreachable, worker_with_id)
 from hpcrlhf.config.schema import PPOConfig
 from hpcrlhf.errors import WorkerLost
 from hpcrlhf.logs import get_logger
-from hpcrlhf.placement import NodeMap
+from hpcrlhf.models.loading import ModelPathError, check_model_source
+from hpcrlhf.models.tiny import resolve_model_path
+from hpcrlhf.placement import NodeMap, build_node_map
 from hpcrlhf.placement.problems import Problem, raise_problems
+from hpcrlhf.placement.roles import role_models
 from hpcrlhf.trainers.ppo.driver import PPOTrainer
 from hpcrlhf.trainers.ppo.ray.roles import RayRoles
 
@@ -30,12 +36,6 @@ def start_problems(cfg: PPOConfig, node_map: NodeMap) -> list[Problem]:
     """What would make the run fail once started, checked before Ray starts: a local cluster (no
     RAY_ADDRESS) this host's GPUs cannot hold, and a model path of a role with GPUs that is neither
     a model folder nor a hub model the hub can provide now."""
-    from hpcrlhf.cluster import netns
-    from hpcrlhf.cluster.session import host_gpus, local_cluster_problem
-    from hpcrlhf.models.loading import ModelPathError, check_model_source
-    from hpcrlhf.models.tiny import resolve_model_path
-    from hpcrlhf.placement.roles import role_models
-
     problems = []
     if not os.environ.get("RAY_ADDRESS"):
         problem = local_cluster_problem(node_map.nodes, node_map.gpus_per_node, gpus_here=host_gpus(),
@@ -61,10 +61,6 @@ def start_problems(cfg: PPOConfig, node_map: NodeMap) -> list[Problem]:
 def run_ray_ppo(cfg: PPOConfig) -> dict:
     """Plan, check the host and the model paths, connect to (or start) the Ray cluster, reserve the
     map's GPUs, train, clean up. A plan that cannot work, or cannot start here, fails before Ray starts."""
-    from hpcrlhf.cluster.reservation import reserve
-    from hpcrlhf.cluster.session import ray_session
-    from hpcrlhf.placement import build_node_map
-
     node_map = build_node_map(cfg)
     log.info("node map:\n" + node_map.render())
     raise_problems(start_problems(cfg, node_map), title="ppo on Ray would fail here, so nothing was started")

@@ -34,6 +34,7 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
+import ray
 import torch
 
 from hpcrlhf.cluster.engines import EngineFleet, EngineWorker
@@ -59,8 +60,6 @@ class RemoteRewards:
     """The reward role's workers as a `RewardSet`: responses split evenly over its ranks."""
 
     def __init__(self, group: WorkerGroup) -> None:
-        import ray
-
         self.group = group
         self.names = ray.get(group.workers[0].names.remote())
 
@@ -147,8 +146,6 @@ class RayRoles:
         sync is queued behind the actor's epochs (`EngineFleet.start_sync`) where no role sleeps
         between the phases: the engines wait in it while the roles train, the actor sends as soon
         as it is done (while the critic may still train), and `push_weights` waits for the rest."""
-        import ray
-
         self.phases.enter("train")
         pending = {role: self.groups[role].scatter_rows("update", experience, step).refs for role in roles}
         if push and not self.phases.sleepers:
@@ -196,8 +193,6 @@ class RayRoles:
         return {g.role: sum(next(seconds) for _ in g.workers) / max(len(g.workers), 1) for g in groups}
 
     def optimizer_stats(self) -> dict[str, float | None]:
-        import ray
-
         return ray.get(self.groups["actor"].workers[0].optimizer_stats.remote())
 
     def trained_weights(self) -> None:

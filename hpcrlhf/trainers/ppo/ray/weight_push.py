@@ -8,7 +8,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import ray
+
 from hpcrlhf.cluster.worker_group import WorkerGroup, gather
+from hpcrlhf.engines.weight_sync import SyncGroup
 from hpcrlhf.logs import get_logger
 
 log = get_logger()
@@ -56,10 +59,6 @@ class WeightPush:
         return [e._actor_id.hex() for e in engines]
 
     def form(self, engines: list[Any]) -> None:
-        import ray
-
-        from hpcrlhf.engines.weight_sync import SyncGroup
-
         self.members = None
         rank0 = self.actor.workers[0]
         host, port = ray.get(rank0.serve_weight_group.remote())

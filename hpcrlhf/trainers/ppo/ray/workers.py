@@ -18,11 +18,14 @@ import dataclasses
 from pathlib import Path
 from typing import Any, Sequence
 
+import ray
 
 from hpcrlhf.cluster.worker_group import RoleWorker, busy, gather
 from hpcrlhf.config.schema import PPOConfig
 from hpcrlhf.data.batching import RowList
 from hpcrlhf.data.tasks import build_task
+from hpcrlhf.engines import weight_sync
+from hpcrlhf.models.export import checkpoint_names, checkpoint_stream
 from hpcrlhf.models.factory import ModelFactory
 from hpcrlhf.run.stats import Stats
 from hpcrlhf.trainers.batches import PPOPlan
@@ -101,10 +104,6 @@ class ActorWorker(TrainedWorker):
     def put_weights(self, engines: Sequence[Any]) -> None:
         """The actor's full weights into every vLLM engine through Ray's object store (the
         `placement.vllm.weight_sync=object_store` path; all actor ranks call: ZeRO-3 gathers)."""
-        import ray
-
-        from hpcrlhf.models.export import checkpoint_names
-
         state = self.engine.full_state_dict()
         if self.rank == 0:
             state = checkpoint_names(self.engine.module, state)
@@ -113,8 +112,6 @@ class ActorWorker(TrainedWorker):
 
     def serve_weight_group(self) -> tuple[str, int]:
         """Rank 0: a store for a new weight-sync group (address, port); `open_weight_group` next."""
-        from hpcrlhf.engines import weight_sync
-
         address = self.node_ip()
         self._weight_store, port = weight_sync.serve_store(address)
         return address, port
@@ -122,8 +119,6 @@ class ActorWorker(TrainedWorker):
     def open_weight_group(self, spec) -> str:
         """Rank 0 joins the group `spec` as its rank 0 (returns when every engine worker has joined):
         the backend the members chose."""
-        from hpcrlhf.engines import weight_sync
-
         group = weight_sync.join(spec, 0, self._weight_store)
         self._weight_sender = weight_sync.WeightSender(group, self.cfg.placement.vllm.sync_bucket_mb << 20)
         return group.backend
@@ -132,8 +127,6 @@ class ActorWorker(TrainedWorker):
     def broadcast_weights(self) -> dict[str, float] | None:
         """The actor's weights to the group's engine workers (all actor ranks call: ZeRO-3 gathers
         chunk by chunk); rank 0 returns what it sent."""
-        from hpcrlhf.models.export import checkpoint_stream
-
         tensors = checkpoint_stream(self.engine, self.cfg.placement.vllm.sync_bucket_mb << 20)
         if self.rank != 0:
             for _ in tensors:
