@@ -22,6 +22,7 @@ import yaml
 
 from hpcrlhf import __version__
 from hpcrlhf.config.loader import to_dict, to_yaml
+from hpcrlhf.config.schema import TrainJobConfig
 from hpcrlhf.engines.distributed import DistEnv, all_reduce_sum, barrier, broadcast_object
 from hpcrlhf.errors import ConfigError, HpcrlhfError, TrainingError
 from hpcrlhf.logs import Progress, get_logger
@@ -103,7 +104,7 @@ class Run:
     folder's (`SAFE_CHANGES`), a metrics history without checkpoints set aside; only then are
     config.yaml and this attempt's line of environment.jsonl written."""
 
-    def __init__(self, cfg, env: DistEnv):
+    def __init__(self, cfg: TrainJobConfig, env: DistEnv):
         self.cfg, self.env = cfg, env
         self.dir = Path(cfg.output_dir)
         self.checkpoints = CheckpointDir(self.dir / "checkpoints", keep_last=cfg.checkpoint.keep_last,

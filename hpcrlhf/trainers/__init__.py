@@ -5,6 +5,8 @@ DeepSpeed, which no other job (and no other command) needs."""
 
 from importlib import import_module
 
+from hpcrlhf.config.schema import TrainJobConfig
+
 from hpcrlhf.models.context import require_generation_fits
 from hpcrlhf.run.lock import release_all
 
@@ -16,7 +18,7 @@ _RUNNERS = {"sft": ("sft", "run_sft"), "rm": ("rm", "run_rm"), "dpo": ("dpo", "r
 def _runner(kind: str):
     module, name = _RUNNERS[kind]
 
-    def run(cfg):
+    def run(cfg: TrainJobConfig) -> dict:
         require_generation_fits(cfg, kind)  # before anything is loaded, started or written
         try:
             return getattr(import_module(f"hpcrlhf.trainers.{module}"), name)(cfg)

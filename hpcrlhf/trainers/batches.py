@@ -14,7 +14,7 @@ from typing import Sequence
 
 import torch
 
-from hpcrlhf.config.schema import TrainConfig
+from hpcrlhf.config.schema import TrainConfig, TrainJobConfig
 from hpcrlhf.data.batching import shard_rows
 from hpcrlhf.engines.distributed import DistEnv
 from hpcrlhf.errors import ConfigError
@@ -137,7 +137,7 @@ class PPOPlan:
                    steps_per_epoch, total)
 
 
-def key_settings(cfg, *, ranks: int, micro_batch_rows: int, grad_accum_steps: int) -> str:
+def key_settings(cfg: TrainJobConfig, *, ranks: int, micro_batch_rows: int, grad_accum_steps: int) -> str:
     """The settings that decide whether a run on new data learns, in one line for the start-up log
     (docs/own-task.md: "Choosing the key settings"): model, data, learning rate, batch arithmetic and lengths."""
     data = cfg.data

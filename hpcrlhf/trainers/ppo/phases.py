@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
+from hpcrlhf.config.schema import PPOConfig
 from hpcrlhf.engines.rollout import ENGINE_MEMORY
 from hpcrlhf.placement.memory import PHASES
 
@@ -49,7 +50,7 @@ class PhaseSwitch:
         self.phase: str | None = None
 
     @classmethod
-    def for_job(cls, cfg, trained: Sequence[str], engines, move_role: Callable[[str, str], None],
+    def for_job(cls, cfg: PPOConfig, trained: Sequence[str], engines, move_role: Callable[[str, str], None],
                 timed: Callable) -> "PhaseSwitch":
         """The switch of a PPO job: its `engines` (`sleep()`, `wake(tags)`) sleep with
         placement.vllm.sleep, each of its `trained` roles (`move_role(role, "sleep" | "wake")`) with
