@@ -6,7 +6,6 @@ DeepSpeed, which no other job (and no other command) needs."""
 from importlib import import_module
 
 from hpcrlhf.config.schema import TrainJobConfig
-
 from hpcrlhf.models.context import require_generation_fits
 from hpcrlhf.run.lock import release_all
 
