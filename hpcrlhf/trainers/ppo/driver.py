@@ -91,13 +91,23 @@ class PPOTrainer(OnlineTrainer):
         self.ahead: tuple[int, LaunchedRollout] | None = None
         """(step, its rollout) generated ahead (rollout.max_staleness 1), to be scored at that step."""
 
-    def controller_state(self) -> dict[str, Any]:
-        """What the driver itself must checkpoint: the KL controller and the running reward moments."""
-        return {"kl_controller": self.kl_ctl.state_dict(), "reward_moments": self.moments.state_dict()}
+    # -- checkpoints -------------------------------------------------------------------------
+    def save_checkpoint(self, folder: Path, client_state: dict[str, Any]) -> None:
+        """Everything a PPO checkpoint holds: the roles' (actor and critic engines with their
+        optimizers and schedules, their replay buffers), the driver's KL controller and running
+        reward moments, and the rollout generated ahead. Workers' random states are not saved:
+        PPO's randomness (sampling, mini-batch order) is seeded per step (`trainers.seeds`)."""
+        controllers = {"kl_controller": self.kl_ctl.state_dict(), "reward_moments": self.moments.state_dict()}
+        self.roles.save(folder, {**client_state, **controllers})
+        save_ahead(self.ahead, folder, self.env.rank)
 
-    def load_controller_state(self, state: dict[str, Any]) -> None:
+    def load_checkpoint(self, folder: Path) -> dict[str, Any]:
+        state = self.roles.load(folder)
         self.kl_ctl.load_state_dict(state["kl_controller"])
         self.moments.load_state_dict(state["reward_moments"])
+        self.restore_ahead(folder, self.env.rank)
+        self.rollout_synced = self.rollout is self.hf_rollout  # push the resumed weights before generating
+        return state
 
     def log_start(self, where: str) -> None:
         cfg, plan = self.cfg, self.plan
@@ -111,7 +121,7 @@ class PPOTrainer(OnlineTrainer):
     # -- the loop's questions, answered by the roles --------------------------------------------
     @property
     def checkpointable(self) -> Checkpointable:
-        return PPOState(self)
+        return self  # save_checkpoint / load_checkpoint: the checkpoint of a PPO job
 
     def trained_weights(self):
         return self.roles.trained_weights()
@@ -294,25 +304,3 @@ class PPOTrainer(OnlineTrainer):
                                                                             float(len(rollout.generations))])
         return metrics
 
-
-class PPOState:
-    """Everything a PPO checkpoint holds: the roles' (actor and critic engines with their optimizers
-    and schedules, their replay buffers), the driver's KL controller and running reward moments,
-    and the rollout generated ahead. Workers' random states are not saved: PPO's randomness
-    (sampling, mini-batch order) is seeded per step."""
-
-    def __init__(self, trainer: PPOTrainer):
-        self.t = trainer
-
-    def save_checkpoint(self, folder: Path, client_state: dict[str, Any]) -> None:
-        t = self.t
-        t.roles.save(folder, {**client_state, **t.controller_state()})
-        save_ahead(t.ahead, folder, t.env.rank)
-
-    def load_checkpoint(self, folder: Path) -> dict[str, Any]:
-        t = self.t
-        state = t.roles.load(folder)
-        t.load_controller_state(state)
-        t.restore_ahead(folder, t.env.rank)
-        t.rollout_synced = t.rollout is t.hf_rollout  # push the resumed weights before generating
-        return state
