@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 from typing import ContextManager
 
-from hpcrlhf.safefiles import staged_folder
+from hpcrlhf.run.files import staged_folder
 
 ENV_VAR = "HPCRLHF_CACHE"
 
@@ -37,6 +37,6 @@ def atomic_dir(final: Path) -> ContextManager[Path]:
     The temporary folder lives in the same parent so the rename is atomic (same filesystem).
     On an exception it is removed and `final` is untouched. If `final` appeared meanwhile
     (another process won the race) their copy is kept and ours is discarded: both were
-    built from the same inputs, so either is fine (hpcrlhf.safefiles.staged_folder).
+    built from the same inputs, so either is fine (hpcrlhf.run.files.staged_folder).
     """
     return staged_folder(final, keep_existing=True)

@@ -21,7 +21,7 @@ from hpcrlhf.config.loader import describe, load_config, to_yaml
 from hpcrlhf.config.schema import JOB_CONFIGS, GenerateConfig
 from hpcrlhf.errors import ConfigError, HpcrlhfError, WorkerLost
 from hpcrlhf.logs import route_third_party, stop_routing_third_party
-from hpcrlhf.signals import EXIT_INTERRUPTED, EXIT_LOST, EXIT_REQUEUE, release_interrupt
+from hpcrlhf.run.signals import EXIT_INTERRUPTED, EXIT_LOST, EXIT_REQUEUE, release_interrupt
 from hpcrlhf.trainers import TRAINERS
 
 
@@ -159,7 +159,7 @@ def cmd_sbatch(args: argparse.Namespace) -> int:
     if args.print:
         print(text, end="")
         return 0
-    from hpcrlhf.safefiles import make_folders, replace_file  # start-up: +9 ms
+    from hpcrlhf.run.files import make_folders, replace_file  # start-up: +9 ms
 
     script = Path(args.script or Path(job.options.run_dir) / f"{args.kind}.sbatch")
     make_folders(script.parent, "--script" if args.script else "--output-dir")
@@ -370,7 +370,7 @@ def main(argv: list[str] | None = None) -> int:
     except HpcrlhfError as e:
         print(f"hpcrlhf: error: {e}", file=sys.stderr)
         return EXIT_LOST if isinstance(e, WorkerLost) else 2
-    except KeyboardInterrupt:  # Ctrl-C before a run could checkpoint, or twice (hpcrlhf.signals)
+    except KeyboardInterrupt:  # Ctrl-C before a run could checkpoint, or twice (hpcrlhf.run.signals)
         rerun = ("; stopped at once, without a new checkpoint: the same command resumes from the last one (if any)"
                  if args.command == "train" else "")
         print(f"\nhpcrlhf: interrupted (Ctrl-C){rerun}", file=sys.stderr)

@@ -23,7 +23,7 @@ from hpcrlhf.config.recipe_yaml import quoted
 from hpcrlhf.config.schema import PPOConfig, RMConfig, SFTConfig
 from hpcrlhf.logs import get_logger
 from hpcrlhf.plots import plot_metrics
-from hpcrlhf.trainers.ppo_runtime import run_ppo
+from hpcrlhf.trainers.ppo import run_ppo
 from hpcrlhf.trainers.rm import run_rm
 from hpcrlhf.trainers.sft import run_sft
 

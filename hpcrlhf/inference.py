@@ -19,10 +19,10 @@ import torch
 
 from hpcrlhf.config.schema import GenerateConfig, RolloutConfig
 from hpcrlhf.data.loading import held_out_prompt_rows, load_train_rows, require_task_prompts, task_note
+from hpcrlhf.data.prompts import encode_prompt_rows
 from hpcrlhf.data.sft import encode_prompt
 from hpcrlhf.data.sources import require_text
 from hpcrlhf.data.tasks import build_task
-from hpcrlhf.diskspace import out_of_space_is_an_error
 from hpcrlhf.engines.deepspeed_engine import FrozenModel
 from hpcrlhf.engines.distributed import device_for
 from hpcrlhf.engines.rollout import SamplingParams
@@ -34,8 +34,9 @@ from hpcrlhf.models.context import ContextWindow, require_generation_fits
 from hpcrlhf.models.loading import load_causal_lm, load_tokenizer, resolve_model_path
 from hpcrlhf.models.value import ValueModel, load_value_model
 from hpcrlhf.rewards import EvalMetrics, RewardSet, check_rules
-from hpcrlhf.safefiles import make_folders, replacing, require_safe
-from hpcrlhf.trainers.online import encode_prompt_rows, flatten_generations, sampling_params, vllm_rollout_args
+from hpcrlhf.run.diskspace import out_of_space_is_an_error
+from hpcrlhf.run.files import make_folders, replacing, require_safe
+from hpcrlhf.trainers.online import flatten_generations, sampling_params, vllm_rollout_args
 
 log = get_logger()
 

@@ -42,7 +42,7 @@ from typing import Iterator, Optional
 from tqdm import tqdm
 
 from hpcrlhf.errors import ConfigError, HpcrlhfError
-from hpcrlhf.safefiles import append, open_in_place, os_error_reason
+from hpcrlhf.run.files import append, open_in_place, os_error_reason
 
 _FORMAT = "[%(asctime)s hpcrlhf] %(message)s"
 

@@ -25,12 +25,12 @@ answer caused it). `rule_names(cfg)` lists every `module:function` a config name
 imports them all.
 
 Each call gets its own copy of the row (what a rule changes in it, no other rule, metric or later
-evaluation sees) and runs as the user's code (`hpcrlhf.usercode`): past its deadline
+evaluation sees) and runs as the user's code (`hpcrlhf.run.usercode`): past its deadline
 (`reward.rule_timeout_s`, `eval.metric_timeout_s`), or on `sys.exit()` and other exceptions that
 would end the job, it fails with a RuleError naming the rule; a stop request interrupts it.
 
 `adjust_scores` then applies the configured penalties (length, missing EOS). Reward models are
-frozen models (see `Trainer.build_frozen_model`): sharded under ZeRO-3, so every rank must call
+frozen models (see `ModelFactory.build_frozen_model`): sharded under ZeRO-3, so every rank must call
 `score` with the same number of sequences.
 """
 
@@ -52,8 +52,8 @@ from hpcrlhf.config.schema import DEFAULT_USER_CODE_TIMEOUT_S, TASK_RULES, JobCo
 from hpcrlhf.data.sources import brief
 from hpcrlhf.errors import ConfigError, RuleError
 from hpcrlhf.models.value import last_token_values, reward_stats
-from hpcrlhf.signals import Interrupted, StopRequested
-from hpcrlhf.usercode import UserCodeTimeout, user_code
+from hpcrlhf.run.signals import Interrupted, StopRequested
+from hpcrlhf.run.usercode import UserCodeTimeout, user_code
 
 RuleFn = Callable[[str, str, Mapping[str, Any]], Any]
 CONTRACT = "a rule returns a real number: an int, a float or a bool (True counts 1.0, False 0.0)"
@@ -236,7 +236,7 @@ def check_rules(cfg: JobConfig) -> None:
 class EvalMetrics:
     """What evaluation reports about each generated answer: the task score (with a task) and the
     user's metrics (`eval.metrics`: `package.module:function` rules, reported under the function's
-    name). `stats` gives `eval/<name>` sums for `Trainer.eval_means`, `values` each answer's."""
+    name). `stats` gives `eval/<name>` sums for `TrainingLoop.eval_means`, `values` each answer's."""
 
     def __init__(self, metrics: Sequence[str], task, field: str = "eval.metrics",
                  timeout_s: float = DEFAULT_USER_CODE_TIMEOUT_S, timeout_key: str = "eval.metric_timeout_s"):

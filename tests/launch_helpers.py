@@ -63,7 +63,7 @@ def stop_after(args: list[str], out: Path, step: int, key: str = "train/loss") -
     import signal
     import time
 
-    from hpcrlhf.metrics import read_metrics
+    from hpcrlhf.run.metrics import read_metrics
 
     proc = subprocess.Popen(cli_command(args), cwd=ROOT, env=cli_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)

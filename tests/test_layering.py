@@ -5,8 +5,8 @@ The layers, lowest first (a module belongs to the layer of the longest name list
 module or a package holding it; modules of one layer may import each other):
 
  1. `hpcrlhf` (the version), errors, formats                         -- imports nothing of hpcrlhf
- 2. logs, signals, safefiles, diskspace, usercode, cache, hub        -- what keeps files and processes safe,
-                                                                        used by everything that writes or waits
+ 2. logs, run.signals, run.files, run.diskspace, run.usercode,     -- what keeps files and processes safe,
+    run.lock, cache, hub                                                used by everything that writes or waits
                                                                         (logs writes the run's third_party.log)
  3. algos.estimators                                                 -- the advantage estimators' names and
                                                                         needs: plain data the config checks
@@ -17,7 +17,8 @@ module or a package holding it; modules of one layer may import each other):
  8. engines                                                          -- DeepSpeed, process groups, rollout engines
  9. models.factory, rewards                                          -- models built in engines; reward models
                                                                         and rules scoring with them
-10. checkpoint, metrics                                              -- the run folder's files
+10. run                                                              -- the run folder: Run, its checkpoints,
+                                                                        metrics, stats, the NaN/Inf guard
 11. placement                                                        -- the static node map (`hpcrlhf plan`)
 12. cluster                                                          -- the Ray runtime: no trainer code
 13. trainers                                                         -- one per job kind, PPO's roles
@@ -53,7 +54,8 @@ ENTRY_POINTS = {"hpcrlhf.__main__"}
 
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("hpcrlhf", "hpcrlhf.errors", "hpcrlhf.formats"),
-    ("hpcrlhf.logs", "hpcrlhf.signals", "hpcrlhf.safefiles", "hpcrlhf.diskspace", "hpcrlhf.usercode", "hpcrlhf.cache", "hpcrlhf.hub"),
+    ("hpcrlhf.logs", "hpcrlhf.run.signals", "hpcrlhf.run.files", "hpcrlhf.run.diskspace", "hpcrlhf.run.usercode",
+     "hpcrlhf.run.lock", "hpcrlhf.cache", "hpcrlhf.hub"),
     ("hpcrlhf.algos.estimators",),
     ("hpcrlhf.config",),
     ("hpcrlhf.algos",),
@@ -61,7 +63,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("hpcrlhf.models",),
     ("hpcrlhf.engines",),
     ("hpcrlhf.models.factory", "hpcrlhf.rewards"),
-    ("hpcrlhf.checkpoint", "hpcrlhf.metrics"),
+    ("hpcrlhf.run",),
     ("hpcrlhf.placement",),
     ("hpcrlhf.cluster",),
     ("hpcrlhf.trainers",),
@@ -201,9 +203,9 @@ def test_the_circle_finder_finds_circles_and_only_them():
 
 def test_the_graph_sees_function_local_imports():
     graph = import_graph()
-    assert "hpcrlhf.trainers.ppo_ray" in graph["hpcrlhf.trainers.ppo_runtime"]  # imported inside run_ppo only
+    assert "hpcrlhf.trainers.ppo.ray.entry" in graph["hpcrlhf.trainers.ppo"]  # imported inside run_ppo only
     assert "hpcrlhf.cli" in graph["hpcrlhf.__main__"]
-    local = [e for e in imports() if e.source == "hpcrlhf.trainers.ppo_runtime" and e.target == "hpcrlhf.trainers.ppo_ray"]
+    local = [e for e in imports() if e.source == "hpcrlhf.trainers.ppo" and e.target == "hpcrlhf.trainers.ppo.ray.entry"]
     assert local and all(e.local for e in local)
 
 

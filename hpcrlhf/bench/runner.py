@@ -23,8 +23,8 @@ from hpcrlhf.config.jobspec import BenchJob, build_config
 from hpcrlhf.data.sft import encode_prompts
 from hpcrlhf.errors import ConfigError, HpcrlhfError, PlacementError
 from hpcrlhf.logs import get_logger
-from hpcrlhf.metrics import read_metrics
 from hpcrlhf.placement import build_node_map
+from hpcrlhf.run.metrics import read_metrics
 
 log = get_logger()
 

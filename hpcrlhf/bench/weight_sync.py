@@ -6,7 +6,7 @@ a Ray run does), then times both sync paths of `placement.vllm.weight_sync` in t
 alternating, `--repeats` times each:
 
 - object_store: the state dict `ray.put` once, each engine actor fetches it and loads it into
-  its workers (what `ActorWorker.push_weights` does after rank 0 holds the full state dict);
+  its workers (what `ActorWorker.put_weights` does after rank 0 holds the full state dict);
 - collective: this process is rank 0 of a weight-sync group with every engine worker and
   broadcasts the state dict in `--bucket-mb` buckets (what `ActorWorker.broadcast_weights` does).
 

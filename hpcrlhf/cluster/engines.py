@@ -13,8 +13,9 @@ import os
 import time
 from typing import Any, Mapping, Sequence
 
-from hpcrlhf.cluster.worker_group import (RoleWorker, WorkerGroup, busy, dead_worker_message, death_verdict,
-                                          even_bounds, gather, lost_worker_error)
+from hpcrlhf.cluster.worker_group import (RoleWorker, WorkerGroup, busy, dead_worker_message, death_verdict, gather,
+                                          lost_worker_error)
+from hpcrlhf.data.batching import shard_rows
 from hpcrlhf.engines.rollout.vllm import VLLMRollout
 from hpcrlhf.logs import get_logger
 
@@ -187,7 +188,8 @@ class FleetBatch:
 
     def __init__(self, fleet: EngineFleet, prompts: Sequence[Sequence[int]], params) -> None:
         self.fleet, self.prompts, self.params = fleet, prompts, params
-        self.parts = {rank: (a, b) for rank, (a, b) in enumerate(even_bounds(len(prompts), len(fleet.group))) if b > a}
+        self.parts = {rank: (rows[0], rows[-1] + 1) for rank, rows in enumerate(shard_rows(len(prompts), len(fleet.group)))
+                      if rows}
         self.sent_to: dict[int, Any] = {}
         self.current: dict[int, Any] = {}
         self.done_at: dict[int, float] = {}

@@ -30,7 +30,7 @@ from typing import Iterator, Optional
 from hpcrlhf.cluster.bootstrap import PORTS_PER_NODE, RayPorts, private_temp_dir, ray_start_args, wait_for_nodes
 from hpcrlhf.cluster.reaper import MARKER, Reaper, terminate
 from hpcrlhf.errors import HpcrlhfError
-from hpcrlhf.safefiles import write_secret
+from hpcrlhf.run.files import write_secret
 
 
 LOCAL_PORT_BASE = 30000
@@ -152,7 +152,7 @@ def ray_auth_env(token_path: Optional[Path]) -> dict[str, str]:
 
 def write_auth_token(path: Path) -> None:
     """A fresh random token in `path`, created readable by its owner only (0600 from the start, never
-    wider even briefly: hpcrlhf.safefiles.write_secret); an existing file (or link) there is
+    wider even briefly: hpcrlhf.run.files.write_secret); an existing file (or link) there is
     replaced, not reused (the cluster's folder is private: only a run of this user left it)."""
     path.unlink(missing_ok=True)
     write_secret(path, secrets.token_hex(32))

@@ -2,7 +2,8 @@
 role joined in their own torch.distributed group (gloo on CPU, NCCL on GPU).
 
 The controller calls a group as if it were local: `group.call("method", *args)` runs the method
-on every rank and returns their results in rank order.
+on every rank and returns their results in rank order; `group.scatter_rows("method", batch)` runs
+it on each rank's row shard of a batch, and `gather_rows` joins the shards' results into one batch.
 """
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
 from hpcrlhf.cluster.reservation import Reservation
+from hpcrlhf.data.batching import shard_rows
 from hpcrlhf.placement import Device
-from hpcrlhf.signals import StopRequested, stop_requested_here
+from hpcrlhf.run.signals import StopRequested, stop_requested_here
 
 
 COLLECTIVE_TIMEOUT_S = 1800.0
@@ -148,6 +150,12 @@ class WorkerGroup:
             raise ValueError(f"{len(shards)} shards for the {len(self.workers)} {self.role} workers")
         return [getattr(w, method).remote(shard, *args) for w, shard in zip(self.workers, shards)]
 
+    def scatter_rows(self, method: str, batch: Any, *args: Any, pad_to_equal: bool = False) -> "Scattered":
+        """`method(shard, *args)` on each worker, shard i of `batch.split(len(self), pad_to_equal=...)`
+        (the rows as `shard_rows` splits them); `gather_rows` joins the results."""
+        shards = batch.split(len(self.workers), pad_to_equal=pad_to_equal)
+        return Scattered(self.scatter_async(method, shards, *args), [len(s) for s in shard_rows(len(batch), len(self))])
+
     def call_async(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
         return [getattr(w, method).remote(*args, **kwargs) for w in self.workers]
 
@@ -186,6 +194,28 @@ class WorkerGroup:
         for w in self.workers:
             ray.kill(w)
         self.workers = []
+
+
+@dataclass(frozen=True)
+class Scattered:
+    """Work on a batch's row shards under way on a group's workers (`WorkerGroup.scatter_rows`)."""
+
+    refs: list[Any]
+    """One task per worker."""
+    rows: list[int]
+    """Each shard's own rows: a padded shard's repeated rows are dropped from its result."""
+
+
+def gather_rows(*scattered: Scattered, interruptible: bool = False) -> list[Any]:
+    """The joined result of each scattered work: its shards' results (batches with `head(n)` and
+    `concat(parts)`, such as the batch they were given) without their padding, concatenated in rank
+    order. Every task is awaited at once (`gather`: the first failure raises)."""
+    results = iter(gather([ref for work in scattered for ref in work.refs], interruptible=interruptible))
+    joined = []
+    for work in scattered:
+        parts = [next(results).head(rows) for rows in work.rows]
+        joined.append(type(parts[0]).concat(parts))
+    return joined
 
 
 STOP_POLL_S = 0.5
@@ -288,14 +318,3 @@ def lost_node_message(node: str, index: int, groups: Sequence[WorkerGroup]) -> s
     """'node 1 (n2, 10.0.0.2) died ...': which node Ray declared dead and the workers it took along."""
     took = [name for g in groups for name in g.on_node(index)]
     return f"{node} died (Ray's health checks declared it dead) and took {', '.join(took) or 'no worker'} with it"
-
-
-def even_bounds(n: int, parts: int) -> list[tuple[int, int]]:
-    """Contiguous [start, stop) ranges splitting n items into `parts` sizes that differ by at most one."""
-    size, extra = divmod(n, parts)
-    bounds, start = [], 0
-    for i in range(parts):
-        stop = start + size + (i < extra)
-        bounds.append((start, stop))
-        start = stop
-    return bounds

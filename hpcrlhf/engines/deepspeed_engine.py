@@ -25,7 +25,7 @@ import torch
 from hpcrlhf.cache import cache_dir, cache_root
 from hpcrlhf.config.schema import EngineConfig, OptimConfig
 from hpcrlhf.engines.schedule import lr_multiplier
-from hpcrlhf.safefiles import open_in_place
+from hpcrlhf.run.files import open_in_place
 
 
 def build_deepspeed_config(
@@ -224,7 +224,7 @@ class TrainingEngine:
 
     def save_checkpoint(self, folder: Path, client_state: dict[str, Any]) -> None:
         """Model, optimizer and scheduler (sharded per rank) plus the trainer's client state."""
-        # hpcrlhf writes `latest` itself, after every rank has finished (see hpcrlhf.checkpoint).
+        # hpcrlhf writes `latest` itself, after every rank has finished (see hpcrlhf.run.checkpoint).
         self.engine.save_checkpoint(str(folder.parent), tag=folder.name, client_state=client_state, save_latest=False)
 
     def load_checkpoint(self, folder: Path) -> dict[str, Any]:

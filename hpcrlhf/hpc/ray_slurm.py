@@ -28,7 +28,7 @@ from hpcrlhf.cluster.local import free_port_block, ray_executable, stop_process_
 from hpcrlhf.errors import HpcrlhfError
 from hpcrlhf.hpc.allocation import Allocation, check_fits, node_addresses
 from hpcrlhf.hpc.program import CLI, run_module
-from hpcrlhf.signals import catch_early_stop_signals
+from hpcrlhf.run.signals import catch_early_stop_signals
 
 PORT_BASE = 20000
 PORT_SLOTS = 60

@@ -31,8 +31,8 @@ from hpcrlhf.errors import HpcrlhfError
 from hpcrlhf.hpc.allocation import Allocation, check_fits, node_addresses
 from hpcrlhf.hpc.ray_slurm import run_node, start_node, stop_node
 from hpcrlhf.hpc.sbatch import SlurmOptions, container_setup, exec_prefix, offline_env, ray_token_env
-from hpcrlhf.safefiles import make_folders, require_safe
-from hpcrlhf.signals import EXIT_LOST, EXIT_REQUEUE
+from hpcrlhf.run.files import make_folders, require_safe
+from hpcrlhf.run.signals import EXIT_LOST, EXIT_REQUEUE
 
 
 def rendezvous_port(job_id: int) -> int:

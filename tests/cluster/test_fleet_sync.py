@@ -90,7 +90,7 @@ def test_close_does_not_wait_on_engines_that_may_wait_for_weights(started):
 def test_the_ray_roles_start_the_sync_only_where_nobody_sleeps_between_phases():
     """`RayRoles.learn(push=True)` queues the sync behind the epochs unless a role or the engines
     sleep between train and weight_sync (their memory must move first, at `push_weights`)."""
-    from hpcrlhf.trainers.ppo_ray import RayRoles
+    from hpcrlhf.trainers.ppo.ray.roles import RayRoles
 
     for sleepers, push, expected in [((), True, 1), (("engines",), True, 0), (("actor",), True, 0), ((), False, 0)]:
         started = []

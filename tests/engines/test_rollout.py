@@ -245,7 +245,7 @@ def test_hf_generates_in_eval_mode_and_restores_the_mode(hf_model, tokenizer, ro
 def test_a_stop_request_ends_a_generation_at_the_next_decode_step(hf_model, tokenizer, rollout_prompts):
     """A time-limit signal must not wait for a long generation (issue 36): once this process is asked
     to stop, HF generate ends at the next decode step, sampled and greedy alike."""
-    from hpcrlhf.signals import STOP_SIGNALS, StopFlag
+    from hpcrlhf.run.signals import STOP_SIGNALS, StopFlag
 
     fixed = SamplingParams(n=2, max_new_tokens=40, min_new_tokens=40, seed=1)
     saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, *STOP_SIGNALS)}

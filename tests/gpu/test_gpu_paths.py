@@ -13,7 +13,7 @@ import json
 import pytest
 import torch
 
-from hpcrlhf.metrics import read_metrics
+from hpcrlhf.run.metrics import read_metrics
 from tests.launch_helpers import run_cli
 
 SFT = ["--set", "train.global_batch_size=64", "--set", "train.micro_batch_size=64", "--set", "log.every_steps=1",
