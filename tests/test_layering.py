@@ -72,9 +72,6 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("hpcrlhf.cli", "hpcrlhf.__main__"),
 )
 """The layers, lowest first (see the module docstring)."""
-LOCAL_IMPORTS_UNCHECKED = ("hpcrlhf.trainers", "hpcrlhf.run")
-"""Packages whose function-local imports are not checked for a reason yet: the trainers' side of
-issue 37 reworks them (drop this once they are clean)."""
 HEAVY = ("torch", "transformers", "deepspeed", "ray", "vllm")
 """Libraries that take seconds to import: `hpcrlhf --help` and the commands a login node runs
 import none of them."""
@@ -244,8 +241,7 @@ def test_a_function_local_import_goes_up_a_layer_only_with_its_reason():
 def test_a_function_local_import_says_why_it_is_not_at_the_top():
     """Imports belong at the top of a module; one inside a function keeps a heavy library (or a
     measured start-up cost) out of commands that do not need it, and says so on its line."""
-    silent = [f"{e.source}:{e.line} imports {e.target}" for e in imports()
-              if e.local and not e.commented and not e.source.startswith(LOCAL_IMPORTS_UNCHECKED)]
+    silent = [f"{e.source}:{e.line} imports {e.target}" for e in imports() if e.local and not e.commented]
     assert not silent, f"{silent}: import at the top of the module, or say on the line why not (e.g. `# torch`)"
 
 

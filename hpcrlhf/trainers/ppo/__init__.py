@@ -24,9 +24,9 @@ def run_ppo(cfg: PPOConfig) -> dict:
     # imported (every Ray role worker imports ppo.ray.workers), and those need neither the driver
     # nor the Ray entry point.
     if cfg.placement.runtime == "ray":
-        from hpcrlhf.trainers.ppo.ray.entry import run_ray_ppo
+        from hpcrlhf.trainers.ppo.ray.entry import run_ray_ppo  # as said above
 
         return run_ray_ppo(cfg)
-    from hpcrlhf.trainers.ppo.driver import PPOTrainer
+    from hpcrlhf.trainers.ppo.driver import PPOTrainer  # as said above
 
     return PPOTrainer(cfg).fit()
