@@ -8,8 +8,8 @@ or a concurrent builder never leaves a half-written entry that a later run would
 from __future__ import annotations
 
 import os
+from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import ContextManager
 
 from hpcrlhf.run.files import staged_folder
 
@@ -31,7 +31,7 @@ def cache_dir(*parts: str) -> Path:
     return path
 
 
-def atomic_dir(final: Path) -> ContextManager[Path]:
+def atomic_dir(final: Path) -> AbstractContextManager[Path]:
     """Yield an empty temporary folder next to `final`; rename it to `final` on success.
 
     The temporary folder lives in the same parent so the rename is atomic (same filesystem).

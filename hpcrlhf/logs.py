@@ -37,7 +37,7 @@ import time
 from collections import deque
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator, Optional
+from collections.abc import Iterator
 
 from tqdm import tqdm
 
@@ -152,10 +152,10 @@ class _Output:
     ROUTED = ("held", "file", "dropped")
 
     def __init__(self) -> None:
-        self.mode: Optional[str] = None
+        self.mode: str | None = None
         self.held: deque[logging.LogRecord] = deque(maxlen=HELD_RECORDS)
-        self.path: Optional[Path] = None
-        self.terminal: Optional[logging.StreamHandler] = None
+        self.path: Path | None = None
+        self.terminal: logging.StreamHandler | None = None
         self.told = False
         self.file_format = _PlainFormatter(_FILE_FORMAT)
 

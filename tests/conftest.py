@@ -206,7 +206,7 @@ def signals_left_usable(request):
         message = f"{request.node.nodeid} left {'; '.join(leaks)} in the test process (restored)"
         if reporter is not None:
             reporter.write_line(f"\nsignals: {message}")
-        warnings.warn(message)
+        warnings.warn(message, stacklevel=2)
 
 
 def pytest_collection_finish(session) -> None:

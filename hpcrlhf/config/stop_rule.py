@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
-from typing import Mapping
+from collections.abc import Mapping
 
 from hpcrlhf.errors import ConfigError
 

@@ -14,7 +14,7 @@ role workers, vLLM engines): contiguous shards whose sizes differ by at most one
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -89,12 +89,12 @@ class RowList(list):
     """Rows of any kind (the responses a reward worker scores) that split over workers and join
     again like a tensor batch (`shard_rows`)."""
 
-    def split(self, parts: int, *, pad_to_equal: bool = False) -> list["RowList"]:
+    def split(self, parts: int, *, pad_to_equal: bool = False) -> list[RowList]:
         return [RowList(self[i] for i in rows) for rows in shard_rows(len(self), parts, pad_to_equal=pad_to_equal)]
 
     @classmethod
-    def concat(cls, parts: Sequence["RowList"]) -> "RowList":
+    def concat(cls, parts: Sequence[RowList]) -> RowList:
         return cls(row for part in parts for row in part)
 
-    def head(self, n: int) -> "RowList":
+    def head(self, n: int) -> RowList:
         return RowList(self[:n])

@@ -5,7 +5,8 @@ prompt field, checked and tokenised once, with where each row came from for erro
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
+from collections.abc import Mapping
 
 from hpcrlhf.config.schema import PPOConfig, PromptDataConfig, RSConfig
 from hpcrlhf.data.loading import held_out_prompt_rows, load_train_rows, require_task_prompts

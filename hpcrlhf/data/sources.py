@@ -12,7 +12,8 @@ import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Sequence, TextIO
+from typing import Any, TextIO
+from collections.abc import Iterable, Sequence
 
 from hpcrlhf.errors import DataError
 from hpcrlhf.hub import hub_problem, is_hub_id

@@ -18,7 +18,8 @@ import os
 import sys
 from functools import partial
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
+from collections.abc import Callable, Iterator
 
 import torch
 

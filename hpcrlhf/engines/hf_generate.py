@@ -12,7 +12,7 @@ they are done too; the caller throws the cut result away (`hpcrlhf.run.folder.Ru
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList

@@ -11,7 +11,6 @@ rather than the engines importing the cluster's.
 from __future__ import annotations
 
 import os
-from typing import Optional
 
 from hpcrlhf.errors import HpcrlhfError
 
@@ -25,7 +24,7 @@ def ports_text(ports: range) -> str:
     return f"{ports.start}-{ports.stop - 1}"
 
 
-def store_ports(environ: Optional[dict[str, str]] = None) -> Optional[range]:
+def store_ports(environ: dict[str, str] | None = None) -> range | None:
     """This node's ports for rendezvous stores (STORE_PORTS_ENV), or None where none are set."""
     value = (os.environ if environ is None else environ).get(STORE_PORTS_ENV)
     if not value:

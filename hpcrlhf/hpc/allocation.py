@@ -18,7 +18,7 @@ import re
 import socket
 import sys
 from dataclasses import dataclass
-from typing import Mapping, Optional, Sequence
+from collections.abc import Mapping, Sequence
 
 from hpcrlhf.bench.runner import bench_fits
 from hpcrlhf.config.jobspec import BenchJob, job_from_argv
@@ -44,8 +44,8 @@ class Allocation:
         return f"{self.nodes} node(s) x {self.gpus_per_node} GPU(s)"
 
     @classmethod
-    def from_env(cls, env: Optional[Mapping[str, str]] = None,
-                 hostnames: Optional[Sequence[str]] = None) -> "Allocation":
+    def from_env(cls, env: Mapping[str, str] | None = None,
+                 hostnames: Sequence[str] | None = None) -> Allocation:
         """The allocation of the Slurm job this process runs in (raises ConfigError outside one)."""
         env = os.environ if env is None else env
         if "SLURM_JOB_ID" not in env:
@@ -129,7 +129,7 @@ def check_fits(args: Sequence[str], nodes: int, gpus_per_node: int, *, launcher:
                           "(or --set placement.runtime=local for single-process-group PPO)")
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     """Exit 0 when `hpcrlhf <args>` fits this job's allocation under the launcher, else 2 with why."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] not in ("ray", "mpi"):

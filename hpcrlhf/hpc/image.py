@@ -17,7 +17,6 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Optional
 
 from hpcrlhf import __version__
 from hpcrlhf.errors import ConfigError
@@ -32,7 +31,7 @@ def unusable(path: str, why: str) -> ConfigError:
     return ConfigError(f"--container: {path!r} cannot be used: {why}")
 
 
-def image_problem(path: str) -> Optional[str]:
+def image_problem(path: str) -> str | None:
     """Why `path` cannot be a job's image (None: it is a readable SIF file)."""
     p = Path(path)
     if not p.is_absolute():
@@ -106,7 +105,7 @@ def selftest() -> int:
     return 0
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv != ["selftest"]:
         print("usage: python -m hpcrlhf.hpc.image selftest", file=sys.stderr)

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, fields, is_dataclass
 from pathlib import Path
-from typing import Optional, Sequence
 
 from hpcrlhf.bench.suites import get_suite
 from hpcrlhf.config.jobspec import BenchJob, TrainJob, resolve_recipe
@@ -52,7 +52,7 @@ def config_paths(cfg: object) -> list[str]:
     return list(dict.fromkeys(found))
 
 
-def check_rules(cfg: object, python: str, container: Optional[str]) -> list[str]:
+def check_rules(cfg: object, python: str, container: str | None) -> list[str]:
     """Import every `package.module:function` rule and metric of `cfg` (`hpcrlhf.rewards.rule_names`)
     as the job will, before it is written or queued: a ConfigError names the field, the rule and
     why. Only when the job runs this Python outside a container (the default); otherwise returns a
@@ -95,7 +95,7 @@ def container_binds(paths: Sequence[str], run_dir: str) -> tuple[list[str], list
     return keep, notes
 
 
-def cluster_job(kind: str, recipe: Optional[str], overrides: Sequence[str], output_dir: Optional[str],
+def cluster_job(kind: str, recipe: str | None, overrides: Sequence[str], output_dir: str | None,
                 **slurm: object) -> ClusterJob:
     """The job `hpcrlhf train KIND --config RECIPE --set ...` on Slurm, with options `slurm` (None:
     the default; nodes/GPUs default to the recipe's placement for Ray, 1 x 1 for MPI)."""

@@ -19,7 +19,7 @@ import secrets
 import socket
 import sys
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 from hpcrlhf.hpc.program import CLI, run_module
 
@@ -72,7 +72,7 @@ def discover(comm=None) -> RankInfo:
     rank, size = comm.Get_rank(), comm.Get_size()
     host = socket.gethostname()
     hosts = comm.allgather(host)
-    rendezvous: Optional[tuple[str, int, str]] = None
+    rendezvous: tuple[str, int, str] | None = None
     if rank == 0:  # the store's address, port and secret, sent to the others over MPI only
         addr = os.environ.get("MASTER_ADDR") or socket.gethostbyname(host)
         rendezvous = (addr, _free_port(node_address(addr)), secrets.token_hex(SECRET_BYTES))
@@ -81,7 +81,7 @@ def discover(comm=None) -> RankInfo:
     return RankInfo(rank, size, local_rank, local_size, node_rank, addr, port, secret)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     """Discover the ranks, then run `hpcrlhf ARGS...` (or, given `-m MODULE ARGS...`, that module
     as `python -m` would: e.g. the benchmark's TRL system) with torchrun's variables set."""
     args = list(sys.argv[1:] if argv is None else argv)

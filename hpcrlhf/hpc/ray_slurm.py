@@ -21,7 +21,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 from hpcrlhf.cluster.bootstrap import PORTS_PER_NODE, RayPorts, private_temp_dir, ray_start_args, wait_for_nodes
 from hpcrlhf.cluster.local import free_port_block, ray_executable, stop_process_groups
@@ -107,7 +107,7 @@ def stop_node(proc: subprocess.Popen) -> None:
     stop_process_groups([proc.pid], timeout_s=10)
 
 
-def run_node(alloc: Optional[Allocation] = None, *, poll_s: float = 2.0) -> int:
+def run_node(alloc: Allocation | None = None, *, poll_s: float = 2.0) -> int:
     """Run this host's Ray node until SIGTERM/SIGINT, or (a worker) until the head has gone."""
     alloc = alloc or Allocation.from_env()
     index = int(os.environ.get("SLURM_NODEID", alloc.hosts.index(socket.gethostname())))
@@ -131,7 +131,7 @@ def run_node(alloc: Optional[Allocation] = None, *, poll_s: float = 2.0) -> int:
     return 0 if stopping or index > 0 or proc.returncode in (0, None) else proc.returncode
 
 
-def prepare_driver(argv: Sequence[str], alloc: Optional[Allocation] = None) -> dict[str, str]:
+def prepare_driver(argv: Sequence[str], alloc: Allocation | None = None) -> dict[str, str]:
     """Check the job against the allocation, wait until every node has joined the Ray cluster, and
     return the environment the `hpcrlhf` command needs to use it (RAY_ADDRESS, node order)."""
     import ray
@@ -155,7 +155,7 @@ def run_driver(argv: Sequence[str]) -> int:
     return run_module(CLI, argv)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     usage = "usage: python -m hpcrlhf.hpc.ray_slurm {node | driver HPCRLHF_ARGS}"
     if not argv or argv[0] not in ("node", "driver"):

@@ -25,7 +25,8 @@ import sys
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any
+from collections.abc import Sequence
 
 from hpcrlhf.errors import HpcrlhfError
 from hpcrlhf.hpc.allocation import Allocation, check_fits, node_addresses
@@ -49,7 +50,7 @@ class ClusterTask:
     requeues: int = 0
 
     def __post_init__(self) -> None:
-        self._child: Optional[subprocess.Popen] = None
+        self._child: subprocess.Popen | None = None
 
     def __getstate__(self) -> dict:
         return {k: v for k, v in self.__dict__.items() if k != "_child"}
@@ -174,7 +175,7 @@ def submit(argv: Sequence[str], o: SlurmOptions):
     return executor(o).submit(task)
 
 
-def latest_metrics(run_dir: Path, keys: int = 6) -> Optional[str]:
+def latest_metrics(run_dir: Path, keys: int = 6) -> str | None:
     """The run's latest metrics line, shortened to its step and first `keys` values."""
     path = run_dir / "metrics.jsonl"
     if not path.exists():

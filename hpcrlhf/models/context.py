@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Optional
+from collections.abc import Iterable
 
 from hpcrlhf.config.schema import JobConfig
 from hpcrlhf.errors import ConfigError, DataError
@@ -37,7 +37,7 @@ POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length"
 language model keeps them in `text_config`)."""
 
 
-def model_config(path: str) -> Optional[dict]:
+def model_config(path: str) -> dict | None:
     """The config.json of model `path` (a folder, a bundled `builtin:` name, or a hub name in the
     local hub cache), None when there is none to read here (the loaders report why, later)."""
     if path.startswith("builtin:"):
@@ -62,7 +62,7 @@ def model_config(path: str) -> Optional[dict]:
     return config if isinstance(config, dict) else None
 
 
-def positions_in(config: dict) -> tuple[Optional[int], str]:
+def positions_in(config: dict) -> tuple[int | None, str]:
     """(positions, the config entry that says so) of a model's config.json; (None, '') when it names none."""
     text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
     for key in POSITION_KEYS:
@@ -72,7 +72,7 @@ def positions_in(config: dict) -> tuple[Optional[int], str]:
     return None, ""
 
 
-def model_positions(path: str) -> Optional[int]:
+def model_positions(path: str) -> int | None:
     """The longest sequence model `path`'s config.json allows (None when it does not say)."""
     config = model_config(path)
     return positions_in(config)[0] if config is not None else None
@@ -85,13 +85,13 @@ class ContextWindow:
     key: str
     """The config field or option that names the model (`model.path`, `--model`)."""
     path: str
-    positions: Optional[int]
+    positions: int | None
     """None: the model's config names no limit, or could not be read here."""
     source: str = ""
     """The config.json entry that gives `positions`."""
 
     @classmethod
-    def of(cls, path: str, key: str = "model.path", *, say_unlimited: bool = False) -> "ContextWindow":
+    def of(cls, path: str, key: str = "model.path", *, say_unlimited: bool = False) -> ContextWindow:
         """The window of model `path`; `say_unlimited`: log that a config without a limit is not checked."""
         config = model_config(path)
         positions, source = positions_in(config) if config is not None else (None, "")

@@ -11,7 +11,8 @@ disk, which is what vLLM loads (weight sync).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
+from collections.abc import Callable, Iterator
 
 import torch
 

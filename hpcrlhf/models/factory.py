@@ -10,7 +10,7 @@ and exports a trained one in Hugging Face format (`export`). A trainer owns the 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -95,8 +95,8 @@ class ModelFactory:
             set_hf_deepspeed_config(self._zero3_ctx)
         return frozen
 
-    def export(self, engine, *, value_head: bool, config_updates: Optional[dict[str, Any]] = None,
-               files: Optional[dict[str, str]] = None) -> None:
+    def export(self, engine, *, value_head: bool, config_updates: dict[str, Any] | None = None,
+               files: dict[str, str] | None = None) -> None:
         """Write `engine`'s model in Hugging Face format into `model/` of the run folder (LoRA
         adapters merged, the adapter alone in `model/adapter/`; every rank calls: ZeRO-3 gathers).
         `config_updates`: extra entries for its config.json; `files`: more files (name -> text)."""

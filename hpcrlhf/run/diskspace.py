@@ -17,7 +17,7 @@ import re
 import shutil
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator, Optional
+from collections.abc import Iterator
 
 from hpcrlhf.errors import HpcrlhfError
 
@@ -51,7 +51,7 @@ def format_bytes(n: float) -> str:
     return f"{n:.1f} TiB"
 
 
-def _rust_errno(error: BaseException) -> Optional[int]:
+def _rust_errno(error: BaseException) -> int | None:
     """The errno in a Rust I/O error's text ("... No space left on device (os error 28)"), as
     safetensors' SafetensorError reports a failed write; None when there is none."""
     try:
@@ -80,7 +80,7 @@ def is_out_of_space(error: BaseException, folder: Path) -> bool:
 
 
 @contextmanager
-def out_of_space_is_an_error(folder: Path, what: str, *, needs: Optional[int] = None,
+def out_of_space_is_an_error(folder: Path, what: str, *, needs: int | None = None,
                              resume_hint: str = "") -> Iterator[None]:
     """Turn a failure for lack of space while writing `what` into `folder` into `DiskFull`; any
     other failure passes through unchanged. `needs`: bytes the write needs, when known."""

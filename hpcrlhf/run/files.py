@@ -41,14 +41,15 @@ import secrets
 import shutil
 import stat
 import tempfile
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import IO, Callable, Iterable, Iterator, Literal, Optional, Union
+from typing import IO, Literal
 
 from hpcrlhf.errors import ConfigError, UnsafeFileError
 
 Kind = Literal["file", "folder"]
-Content = Union[bytes, str, Callable[[IO[bytes]], None]]
+Content = bytes | str | Callable[[IO[bytes]], None]
 
 _KINDS = ((stat.S_ISLNK, "symbolic link"), (stat.S_ISDIR, "folder"), (stat.S_ISREG, "file"), (stat.S_ISFIFO, "FIFO"),
           (stat.S_ISSOCK, "socket"), (stat.S_ISCHR, "character device"), (stat.S_ISBLK, "block device"))
@@ -59,7 +60,7 @@ def kind_of(mode: int) -> str:
     return next((name for test, name in _KINDS if test(mode)), "special file")
 
 
-def _problem(path: Path, info: os.stat_result, want: Kind, in_place: bool, fix: str = "remove it") -> Optional[str]:
+def _problem(path: Path, info: os.stat_result, want: Kind, in_place: bool, fix: str = "remove it") -> str | None:
     have = kind_of(info.st_mode)
     if have == "symbolic link":
         try:
@@ -75,7 +76,7 @@ def _problem(path: Path, info: os.stat_result, want: Kind, in_place: bool, fix: 
     return None
 
 
-def path_problem(path: Path, want: Kind = "file", *, in_place: bool = False, fix: str = "remove it") -> Optional[str]:
+def path_problem(path: Path, want: Kind = "file", *, in_place: bool = False, fix: str = "remove it") -> str | None:
     """Why hpcrlhf may not write a `want` at `path` (None: nothing is there, or a real one is), ending
     with `fix`. The last component is looked at itself, never a link's target. `in_place`: the file is
     appended to or rewritten in place (not replaced), so it must also have no other hard link."""
@@ -86,7 +87,7 @@ def path_problem(path: Path, want: Kind = "file", *, in_place: bool = False, fix
     return _problem(Path(path), info, want, in_place, fix)
 
 
-def refuse(problems: Iterable[Optional[str]]) -> None:
+def refuse(problems: Iterable[str | None]) -> None:
     """Raise one UnsafeFileError naming every problem found (None entries are no problem)."""
     found = [p for p in problems if p]
     if len(found) == 1:

@@ -25,7 +25,7 @@ the damaged tensors, the models and the cause.
 from __future__ import annotations
 
 import math
-from typing import Iterable, Mapping
+from collections.abc import Iterable, Mapping
 
 import torch
 

@@ -30,7 +30,6 @@ import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Optional
 
 from hpcrlhf.errors import ConfigError
 from hpcrlhf.logs import get_logger
@@ -53,12 +52,12 @@ room for clock skew between nodes)."""
 class Owner:
     host: str
     pid: int
-    slurm_job_id: Optional[str]
+    slurm_job_id: str | None
     started: float
     heartbeat: float
 
     @classmethod
-    def here(cls) -> "Owner":
+    def here(cls) -> Owner:
         now = time.time()
         return cls(socket.gethostname(), os.getpid(), os.environ.get("SLURM_JOB_ID"), now, now)
 
@@ -73,7 +72,7 @@ FIELDS = {"host": (str,), "pid": (int,), "slurm_job_id": (str, type(None)), "sta
 _TYPE_NAMES = {str: "text", int: "a whole number", float: "a number", type(None): "null"}
 
 
-def record_problem(record: object) -> Optional[str]:
+def record_problem(record: object) -> str | None:
     """What makes a parsed lock record not one hpcrlhf writes (None: it is one). Pure."""
     if not isinstance(record, dict):
         return f"a JSON {type(record).__name__}, not an object"
@@ -90,7 +89,7 @@ def record_problem(record: object) -> Optional[str]:
     return None
 
 
-def parse_owner(text: str, path: Path) -> Optional[Owner]:
+def parse_owner(text: str, path: Path) -> Owner | None:
     """The owner in a lock file's text; None when empty (released) or not JSON (a torn write: no
     owner worth protecting). JSON that is not an owner record was not written by hpcrlhf: a
     ConfigError naming the file (whoever wrote it may expect it to protect the folder)."""
@@ -105,7 +104,7 @@ def parse_owner(text: str, path: Path) -> Optional[Owner]:
     return Owner(**record)
 
 
-def read_owner(path: Path) -> Optional[Owner]:
+def read_owner(path: Path) -> Owner | None:
     """The record in a lock file (see `parse_owner`); None when there is none."""
     try:
         return parse_owner(path.read_text(errors="replace"), path)
@@ -113,7 +112,7 @@ def read_owner(path: Path) -> Optional[Owner]:
         return None
 
 
-def takeover_reason(previous: Owner, me: Owner, now: float) -> Optional[str]:
+def takeover_reason(previous: Owner, me: Owner, now: float) -> str | None:
     """Why a record left in the lock file (whose flock this process now holds) belongs to a job that
     is over, or None when it may still be running on another node. Pure: the policy in one place."""
     if previous.host == me.host:
@@ -126,7 +125,7 @@ def takeover_reason(previous: Owner, me: Owner, now: float) -> Optional[str]:
     return None
 
 
-_HELD: set["RunLock"] = set()
+_HELD: set[RunLock] = set()
 
 
 def release_all() -> None:
@@ -143,11 +142,11 @@ class RunLock:
     def __init__(self, run_dir: Path):
         self.path = run_dir / LOCK_NAME
         self.owner = Owner.here()
-        self._fd: Optional[int] = None
+        self._fd: int | None = None
         self._stop = threading.Event()
-        self._thread: Optional[threading.Thread] = None
+        self._thread: threading.Thread | None = None
 
-    def acquire(self) -> "RunLock":
+    def acquire(self) -> RunLock:
         try:  # never through a link, never a FIFO or a file with other hard links (hpcrlhf.run.files)
             fd = open_in_place(self.path, os.O_RDWR | os.O_CREAT)
         except OSError as e:
@@ -192,11 +191,11 @@ class RunLock:
         with out_of_space_is_an_error(self.path.parent, LOCK_NAME):
             self._write(self.owner)
 
-    def _read(self, fd: int) -> Optional[Owner]:
+    def _read(self, fd: int) -> Owner | None:
         size = os.fstat(fd).st_size
         return parse_owner(os.pread(fd, min(size, MAX_RECORD_BYTES), 0).decode(errors="replace"), self.path)
 
-    def _write(self, owner: Optional[Owner]) -> None:
+    def _write(self, owner: Owner | None) -> None:
         data = json.dumps(asdict(owner)).encode() if owner is not None else b""
         os.ftruncate(self._fd, 0)
         os.pwrite(self._fd, data, 0)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import os
 import signal
 from contextlib import contextmanager
-from typing import Iterator
+from collections.abc import Iterator
 
 STOP_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM)
 EXIT_REQUEUE = 3
@@ -61,7 +61,7 @@ class StopFlag:
         self.interrupted = False
         """Ctrl-C was pressed once: the next one stops at once."""
 
-    def install(self) -> "StopFlag":
+    def install(self) -> StopFlag:
         if _early:
             self.signal = _early.pop()
             _early.clear()

@@ -5,7 +5,7 @@ micro-batch like a full one)."""
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Sequence
+from collections.abc import Sequence
 
 from hpcrlhf.engines.distributed import all_reduce_sum
 

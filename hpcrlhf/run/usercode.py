@@ -31,7 +31,7 @@ from __future__ import annotations
 import signal
 import threading
 from contextlib import contextmanager, nullcontext
-from typing import Iterator
+from collections.abc import Iterator
 
 from hpcrlhf.run.signals import Interrupted, interruptible
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -42,7 +42,7 @@ class BatchPlan:
                              global_rows=self.global_batch_rows, rows_per_rank=self.rows_per_rank_per_step)
 
     @classmethod
-    def build(cls, train: TrainConfig, *, num_rows: int, data_parallel_size: int) -> "BatchPlan":
+    def build(cls, train: TrainConfig, *, num_rows: int, data_parallel_size: int) -> BatchPlan:
         g, m, w = train.global_batch_size, train.micro_batch_for(data_parallel_size), data_parallel_size
         if g % (m * w):
             options = sorted({m * w * k for k in (max(1, g // (m * w)), g // (m * w) + 1)})
@@ -115,7 +115,7 @@ class PPOPlan:
 
     @classmethod
     def build(cls, train: TrainConfig, *, prompts_per_step: int, samples_per_prompt: int, ppo_epochs: int,
-              num_prompts: int, data_parallel_size: int) -> "PPOPlan":
+              num_prompts: int, data_parallel_size: int) -> PPOPlan:
         w, g, m = data_parallel_size, train.global_batch_size, train.micro_batch_for(data_parallel_size)
         if prompts_per_step % w:
             raise ConfigError(f"rollout.prompts_per_step: {prompts_per_step} does not split over {w} ranks; "

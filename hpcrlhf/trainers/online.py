@@ -13,7 +13,8 @@ backend on several training ranks, rank 0 runs the engine for everyone
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
+from collections.abc import Sequence
 
 import torch
 

@@ -11,7 +11,8 @@ reports the task score and the user's `eval.metrics` of the answers.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any
+from collections.abc import Callable, Sequence
 
 import torch
 

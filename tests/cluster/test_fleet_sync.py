@@ -3,6 +3,7 @@ finished by `sync`: which push runs when, with a recording push in place of `Wei
 
 from __future__ import annotations
 
+from functools import partial
 from types import SimpleNamespace
 
 import pytest
@@ -95,6 +96,6 @@ def test_the_ray_roles_start_the_sync_only_where_nobody_sleeps_between_phases():
     for sleepers, push, expected in [((), True, 1), (("engines",), True, 0), (("actor",), True, 0), ((), False, 0)]:
         started = []
         roles = SimpleNamespace(phases=SimpleNamespace(enter=lambda phase: None, sleepers=sleepers), groups={},
-                                rollout=SimpleNamespace(start_sync=lambda: started.append(1)))
+                                rollout=SimpleNamespace(start_sync=partial(started.append, 1)))
         RayRoles.learn(roles, None, 0, [], push=push)
         assert len(started) == expected, (sleepers, push)

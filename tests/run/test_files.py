@@ -17,8 +17,7 @@ from pathlib import Path
 import pytest
 
 from hpcrlhf.errors import UnsafeFileError
-from hpcrlhf.run.files import (append, current_umask, open_in_place, replace_file, replacing, staged_folder,
-                               write_secret)
+from hpcrlhf.run.files import append, current_umask, open_in_place, replace_file, replacing, staged_folder, write_secret
 
 
 @pytest.fixture
@@ -69,7 +68,7 @@ def test_a_fifo_neither_blocks_nor_is_written(tmp_path, writer):
     for with_reader in (False, True):  # no reader: an open would block; a reader would receive the data
         reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK) if with_reader else None
         raised: list[BaseException] = []
-        attempt = threading.Thread(target=lambda: _catch(raised, WRITERS[writer], fifo), daemon=True)
+        attempt = threading.Thread(target=_catch, args=(raised, WRITERS[writer], fifo), daemon=True)
         attempt.start()
         attempt.join(10)
         assert not attempt.is_alive(), "blocked on the FIFO"

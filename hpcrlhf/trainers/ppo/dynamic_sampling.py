@@ -12,7 +12,7 @@ checks are collective on several ranks), and each round's prompts and sampling s
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 

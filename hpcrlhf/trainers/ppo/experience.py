@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Iterator, Optional, Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -35,11 +35,11 @@ class Experience:
     advantages: torch.Tensor
     returns: torch.Tensor
     """Value targets (critic) -- for critic-free estimators the same as the advantages."""
-    values: Optional[torch.Tensor] = None
+    values: torch.Tensor | None = None
     """Critic values when the experience was made (value clipping)."""
-    ref_logps: Optional[torch.Tensor] = None
+    ref_logps: torch.Tensor | None = None
     """Reference log-probs (a KL term in the loss)."""
-    is_weights: Optional[torch.Tensor] = None
+    is_weights: torch.Tensor | None = None
     """Truncated importance weights of the actions (ppo.tis_cap), multiplying the policy loss."""
 
 
@@ -53,7 +53,7 @@ class ExperienceBatch:
     `lengths` holds each row's tokens. A handful of tensors, not one object per sequence; it
     splits into row shards for a role's ranks (`split`) and joins again (`concat`)."""
 
-    tensors: dict[str, Optional[torch.Tensor]]
+    tensors: dict[str, torch.Tensor | None]
     lengths: list[int]
 
     def __len__(self) -> int:
@@ -65,26 +65,26 @@ class ExperienceBatch:
         return [Experience(**{k: (v[i, :n].clone() if v is not None else None) for k, v in self.tensors.items()
                               if k in names}) for i, n in enumerate(self.lengths)]
 
-    def select(self, rows: Sequence[int]) -> "ExperienceBatch":
+    def select(self, rows: Sequence[int]) -> ExperienceBatch:
         """The rows `rows`, in that order (a row may repeat); tensors keep their width."""
         index = torch.tensor(list(rows), dtype=torch.long)
         return ExperienceBatch({k: (v[index] if v is not None else None) for k, v in self.tensors.items()},
                                [self.lengths[i] for i in rows])
 
-    def split(self, parts: int, *, pad_to_equal: bool = False) -> list["ExperienceBatch"]:
+    def split(self, parts: int, *, pad_to_equal: bool = False) -> list[ExperienceBatch]:
         """`parts` contiguous row shards (`data.batching.shard_rows`, `pad_to_equal` as there)."""
         return [self.select(rows) for rows in shard_rows(len(self), parts, pad_to_equal=pad_to_equal)]
 
-    def head(self, n: int) -> "ExperienceBatch":
+    def head(self, n: int) -> ExperienceBatch:
         return self.select(range(n))
 
     @classmethod
-    def concat(cls, parts: Sequence["ExperienceBatch"]) -> "ExperienceBatch":
+    def concat(cls, parts: Sequence[ExperienceBatch]) -> ExperienceBatch:
         """The rows of `parts` in order (shards of one batch: the same fields and width)."""
         return cls({k: (torch.cat([p.tensors[k] for p in parts]) if v is not None else None)
                     for k, v in parts[0].tensors.items()}, [n for p in parts for n in p.lengths])
 
-    def with_tensors(self, **tensors: Optional[torch.Tensor]) -> "ExperienceBatch":
+    def with_tensors(self, **tensors: torch.Tensor | None) -> ExperienceBatch:
         """These rows with more (or replaced) fields."""
         return ExperienceBatch({**self.tensors, **tensors}, self.lengths)
 

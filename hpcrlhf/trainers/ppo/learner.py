@@ -13,7 +13,8 @@ rank with N times the batch, wherever they run.
 
 from __future__ import annotations
 
-from typing import Callable, Literal
+from typing import Literal
+from collections.abc import Callable
 
 import torch
 

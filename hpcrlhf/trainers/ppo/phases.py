@@ -16,7 +16,7 @@ runs): the switch itself runs the same everywhere.
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 from hpcrlhf.config.schema import PPOConfig
 from hpcrlhf.engines.rollout import ENGINE_MEMORY
@@ -51,7 +51,7 @@ class PhaseSwitch:
 
     @classmethod
     def for_job(cls, cfg: PPOConfig, trained: Sequence[str], engines, move_role: Callable[[str, str], None],
-                timed: Callable) -> "PhaseSwitch":
+                timed: Callable) -> PhaseSwitch:
         """The switch of a PPO job: its `engines` (`sleep()`, `wake(tags)`) sleep with
         placement.vllm.sleep, each of its `trained` roles (`move_role(role, "sleep" | "wake")`) with
         placement.<role>.sleep."""

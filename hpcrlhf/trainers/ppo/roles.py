@@ -28,7 +28,8 @@ import time
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Protocol
+from collections.abc import Callable, Sequence
 
 from hpcrlhf.config.schema import PPOConfig
 from hpcrlhf.models.factory import ModelFactory
