@@ -22,7 +22,7 @@ on, passes through that logger's `callHandlers`; a library's loggers made after 
 Output that bypasses Python's logging is a process's own: vLLM's engine core and its workers
 print logs, warnings, C++ messages and progress bars on their standard output and error, which
 they inherit when they start. `third_party_processes` points this process's stdout and stderr at
-the run log while it starts them (hpcrlhf.engines.rollout). Ray's workers never print to the
+the run log while it starts them (hpcrlhf.engines.rollout.vllm). Ray's workers never print to the
 driver's terminal (hpcrlhf starts Ray with log_to_driver=False); their output is in Ray's session
 logs. Library calls from Python (not the `hpcrlhf` command) are left alone.
 """
@@ -37,12 +37,12 @@ import time
 from collections import deque
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator, Optional
+from collections.abc import Iterator
 
 from tqdm import tqdm
 
 from hpcrlhf.errors import ConfigError, HpcrlhfError
-from hpcrlhf.safefiles import append, open_in_place, os_error_reason
+from hpcrlhf.run.files import append, open_in_place, os_error_reason
 
 _FORMAT = "[%(asctime)s hpcrlhf] %(message)s"
 
@@ -152,10 +152,10 @@ class _Output:
     ROUTED = ("held", "file", "dropped")
 
     def __init__(self) -> None:
-        self.mode: Optional[str] = None
+        self.mode: str | None = None
         self.held: deque[logging.LogRecord] = deque(maxlen=HELD_RECORDS)
-        self.path: Optional[Path] = None
-        self.terminal: Optional[logging.StreamHandler] = None
+        self.path: Path | None = None
+        self.terminal: logging.StreamHandler | None = None
         self.told = False
         self.file_format = _PlainFormatter(_FILE_FORMAT)
 

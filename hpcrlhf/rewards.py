@@ -25,12 +25,12 @@ answer caused it). `rule_names(cfg)` lists every `module:function` a config name
 imports them all.
 
 Each call gets its own copy of the row (what a rule changes in it, no other rule, metric or later
-evaluation sees) and runs as the user's code (`hpcrlhf.usercode`): past its deadline
+evaluation sees) and runs as the user's code (`hpcrlhf.run.usercode`): past its deadline
 (`reward.rule_timeout_s`, `eval.metric_timeout_s`), or on `sys.exit()` and other exceptions that
 would end the job, it fails with a RuleError naming the rule; a stop request interrupts it.
 
 `adjust_scores` then applies the configured penalties (length, missing EOS). Reward models are
-frozen models (see `Trainer.build_frozen_model`): sharded under ZeRO-3, so every rank must call
+frozen models (see `ModelFactory.build_frozen_model`): sharded under ZeRO-3, so every rank must call
 `score` with the same number of sequences.
 """
 
@@ -44,15 +44,17 @@ import numbers
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
-from hpcrlhf.config.schema import DEFAULT_USER_CODE_TIMEOUT_S, TASK_RULES, RewardConfig, RewardSourceConfig
+from hpcrlhf.config.schema import DEFAULT_USER_CODE_TIMEOUT_S, TASK_RULES, JobConfig, RewardConfig, RewardSourceConfig
 from hpcrlhf.data.sources import brief
 from hpcrlhf.errors import ConfigError, RuleError
-from hpcrlhf.signals import Interrupted, StopRequested
-from hpcrlhf.usercode import UserCodeTimeout, user_code
+from hpcrlhf.models.value import last_token_values, reward_stats
+from hpcrlhf.run.signals import Interrupted, StopRequested
+from hpcrlhf.run.usercode import UserCodeTimeout, user_code
 
 RuleFn = Callable[[str, str, Mapping[str, Any]], Any]
 CONTRACT = "a rule returns a real number: an int, a float or a bool (True counts 1.0, False 0.0)"
@@ -210,7 +212,7 @@ def metric_name(rule: str) -> str:
     return rule.partition(":")[2]
 
 
-def rule_names(cfg) -> list[tuple[str, str]]:
+def rule_names(cfg: JobConfig) -> list[tuple[str, str]]:
     """(config field, rule) of every `package.module:function` a job or generate config names: its
     reward rules (`reward.sources[i].rule`) and its evaluation metrics (`eval.metrics[i]`, or
     `metrics[i]` for generate). These import the user's code, so a node that runs the job must be
@@ -225,7 +227,7 @@ def rule_names(cfg) -> list[tuple[str, str]]:
     return out
 
 
-def check_rules(cfg) -> None:
+def check_rules(cfg: JobConfig) -> None:
     """Import and check every `package.module:function` of `cfg` (`rule_names`): a ConfigError names
     the first field whose rule cannot be imported or is no function of (prompt, response, row)."""
     for field, rule in rule_names(cfg):
@@ -235,7 +237,7 @@ def check_rules(cfg) -> None:
 class EvalMetrics:
     """What evaluation reports about each generated answer: the task score (with a task) and the
     user's metrics (`eval.metrics`: `package.module:function` rules, reported under the function's
-    name). `stats` gives `eval/<name>` sums for `Trainer.eval_means`, `values` each answer's."""
+    name). `stats` gives `eval/<name>` sums for `TrainingLoop.eval_means`, `values` each answer's."""
 
     def __init__(self, metrics: Sequence[str], task, field: str = "eval.metrics",
                  timeout_s: float = DEFAULT_USER_CODE_TIMEOUT_S, timeout_key: str = "eval.metric_timeout_s"):
@@ -270,8 +272,6 @@ class RewardModelScorer:
     """A frozen reward model scoring prompt + response sequences at their last token."""
 
     def __init__(self, model, tokenizer, policy_tokenizer, source: RewardSourceConfig, batch_size: int, device):
-        from hpcrlhf.models.value import reward_stats
-
         self.model, self.tokenizer = model, tokenizer
         self.same_vocab = tokenizer.get_vocab() == policy_tokenizer.get_vocab()
         self.stats = reward_stats(model.module.config) if source.normalize else None
@@ -285,8 +285,7 @@ class RewardModelScorer:
 
     @torch.no_grad()
     def __call__(self, responses: Sequence[Response]) -> torch.Tensor:
-        from hpcrlhf.engines.hf_generate import right_pad
-        from hpcrlhf.models.value import last_token_values
+        from hpcrlhf.engines.hf_generate import right_pad  # transformers (+3 s): `hpcrlhf sbatch` checks rules here
 
         out = []
         for start in range(0, len(responses), self.batch_size):
@@ -308,7 +307,7 @@ class RewardSet:
 
     def __init__(self, cfg: RewardConfig, load_model: Callable[[str, str], Any], tokenizer, task, device,
                  trust_remote_code: bool = False):
-        from hpcrlhf.models.loading import load_tokenizer
+        from hpcrlhf.models.loading import load_tokenizer  # transformers (+3 s): `hpcrlhf sbatch` checks rules here
 
         self.cfg = cfg
         self.weights = [s.weight for s in cfg.sources]

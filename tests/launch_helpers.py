@@ -63,12 +63,14 @@ def stop_after(args: list[str], out: Path, step: int, key: str = "train/loss") -
     import signal
     import time
 
-    from hpcrlhf.metrics import read_metrics
+    from hpcrlhf.run.metrics import read_metrics
 
     proc = subprocess.Popen(cli_command(args), cwd=ROOT, env=cli_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
-    logged = lambda: (out / "metrics.jsonl").exists() and any(
-        m["step"] >= step for m in read_metrics(out) if key in m)
+
+    def logged() -> bool:
+        return (out / "metrics.jsonl").exists() and any(m["step"] >= step for m in read_metrics(out) if key in m)
+
     deadline = time.monotonic() + 300
     while not logged() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.2)

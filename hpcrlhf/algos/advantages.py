@@ -1,6 +1,9 @@
-"""Advantage estimators for the PPO loop, behind one entry point, `compute_advantages`.
+"""Advantage estimators for the PPO loop, behind one entry point, `compute_advantages`, and the
+token-level recursions they use: GAE and discounted returns.
 
-* gae (Schulman et al. 2016): token-level GAE against a learned critic, `ppo.gae_advantages`;
+* gae (Schulman et al. 2016, "High-Dimensional Continuous Control Using Generalized Advantage
+  Estimation"): token-level GAE against a learned critic, `gae_advantages`:
+  delta_t = r_t + gamma V_{t+1} - V_t, A_t = delta_t + gamma lam A_{t+1}, returns R_t = A_t + V_t;
   advantages optionally whitened over the global batch.
 * grpo (Shao et al. 2024, DeepSeekMath): no critic; each response's score is compared with the
   other samples of its prompt, A_i = (s_i - mean_group) / (std_group + eps), with the unbiased
@@ -16,14 +19,14 @@
   A_i = s_i - mean_group, then whitened over the global batch (if `whiten`): Dr. GRPO's centring
   with one batch-wide scale instead of none.
 * reinforce++ (Hu 2025): token-level rewards (KL penalty per token, score at the last token, as
-  `ppo.shape_rewards` builds them) -> discounted returns-to-go -> whitened over all masked
+  `reward_shaping.shape_rewards` builds them) -> discounted returns-to-go -> whitened over all masked
   tokens of the global batch; the whitening mean is the baseline.
 
 Sequence-level estimators take `scores` (B,) laid out in groups of `group_size` consecutive rows,
 the samples of one prompt: rows [g n, (g + 1) n). Their per-sequence advantage is broadcast to
 every response token. For grpo and rloo the per-token KL penalty is *not* part of the advantage:
-either the loss carries it (GRPO's k3 term, `ppo.kl_estimate`) or the caller folds a sequence KL
-into `scores` before calling. Every output is 0 outside the mask.
+either the loss carries it (GRPO's k3 term, `kl.kl_estimate`) or the caller folds a sequence KL
+into `scores` before calling. Every output is 0 outside the mask (conventions: `hpcrlhf.algos`).
 """
 
 from __future__ import annotations
@@ -33,8 +36,58 @@ from collections.abc import Callable
 import torch
 
 from hpcrlhf.algos.estimators import ADVANTAGE_ESTIMATORS, CRITIC_FREE, ESTIMATORS  # noqa: F401 (re-exported)
-from hpcrlhf.algos.ppo import Reduce, discounted_returns, gae_advantages, masked_whiten
+from hpcrlhf.algos.logprobs import float_dtypes
+from hpcrlhf.algos.masked import Reduce, masked_whiten
 
+
+# ---- token level: GAE and returns-to-go ------------------------------------------------------
+
+
+def gae_advantages(
+    rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation over the masked tokens of each row (Schulman et al. 2016).
+
+    The masked tokens of a row are the steps of one episode that terminates after its last one
+    (the value after it is 0); the "next" step of a masked token is the next masked token of the
+    row, however many masked-out positions lie between. Returns (advantages, returns) with
+    returns = advantages + values, both 0 where mask is 0. Inputs are detached.
+    """
+    out, dt = float_dtypes(rewards, values)
+    keep = mask.bool()
+    r, v = rewards.detach().to(dt), values.detach().to(dt)
+    adv = torch.zeros_like(r)
+    # Carried across masked-out positions, so they are skipped rather than treated as steps;
+    # both start at 0, which is the terminal condition after the last masked token.
+    next_value = r.new_zeros(r.shape[0])
+    next_adv = r.new_zeros(r.shape[0])
+    for t in reversed(range(r.shape[1])):
+        m = keep[:, t]
+        delta = r[:, t] + gamma * next_value - v[:, t]
+        a = delta + gamma * lam * next_adv
+        adv[:, t] = torch.where(m, a, 0)
+        next_value = torch.where(m, v[:, t], next_value)
+        next_adv = torch.where(m, a, next_adv)
+    returns = torch.where(keep, adv + v, 0)
+    return adv.to(out), returns.to(out)
+
+
+def discounted_returns(rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
+    """Returns-to-go G_t = r_t + gamma G_{t+1} over the masked tokens of each row (same "next
+    masked token" rule as `gae_advantages`), 0 where mask is 0. Inputs are detached."""
+    out, dt = float_dtypes(rewards)
+    keep = mask.bool()
+    r = rewards.detach().to(dt)
+    ret = torch.zeros_like(r)
+    running = r.new_zeros(r.shape[0])
+    for t in reversed(range(r.shape[1])):
+        m = keep[:, t]
+        running = torch.where(m, r[:, t] + gamma * running, running)
+        ret[:, t] = torch.where(m, running, 0)
+    return ret.to(out)
+
+
+# ---- sequence level: scores compared within their prompt's group ------------------------------
 
 
 def _groups(scores: torch.Tensor, group_size: int, name: str) -> torch.Tensor:

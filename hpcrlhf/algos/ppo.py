@@ -1,5 +1,5 @@
-"""PPO maths on per-token tensors: masked statistics, KL estimates and controllers, reward
-shaping, GAE, and the clipped policy / value losses.
+"""The PPO losses on per-token tensors: the clipped policy surrogate and the value loss, their
+aggregation to a scalar, the policy's entropy and truncated importance weights.
 
 Algorithms, as implemented here:
 
@@ -12,324 +12,24 @@ Algorithms, as implemented here:
   negative advantage cannot dominate the batch.
 * Clipped value loss (as in the PPO reference code): 0.5 max((V - R)^2, (V_clip - R)^2) with
   V_clip = V_old + clip(V - V_old, -eps, eps).
-* KL estimators (Schulman 2020, "Approximating KL Divergence", the k1/k2/k3 estimators), from
-  samples of pi with log_ratio = log pi - log ref:  k1 = log_ratio (unbiased, can be negative),
-  k2 = log_ratio^2 / 2 (biased, low variance), k3 = exp(-log_ratio) - 1 + log_ratio
-  (unbiased and non-negative).
-* KL-penalised rewards (Ziegler et al. 2019, "Fine-Tuning Language Models from Human
-  Preferences"): r_t = -beta KL_t at each response token, plus the sequence score at the last one;
-  beta is fixed or adapted towards a target KL:  e = clip(KL / target - 1, -0.2, 0.2),
-  beta <- beta (1 + e n_steps / horizon).
-* Generalised advantage estimation (Schulman et al. 2016, "High-Dimensional Continuous Control
-  Using Generalized Advantage Estimation"): delta_t = r_t + gamma V_{t+1} - V_t,
-  A_t = delta_t + gamma lam A_{t+1}, returns R_t = A_t + V_t.
-* Running reward moments combined exactly across batches and ranks (Chan, Golub & LeVeque 1979).
 
-Conventions: per-token tensors are (B, T) and `mask` marks the action (response) tokens. Masked
-tokens of a row are the consecutive time steps of one episode, which ends after the row's last
-masked token; masked-out positions are ignored wherever they are (padding, or holes inside a
-response), and every per-token output is exactly 0 there. Values at masked-out positions are never
-read arithmetically into a result (selected with `torch.where`, not multiplied by the mask), so
--inf or NaN padding cannot leak in.
-
-Functions computing batch statistics take `reduce`, a callable that sums a list of Python floats
-over data-parallel ranks (None: one process). Local sums are accumulated in float64, reduced in
-one call, and only then turned into means and variances, so every rank sees the statistics of the
-global batch. Half-precision inputs are computed in fp32 and cast back (house convention, see
-`hpcrlhf.algos.preference`).
+The rest of a PPO step's maths: `masked`, `kl`, `reward_shaping`, `advantages` (conventions:
+`hpcrlhf.algos`).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from typing import Literal
 
 import torch
 
+from hpcrlhf.algos.kl import MAX_LOG_RATIO
 from hpcrlhf.algos.logprobs import float_dtypes
-
-Reduce = Callable[[list[float]], list[float]]
+from hpcrlhf.algos.masked import masked_mean, masked_sum
 
 LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
-KL_ESTIMATORS = ("k1", "k2", "k3")
 RATIO_LEVELS = ("token", "sequence")
-
-# exp(20) ~ 4.9e8: far beyond any ratio that carries a useful signal, yet finite in fp32/bf16
-# (exp overflows there beyond ~88) and, squared or multiplied by a reward, still finite.
-_MAX_LOG_RATIO = 20.0
-
-
-# ---- helpers ---------------------------------------------------------------------------------
-
-
-def _local_sums(*sums: torch.Tensor) -> list[float]:
-    """Scalar tensors -> Python floats (float64), with one device-to-host copy instead of one each."""
-    return torch.stack([t.to(device=sums[-1].device, dtype=torch.float64) for t in sums]).tolist()
-
-
-def _global(local: list[float], reduce: Reduce | None) -> list[float]:
-    if reduce is None:
-        return local
-    summed = list(reduce(local))
-    if len(summed) != len(local):
-        raise ValueError(f"reduce returned {len(summed)} values for {len(local)} inputs")
-    return summed
-
-
-# ---- masked statistics -----------------------------------------------------------------------
-
-
-def masked_sum(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
-    """Sum of x over positions where mask is true (all dims if dim is None)."""
-    kept = torch.where(mask.bool(), x, 0)
-    return kept.sum() if dim is None else kept.sum(dim)
-
-
-def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
-    """masked_sum / number of masked entries; an empty selection gives 0 rather than 0/0 = NaN."""
-    count = mask.bool().sum() if dim is None else mask.bool().sum(dim)
-    return masked_sum(x, mask, dim) / count.clamp(min=1)
-
-
-def masked_whiten(
-    x: torch.Tensor,
-    mask: torch.Tensor,
-    *,
-    shift_mean: bool = True,
-    eps: float = 1e-8,
-    reduce: Reduce | None = None,
-) -> torch.Tensor:
-    """(x - mean) / sqrt(var + eps) with the mean and population variance of the masked entries
-    of the global batch; with shift_mean=False the mean is added back (rescaling only). 0 where
-    mask is 0."""
-    out, dt = float_dtypes(x)
-    keep = mask.bool()
-    xk = torch.where(keep, x.detach(), 0).double()
-    n, s, ss = _global(_local_sums(keep.sum(), xk.sum(), xk.square().sum()), reduce)
-    # One reduce of plain sums is all a sum-only collective allows. var = E[x^2] - mean^2
-    # cancels badly only when |mean| >> std; in float64 that costs ~1e-16 * mean^2 / var,
-    # invisible next to the fp32 precision of the inputs for any realistic advantages.
-    mean = s / max(n, 1.0)
-    var = max(ss / max(n, 1.0) - mean * mean, 0.0)
-    white = (x.to(dt) - mean) / math.sqrt(var + eps)
-    if not shift_mean:
-        white = white + mean
-    return torch.where(keep, white, 0).to(out)
-
-
-# ---- KL estimates and controllers ------------------------------------------------------------
-
-
-def kl_estimate(
-    logp: torch.Tensor,
-    ref_logp: torch.Tensor,
-    estimator: Literal["k1", "k2", "k3"],
-    mask: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Per-token estimate of KL(pi || ref) from tokens sampled from pi (Schulman's k1/k2/k3).
-
-    log_ratio = logp - ref_logp; k1 = log_ratio, k2 = log_ratio^2 / 2,
-    k3 = exp(-log_ratio) - 1 + log_ratio. For every estimator the log-ratio is first clamped
-    to [-20, 20]: a token the reference (or the policy) gives log-prob -inf makes it +-inf, so
-    k1 and k2 would be inf and k3's exp(-log_ratio) overflows in fp32 already below -88; a single
-    inf poisons the reward or loss of the whole batch. (OpenRLHF bounds its estimates to
-    [-10, 10], verl its k3 likewise.) The bound is far outside what PPO's updates reach (its
-    ratio clip); k2 and k3 stay non-negative. Gradients flow to both inputs inside the bound
-    (GRPO puts k3 in the loss), none outside; 0 where mask is 0.
-    """
-    if estimator not in KL_ESTIMATORS:
-        raise ValueError(f"estimator must be one of {KL_ESTIMATORS}, got {estimator!r}")
-    out, dt = float_dtypes(logp, ref_logp)
-    lr = (logp.to(dt) - ref_logp.to(dt)).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
-    if estimator == "k1":
-        kl = lr
-    elif estimator == "k2":
-        kl = 0.5 * lr.square()
-    else:
-        # expm1 keeps precision for small lr, where exp(-lr) - 1 and lr nearly cancel.
-        kl = torch.expm1(-lr) + lr
-    if mask is not None:
-        kl = torch.where(mask.bool(), kl, 0)
-    return kl.to(out)
-
-
-class FixedKLController:
-    """Constant KL coefficient; same interface as AdaptiveKLController."""
-
-    def __init__(self, kl_coef: float) -> None:
-        self.value = float(kl_coef)
-
-    def update(self, current_kl: float, n_steps: int) -> None:
-        pass
-
-    def state_dict(self) -> dict[str, float]:
-        return {"value": self.value}
-
-    def load_state_dict(self, state: dict[str, float]) -> None:
-        self.value = float(state["value"])
-
-
-class AdaptiveKLController:
-    """Proportional controller steering the KL coefficient towards a target KL (Ziegler et al. 2019).
-
-    error = clip(current_kl / target - 1, -0.2, 0.2);  value *= 1 + error * n_steps / horizon.
-    The clip bounds the per-update change, so one noisy KL estimate cannot swing the coefficient.
-    Only `value` is checkpointed: target and horizon are configuration and come from the
-    constructor, so a resumed run may change them.
-    """
-
-    def __init__(self, init_kl_coef: float, target: float, horizon: int) -> None:
-        if not target > 0:
-            raise ValueError(f"target KL must be > 0, got {target}")
-        if not horizon > 0:
-            raise ValueError(f"horizon must be > 0, got {horizon}")
-        self.value = float(init_kl_coef)
-        self.target = float(target)
-        self.horizon = int(horizon)
-
-    def update(self, current_kl: float, n_steps: int) -> None:
-        error = min(max(current_kl / self.target - 1.0, -0.2), 0.2)
-        self.value *= 1.0 + error * n_steps / self.horizon
-
-    def state_dict(self) -> dict[str, float]:
-        return {"value": self.value}
-
-    def load_state_dict(self, state: dict[str, float]) -> None:
-        self.value = float(state["value"])
-
-
-def build_kl_controller(
-    init_kl_coef: float, target: float | None, horizon: int
-) -> FixedKLController | AdaptiveKLController:
-    """Adaptive controller when a target KL is given, fixed coefficient otherwise."""
-    if target is None:
-        return FixedKLController(init_kl_coef)
-    return AdaptiveKLController(init_kl_coef, target, horizon)
-
-
-# ---- rewards and returns ---------------------------------------------------------------------
-
-
-def shape_rewards(scores: torch.Tensor, kl: torch.Tensor, mask: torch.Tensor, kl_coef: float) -> torch.Tensor:
-    """Per-token rewards (B, T): -kl_coef * kl at every masked token, plus scores[b] at the last
-    masked token of row b (the reward model judges the whole response, so its score arrives when
-    the episode ends). Rows without masked tokens get all zeros."""
-    out, dt = float_dtypes(scores, kl)
-    keep = mask.bool()
-    pos = torch.arange(keep.shape[-1], device=keep.device)
-    last = torch.where(keep, pos, -1).amax(-1, keepdim=True)  # -1 for an empty row: never matches
-    is_last = keep & (pos == last)
-    rewards = torch.where(keep, -kl_coef * kl.to(dt), 0)
-    rewards = rewards + torch.where(is_last, scores.to(dt).unsqueeze(-1), 0)
-    return rewards.to(out)
-
-
-def gae_advantages(
-    rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Generalised advantage estimation over the masked tokens of each row (Schulman et al. 2016).
-
-    The masked tokens of a row are the steps of one episode that terminates after its last one
-    (the value after it is 0); the "next" step of a masked token is the next masked token of the
-    row, however many masked-out positions lie between. Returns (advantages, returns) with
-    returns = advantages + values, both 0 where mask is 0. Inputs are detached.
-    """
-    out, dt = float_dtypes(rewards, values)
-    keep = mask.bool()
-    r, v = rewards.detach().to(dt), values.detach().to(dt)
-    adv = torch.zeros_like(r)
-    # Carried across masked-out positions, so they are skipped rather than treated as steps;
-    # both start at 0, which is the terminal condition after the last masked token.
-    next_value = r.new_zeros(r.shape[0])
-    next_adv = r.new_zeros(r.shape[0])
-    for t in reversed(range(r.shape[1])):
-        m = keep[:, t]
-        delta = r[:, t] + gamma * next_value - v[:, t]
-        a = delta + gamma * lam * next_adv
-        adv[:, t] = torch.where(m, a, 0)
-        next_value = torch.where(m, v[:, t], next_value)
-        next_adv = torch.where(m, a, next_adv)
-    returns = torch.where(keep, adv + v, 0)
-    return adv.to(out), returns.to(out)
-
-
-def discounted_returns(rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
-    """Returns-to-go G_t = r_t + gamma G_{t+1} over the masked tokens of each row (same "next
-    masked token" rule as `gae_advantages`), 0 where mask is 0. Inputs are detached."""
-    out, dt = float_dtypes(rewards)
-    keep = mask.bool()
-    r = rewards.detach().to(dt)
-    ret = torch.zeros_like(r)
-    running = r.new_zeros(r.shape[0])
-    for t in reversed(range(r.shape[1])):
-        m = keep[:, t]
-        running = torch.where(m, r[:, t] + gamma * running, running)
-        ret[:, t] = torch.where(m, running, 0)
-    return ret.to(out)
-
-
-def clip_rewards(scores: torch.Tensor, clip: float | None) -> torch.Tensor:
-    """Clamp scores to [-clip, clip]; None leaves them unchanged."""
-    if clip is None:
-        return scores
-    if not clip > 0:
-        raise ValueError(f"reward clip must be > 0 or None, got {clip}")
-    return scores.clamp(-clip, clip)
-
-
-class RunningMoments:
-    """Running mean and population std of every score seen so far, exact in float64.
-
-    Each batch (global over ranks via `reduce`) is folded in with Chan et al.'s parallel
-    combination of (count, mean, M2), so the result equals the statistics of the concatenation
-    of all batches, whatever their sizes. Before the first update mean = 0 and std = 1, so
-    `normalize_scores` is the identity until there is data.
-    """
-
-    def __init__(self) -> None:
-        self.mean = 0.0
-        self.m2 = 0.0  # sum of squared deviations from the mean
-        self.count = 0.0
-
-    @property
-    def var(self) -> float:
-        return self.m2 / self.count if self.count > 0 else 1.0
-
-    @property
-    def std(self) -> float:
-        return math.sqrt(self.var)
-
-    def update(self, x: torch.Tensor, reduce: Reduce | None = None) -> tuple[float, float]:
-        """Fold in a batch of scores (all ranks call this with the same state); return (mean, std)."""
-        # Sums of deviations from the current mean, which every rank holds identically: a shared
-        # shift keeps the one-reduce variance free of cancellation once the mean has settled.
-        d = x.detach().double().flatten() - self.mean
-        n, s, ss = _global(_local_sums(torch.tensor(d.numel()), d.sum(), d.square().sum()), reduce)
-        if n == 0:
-            return self.mean, self.std
-        delta = s / n  # batch mean minus running mean
-        batch_m2 = max(ss - s * delta, 0.0)
-        total = self.count + n
-        self.mean += delta * n / total
-        self.m2 += batch_m2 + delta * delta * self.count * n / total
-        self.count = total
-        return self.mean, self.std
-
-    def state_dict(self) -> dict[str, float]:
-        return {"mean": self.mean, "m2": self.m2, "count": self.count}
-
-    def load_state_dict(self, state: dict[str, float]) -> None:
-        self.mean, self.m2, self.count = float(state["mean"]), float(state["m2"]), float(state["count"])
-
-
-def normalize_scores(scores: torch.Tensor, moments: RunningMoments, eps: float = 1e-8) -> torch.Tensor:
-    """(scores - mean) / (std + eps) with the moments' current values."""
-    out, dt = float_dtypes(scores)
-    return ((scores.to(dt) - moments.mean) / (moments.std + eps)).to(out)
-
-
-# ---- losses ----------------------------------------------------------------------------------
 
 
 def aggregate_loss(
@@ -427,7 +127,7 @@ def policy_loss(
     if ratio_level == "sequence":
         sequence = masked_mean(token_log_ratio.detach(), keep, dim=-1).unsqueeze(-1)  # log s_i, (B, 1)
         log_ratio = sequence + token_log_ratio - token_log_ratio.detach()  # value log s_i, gradient grad log pi(y_t)
-    ratio = torch.exp(log_ratio.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO))
+    ratio = torch.exp(log_ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))
     l1 = -adv * ratio
     l2 = -adv * ratio.clamp(1.0 - clip_eps_low, 1.0 + high)
     loss = torch.maximum(l1, l2)

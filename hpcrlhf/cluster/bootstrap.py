@@ -14,23 +14,14 @@ import stat
 import time
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
 
+from hpcrlhf.engines.store_ports import STORE_PORTS_ENV, ports_text
 from hpcrlhf.errors import HpcrlhfError
 
 PORTS_PER_NODE = 120
 """Ports one node of a job takes from its base: Ray's 10 service ports, its 100 worker ports, then
 10 for the job's own rendezvous stores (hpcrlhf.engines.rendezvous)."""
-
-
-STORE_PORTS_ENV = "HPCRLHF_STORE_PORTS"
-"""`FIRST-LAST`: the ports of this node's share of the job's block that the job's stores may use
-(hpcrlhf.engines.rendezvous), in the environment of the node's `ray start`, which its workers inherit."""
-
-
-def ports_text(ports: range) -> str:
-    """`FIRST-LAST`, the form of STORE_PORTS_ENV."""
-    return f"{ports.start}-{ports.stop - 1}"
 
 
 @dataclass(frozen=True)
@@ -51,7 +42,7 @@ class RayPorts:
     max_worker: int
 
     @classmethod
-    def from_base(cls, base: int) -> "RayPorts":
+    def from_base(cls, base: int) -> RayPorts:
         """Consecutive ports from `base`: 10 service ports, then 100 worker ports (one per worker
         process; Ray needs one per actor/task worker alive at the same time)."""
         if not 1024 <= base <= 65535 - PORTS_PER_NODE:
@@ -99,8 +90,8 @@ def private_temp_dir(parent: Path) -> str:
     return str(parent / "ray")
 
 
-def ray_start_args(*, node_ip: str, ports: RayPorts, head_address: Optional[str], num_cpus: int, num_gpus: int,
-                   temp_dir: Optional[str] = None, resources: Optional[dict[str, float]] = None,
+def ray_start_args(*, node_ip: str, ports: RayPorts, head_address: str | None, num_cpus: int, num_gpus: int,
+                   temp_dir: str | None = None, resources: dict[str, float] | None = None,
                    block: bool = False) -> list[str]:
     """`ray start` for a head (`head_address` None) or a worker joining `head_address` (ip:port).
 

@@ -25,12 +25,12 @@ import sys
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Optional
+from collections.abc import Iterator
 
 from hpcrlhf.cluster.bootstrap import PORTS_PER_NODE, RayPorts, private_temp_dir, ray_start_args, wait_for_nodes
 from hpcrlhf.cluster.reaper import MARKER, Reaper, terminate
 from hpcrlhf.errors import HpcrlhfError
-from hpcrlhf.safefiles import write_secret
+from hpcrlhf.run.files import write_secret
 
 
 LOCAL_PORT_BASE = 30000
@@ -68,9 +68,9 @@ class LocalRayCluster:
     temp_dir: Path
     groups: list[int] = field(default_factory=list)
     """Process group of each node's `ray start` (the node's daemons inherit it)."""
-    auth_token_path: Optional[Path] = None
+    auth_token_path: Path | None = None
     """The token file of a token-authenticated cluster (None: no authentication)."""
-    reaper: Optional[Reaper] = field(default=None, repr=False, compare=False)
+    reaper: Reaper | None = field(default=None, repr=False, compare=False)
     """The watcher that stops the cluster if the process that started it dies first (hpcrlhf.cluster.reaper)."""
 
     def client_env(self) -> dict[str, str]:
@@ -87,7 +87,7 @@ class LocalRayCluster:
     def __getstate__(self) -> dict:
         return {**self.__dict__, "reaper": None}  # the watcher stays with the process that started it
 
-    def __enter__(self) -> "LocalRayCluster":
+    def __enter__(self) -> LocalRayCluster:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -140,7 +140,7 @@ def ray_executable() -> str:
     return found
 
 
-def ray_auth_env(token_path: Optional[Path]) -> dict[str, str]:
+def ray_auth_env(token_path: Path | None) -> dict[str, str]:
     """RAY_AUTH_* settings for token authentication with the token in `token_path`, or for none.
     "None" is said explicitly: with RAY_AUTH_MODE unset, Ray 2.60's `ray start --head` turns token
     authentication on by itself when a token file exists (~/.ray/auth_token, which any local
@@ -152,7 +152,7 @@ def ray_auth_env(token_path: Optional[Path]) -> dict[str, str]:
 
 def write_auth_token(path: Path) -> None:
     """A fresh random token in `path`, created readable by its owner only (0600 from the start, never
-    wider even briefly: hpcrlhf.safefiles.write_secret); an existing file (or link) there is
+    wider even briefly: hpcrlhf.run.files.write_secret); an existing file (or link) there is
     replaced, not reused (the cluster's folder is private: only a run of this user left it)."""
     path.unlink(missing_ok=True)
     write_secret(path, secrets.token_hex(32))
@@ -199,7 +199,7 @@ def _node_env(auth: dict[str, str]) -> dict[str, str]:
 
 
 def start_local_cluster(num_nodes: int, gpus_per_node: int, *, cpus_per_node: int = 2, root: Path,
-                        timeout_s: float = 120.0, auth_token_path: Optional[Path] = None,
+                        timeout_s: float = 120.0, auth_token_path: Path | None = None,
                         die_with_caller: bool = True) -> LocalRayCluster:
     """Start `num_nodes` Ray nodes on 127.0.0.2.. with `gpus_per_node` declared GPUs each, and wait
     until all have joined. Logs and sockets live under `root` (keep the path short: Ray's socket

@@ -23,7 +23,6 @@ import os
 import socket
 import struct
 from pathlib import Path
-from typing import Optional
 
 from hpcrlhf.logs import get_logger
 
@@ -89,7 +88,7 @@ def _loopback_up() -> None:
         fcntl.ioctl(s, SIOCSIFFLAGS, name + struct.pack("h", flags | IFF_UP) + bytes(22))
 
 
-def why_not() -> Optional[str]:
+def why_not() -> str | None:
     """Why this process cannot enter a private network now (None: it can try)."""
     if not Path("/proc/self/ns/net").exists():
         return "this system has no Linux namespaces (/proc/self/ns/net)"

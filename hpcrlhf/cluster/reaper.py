@@ -32,7 +32,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Iterable, Optional
+from collections.abc import Callable, Iterable
 
 MARKER = "HPCRLHF_LOCAL_CLUSTER"
 """Environment variable (`MARKER=<id>`) of the processes that start a local cluster's nodes."""
@@ -46,7 +46,7 @@ Identity = tuple[int, int]
 """A process: (pid, start time in clock ticks since boot) -- unique, unlike a pid."""
 
 
-def _stat(pid: int) -> Optional[tuple[str, int, int, int]]:
+def _stat(pid: int) -> tuple[str, int, int, int] | None:
     """(state, parent pid, process group, start time) of a process, None when it is gone."""
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
@@ -148,7 +148,7 @@ def remove_shm(files: dict[str, int]) -> list[str]:
     return removed
 
 
-def watch(cluster_id: str, owner_pid: int, root: str, token: Optional[str], pipe: int = 0) -> int:
+def watch(cluster_id: str, owner_pid: int, root: str, token: str | None, pipe: int = 0) -> int:
     """Wait for the owner on file descriptor `pipe`: "done" ends the watch quietly; its end of the
     pipe closing without it (the owner died) stops and cleans the cluster."""
     variable = f"{MARKER}={cluster_id}"
@@ -196,7 +196,7 @@ class Reaper:
         self.proc = proc
 
     @classmethod
-    def start(cls, cluster_id: str, root: Path, token: Optional[Path]) -> "Reaper":
+    def start(cls, cluster_id: str, root: Path, token: Path | None) -> Reaper:
         """The watcher of the cluster whose nodes carry MARKER=cluster_id, in a session of its own, with
         this process's stderr."""
         env = {k: v for k, v in os.environ.items() if k != MARKER}
@@ -221,7 +221,7 @@ class Reaper:
             self.proc.kill()
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     cluster_id, owner, root, token = (sys.argv[1:] if argv is None else argv)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is for the driver, which dismisses this
     return watch(cluster_id, int(owner), root, token or None)

@@ -15,10 +15,9 @@ Rules:
   ``Literal``, ``X | None``, unions, nested dataclasses, ``tuple[X, ...]`` (stored as a tuple),
   ``list[X]``, ``dict[str, X]`` and ``Any``. ``Annotated[str, NonEmpty()]`` (a path) refuses an
   empty value.
-* Numbers are read as a person writes them, not as YAML 1.1 does: ``1e-4`` is a float (YAML 1.1
-  reads it as text: its float pattern needs a dot and a signed exponent), and YAML 1.1's other
-  number forms -- base 60 (``1:30`` is 90), hexadecimal (``0x10``), octal (``010`` is 8) and
-  binary (``0b11``) -- are refused, with the decimal value they would have read as.
+* Numbers are read as a person writes them, not as YAML 1.1 does: ``1e-4`` is a float, and YAML
+  1.1's base-60, hexadecimal, octal and binary forms are refused (``hpcrlhf.config.recipe_yaml``
+  reads recipes and ``--set`` values, with the line of every key).
 * Every user error is a ``ConfigError`` whose message starts with where the value came from
   (``recipe.yaml:12``, ``--set train.lr=abc``, ``<data>``), then the dotted key path.
 * The string literal under a field documents it (torchtitan style); ``describe`` prints them.
@@ -28,14 +27,10 @@ from __future__ import annotations
 
 import ast
 import dataclasses
-import datetime
 import difflib
 import functools
 import inspect
-import itertools
-import math
 import re
-import stat
 import textwrap
 import types
 import typing
@@ -45,10 +40,12 @@ from typing import Annotated, Any, Literal, NoReturn, TypeVar, Union
 
 import yaml
 
+from hpcrlhf.config.messages import Shown, brief, clip, dotted, show
+from hpcrlhf.config.recipe_yaml import Dumper, NumberFormError, SafeLoader, read_recipe, yaml_problem
 from hpcrlhf.errors import ConfigError
 
 __all__ = ["load_config", "from_dict", "apply_overrides", "to_dict", "to_yaml", "field_docs", "describe", "settings",
-           "Setting", "NonEmpty", "quoted"]
+           "Setting", "NonEmpty"]
 
 T = TypeVar("T")
 _FORM = "expected the form --set section.key=value"
@@ -56,8 +53,6 @@ _NAMES = {bool: "a boolean (true or false)", int: "an int", float: "a float", st
           list: "a list", tuple: "a list", dict: "a mapping"}
 # A number written as text (in quotes, or from Python): refused where a number is expected.
 _NUMBER_TEXT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
-# Floats YAML 1.1 leaves as text: an exponent without a dot (`1e-4`, `3E5`) or without a sign (`1.0e5`).
-_EXPONENT_FLOAT = re.compile(r"[-+]?([0-9][0-9_]*\.?[0-9_]*|\.[0-9][0-9_]*)[eE][-+]?[0-9]+$")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,304 +62,22 @@ class NonEmpty:
     and read as "unset" it would silently train on something else."""
 
 
-def quoted(text: str) -> str:
-    """`text` as a YAML scalar that a recipe or `--set` reads back as exactly that string: what a
-    command-line folder argument (`-o 2024-01-01`, `-o '"x"'`) becomes in an override."""
-    return yaml.dump(text, Dumper=_Dumper, default_style='"', width=math.inf, allow_unicode=True).removesuffix("\n")
-
-
-# ---------------------------------------------------------------- reading YAML with line numbers
-class _LineDict(dict):
-    """A YAML mapping that remembers the line of each key and of each value."""
-
-    key_lines: dict[Any, int]
-    value_lines: dict[Any, int]
-
-
-class _LineList(list):
-    """A YAML sequence that remembers the line of each item."""
-
-    lines: list[int]
-
-
 class _OverridePath(dict):
     """The nested mapping `--set a.b=v` turns into; it updates dict fields instead of replacing them."""
 
 
-class _TagError(yaml.constructor.ConstructorError):
-    """A tagged scalar PyYAML cannot build (`!!float abc`), with the key path it sits under."""
-
-    def __init__(self, problem: str, mark: yaml.Mark, key_path: tuple[Any, ...]):
-        super().__init__(None, None, problem, mark)
-        self.key_path = key_path
-
-
-class _NumberFormError(_TagError):
-    """A number written in a YAML 1.1 form no one means in a config (`1:30`, `0x10`): valid YAML, refused."""
-
-
-class _SafeLoader(yaml.SafeLoader):
-    """SafeLoader whose failures are all YAML errors with a position.
-
-    PyYAML's constructors raise plain ValueError, KeyError, IndexError or AttributeError for a
-    tag whose text does not fit it (`!!float abc`, `!!bool maybe`, `!!timestamp x`); those would
-    escape as tracebacks. Sequences and mappings are built eagerly, so a self-referencing anchor
-    (`&a [*a]`) is refused here instead of looping forever in the checks that print it.
-    """
-
-    def __init__(self, stream: Any):
-        super().__init__(stream)
-        self.key_path: list[Any] = []  # keys (and list indices) above the node being built
-
-    def construct_object(self, node: yaml.Node, deep: bool = False) -> Any:
-        try:
-            return super().construct_object(node, deep=deep)
-        except (yaml.YAMLError, ConfigError, RecursionError):
-            raise
-        except Exception as err:  # noqa: BLE001 - any constructor failure is the text's fault
-            tag = node.tag.replace("tag:yaml.org,2002:", "!!")
-            text = _clip(repr(node.value)) if isinstance(node, yaml.ScalarNode) else f"this {node.id}"
-            detail = f" ({_clip(str(err))})" if type(err) is ValueError else ""  # others say only PyYAML internals
-            raise _TagError(f"cannot read {text} as {tag}{detail}; remove the tag or fix the value",
-                            node.start_mark, tuple(self.key_path)) from None
-
-    def construct_yaml_int(self, node: yaml.ScalarNode) -> int:
-        text = self.construct_scalar(node)
-        digits = text.replace("_", "").lstrip("+-")
-        kind = ("binary" if digits.startswith("0b") else "hexadecimal" if digits.startswith("0x")
-                else "octal" if digits.startswith("0") and digits != "0" else "base-60" if ":" in digits else None)
-        return self._decimal_only(node, text, kind, super().construct_yaml_int(node))
-
-    def construct_yaml_float(self, node: yaml.ScalarNode) -> float:
-        text = self.construct_scalar(node)
-        return self._decimal_only(node, text, "base-60" if ":" in text else None, super().construct_yaml_float(node))
-
-    def _decimal_only(self, node: yaml.ScalarNode, text: str, kind: str | None, value: Any) -> Any:
-        """`value`, unless `text` is one of YAML 1.1's number forms no one means in a config: base 60
-        (`1:30` is 90, `2:00:00` is 7200), hexadecimal, octal (`010` is 8) or binary."""
-        if kind is None:
-            return value
-        raise _NumberFormError(f"{text} is YAML 1.1's {kind} notation for {value}; write the number in decimal, or "
-                               "quote it if you mean text", node.start_mark, tuple(self.key_path))
-
-    def construct_eager_list(self, node: yaml.SequenceNode) -> list[Any]:
-        return self.construct_sequence(node, deep=True)
-
-    def construct_eager_map(self, node: yaml.MappingNode) -> dict[Any, Any]:
-        return self.construct_mapping(node, deep=True)
-
-
-_SafeLoader.add_constructor("tag:yaml.org,2002:seq", _SafeLoader.construct_eager_list)
-_SafeLoader.add_constructor("tag:yaml.org,2002:map", _SafeLoader.construct_eager_map)
-_SafeLoader.add_constructor("tag:yaml.org,2002:int", _SafeLoader.construct_yaml_int)
-_SafeLoader.add_constructor("tag:yaml.org,2002:float", _SafeLoader.construct_yaml_float)
-_SafeLoader.add_implicit_resolver("tag:yaml.org,2002:float", _EXPONENT_FLOAT, list("-+.0123456789"))
-
-
-class _Dumper(yaml.SafeDumper):
-    """Writes YAML that `_SafeLoader` reads back the same: text it would read as a float (`1e-4`) is quoted."""
-
-
-_Dumper.add_implicit_resolver("tag:yaml.org,2002:float", _EXPONENT_FLOAT, list("-+.0123456789"))
-
-
-class _Loader(_SafeLoader):
-    """A `_SafeLoader` that records lines and rejects duplicate keys (plain YAML keeps the last one)."""
-
-    source = "<yaml>"
-
-    def construct_line_map(self, node: yaml.MappingNode) -> Iterable[_LineDict]:
-        data = _LineDict()
-        data.key_lines, data.value_lines = {}, {}
-        yield data  # PyYAML's protocol for containers: hand out the object, then fill it
-        first: dict[Any, int] = {}
-        for key_node, _ in node.value:  # before `<<` merge keys are flattened in: those may repeat
-            if key_node.tag == "tag:yaml.org,2002:merge":
-                continue
-            key, line = self.construct_object(key_node, deep=True), key_node.start_mark.line + 1
-            try:
-                hash(key)
-            except TypeError:
-                raise ConfigError(f"{self.source}:{line}: a key must be a plain value, got {_show(key)}") from None
-            if key in first:
-                raise ConfigError(f"{self.source}:{line}: duplicate key {key!r} (first at line {first[key]}); "
-                                  f"YAML would silently keep only the last value")
-            first[key] = line
-        self.flatten_mapping(node)
-        for key_node, value_node in node.value:
-            key = self.construct_object(key_node, deep=True)
-            self.key_path.append(key)
-            data[key] = self.construct_object(value_node, deep=True)
-            self.key_path.pop()
-            data.key_lines[key] = key_node.start_mark.line + 1
-            # A block mapping or list starts on the line after its key; the key's line reads better.
-            value_mark = value_node if isinstance(value_node, yaml.ScalarNode) else key_node
-            data.value_lines[key] = value_mark.start_mark.line + 1
-
-    def construct_line_list(self, node: yaml.SequenceNode) -> Iterable[_LineList]:
-        data = _LineList()
-        data.lines = [item.start_mark.line + 1 for item in node.value]
-        yield data
-        for i, item in enumerate(node.value):
-            self.key_path.append(i)
-            data.append(self.construct_object(item, deep=True))
-            self.key_path.pop()
-
-
-_Loader.add_constructor("tag:yaml.org,2002:map", _Loader.construct_line_map)
-_Loader.add_constructor("tag:yaml.org,2002:seq", _Loader.construct_line_list)
-
-
-def _yaml_problem(err: yaml.YAMLError) -> str:
-    """The parser's own words, and where it was: `recipe.yaml:3:5: invalid YAML: ...`."""
-    if isinstance(err, yaml.reader.ReaderError):  # its str() names "<unicode string>", not the file
-        char = f"#x{err.character:04x}" if isinstance(err.character, int) else repr(err.character)
-        return f"unacceptable character {char}: {err.reason}; remove it"
-    if not isinstance(err, yaml.MarkedYAMLError):
-        return str(err)
-    return f"{err.problem} ({err.context})" if err.context else str(err.problem)
-
-
-def _reader_where(name: str, text: str, err: yaml.reader.ReaderError) -> str:
-    """`recipe.yaml:LINE:COLUMN` of the character the YAML reader refused."""
-    line, start = text.count("\n", 0, err.position) + 1, text.rfind("\n", 0, err.position) + 1
-    return f"{name}:{line}:{err.position - start + 1}"
-
-
-MAX_RECIPE_BYTES = 1 << 20
-"""The largest recipe read (1 MiB; the shipped ones are about 1 KB): a recipe is read whole before it is
-parsed, and `--config /dev/zero` (or a data file given by mistake) would fill the memory first."""
-
-
-def _recipe_text(name: str, file: Path) -> str:
-    """The text of recipe `file`: a regular file, or a pipe (`--config <(...)`), of at most
-    MAX_RECIPE_BYTES of UTF-8. A directory, a device or a socket is refused by what it is."""
-    if not file.exists():
-        raise ConfigError(f"recipe file {name!r} does not exist")
-    if file.is_dir():
-        raise ConfigError(f"recipe file {name!r} is a directory, not a YAML file")
-    mode = file.stat().st_mode
-    if not (stat.S_ISREG(mode) or stat.S_ISFIFO(mode)):
-        kind = "a character device" if stat.S_ISCHR(mode) else "a block device" if stat.S_ISBLK(mode) else "a socket"
-        raise ConfigError(f"recipe file {name!r} is {kind}, not a YAML file: give the recipe's file")
-    limit = (f"more than the {MAX_RECIPE_BYTES >> 20} MiB a recipe may have (a recipe is a few KB of settings): is it "
-             "the right file?")
-    if stat.S_ISREG(mode) and file.stat().st_size > MAX_RECIPE_BYTES:
-        raise ConfigError(f"recipe file {name!r} is {file.stat().st_size:,} bytes, {limit}")
-    try:
-        with file.open("rb") as f:
-            data = f.read(MAX_RECIPE_BYTES + 1)  # a regular file may grow, a pipe has no size
-    except OSError as err:
-        raise ConfigError(f"cannot read recipe file {name!r}: {err.strerror or err}") from None
-    if len(data) > MAX_RECIPE_BYTES:
-        raise ConfigError(f"recipe file {name!r} gives {limit}")
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as err:
-        raise ConfigError(f"{name}: recipe file is not UTF-8 text (byte {err.start})") from None
-
-
-def _read_recipe(path: str | Path) -> Mapping[str, Any]:
-    name = str(path)
-    text = _recipe_text(name, Path(path))
-    loader = None
-    try:
-        loader = _Loader(text)  # its reader already rejects control characters such as NUL
-        loader.source = name
-        node = loader.get_single_node()
-        data = None if node is None else loader.construct_document(node)
-    except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None) or getattr(err, "context_mark", None)
-        where = f"{name}:{mark.line + 1}:{mark.column + 1}" if mark else name
-        if isinstance(err, yaml.reader.ReaderError):
-            where = _reader_where(name, text, err)
-        if isinstance(err, _TagError) and err.key_path:
-            raise ConfigError(f"{where}: {_dotted(err.key_path)}: {err.problem}") from None
-        raise ConfigError(f"{where}: invalid YAML: {_yaml_problem(err)}") from None
-    except RecursionError:
-        raise ConfigError(f"{name}: invalid YAML: nested too deeply for the parser; a recipe needs only a few "
-                          "levels of sections") from None
-    finally:
-        if loader is not None:
-            loader.dispose()
-    if data is None:  # an empty recipe (or only comments) changes nothing
-        return {}
-    if not isinstance(data, Mapping):
-        raise ConfigError(f"{name}:{node.start_mark.line + 1}: the top level of a recipe must be a "
-                          f"mapping of keys to values, got {_show(data)}")
-    return data
-
-
 # ---------------------------------------------------------------- messages
-def _show(value: Any) -> str:
-    """A bad value as messages quote it: `'fast' (str)`, `3 (int)`, `null`."""
-    if value is None:
-        return "null"
-    if isinstance(value, (bool, datetime.date)):  # as written in YAML: true, 2024-01-01
-        text = str(value).lower() if isinstance(value, bool) else value.isoformat()
-    else:
-        text = _clip(repr(_brief(value)))
-    kind = "mapping" if isinstance(value, Mapping) else "list" if isinstance(value, list) else type(value).__name__
-    return f"{text} ({kind})"
-
-
-class _Shown:
-    """Text that stands in for a value in a message (`...` for what `_brief` left out)."""
-
-    def __init__(self, text: str = "..."):
-        self.text = text
-
-    def __repr__(self) -> str:
-        return self.text
-
-
-def _clip(text: str) -> str:
-    return text if len(text) <= 80 else text[:77] + "..."
-
-
-def _brief(value: Any, depth: int = 4, width: int = 10) -> Any:
-    """`value` as plain Python for a message, cut after `depth` levels and `width` items a level.
-
-    A message shows at most 80 characters of a value, but YAML anchors can make a small recipe
-    hold a huge value (each level aliasing the one below several times) or, from Python, a
-    self-referencing one: converting all of it first would hang or never end.
-    """
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        value = {f.name: getattr(value, f.name) for f in _init_fields(type(value))}
-    if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10**60:
-        # Python refuses to print an int of more than 4300 digits (ValueError); 60 are unreadable already
-        return _Shown(f"<{'minus ' if value < 0 else ''}an integer of {math.floor(math.log10(abs(value))) + 1} digits>")
-    if not isinstance(value, (Mapping, list, tuple)):
-        return value
-    if depth == 0:
-        return _Shown()
-    if isinstance(value, Mapping):
-        out: Any = {key: _brief(item, depth - 1, width) for key, item in itertools.islice(value.items(), width)}
-        if len(value) > width:
-            out[_Shown()] = _Shown()
-        return out
-    out = [_brief(item, depth - 1, width) for item in value[:width]]
-    return out + [_Shown()] if len(value) > width else out
-
-
-def _dotted(path: tuple[Any, ...]) -> str:
-    out = ""
-    for part in path:
-        out += f"[{part}]" if isinstance(part, int) else f".{part}" if out else str(part)
-    return out
-
-
 def _where(src: str, line: int | None) -> str:
     return f"{src}:{line}" if line else src
 
 
 def _fail(src: str, line: int | None, path: tuple[Any, ...], message: str) -> NoReturn:
     where = _where(src, line)
-    raise ConfigError(f"{where}: {_dotted(path)}: {message}" if path else f"{where}: {message}")
+    raise ConfigError(f"{where}: {dotted(path)}: {message}" if path else f"{where}: {message}")
 
 
 def _suggest(word: Any, choices: list[Any]) -> str:
-    if not isinstance(word, (str, int, float)) or isinstance(_brief(word), _Shown):  # no str() of a 5000-digit int
+    if not isinstance(word, (str, int, float)) or isinstance(brief(word), Shown):  # no str() of a 5000-digit int
         return ""
     by_text = {str(c): c for c in choices}
     close = difflib.get_close_matches(str(word), list(by_text), n=1)
@@ -425,7 +138,7 @@ def _convert(tp: Any, value: Any, src: str, line: int | None, path: tuple[Any, .
     if origin is Literal:
         if any(value == c and type(value) is type(c) for c in args):  # type check: True == 1
             return value
-        shown = "null" if value is None else _clip(repr(_brief(value)))
+        shown = "null" if value is None else clip(repr(brief(value)))
         _fail(src, line, path, f"{shown} is not one of {', '.join(map(repr, args))}{_suggest(value, list(args))}")
     if origin in (Union, types.UnionType):
         arms = [a for a in args if a is not type(None)]
@@ -467,23 +180,23 @@ def _convert(tp: Any, value: Any, src: str, line: int | None, path: tuple[Any, .
         if isinstance(value, float) and value.is_integer():
             return int(value)
         if isinstance(value, str) and _NUMBER_TEXT.fullmatch(value):  # "12": text, not a number
-            _fail(src, line, path, f"expected an int, got {_show(value)}; remove the quotes")
+            _fail(src, line, path, f"expected an int, got {show(value)}; remove the quotes")
     elif tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             try:
                 return float(value)
             except OverflowError:
-                _fail(src, line, path, f"{_show(value)} is too large for a float")
+                _fail(src, line, path, f"{show(value)} is too large for a float")
         if isinstance(value, str) and _NUMBER_TEXT.fullmatch(value.strip()):  # "0.001": text, not a number
-            _fail(src, line, path, f"expected a float, got {_show(value)}; remove the quotes")
+            _fail(src, line, path, f"expected a float, got {show(value)}; remove the quotes")
     elif tp is str:
         if isinstance(value, str):
             return value
         if not isinstance(value, (Mapping, list, tuple)):  # 3, true, 2024-01-01 would be strings if quoted
-            _fail(src, line, path, f"expected a string, got {_show(value)}; quote it")
+            _fail(src, line, path, f"expected a string, got {show(value)}; quote it")
     elif isinstance(tp, type) and isinstance(value, tp):
         return value
-    _fail(src, line, path, f"expected {_type_name(tp)}, got {_show(value)}")
+    _fail(src, line, path, f"expected {_type_name(tp)}, got {show(value)}")
 
 
 def _section(cls: type, mapping: Mapping[Any, Any], src: str, line: int | None, path: tuple[Any, ...]) -> _Section:
@@ -492,9 +205,9 @@ def _section(cls: type, mapping: Mapping[Any, Any], src: str, line: int | None, 
     items = {}
     for key, value in mapping.items():
         if key not in names:
-            where = f"section {_dotted(path)!r}" if path else "the top level"
+            where = f"section {dotted(path)!r}" if path else "the top level"
             valid = ", ".join(sorted(names)) or "(none)"
-            shown = _clip(repr(_brief(key)))
+            shown = clip(repr(brief(key)))
             raise ConfigError(f"{_where(src, key_lines.get(key, line))}: unknown key {shown} in {where}; "
                               f"valid keys: {valid}{_suggest(key, names)}")
         items[key] = _convert(_hints(cls)[key], value, src, value_lines.get(key, line), path + (key,))
@@ -505,7 +218,7 @@ def _sequence(tp: Any, value: list[Any] | tuple[Any, ...], src: str, line: int |
     args = typing.get_args(tp)
     if args and args[-1] is not Ellipsis and (typing.get_origin(tp) or tp) is tuple:  # tuple[X, Y]
         if len(value) != len(args):
-            _fail(src, line, path, f"expected a list of {len(args)} items, got {_show(value)}")
+            _fail(src, line, path, f"expected a list of {len(args)} items, got {show(value)}")
         item_types = list(args)
     else:
         item_types = [args[0] if args else Any] * len(value)
@@ -538,7 +251,7 @@ def _build(current: Any, patch: Any) -> Any:
         for key, value in patch.items.items():
             out[key] = _build(out.get(key), value)
         return out
-    where, section = ", ".join(dict.fromkeys(patch.where)) or "<defaults>", _dotted(patch.path)
+    where, section = ", ".join(dict.fromkeys(patch.where)) or "<defaults>", dotted(patch.path)
     existing = isinstance(current, patch.cls)
     # A new section starts from the field defaults, so `--set env.B=x` updates the default dict.
     bases = {f.name: getattr(current, f.name) if existing else _default(f)
@@ -560,7 +273,7 @@ def _build(current: Any, patch: Any) -> Any:
 
 def _root(cls: type, mapping: Any, src: str) -> _Section:
     if not isinstance(mapping, Mapping):
-        raise ConfigError(f"{src}: the top level must be a mapping of keys to values, got {_show(mapping)}")
+        raise ConfigError(f"{src}: the top level must be a mapping of keys to values, got {show(mapping)}")
     return _section(cls, mapping, src, None, ())
 
 
@@ -575,11 +288,11 @@ def _override(cls: type, text: Any) -> _Section:
     if not all(parts):
         raise ConfigError(f"--set {text}: empty key {key.strip()!r}; {_FORM}")
     try:  # a bare `key=` means the empty string; yaml.safe_load("") would give null
-        value: Any = yaml.load(raw, Loader=_SafeLoader) if raw.strip() else ""
-    except _NumberFormError as err:  # valid YAML, but not what a person means
+        value: Any = yaml.load(raw, Loader=SafeLoader) if raw.strip() else ""
+    except NumberFormError as err:  # valid YAML, but not what a person means
         raise ConfigError(f"--set {text}: {'.'.join(parts)}: {err.problem}") from None
     except yaml.YAMLError as err:
-        raise ConfigError(f"--set {text}: {'.'.join(parts)}: the value is not valid YAML: {_yaml_problem(err)}") from None
+        raise ConfigError(f"--set {text}: {'.'.join(parts)}: the value is not valid YAML: {yaml_problem(err)}") from None
     except RecursionError:
         raise ConfigError(f"--set {text}: {'.'.join(parts)}: the value is nested too deeply for the YAML parser; "
                           "give a plain value or a short list") from None
@@ -607,7 +320,7 @@ def load_config(cls: type[T], path: str | Path | None = None, overrides: Iterabl
     """Defaults of `cls`, then the recipe at `path`, then `data`, then each `--set` override."""
     layers = []
     if path is not None:
-        layers.append(_root(cls, _read_recipe(path), str(path)))
+        layers.append(_root(cls, read_recipe(path), str(path)))
     if data is not None:
         layers.append(_root(cls, data, "<data>"))
     return _finish(cls, None, layers + _overrides(cls, overrides))
@@ -642,7 +355,7 @@ def to_dict(cfg: Any) -> dict[str, Any]:
 
 def to_yaml(cfg: Any) -> str:
     """`cfg` as YAML that `load_config(type(cfg), data=yaml.safe_load(...))` turns back into `cfg`."""
-    return yaml.dump(to_dict(cfg), Dumper=_Dumper, sort_keys=False, allow_unicode=True)
+    return yaml.dump(to_dict(cfg), Dumper=Dumper, sort_keys=False, allow_unicode=True)
 
 
 @functools.cache

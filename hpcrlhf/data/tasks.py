@@ -72,11 +72,8 @@ class ArithmeticTask:
     """Multi-digit integer addition: prompt "12+345=", response "357"."""
 
     name: ClassVar[str] = "arithmetic"
-    answer_tokens: ClassVar[int] = 8
-    """Generation budget for an answer (`rollout/eval.max_new_tokens` when left null): up to 3 digits
-    plus EOS, with room for a wrong longer one."""
-    sample_tokens: ClassVar[int] = 64
-    """Tokens per sample (`data.max_length` when left null): prompt, answer and EOS, with room."""
+    """Its `task.name`; the lengths its null settings default to are the config's
+    (`hpcrlhf.config.schema.BUNDLED_TASKS`)."""
 
     max_operand: int = 99
     """Largest operand; operands are drawn uniformly from 0..max_operand."""
@@ -302,6 +299,8 @@ NEAR_MISSES: dict[str, Callable[[int, random.Random], int]] = {"digit": _near_mi
 for PPO on this task must tell apart)."""
 
 TASKS: dict[str, type] = {ArithmeticTask.name: ArithmeticTask}
+"""The bundled tasks by `task.name`: the names the config declares (`hpcrlhf.config.schema.BUNDLED_TASKS`,
+which the config checks `task.name` against and takes default lengths from)."""
 
 
 def get_task(name: str, **kwargs: Any) -> Any:

@@ -11,11 +11,12 @@ import os
 import socket
 from dataclasses import dataclass
 from datetime import timedelta
-
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from hpcrlhf.engines.rendezvous import launched_store, local_store
 
 
 @dataclass(frozen=True)
@@ -70,8 +71,6 @@ _STORE: list = []
 def _init_launched(backend: str, env: DistEnv, timeout: timedelta) -> None:
     """The default group of ranks started by hpcrlhf's launchers (MPI, `hpcrlhf submit`): its store on
     MASTER_ADDR only, sealed where the launcher made a secret (hpcrlhf.engines.rendezvous)."""
-    from hpcrlhf.engines.rendezvous import launched_store
-
     _STORE[:] = [launched_store(env.rank, timeout.total_seconds())]
     dist.init_process_group(backend, store=_STORE[0], rank=env.rank, world_size=env.world_size, timeout=timeout)
 
@@ -83,8 +82,6 @@ def _init_world_of_one(backend: str, timeout: timedelta) -> None:
     clones the world group) -- on loopback (GLOO_SOCKET_IFNAME=lo unless set: by default gloo
     listens on the host name's address, open to other hosts). Every member of any group this
     process forms is on this host. torchrun's variables are set for libraries that look for them."""
-    from hpcrlhf.engines.rendezvous import local_store
-
     for key, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "0", "RANK": "0", "LOCAL_RANK": "0",
                        "WORLD_SIZE": "1", "GLOO_SOCKET_IFNAME": "lo"}.items():
         os.environ.setdefault(key, value)

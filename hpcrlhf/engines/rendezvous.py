@@ -39,12 +39,12 @@ import os
 import secrets
 import socket
 from dataclasses import dataclass
-from typing import Optional
 
 import torch.distributed as dist
 
-from hpcrlhf.cluster.bootstrap import STORE_PORTS_ENV, ports_text
+from hpcrlhf.engines.store_ports import STORE_PORTS_ENV, ports_text, store_ports
 from hpcrlhf.errors import HpcrlhfError
+
 SECRET_BYTES = 64
 """An AES-256-SIV key (two 256-bit halves)."""
 
@@ -71,21 +71,7 @@ class Rendezvous:
         return f"{self.host}:{self.port}"
 
 
-def store_ports(environ: Optional[dict[str, str]] = None) -> Optional[range]:
-    """This node's ports for rendezvous stores (STORE_PORTS_ENV), or None where none are set."""
-    value = (os.environ if environ is None else environ).get(STORE_PORTS_ENV)
-    if not value:
-        return None
-    try:
-        first, last = (int(p) for p in value.split("-"))
-    except ValueError:
-        raise HpcrlhfError(f"{STORE_PORTS_ENV}={value!r}: expected FIRST-LAST (two port numbers)") from None
-    if not 0 < first <= last < 65536:
-        raise HpcrlhfError(f"{STORE_PORTS_ENV}={value!r}: expected FIRST-LAST with 0 < FIRST <= LAST < 65536")
-    return range(first, last + 1)
-
-
-def listen(host: str, ports: Optional[range]) -> socket.socket:
+def listen(host: str, ports: range | None) -> socket.socket:
     """A listening TCP socket bound to `host` only, on the first free port of `ports` (any port the
     system picks when None). Kept open until the store takes it: no other process can take the
     port in between."""
@@ -115,7 +101,7 @@ def node_address(host: str) -> str:
         return socket.gethostbyname(host)
 
 
-def serve(host: str, timeout_s: float, *, local: bool = False) -> tuple["SealedStore", Rendezvous]:
+def serve(host: str, timeout_s: float, *, local: bool = False) -> tuple[SealedStore, Rendezvous]:
     """Serve a new group's store on `host` (this process is the group's rank 0): the sealed store and
     the rendezvous the other members need. `local`: a store for processes of this host only, on
     127.0.0.1 and a port the system picks (it takes no port of the job's block)."""
@@ -133,13 +119,13 @@ def serve(host: str, timeout_s: float, *, local: bool = False) -> tuple["SealedS
     return SealedStore(store, meeting), meeting
 
 
-def connect(meeting: Rendezvous, timeout_s: float) -> "SealedStore":
+def connect(meeting: Rendezvous, timeout_s: float) -> SealedStore:
     """A member's handle on the store of `meeting` (waits up to `timeout_s` for it to answer)."""
     store = dist.TCPStore(meeting.host, meeting.port, None, False, datetime.timedelta(seconds=timeout_s))
     return SealedStore(store, meeting)
 
 
-def member_store(meeting: Rendezvous, rank: int, store: Optional["SealedStore"], timeout_s: float) -> "SealedStore":
+def member_store(meeting: Rendezvous, rank: int, store: SealedStore | None, timeout_s: float) -> SealedStore:
     """The store a member uses: `store` where given (rank 0's, which it serves), else a connection to
     the one at `meeting` (rank 0 must pass its own)."""
     if store is not None:
@@ -214,7 +200,7 @@ class SealedStore(dist.Store):
                                "written by a member of the group (someone without the group's secret wrote or "
                                "replaced it): the group cannot go on; rerun the job") from None
 
-    def clone(self) -> "SealedStore":
+    def clone(self) -> SealedStore:
         """Another connection to the same store, sealed alike (torch may ask for one per new group)."""
         clone = SealedStore(self.inner.clone(), self.meeting)
         self.clones.append(clone)
@@ -235,7 +221,7 @@ class SealedStore(dist.Store):
     def add(self, key: str, value: int) -> int:
         return self.inner.add(self._name(key), value)
 
-    def wait(self, keys: list[str], timeout: Optional[datetime.timedelta] = None) -> None:
+    def wait(self, keys: list[str], timeout: datetime.timedelta | None = None) -> None:
         names = [self._name(k) for k in keys]
         if timeout is None:
             self.inner.wait(names)

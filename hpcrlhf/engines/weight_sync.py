@@ -136,7 +136,7 @@ class Group:
         self.pg.allreduce([torch.zeros(1, device=self.control)]).wait()
 
     @property
-    def shared(self) -> "_Shared | None":
+    def shared(self) -> _Shared | None:
         """The transport that shares buckets instead of broadcasting them, if the group has one."""
         return SHARED.get(self.backend)
 

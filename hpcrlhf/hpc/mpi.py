@@ -19,7 +19,9 @@ import secrets
 import socket
 import sys
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from collections.abc import Sequence
+
+from hpcrlhf.hpc.program import CLI, run_module
 
 
 @dataclass(frozen=True)
@@ -36,7 +38,7 @@ class RankInfo:
 
     def torch_env(self) -> dict[str, str]:
         """The environment torchrun gives a rank (and the store's secret, where there is one)."""
-        from hpcrlhf.engines.rendezvous import SECRET_ENV
+        from hpcrlhf.engines.rendezvous import SECRET_ENV  # torch: hpc/ modules import it only where used
 
         env = {"RANK": str(self.rank), "WORLD_SIZE": str(self.world_size), "LOCAL_RANK": str(self.local_rank),
                "LOCAL_WORLD_SIZE": str(self.local_world_size), "GROUP_RANK": str(self.node_rank),
@@ -61,7 +63,7 @@ def _free_port(host: str) -> int:
 
 def discover(comm=None) -> RankInfo:
     """This rank's place in the MPI job (collective: every rank must call)."""
-    from hpcrlhf.engines.rendezvous import SECRET_BYTES, node_address
+    from hpcrlhf.engines.rendezvous import SECRET_BYTES, node_address  # torch, as above
 
     if comm is None:
         from mpi4py import MPI
@@ -70,7 +72,7 @@ def discover(comm=None) -> RankInfo:
     rank, size = comm.Get_rank(), comm.Get_size()
     host = socket.gethostname()
     hosts = comm.allgather(host)
-    rendezvous: Optional[tuple[str, int, str]] = None
+    rendezvous: tuple[str, int, str] | None = None
     if rank == 0:  # the store's address, port and secret, sent to the others over MPI only
         addr = os.environ.get("MASTER_ADDR") or socket.gethostbyname(host)
         rendezvous = (addr, _free_port(node_address(addr)), secrets.token_hex(SECRET_BYTES))
@@ -79,11 +81,9 @@ def discover(comm=None) -> RankInfo:
     return RankInfo(rank, size, local_rank, local_size, node_rank, addr, port, secret)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     """Discover the ranks, then run `hpcrlhf ARGS...` (or, given `-m MODULE ARGS...`, that module
     as `python -m` would: e.g. the benchmark's TRL system) with torchrun's variables set."""
-    from hpcrlhf.hpc.program import CLI, run_module
-
     args = list(sys.argv[1:] if argv is None else argv)
     info = discover()
     os.environ.update(info.torch_env())

@@ -4,6 +4,7 @@ colocation), its memory estimate and its checks, all before anything starts. Pur
 from hpcrlhf.placement.layout import Device
 from hpcrlhf.placement.memory import MemoryParts
 from hpcrlhf.placement.nodemap import NodeMap, Occupant, build_node_map
+from hpcrlhf.placement.render import render_text
 from hpcrlhf.placement.shapes import ModelShape, shape_of
 
-__all__ = ["Device", "MemoryParts", "ModelShape", "NodeMap", "Occupant", "build_node_map", "shape_of"]
+__all__ = ["Device", "MemoryParts", "ModelShape", "NodeMap", "Occupant", "build_node_map", "render_text", "shape_of"]

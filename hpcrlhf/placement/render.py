@@ -5,15 +5,11 @@ engines' KV-cache capacity."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from hpcrlhf.algos.estimators import ESTIMATORS
 from hpcrlhf.placement.layout import describe_devices, node_range, plural, shape_text
 from hpcrlhf.placement.memory import GIB
+from hpcrlhf.placement.nodemap import NodeMap
 from hpcrlhf.placement.roles import RolePlan
-
-if TYPE_CHECKING:
-    from hpcrlhf.placement.nodemap import NodeMap
 
 
 def _gib(n: int) -> str:
@@ -42,7 +38,7 @@ def _role_row(plan: RolePlan) -> list[str]:
             ", ".join(plan.models) or "-"]
 
 
-def _phase_lines(m: "NodeMap") -> list[str]:
+def _phase_lines(m: NodeMap) -> list[str]:
     """Each set of GPUs with the same occupant roles and the same memory per phase, in one line."""
     groups: dict[tuple, int] = {}
     for device, occupants in m.devices.items():
@@ -69,7 +65,8 @@ def estimator_line(name: str, samples_per_prompt: int) -> str:
     return f"estimator: {e.name} -- {e.summary}; {', '.join(needs)}"
 
 
-def render_text(m: "NodeMap") -> str:
+def render_text(m: NodeMap) -> str:
+    """The map as text: node by node, GPU by GPU, then one line per role and per engine."""
     capacity = _gib(m.gpu_memory)
     gpu_rows = []
     for device, occupants in m.devices.items():

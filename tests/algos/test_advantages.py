@@ -1,7 +1,10 @@
-"""Advantage estimators against float64 references written with plain Python loops over each
-group / each row's masked positions, plus hand-computed examples.
+"""Advantage estimators, GAE and returns-to-go against float64 references written with plain Python
+loops over each group / each row's masked positions, plus hand-computed examples.
 
-Tolerances: atol 1e-5 for float32 inputs, 1e-10 for float64.
+The GAE reference uses the closed form A_t = sum_l (gamma lam)^l delta_{t+l} rather than the
+backward recursion of the implementation, and returns-to-go the explicit discounted sum, so a
+shared mistake in the recursion cannot pass. Tolerances: atol 1e-5 for float32 inputs, 1e-10 for
+float64.
 """
 
 import math
@@ -15,12 +18,14 @@ from hpcrlhf.algos.advantages import (
     CRITIC_FREE,
     broadcast_to_tokens,
     compute_advantages,
+    discounted_returns,
+    gae_advantages,
     grpo_advantages,
     reinforce_pp_advantages,
     rloo_advantages,
 )
-from hpcrlhf.algos.ppo import gae_advantages, masked_whiten
-from tests.algos.fake_ranks import DTYPES, capture_sums, close, plus
+from hpcrlhf.algos.masked import masked_whiten
+from tests.algos.helpers import DTYPES, capture_sums, close, make_masks, plus, positions, rows
 
 
 def response_mask(g, B, T=7):
@@ -312,3 +317,114 @@ def test_compute_advantages_errors():
             compute_advantages(name, rewards=rewards, mask=mask, scores=scores)  # default group_size 1
         with pytest.raises(ValueError, match="not a multiple of group_size=4"):
             compute_advantages(name, rewards=rewards, mask=mask, scores=scores, group_size=4)
+
+
+# ---- GAE and returns ---------------------------------------------------------------------------
+
+
+def ref_gae(rewards, values, mask, gamma, lam):
+    """Closed form over each row's masked positions: A_k = sum_{j>=k} (gamma lam)^(j-k) delta_j,
+    delta_j = r_j + gamma V_{j+1} - V_j, V after the last masked token = 0."""
+    adv, ret = [], []
+    for rr, vr, mr in zip(rows(rewards), rows(values), rows(mask)):
+        pos = positions(mr)
+        r = [rr[t] for t in pos]
+        v = [vr[t] for t in pos] + [0.0]
+        deltas = [r[j] + gamma * v[j + 1] - v[j] for j in range(len(r))]
+        a_row, g_row = [0.0] * len(mr), [0.0] * len(mr)
+        for k, t in enumerate(pos):
+            a = sum((gamma * lam) ** (j - k) * deltas[j] for j in range(k, len(r)))
+            a_row[t], g_row[t] = a, a + v[k]
+        adv.append(a_row)
+        ret.append(g_row)
+    return adv, ret
+
+
+def ref_returns(rewards, mask, gamma):
+    out = []
+    for rr, mr in zip(rows(rewards), rows(mask)):
+        pos = positions(mr)
+        row = [0.0] * len(mr)
+        for k, t in enumerate(pos):
+            row[t] = sum(gamma ** (j - k) * rr[pos[j]] for j in range(k, len(pos)))
+        out.append(row)
+    return out
+
+
+def test_gae_hand_examples():
+    r = torch.tensor([[0.0, 0.0, 1.0]], dtype=torch.float64)
+    v = torch.tensor([[0.5, 0.6, 0.7]], dtype=torch.float64)
+    m = torch.ones(1, 3)
+    # gamma = lam = 1: A_t = (sum of future rewards) - V_t = 1 - V_t.
+    adv, ret = gae_advantages(r, v, m, 1.0, 1.0)
+    close(adv, [[0.5, 0.4, 0.3]], torch.float64)
+    close(ret, [[1.0, 1.0, 1.0]], torch.float64)
+    # gamma = 0.9, lam = 0.8 (gamma lam = 0.72):
+    #   t=2: delta = 1 + 0.9 * 0     - 0.7 = 0.3;   A = 0.3
+    #   t=1: delta = 0 + 0.9 * 0.7   - 0.6 = 0.03;  A = 0.03 + 0.72 * 0.3   = 0.246
+    #   t=0: delta = 0 + 0.9 * 0.6   - 0.5 = 0.04;  A = 0.04 + 0.72 * 0.246 = 0.21712
+    # returns = A + V = [0.71712, 0.846, 1.0]
+    adv, ret = gae_advantages(r, v, m, 0.9, 0.8)
+    close(adv, [[0.21712, 0.246, 0.3]], torch.float64)
+    close(ret, [[0.71712, 0.846, 1.0]], torch.float64)
+    # The same episode spread over a row with padding and a hole: identical numbers at the masked
+    # tokens, exact zeros elsewhere, whatever garbage sits at the masked-out positions.
+    nan = float("nan")
+    r2 = torch.tensor([[nan, 0.0, 5.0, 0.0, 1.0, nan]], dtype=torch.float64)
+    v2 = torch.tensor([[nan, 0.5, 9.0, 0.6, 0.7, nan]], dtype=torch.float64)
+    m2 = torch.tensor([[0, 1, 0, 1, 1, 0]])
+    adv, ret = gae_advantages(r2, v2, m2, 0.9, 0.8)
+    assert adv.tolist()[0][0] == adv.tolist()[0][2] == adv.tolist()[0][5] == 0.0
+    close(adv, [[0.0, 0.21712, 0.0, 0.246, 0.3, 0.0]], torch.float64)
+    close(ret, [[0.0, 0.71712, 0.0, 0.846, 1.0, 0.0]], torch.float64)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("gamma,lam", [(1.0, 1.0), (1.0, 0.95), (0.9, 0.8), (0.99, 0.0)])
+def test_gae_matches_reference_on_random_masks(dtype, gamma, lam):
+    g = torch.Generator().manual_seed(5)
+    for name, mask in make_masks(g).items():
+        r = torch.randn(mask.shape, generator=g, dtype=torch.float64).to(dtype)
+        v = torch.randn(mask.shape, generator=g, dtype=torch.float64).to(dtype)
+        adv, ret = gae_advantages(r, v, mask, gamma, lam)
+        want_adv, want_ret = ref_gae(r, v, mask, gamma, lam)
+        assert adv.dtype == ret.dtype == dtype, name
+        close(adv, want_adv, dtype)
+        close(ret, want_ret, dtype)
+        assert torch.all(adv[~mask] == 0) and torch.all(ret[~mask] == 0)
+
+
+def test_gae_detaches_inputs_and_lam_zero_is_td():
+    r = torch.randn(2, 4, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(2, 4, dtype=torch.float64, requires_grad=True)
+    m = torch.ones(2, 4)
+    adv, ret = gae_advantages(r, v, m, 0.9, 0.0)
+    assert not adv.requires_grad and not ret.requires_grad
+    next_v = torch.cat([v[:, 1:], torch.zeros(2, 1, dtype=torch.float64)], 1)
+    assert torch.allclose(adv, (r + 0.9 * next_v - v).detach(), atol=1e-12)  # one-step TD error
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("gamma", [1.0, 0.9, 0.0])
+def test_discounted_returns_match_reference(dtype, gamma):
+    g = torch.Generator().manual_seed(6)
+    for mask in make_masks(g).values():
+        r = torch.randn(mask.shape, generator=g, dtype=torch.float64).to(dtype)
+        r = torch.where(mask, r, float("inf"))
+        out = discounted_returns(r, mask, gamma)
+        assert out.dtype == dtype
+        close(out, ref_returns(r, mask, gamma), dtype)
+        assert torch.all(out[~mask] == 0)
+    # By hand: rewards 1, 2, 3 at masked positions 0, 2, 3 of a row with a hole, gamma 0.5:
+    # G = [1 + 0.5 * (2 + 0.5 * 3), 0, 2 + 0.5 * 3, 3] = [2.75, 0, 3.5, 3]
+    out = discounted_returns(torch.tensor([[1.0, 9.0, 2.0, 3.0, 9.0]]), torch.tensor([[1, 0, 1, 1, 0]]), 0.5)
+    assert out.tolist() == [[2.75, 0.0, 3.5, 3.0, 0.0]]
+
+
+def test_gae_with_lam_one_equals_returns_minus_values():
+    g = torch.Generator().manual_seed(7)
+    for mask in make_masks(g).values():
+        r, v = torch.randn(mask.shape, generator=g), torch.randn(mask.shape, generator=g)
+        adv, ret = gae_advantages(r, v, mask, 0.95, 1.0)
+        assert torch.allclose(ret, discounted_returns(r, mask, 0.95), atol=1e-5)
+        assert torch.allclose(adv, torch.where(mask, ret - v, 0), atol=1e-5)

@@ -45,7 +45,8 @@ def test_engines_on_tp_groups_follow_weight_syncs(ray_cluster, tiny_llama):
     from hpcrlhf.cluster.reservation import reserve
     from hpcrlhf.cluster.worker_group import WorkerGroup
     from hpcrlhf.data.tasks import ArithmeticTask
-    from hpcrlhf.engines.rollout import HFRollout, SamplingParams
+    from hpcrlhf.engines.rollout import SamplingParams
+    from hpcrlhf.engines.rollout.hf import HFRollout
     from hpcrlhf.models.loading import load_tokenizer
 
     node_map = build_node_map(load_config(PPOConfig, resolve_recipe("ppo-tiny-ray")))

@@ -483,7 +483,7 @@ def host_network_run(tmp_path_factory) -> KilledRun:
     import uuid
 
     from hpcrlhf.cluster.reaper import alive, family, shm_mapped
-    from hpcrlhf.metrics import read_metrics
+    from hpcrlhf.run.metrics import read_metrics
     from tests.launch_helpers import ROOT, cli_command, cli_env
 
     out = tmp_path_factory.mktemp("host-network") / "run"

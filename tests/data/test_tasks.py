@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+from hpcrlhf.config.schema import BUNDLED_TASKS
 from hpcrlhf.data.tasks import TASKS, ArithmeticTask, get_task
 from hpcrlhf.errors import ConfigError, DataError
 
@@ -164,6 +165,12 @@ def test_registry():
         get_task("poetry")
     with pytest.raises(ConfigError, match="max_operand"):
         get_task("arithmetic", max_operandd=9)
+
+
+def test_the_config_declares_exactly_the_registered_tasks():
+    """The config checks `task.name` against, and takes the tasks' default lengths from, its own
+    table (it imports no data code): the two must name the same tasks."""
+    assert set(BUNDLED_TASKS) == set(TASKS)
 
 
 @pytest.mark.parametrize(

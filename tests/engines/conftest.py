@@ -23,7 +23,7 @@ def rollout_prompts(tiny_llama) -> list[list[int]]:
 def vllm_rollout(tiny_llama):
     """A VLLMRollout on the tiny llama (fp32, eager, 256 MiB KV cache)."""
     pytest.importorskip("vllm")
-    from hpcrlhf.engines.rollout import VLLMRollout
+    from hpcrlhf.engines.rollout.vllm import VLLMRollout
 
     engine = VLLMRollout(tiny_llama, seed=0, max_model_len=256, kv_cache_bytes=1 << 28)
     yield engine

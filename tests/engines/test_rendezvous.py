@@ -16,9 +16,9 @@ import psutil
 import pytest
 import torch.distributed as dist
 
-from hpcrlhf.cluster.bootstrap import STORE_PORTS_ENV
 from hpcrlhf.engines import rendezvous
 from hpcrlhf.engines.rendezvous import ForeignValue
+from hpcrlhf.engines.store_ports import STORE_PORTS_ENV
 from hpcrlhf.errors import HpcrlhfError
 
 

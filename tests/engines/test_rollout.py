@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -29,7 +30,8 @@ import torch
 from hpcrlhf.algos.logprobs import IGNORE, token_logprobs
 from hpcrlhf.engines.distributed import free_port
 from hpcrlhf.engines.hf_generate import generate_greedy
-from hpcrlhf.engines.rollout import Generation, HFRollout, SamplingParams, build_rollout
+from hpcrlhf.engines.rollout import Generation, SamplingParams, build_rollout
+from hpcrlhf.engines.rollout.hf import HFRollout
 from hpcrlhf.models.loading import load_causal_lm, load_tokenizer
 
 TOL = 1e-4
@@ -129,6 +131,19 @@ def perturbed(state, std: float, seed: int) -> dict[str, torch.Tensor]:
 def test_sampling_params_are_checked(kwargs):
     with pytest.raises(ValueError, match="SamplingParams"):
         SamplingParams(**kwargs)
+
+
+def test_a_generation_pickled_before_the_rollout_package_split_loads(tmp_path):
+    """Checkpoints hold the rollout generated ahead (`ahead_rank*.pt`): `Generation`s pickled by class
+    path. One written while the class was `hpcrlhf.engines.rollout.Generation` (a module then, now a
+    package whose contract lives in `.contract`) loads as the class of today."""
+    g = Generation(prompt_ids=[1, 2], response_ids=[3, 4], logprobs=[-0.5, -0.25], finished=True)
+    saved = pickle.dumps({"step": 3, "generations": [[g]]}, protocol=2)  # torch.save's protocol
+    old = saved.replace(f"{Generation.__module__}\nGeneration\n".encode(), b"hpcrlhf.engines.rollout\nGeneration\n")
+    assert b"hpcrlhf.engines.rollout\nGeneration\n" in old
+    (tmp_path / "ahead_rank0.pt").write_bytes(old)
+    loaded = pickle.loads((tmp_path / "ahead_rank0.pt").read_bytes())
+    assert loaded == {"step": 3, "generations": [[g]]} and type(loaded["generations"][0][0]) is Generation
 
 
 def test_build_rollout_names_the_valid_backends(hf_model, tokenizer):
@@ -241,7 +256,7 @@ def test_hf_generates_in_eval_mode_and_restores_the_mode(hf_model, tokenizer, ro
 def test_a_stop_request_ends_a_generation_at_the_next_decode_step(hf_model, tokenizer, rollout_prompts):
     """A time-limit signal must not wait for a long generation (issue 36): once this process is asked
     to stop, HF generate ends at the next decode step, sampled and greedy alike."""
-    from hpcrlhf.signals import STOP_SIGNALS, StopFlag
+    from hpcrlhf.run.signals import STOP_SIGNALS, StopFlag
 
     fixed = SamplingParams(n=2, max_new_tokens=40, min_new_tokens=40, seed=1)
     saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, *STOP_SIGNALS)}
@@ -281,7 +296,8 @@ GLOO_SCRIPT = textwrap.dedent("""
     import torch
     import torch.distributed as dist
 
-    from hpcrlhf.engines.rollout import SamplingParams, VLLMRollout
+    from hpcrlhf.engines.rollout import SamplingParams
+    from hpcrlhf.engines.rollout.vllm import VLLMRollout
 
     WATCHED = ("LD_PRELOAD", "VLLM_WORKER_MULTIPROC_METHOD", "TORCHINDUCTOR_COMPILE_THREADS")
 
@@ -443,7 +459,7 @@ def test_vllm_seeded_batch_larger_than_the_token_budget(vllm_rollout, hf_model, 
                                                                    "max_num_batched_tokens": 2048}),
 ])
 def test_vllm_batching_arguments(on_cpu, kwargs, expected):
-    from hpcrlhf.engines.rollout import vllm_batching
+    from hpcrlhf.engines.rollout.vllm import vllm_batching
 
     assert vllm_batching(on_cpu=on_cpu, max_model_len=256, **kwargs) == expected
 
@@ -453,7 +469,7 @@ def test_vllm_batching_arguments(on_cpu, kwargs, expected):
     (False, {"chunked_prefill": False, "max_num_batched_tokens": 255}, "rollout.vllm_max_num_batched_tokens"),
 ])
 def test_vllm_batching_refuses_what_cannot_work(on_cpu, kwargs, field):
-    from hpcrlhf.engines.rollout import vllm_batching
+    from hpcrlhf.engines.rollout.vllm import vllm_batching
     from hpcrlhf.errors import ConfigError
 
     with pytest.raises(ConfigError, match=field):
@@ -469,7 +485,7 @@ def test_an_engine_shutdown_vllm_gives_up_on_still_ends_every_engine_process():
 
     import psutil
 
-    from hpcrlhf.engines.rollout import shut_down
+    from hpcrlhf.engines.rollout.vllm import shut_down
 
     core = subprocess.Popen(["bash", "-c", "sleep 300 & sleep 300 & wait"])
     try:

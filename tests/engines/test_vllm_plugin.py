@@ -38,7 +38,7 @@ def test_a_process_that_asks_gets_short_reader_spins(asked, reader):
 OWNER = """
 import os, sys, time
 os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1" if (os.cpu_count() or 1) > 1 else "0|0"
-from hpcrlhf.engines.rollout import VLLMRollout
+from hpcrlhf.engines.rollout.vllm import VLLMRollout
 from hpcrlhf.models.tiny import resolve_model_path
 engine = VLLMRollout(str(resolve_model_path("builtin:tiny-llama")), tensor_parallel_size=2, kv_cache_bytes=1 << 26,
                      distributed_executor_backend="mp")

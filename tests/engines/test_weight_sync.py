@@ -20,7 +20,8 @@ import time
 import pytest
 import torch
 
-from hpcrlhf.engines.rollout import HFRollout, SamplingParams
+from hpcrlhf.engines.rollout import SamplingParams
+from hpcrlhf.engines.rollout.hf import HFRollout
 from hpcrlhf.models.export import checkpoint_names
 from hpcrlhf.models.loading import load_causal_lm, load_tokenizer
 from hpcrlhf.models.tiny import build_tiny_model_dir
@@ -30,7 +31,7 @@ from tests.engines.test_rollout import engine_tol, max_logprob_error, one_torch_
 @pytest.mark.parametrize("family", ["mistral", "mixtral", "qwen2", "gpt2"])
 def test_weight_sync_follows_the_trainer_for_each_family(family):
     pytest.importorskip("vllm")
-    from hpcrlhf.engines.rollout import VLLMRollout
+    from hpcrlhf.engines.rollout.vllm import VLLMRollout
 
     folder = str(build_tiny_model_dir(family))
     tokenizer = load_tokenizer(folder)

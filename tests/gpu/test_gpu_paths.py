@@ -14,7 +14,7 @@ import json
 import pytest
 import torch
 
-from hpcrlhf.metrics import read_metrics
+from hpcrlhf.run.metrics import read_metrics
 from tests.launch_helpers import run_cli
 
 SFT = ["--set", "train.global_batch_size=64", "--set", "train.micro_batch_size=64", "--set", "log.every_steps=1",
@@ -97,7 +97,9 @@ def test_qlora_trains_adapters_over_a_4bit_base(tmp_path):
 def test_vllm_cuda_engine_generates_as_hf_and_takes_new_weights(tiny_llama):
     from transformers import AutoModelForCausalLM
 
-    from hpcrlhf.engines.rollout import HFRollout, SamplingParams, VLLMRollout
+    from hpcrlhf.engines.rollout import SamplingParams
+    from hpcrlhf.engines.rollout.hf import HFRollout
+    from hpcrlhf.engines.rollout.vllm import VLLMRollout
 
     model = AutoModelForCausalLM.from_pretrained(tiny_llama).cuda()
     hf = HFRollout(model, pad_token_id=model.config.pad_token_id, eos_token_id=model.config.eos_token_id, device="cuda")
@@ -125,7 +127,9 @@ def test_vllm_sleep_frees_the_gpu_and_wakes_with_new_weights(tiny_llama):
     (weights, then the sync, then the KV cache) it generates with the new weights."""
     from transformers import AutoModelForCausalLM
 
-    from hpcrlhf.engines.rollout import HFRollout, SamplingParams, VLLMRollout
+    from hpcrlhf.engines.rollout import SamplingParams
+    from hpcrlhf.engines.rollout.hf import HFRollout
+    from hpcrlhf.engines.rollout.vllm import VLLMRollout
 
     model = AutoModelForCausalLM.from_pretrained(tiny_llama).cuda()
     hf = HFRollout(model, pad_token_id=model.config.pad_token_id, eos_token_id=model.config.eos_token_id, device="cuda")

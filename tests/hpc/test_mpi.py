@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from hpcrlhf.hpc.mpi import RankInfo, node_layout
-from hpcrlhf.metrics import read_metrics
+from hpcrlhf.run.metrics import read_metrics
 from tests.launch_helpers import ROOT, cli_env, run_cli
 
 SHORT = ["--set", "train.max_steps=12", "--set", "train.global_batch_size=32", "--set", "train.micro_batch_size=16",

@@ -19,7 +19,7 @@ from hpcrlhf.errors import ConfigError
 from hpcrlhf.models.loading import load_causal_lm
 from hpcrlhf.models.moe import has_router, router_kwargs
 from hpcrlhf.models.tiny import build_tiny_model_dir
-from hpcrlhf.metrics import read_metrics
+from hpcrlhf.run.metrics import read_metrics
 from tests.launch_helpers import run_cli
 
 

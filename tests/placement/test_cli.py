@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 from hpcrlhf.cli import main
+from hpcrlhf.placement import render_text
 
 from .helpers import RECIPES, plan
 
@@ -12,7 +13,7 @@ from .helpers import RECIPES, plan
 def test_plan_prints_the_node_map(capsys):
     assert main(["plan", "ppo-7b", "--nodes", "2", "--gpus-per-node", "8"]) == 0
     out = capsys.readouterr().out
-    assert out == plan("ppo-7b", nodes=2, gpus=8).render()
+    assert out == render_text(plan("ppo-7b", nodes=2, gpus=8))
     assert out.startswith("node map: 2 nodes x 8 GPUs = 16 GPUs of 80.0 GiB\nnode 0\n")
     assert "  gpu 4  vllm0 tp0/1  weights 12.6 + kv_cache 59.4 = 72.0 / 80.0 GiB" in out
 

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from hpcrlhf.placement import render_text
+
 from .helpers import plan
 from .test_nodemap import HYBRID_1X8, HYBRID_1X8_SLEEP
 
@@ -35,7 +37,7 @@ CASES = {  # name: (recipe, overrides, nodes, gpus per node)
 def test_node_map_matches_golden(name):
     recipe, overrides, nodes, gpus = CASES[name]
     node_map = plan(recipe, *overrides, nodes=nodes, gpus=gpus)
-    for suffix, text in (("txt", node_map.render()), ("json", node_map.to_json())):
+    for suffix, text in (("txt", render_text(node_map)), ("json", node_map.to_json())):
         path = GOLDEN / f"{name}.{suffix}"
         if os.environ.get("HPCRLHF_UPDATE_GOLDEN") == "1":
             path.write_text(text)

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from hpcrlhf.placement import Device, NodeMap
+from hpcrlhf.placement import Device, NodeMap, render_text
 from hpcrlhf.placement.memory import GIB, MemoryParts
 
 from .helpers import config, find, plan, problems
@@ -216,7 +216,7 @@ def test_sleep_fits_a_colocated_layout_by_phase_and_names_the_phase_over_memory(
     assert phases["train"] == pytest.approx(frozen + trained + 2 * acts, abs=8)  # vLLM asleep
     assert phases["weight_sync"] == pytest.approx(frozen + trained + vllm_weights, abs=8)  # KV cache still asleep
     assert m.peak(gpu)[0] == "generate" and phases["generate"] < 80 * GIB < m.memory(gpu).total
-    assert "memory by phase (sleep: actor, critic, vllm)" in m.render()
+    assert "memory by phase (sleep: actor, critic, vllm)" in render_text(m)
     # still too big: the phase that does not fit is named
     found = problems("ppo-7b", *HYBRID_1X8_SLEEP, "placement.vllm.gpu_memory_utilization=0.99", nodes=1, gpus=8)
     find(found, "placement.gpu_memory_gb = 80.0", "GiB while vLLM generates, more than its 80.0 GiB",

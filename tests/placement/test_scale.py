@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from hpcrlhf.cli import main
+from hpcrlhf.placement import render_text
 from hpcrlhf.placement.layout import MAX_GPUS_PER_NODE, MAX_NODES, Device, FreeGPUs, assign
 
 from .helpers import find, plan, problems
@@ -19,7 +20,7 @@ pytestmark = pytest.mark.timeout(60)  # before the fix these took minutes (or te
 def test_a_large_allocation_lists_only_the_nodes_the_map_uses():
     m = plan("ppo-7b", "placement.allow_idle_gpus=true", nodes=MAX_NODES, gpus=8)
     assert len(m.devices) == 2 * 8 and m.idle_nodes == MAX_NODES - 2
-    text = m.render()
+    text = render_text(m)
     assert "\nnode 1\n" in text and "\nnodes 2-99999: idle (8 GPUs each)\n" in text and len(text.splitlines()) < 40
     assert json.loads(m.to_json())["idle_nodes"] == MAX_NODES - 2
 

@@ -1,0 +1,308 @@
+"""The jobs that generate their own data from prompts: the prompt, rollout and reward sections,
+`OnlineJobConfig` (what ppo and rs share), rejection sampling (`rs`) and batch generation
+(`hpcrlhf generate`). The ppo job: `hpcrlhf.config.schema.ppo`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from hpcrlhf.config.schema.checks import (PathText, fill_derived, require, require_finite, require_metrics,
+                                          require_timeout, shown)
+from hpcrlhf.config.schema.sections import (DEFAULT_USER_CODE_TIMEOUT_S, MAX_STEPS, DataSourceConfig, ModelConfig,
+                                            OptimConfig, ReferenceConfig, TaskConfig, TrainConfig, TrainJobConfig,
+                                            resolved_max_length, resolved_new_tokens)
+from hpcrlhf.errors import ConfigError
+
+@dataclass(frozen=True)
+class PromptDataConfig(DataSourceConfig):
+    """Prompts for online training (PPO, rejection sampling) and batch generation: only
+    `prompt_key` is read; a row's other fields reach rule-based reward functions."""
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    backend: Literal["hf", "vllm"] = "hf"
+    """Generation engine: `hf` (transformers generate on the trained weights; no extra memory) or
+    `vllm` (a vLLM engine, much faster, weights synced from the actor after every update)."""
+    prompts_per_step: int = 32
+    """Prompts per rollout (one PPO step), over all ranks."""
+    samples_per_prompt: int = 4
+    """Responses generated per prompt (GRPO/RLOO groups; best-of-n for rejection sampling)."""
+    temperature: float = 1.0
+    """Sampling temperature (log-probs for the PPO ratio are always recomputed at temperature 1)."""
+    top_p: float = 1.0
+    """Nucleus sampling: keep the smallest token set with this much probability (1.0: off)."""
+    top_k: int = 0
+    """Sample among the k most likely tokens (0: off)."""
+    max_new_tokens: int | None = None
+    """Longest response; responses cut here have no EOS (see reward.missing_eos_penalty). null: the
+    bundled task's answer length (8) when the task applies, else 256 (`DEFAULT_NEW_TOKENS`)."""
+    min_new_tokens: int = 0
+    """EOS is suppressed before this many tokens; `= max_new_tokens` gives fixed-length responses
+    (what throughput benchmarks use, so every system generates the same tokens)."""
+    hf_batch_size: int = 256
+    """hf only: sequences per `generate` call on each rank (DeepSpeed-Chat's
+    per_device_generation_batch_size)."""
+    vllm_kv_cache_gb: float = 1.0
+    """vllm only: KV-cache memory of the engine, in GiB."""
+    vllm_enforce_eager: bool | None = None
+    """vllm only: skip graph capture / compilation. null: eager on CPU (capture gains nothing there
+    and costs minutes at start), CUDA graphs on GPU (without them decoding is launch-bound: ~22 ms
+    per token step for 64 sequences of a 0.5B model on an H100, no faster than HF generate)."""
+    vllm_max_num_seqs: int | None = None
+    """vllm only: most sequences the engine runs at once (vLLM's max_num_seqs; null: vLLM's
+    default, 256 per TP rank on CPU, 256-1024 on GPU). Lower it when the KV cache is small."""
+    vllm_max_num_batched_tokens: int | None = None
+    """vllm only: tokens the engine computes per step (vLLM's max_num_batched_tokens; null: vLLM's
+    default, 4096 per TP rank on CPU, 8192-16384 on GPU, raised to the longest sequence without
+    chunked prefill)."""
+    vllm_chunked_prefill: bool | None = None
+    """vllm only: split long prompts over engine steps. null: off on CPU (vLLM 0.32 cannot rewind a
+    CPU random generator after a split prompt and dies with seeded sampling; true is refused
+    there), vLLM's default (on) on GPU."""
+    max_staleness: int = 0
+    """ppo only: 0 generates each step's rollout with the weights of the step before (synchronous);
+    1 overlaps: the engines generate step n+1's rollout -- with the weights step n starts from, one
+    update behind -- while the roles score and train on step n (the Ray runtime's engines then stop
+    idling during training; engines that generate in the training process gain nothing but keep
+    the same samples). The PPO ratio is taken against the log-probs of the weights being trained
+    (recomputed), `rollout/logprob_max_diff` shows how far the generating weights were; see
+    ppo.tis_cap. Checkpoints keep the rollout generated ahead, so a resumed run (after a stop signal
+    too) equals an uninterrupted one. Logged: rollout/staleness, timing/overlap (seconds generation
+    ran while the step trained)."""
+
+    def __post_init__(self) -> None:
+        require_finite(self, "rollout")
+        require(self.prompts_per_step >= 1, "rollout.prompts_per_step", self.prompts_per_step, "use at least 1")
+        require(self.samples_per_prompt >= 1, "rollout.samples_per_prompt", self.samples_per_prompt, "use at least 1")
+        require(self.temperature > 0, "rollout.temperature", self.temperature,
+                "use a positive temperature (sampling is what makes on-policy RL explore)")
+        require(0 < self.top_p <= 1, "rollout.top_p", self.top_p, "use a value in (0, 1]")
+        require(self.top_k >= 0, "rollout.top_k", self.top_k, "use 0 (off) or a positive k")
+        require(self.max_new_tokens is None or self.max_new_tokens >= 1, "rollout.max_new_tokens",
+                self.max_new_tokens, "use at least 1, or null for the task's default")
+        if self.max_new_tokens is not None:  # null is resolved by the job's config (resolved_new_tokens)
+            require(0 <= self.min_new_tokens <= self.max_new_tokens, "rollout.min_new_tokens", self.min_new_tokens,
+                    f"use a value from 0 to rollout.max_new_tokens ({shown(self.max_new_tokens)})")
+        require(self.hf_batch_size >= 1, "rollout.hf_batch_size", self.hf_batch_size, "use at least 1")
+        require(self.max_staleness in (0, 1), "rollout.max_staleness", self.max_staleness,
+                "use 0 (synchronous) or 1 (the next rollout generated during the current step's training); more "
+                "steps ahead are not supported")
+        require(self.vllm_kv_cache_gb > 0, "rollout.vllm_kv_cache_gb", self.vllm_kv_cache_gb, "use a positive size")
+        for name in ("vllm_max_num_seqs", "vllm_max_num_batched_tokens"):
+            value = getattr(self, name)
+            require(value is None or value >= 1, f"rollout.{name}", value, "use null (vLLM's default) or at least 1")
+        if self.vllm_max_num_seqs is not None and self.vllm_max_num_batched_tokens is not None:
+            require(self.vllm_max_num_batched_tokens >= self.vllm_max_num_seqs, "rollout.vllm_max_num_batched_tokens",
+                    self.vllm_max_num_batched_tokens,
+                    f"use at least rollout.vllm_max_num_seqs ({shown(self.vllm_max_num_seqs)}): each running sequence "
+                    "needs one token per step")
+
+
+@dataclass(frozen=True)
+class RewardSourceConfig:
+    model: PathText | None = None
+    """A reward model folder (from `hpcrlhf train rm`, or any one-label sequence classifier)."""
+    rule: str | None = None
+    """A rule-based reward instead: `task` (the bundled task's exact score, 1 or 0),
+    `task_partial` (share of digits right), or `package.module:function` taking
+    (prompt, response, row) and returning a float."""
+    weight: float = 1.0
+    """This source's weight in the weighted sum of all sources."""
+    normalize: bool = True
+    """model only: standardise with the reward mean/std stored in the model's config.json."""
+
+    def __post_init__(self) -> None:
+        if (self.model is None) == (self.rule is None):
+            raise ConfigError(f"reward.sources: each source sets exactly one of `model` (a reward model folder) "
+                              f"or `rule` (task, task_partial or module:function); got model={self.model!r}, "
+                              f"rule={self.rule!r}")
+
+
+TASK_RULES = ("task", "task_partial")
+"""Rules that score answers to the bundled task; any other rule is `package.module:function`."""
+
+
+def _require_task_for_rules(reward: RewardConfig | None, task: TaskConfig, data: DataSourceConfig) -> None:
+    """The `task` rules need the bundled task to apply: refused when the config loads, not after the
+    models have loaded and the first prompt fails to parse."""
+    if reward is None or task.resolve(data) is not None:
+        return
+    for i, source in enumerate(reward.sources):
+        if source.rule in TASK_RULES:
+            why = ("task.name is auto and data.train_path is set, so the bundled arithmetic task does not apply to "
+                   "your prompts" if task.name == "auto" else "task.name is null")
+            raise ConfigError(f"reward.sources[{i}].rule: '{source.rule}' scores answers to the bundled task, but {why}: "
+                              "score them with your own rule (reward.sources=[{rule: 'package.module:function'}]) or a "
+                              "reward model, or set task.name=arithmetic if your prompts are arithmetic questions")
+
+
+@dataclass(frozen=True)
+class RewardConfig:
+    sources: tuple[RewardSourceConfig, ...] = (RewardSourceConfig(rule="task"),)
+    """Reward models and rule-based rewards; a response's score is their weighted sum, e.g.
+    `[{model: runs/rm/model, weight: 1.0}, {rule: task, weight: 0.5}]`."""
+    clip: float | None = None
+    """Clip each combined score to [-clip, clip] (null: no clipping)."""
+    running_norm: bool = False
+    """Standardise scores with their running mean and std over all rollouts so far."""
+    missing_eos_penalty: float | None = None
+    """Added to the score of a response cut at rollout.max_new_tokens (e.g. -1.0); null: none."""
+    length_penalty: float = 0.0
+    """Subtracted from the score per response token (discourages long answers)."""
+    overlong_buffer: int = 0
+    """DAPO's overlong reward shaping (Yu et al. 2025): a response within the last `overlong_buffer`
+    tokens before rollout.max_new_tokens loses a penalty rising linearly from 0 to
+    `overlong_penalty` at the limit (0: off). DAPO used 4096 of 20480."""
+    overlong_penalty: float = 1.0
+    """The overlong penalty at rollout.max_new_tokens (with reward.overlong_buffer > 0)."""
+    batch_size: int = 128
+    """Sequences per reward-model forward pass."""
+    rule_timeout_s: float = DEFAULT_USER_CODE_TIMEOUT_S
+    """Longest one call of a rule may take, in seconds; past it the run fails naming the rule (a rule
+    that never returns would hang the job)."""
+
+    def __post_init__(self) -> None:
+        require_finite(self, "reward")
+        require_timeout(self.rule_timeout_s, "reward.rule_timeout_s")
+        require(len(self.sources) >= 1, "reward.sources", list(self.sources), "give at least one reward model or rule")
+        require(self.clip is None or self.clip > 0, "reward.clip", self.clip, "use a positive bound, or null")
+        require(self.length_penalty >= 0, "reward.length_penalty", self.length_penalty, "use >= 0")
+        require(self.overlong_buffer >= 0, "reward.overlong_buffer", self.overlong_buffer,
+                "use 0 (off) or a number of tokens below rollout.max_new_tokens")
+        require(self.overlong_penalty >= 0, "reward.overlong_penalty", self.overlong_penalty, "use >= 0")
+        require(self.batch_size >= 1, "reward.batch_size", self.batch_size, "use at least 1")
+
+
+@dataclass(frozen=True)
+class OnlineJobConfig(TrainJobConfig):
+    """Jobs that generate their own training data from prompts (PPO, rejection sampling)."""
+
+    data: PromptDataConfig = field(default_factory=PromptDataConfig)
+    """Prompts for rollouts and evaluation."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """How responses are generated."""
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    """How responses are scored."""
+    reference: ReferenceConfig = field(default_factory=ReferenceConfig)
+    """The frozen reference model (KL penalty, iterative DPO)."""
+
+    def reward_models(self) -> list[tuple[str, str]]:
+        """(config field, path) of each reward model in `reward.sources` (rules load nothing)."""
+        return [(f"reward.sources[{i}].model", src.model) for i, src in enumerate(self.reward.sources) if src.model]
+
+    def reference_source(self) -> tuple[str, str]:
+        """(config field, path) of the frozen reference: `reference.path`, else `model.path`."""
+        return ("reference.path", self.reference.path) if self.reference.path else ("model.path", self.model.path)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.reference.offload and self.engine.zero_stage != 3:
+            raise ConfigError("reference.offload: true keeps reference weights in CPU memory through ZeRO-3: "
+                              "set engine.zero_stage=3")
+        if self.reference.precompute:
+            raise ConfigError("reference.precompute: true needs the training sequences in advance; online jobs "
+                              "generate them as they go: set reference.precompute=false")
+        _require_task_for_rules(self.reward, self.task, self.data)
+        fill_derived(self, "rollout", max_new_tokens=resolved_new_tokens(self.rollout.max_new_tokens, self.task, self.data))
+        require(self.reward.overlong_buffer < self.rollout.max_new_tokens, "reward.overlong_buffer",
+                self.reward.overlong_buffer,
+                f"use fewer tokens than rollout.max_new_tokens ({shown(self.rollout.max_new_tokens)}), e.g. a fifth")
+
+
+@dataclass(frozen=True)
+class RSSectionConfig:
+    mode: Literal["sft", "dpo"] = "sft"
+    """sft: rejection sampling (train on each prompt's best response, Touvron et al. 2023); dpo:
+    iterative DPO (pair each prompt's best and worst responses and train DPO on the pairs; it
+    wants a smaller optim.lr than sft, e.g. 1e-5 for the bundled model)."""
+    iterations: int = 3
+    """Generate -> score -> train rounds."""
+    prompts_per_iteration: int = 512
+    """Prompts sampled (best-of-n over rollout.samples_per_prompt) in each round."""
+    steps_per_iteration: int = 40
+    """Optimizer steps on each round's selected data."""
+    min_score: float | None = None
+    """sft: keep a prompt's best response only if its score reaches this (e.g. 1.0 with the exact
+    task reward); null: only if it scores higher than the prompt's worst response."""
+    beta: float = 0.1
+    """dpo: DPO beta."""
+    nll_coef: float = 1.0
+    """dpo: weight of the chosen responses' NLL (keeps their likelihood up, Pang et al. 2024)."""
+
+    def __post_init__(self) -> None:
+        require_finite(self, "rs")
+        require(self.iterations >= 1, "rs.iterations", self.iterations, "use at least 1")
+        require(self.prompts_per_iteration >= 1, "rs.prompts_per_iteration", self.prompts_per_iteration, "use at least 1")
+        require(self.steps_per_iteration >= 1, "rs.steps_per_iteration", self.steps_per_iteration, "use at least 1")
+        require(self.iterations * self.steps_per_iteration <= MAX_STEPS, "rs.steps_per_iteration",
+                self.steps_per_iteration, f"rs.iterations ({shown(self.iterations)}) x rs.steps_per_iteration steps "
+                f"must be at most {MAX_STEPS:,} (2**31 - 1, see train.max_steps)")
+        require(self.beta > 0, "rs.beta", self.beta, "use a positive value such as 0.1")
+        require(self.nll_coef >= 0, "rs.nll_coef", self.nll_coef, "use >= 0")
+
+
+@dataclass(frozen=True)
+class RSConfig(OnlineJobConfig):
+    """Rejection sampling / iterative DPO: best-of-n generations scored by the rewards, then
+    supervised (or DPO) training on the winners, repeated."""
+
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-4, scheduler="constant", warmup_ratio=0.0))
+    """Optimizer and learning-rate schedule."""
+    train: TrainConfig = field(default_factory=lambda: TrainConfig(global_batch_size=32))
+    """Batch sizes (responses or pairs per optimizer step); the length comes from the rs section."""
+    rollout: RolloutConfig = field(default_factory=lambda: RolloutConfig(samples_per_prompt=8))
+    """How candidate responses are generated."""
+    rs: RSSectionConfig = field(default_factory=RSSectionConfig)
+    """The rounds of generation and training."""
+    output_dir: PathText = "runs/rs"
+    """Run folder: config.yaml, metrics.jsonl, rounds/ (each round's selected data), checkpoints/, model/."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.train.max_steps is not None:
+            raise ConfigError("train.max_steps: rejection sampling runs rs.iterations x rs.steps_per_iteration steps; "
+                              "leave train.max_steps null and set those instead")
+        require(not self.rollout.max_staleness, "rollout.max_staleness", self.rollout.max_staleness,
+                "rejection sampling generates each round with the weights the round before trained: use 0")
+        if self.rs.mode == "dpo" and self.rollout.samples_per_prompt < 2:
+            raise ConfigError("rollout.samples_per_prompt: iterative DPO pairs a prompt's best and worst responses: "
+                              "use at least 2")
+
+
+@dataclass(frozen=True)
+class GenerateConfig:
+    """Batch inference: responses (optionally scored) for every prompt of a dataset, as JSONL."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """The model that generates."""
+    task: TaskConfig = field(default_factory=TaskConfig)
+    """The bundled task: prompts when data.train_path is unset, and a `task_score` per response."""
+    data: PromptDataConfig = field(default_factory=PromptDataConfig)
+    """Prompts to answer (`train_path`, read with `split` and `max_samples`)."""
+    rollout: RolloutConfig = field(default_factory=lambda: RolloutConfig(samples_per_prompt=1))
+    """Generation settings (backend, samples per prompt, temperature, length)."""
+    greedy: bool = True
+    """Greedy decoding (rollout.temperature/top_p/top_k unused); false samples."""
+    reward: RewardConfig | None = None
+    """Score each response with these reward models / rules (null: no scores)."""
+    metrics: tuple[str, ...] = ()
+    """Your own metrics of each response, as `eval.metrics` of training jobs
+    (`package.module:function`): written per response under `metrics`, their means printed."""
+    metric_timeout_s: float = DEFAULT_USER_CODE_TIMEOUT_S
+    """Longest one call of a metric may take, in seconds (`eval.metric_timeout_s`)."""
+    batch_size: int = 64
+    """Prompts per generation batch."""
+    seed: int = 1234
+    """Seed for sampling."""
+    output: PathText = "generations.jsonl"
+    """JSONL file written: one line per response with prompt, response, sample index, finished, scores."""
+
+    def __post_init__(self) -> None:
+        require(self.batch_size >= 1, "batch_size", self.batch_size, "use at least 1")
+        require_timeout(self.metric_timeout_s, "metric_timeout_s")
+        fill_derived(self, "data", max_length=resolved_max_length(self.data.max_length, self.task, self.data))
+        fill_derived(self, "rollout", max_new_tokens=resolved_new_tokens(self.rollout.max_new_tokens, self.task, self.data))
+        require_metrics(self.metrics, "metrics")
+        _require_task_for_rules(self.reward, self.task, self.data)

@@ -1,0 +1,142 @@
+"""What a rollout engine takes and returns, whichever backend: `SamplingParams` in, one list of
+`Generation`s per prompt out; `launch` starts a batch (`Pending`) on engines that run elsewhere.
+Checkpoints pickle `Generation`s (the rollout generated ahead, `ahead_rank*.pt`): those written
+when it was `hpcrlhf.engines.rollout.Generation` load through the package's name for it."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+BACKENDS = ("hf", "vllm")
+
+ENGINE_MEMORY = ("weights", "kv_cache")
+"""The memory an engine releases when it sleeps and takes back when it wakes (vLLM's sleep-mode
+tags), in the order they are woken."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How responses are drawn; backend-neutral (each engine maps it to its own options)."""
+
+    n: int = 1
+    """Responses per prompt."""
+    temperature: float = 1.0
+    """Softmax temperature for sampling (> 0; ignored when `greedy`)."""
+    top_p: float = 1.0
+    """Nucleus sampling: keep the smallest set of tokens with this much probability; 1 = off."""
+    top_k: int = 0
+    """Keep only the k most likely tokens; 0 = off."""
+    max_new_tokens: int = 8
+    """Longest response, EOS included."""
+    min_new_tokens: int = 0
+    """EOS is not generated before this many tokens (benchmarks set it to `max_new_tokens`:
+    every response then has exactly that length)."""
+    greedy: bool = False
+    """Argmax decoding. With n > 1 every sample of a prompt is the same greedy response
+    (computed once, returned n times)."""
+    seed: int | None = None
+    """Makes sampling reproducible: same seed, weights, prompts and params give the same
+    responses. None draws from the engine's own random stream."""
+    first_index: int = 0
+    """Position of this call's first prompt in the caller's whole batch. vLLM seeds prompt i by
+    (seed, first_index + i), so a batch split over several engines samples exactly as one
+    engine given the whole batch would."""
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.n < 1:
+            problems.append(f"n must be >= 1, got {self.n}")
+        if self.max_new_tokens < 1:
+            problems.append(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if not 0 <= self.min_new_tokens <= self.max_new_tokens:
+            problems.append(f"min_new_tokens must be in [0, max_new_tokens={self.max_new_tokens}], got {self.min_new_tokens}")
+        if not self.greedy and not self.temperature > 0:
+            problems.append(f"temperature must be > 0 when sampling (greedy=True for argmax), got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            problems.append(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            problems.append(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        if problems:
+            raise ValueError("SamplingParams: " + "; ".join(problems))
+
+
+@dataclass
+class Generation:
+    """One response to one prompt."""
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    """Generated tokens, EOS included when the model produced it; never padding."""
+    logprobs: list[float]
+    """log p(token | context) of each response token under the model's unmodified distribution
+    (softmax of the raw logits: temperature 1, no top-p/top-k), fp32; len == len(response_ids)."""
+    finished: bool
+    """True if the response ended with EOS, False if it was cut at max_new_tokens."""
+
+
+class RolloutEngine(Protocol):
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[list[Generation]]:
+        """`params.n` generations per prompt: result[i][j] is sample j of prompts[i]."""
+        ...
+
+    def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]) -> None:
+        """Replace the engine's weights by the causal LM's full weights in checkpoint names
+        (`models.export.checkpoint_names`): a state dict, or (name, tensor) pairs that may be
+        streamed (each pair is used before the next is asked for)."""
+        ...
+
+    def close(self) -> None:
+        """Free the engine's resources (processes, memory)."""
+        ...
+
+
+class Pending(Protocol):
+    """A batch of generations under way (`launch`)."""
+
+    launched: float
+    """time.monotonic() when it was handed to the engine."""
+
+    def result(self) -> list[list[Generation]]:
+        """The generations, once done (waits)."""
+        ...
+
+    def finished(self) -> float | None:
+        """time.monotonic() when the last of it was done; None while it is still under way."""
+        ...
+
+
+class Done:
+    """A batch generated at launch (engines that generate in the caller: nothing runs meanwhile)."""
+
+    def __init__(self, generations: list[list[Generation]]) -> None:
+        self.generations, self.launched = generations, time.monotonic()
+
+    def result(self) -> list[list[Generation]]:
+        return self.generations
+
+    def finished(self) -> float:
+        return self.launched
+
+
+def launch(engine, prompts: Sequence[Sequence[int]], params: SamplingParams) -> Pending:
+    """Start generating: on an engine that runs elsewhere (`launch` method: Ray engine actors) the
+    batch is under way when this returns; any other engine generates it here and now."""
+    if hasattr(engine, "launch"):
+        return engine.launch(prompts, params)
+    return Done(engine.generate(prompts, params))
+
+
+def check_prompts(prompts: Sequence[Sequence[int]]) -> None:
+    empty = [i for i, p in enumerate(prompts) if len(p) == 0]
+    if empty:
+        raise ValueError(f"rollout: prompts {empty[:5]} are empty; every prompt needs at least one token")
+
+
+def greedy_copies(g: Generation, n: int) -> list[Generation]:
+    """n copies of one (greedy) generation, each with its own lists so callers may edit one."""
+    return [Generation(list(g.prompt_ids), list(g.response_ids), list(g.logprobs), g.finished) for _ in range(n)]
