@@ -1,6 +1,7 @@
 # hpcrlhf — install, demo and tests on a fresh machine.
 #   make demo     install (.venv/) and run the main job on the embedded defaults
-#   make test     install with test extras and run the whole test suite
+#   make test     install with test extras, lint (ruff), then run the whole test suite
+#   make lint     ruff over the tree (pyproject.toml [tool.ruff])
 #   make install  create .venv/ only
 #   make docs     regenerate docs/settings/ (the settings reference) from the typed config
 # Documentation: README.md, then docs/index.md.
@@ -22,7 +23,7 @@ TEST_WORKERS ?= 2
 PYTEST_ARGS ?=
 DEMO_OUT ?= runs/demo
 
-.PHONY: install install-dev demo test docs clean
+.PHONY: install install-dev demo lint test docs clean
 
 install: $(VENV)/.installed
 
@@ -45,7 +46,11 @@ $(VENV)/.installed-dev: $(VENV)/.installed
 demo: install
 	$(BIN)/hpcrlhf demo --output-dir $(DEMO_OUT)
 
-test: install-dev
+# Lint first (seconds): a style slip fails here, not after an hour of tests.
+lint: install-dev
+	$(BIN)/ruff check .
+
+test: lint
 	bash slurm/install-test-deps.sh
 	bash apptainer/install-apptainer.sh
 	$(BIN)/python -m pytest $(TESTS) -n $(TEST_WORKERS) $(PYTEST_ARGS)

@@ -8,28 +8,31 @@
 #   $OUT_DIR/bench/             hpcrlhf bench results (results.json, results.md, plots, each run's log)
 #
 # Usage: bash benchmarks/gpu-check.sh [OUT_DIR] [--site TARBALL] [--no-install] [--no-tests] [--no-bench]
-#                                      [-k TESTS] [--systems A,B]
+#                                      [--tests PATHS] [-k TESTS] [--systems A,B]
 #   OUT_DIR        default benchmarks/results/gpu-1-<gpu name>
 #   --site FILE    offline machines: a .tar.xz/.tgz of a site-packages folder (benchmarks/gpu-site.sh,
 #                  `--vllm` for vLLM) unpacked and put on PYTHONPATH instead of pip installing; where
 #                  FILE is missing but its FILE.part-NN pieces (gpu-site.sh --split) are there, they are joined
 #   --no-install   use the Python environment as it is
-#   -k TESTS       run only the tests/gpu tests pytest's -k selects (e.g. vllm)
+#   --tests PATHS  the test files to run (space-separated; default tests/gpu): CPU tests whose claim
+#                  holds on a GPU too run here with the engine on cuda (e.g. tests/engines/test_rollout.py)
+#   -k TESTS       run only the tests pytest's -k selects (e.g. vllm)
 #   --systems A,B  run only these systems of the gpu-1 suite
 # Needs: python3 with a CUDA build of torch. With the package index reachable it installs
 # `.[gpu,hpc,lora,bench,dev]` over that torch (never replacing it).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-out="" site="" install=1 tests=1 bench=1 select=() systems=()
+out="" site="" install=1 tests=1 bench=1 select=() systems=() paths=(tests/gpu)
 while [ $# -gt 0 ]; do
   case "$1" in
     --site) site="$2"; shift 2 ;;
     --no-install) install=0; shift ;;
     --no-tests) tests=0; shift ;;
     --no-bench) bench=0; shift ;;
+    --tests) read -ra paths <<< "$2"; shift 2 ;;
     -k) select=(-k "$2"); shift 2 ;;
     --systems) systems=(--systems "$2"); shift 2 ;;
-    -h|--help) sed -n 2,20p "$0"; exit 0 ;;
+    -h|--help) sed -n 2,22p "$0"; exit 0 ;;
     -*) echo "gpu-check: unknown option $1 (see --help)" >&2; exit 2 ;;
     *) out="$1"; shift ;;
   esac
@@ -88,7 +91,7 @@ EOF
 
 status=0
 if [ "$tests" = 1 ]; then
-  $PY -m pytest tests/gpu "${select[@]}" -v -rs -p no:cacheprovider --timeout 900 2>&1 | tee "$out/tests.log"
+  $PY -m pytest "${paths[@]}" "${select[@]}" -v -rs -p no:cacheprovider --timeout 900 2>&1 | tee "$out/tests.log"
   status=${PIPESTATUS[0]}
 fi
 if [ "$bench" = 1 ]; then

@@ -9,9 +9,9 @@
 #   --vllm VERSION  add vLLM and the runtime packages it imports that the lent image ('cuda':
 #                   torch 2.11.0+cu130, Python 3.12) lacks. VERSION must be built on the image's
 #                   torch: 0.26.0 is the last vLLM on torch 2.11. Dropped from it: FlashAttention-2
-#                   kernels (Hopper runs FA3), the MoE kernels, the Rust API-server binary, and the
+#                   kernels (Hopper runs FA3), the Rust API-server binary, and the
 #                   optional accelerator packages (flashinfer, CUTLASS DSL, tilelang, video codecs; xgrammar needs tvm-ffi, kept).
-#                   Adds ~110 MB.
+#                   Adds ~150 MB.
 #   --split MIB     also cut OUT.tar.xz into OUT.tar.xz.part-NN files of at most MIB MiB, to carry
 #                   over successive calls of one warm machine; there `cat OUT.tar.xz.part-* > OUT.tar.xz`.
 # The versions are constraints.txt's, so the GPU run uses the code paths CI tests. What the target
@@ -79,9 +79,10 @@ for wheel in sys.argv[2:]:
             if mode & 0o111:
                 os.chmod(path, mode)
 EOF
+# vLLM's _moe_C kernels stay (47 MB): without them a mixture-of-experts engine cannot start (H200, 2026-11-26)
 ( cd "$work/$site" && rm -rf ray/jars ray/dashboard/client/build ray/rllib ray/tests ray/*/tests ray/llm ray/serve \
     ray/data ray/tune ray/train ray/air/examples \
-    vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so vllm/_moe_C_stable_libtorch.abi3.so vllm/vllm-rs \
+    vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so vllm/vllm-rs \
     vllm/entrypoints/serve/instrumentator/static )
 find "$work/$site" -name '*.so' -path '*vllm*' -exec chmod +x {} +
 mkdir -p "$(dirname "$out")"

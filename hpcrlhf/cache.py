@@ -8,10 +8,10 @@ or a concurrent builder never leaves a half-written entry that a later run would
 from __future__ import annotations
 
 import os
+from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import ContextManager
 
-from hpcrlhf.safefiles import staged_folder
+from hpcrlhf.run.files import staged_folder
 
 ENV_VAR = "HPCRLHF_CACHE"
 
@@ -31,12 +31,12 @@ def cache_dir(*parts: str) -> Path:
     return path
 
 
-def atomic_dir(final: Path) -> ContextManager[Path]:
+def atomic_dir(final: Path) -> AbstractContextManager[Path]:
     """Yield an empty temporary folder next to `final`; rename it to `final` on success.
 
     The temporary folder lives in the same parent so the rename is atomic (same filesystem).
     On an exception it is removed and `final` is untouched. If `final` appeared meanwhile
     (another process won the race) their copy is kept and ours is discarded: both were
-    built from the same inputs, so either is fine (hpcrlhf.safefiles.staged_folder).
+    built from the same inputs, so either is fine (hpcrlhf.run.files.staged_folder).
     """
     return staged_folder(final, keep_existing=True)

@@ -1,4 +1,12 @@
-"""The `hpcrlhf` command: parse, build the config, hand over to the job. Nothing else lives here."""
+"""The `hpcrlhf` command: parse, build the config, hand over to the job. Nothing else lives here.
+
+A command imports the modules only it needs when it runs (`cmd_*`), each import with what it would
+cost every command's start-up, `--help` included, at the top of this module (`python -X importtime
+-m hpcrlhf --help`: 140-190 ms of imports here): torch for some, 25-150 ms each for the Ray session,
+the node map, the benchmark and the Slurm modules (140 ms together). What the parser loads anyway
+(the configs) is imported at the top. tests/test_layering.py checks that `--help`, `config` and
+`plan` import no torch.
+"""
 
 from __future__ import annotations
 
@@ -9,17 +17,20 @@ from pathlib import Path
 from hpcrlhf import __version__
 from hpcrlhf.config.jobspec import (TrainJob, add_bench_arguments, add_config_arguments, add_train_arguments,
                                     build_config, literal_setting, path_text, resolve_recipe)
+from hpcrlhf.config.loader import describe, load_config, to_yaml
+from hpcrlhf.config.schema import JOB_CONFIGS, GenerateConfig, ServeRewardConfig
 from hpcrlhf.errors import ConfigError, HpcrlhfError, WorkerLost
-from hpcrlhf.signals import EXIT_INTERRUPTED, EXIT_LOST, release_interrupt
+from hpcrlhf.logs import route_third_party, stop_routing_third_party
+from hpcrlhf.run.signals import EXIT_INTERRUPTED, EXIT_LOST, EXIT_REQUEUE, release_interrupt
+from hpcrlhf.trainers import TRAINERS
+
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from hpcrlhf.cluster.session import isolate_local_cluster
-    from hpcrlhf.signals import EXIT_REQUEUE
+    from hpcrlhf.cluster.session import isolate_local_cluster  # start-up: +80 ms
 
     cfg = TrainJob.from_args(args).config()
     isolate_local_cluster(args.kind, cfg)
-    from hpcrlhf.engines.distributed import leave_process_group
-    from hpcrlhf.trainers import TRAINERS
+    from hpcrlhf.engines.distributed import leave_process_group  # torch: only once isolated (a single thread)
 
     result = TRAINERS[args.kind](cfg)
     leave_process_group()  # this process's one job is over
@@ -27,8 +38,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_config(args: argparse.Namespace) -> int:
-    from hpcrlhf.config.loader import describe, load_config, to_yaml
-    from hpcrlhf.config.reference import config_classes, markdown
+    from hpcrlhf.config.reference import config_classes, markdown  # start-up: +4 ms
 
     cls = config_classes()[args.kind]
     cfg = load_config(cls, resolve_recipe(args.config), args.set) if args.config or args.set else None
@@ -40,9 +50,7 @@ def cmd_config(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from hpcrlhf.config.loader import load_config
-    from hpcrlhf.config.schema import GenerateConfig
-    from hpcrlhf.inference import run_generate
+    from hpcrlhf.inference import run_generate  # torch, transformers
 
     overrides = list(args.set) + literal_setting("model.path", args.model) + literal_setting("output", args.output)
     run_generate(load_config(GenerateConfig, resolve_recipe(args.config), overrides))
@@ -50,16 +58,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_serve_reward(args: argparse.Namespace) -> int:
-    from hpcrlhf.config.loader import load_config
-    from hpcrlhf.config.schema import ServeRewardConfig
-    from hpcrlhf.rewards.server import run_server
+    from hpcrlhf.rewards.server import run_server  # torch, transformers, aiohttp
 
     overrides = list(args.set) + literal_setting("output_dir", args.output_dir)
     return run_server(load_config(ServeRewardConfig, resolve_recipe(args.config), overrides))
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
-    from hpcrlhf.inference import Utf8Lines, chat
+    from hpcrlhf.inference import Utf8Lines, chat  # torch, transformers
 
     return chat(args.model, backend=args.backend, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                 greedy=args.greedy, system=args.system, history=not args.no_history, raw=args.raw, seed=args.seed,
@@ -93,7 +99,7 @@ def _seconds(text: str) -> float:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from hpcrlhf.placement import build_node_map, render_text
+    from hpcrlhf.placement import build_node_map, render_text  # start-up: +40 ms
 
     node_map = build_node_map(build_config("ppo", args.recipe, args.set, None), args.nodes, args.gpus_per_node)
     print(node_map.to_json() if args.json else render_text(node_map), end="")
@@ -103,7 +109,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
-    from hpcrlhf.bench.suites import SUITES, get_suite
+    from hpcrlhf.bench.suites import SUITES, get_suite  # start-up: +6 ms
 
     if args.list or not args.suite:
         for suite in SUITES.values():
@@ -120,10 +126,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     systems = [suite.system(n) for n in names if n != "dschat"]
     dschat = None
     if args.dschat_dir:
-        from hpcrlhf.bench.dschat import DSChat
+        from hpcrlhf.bench.dschat import DSChat  # start-up: +105 ms
 
         dschat = DSChat.from_args(args.dschat_dir, critic=args.dschat_critic, suite=suite)
-    from hpcrlhf.bench.runner import run_suite
+    from hpcrlhf.bench.runner import run_suite  # start-up: +130 ms
 
     out = Path(args.output or f"runs/bench-{suite.name}")
     doc = run_suite(suite, out, systems=systems, dschat=dschat)
@@ -133,7 +139,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from hpcrlhf.demo import run_demo
+    from hpcrlhf.demo import run_demo  # torch, transformers
 
     return run_demo(Path(args.output_dir), fresh=args.fresh)
 
@@ -143,7 +149,7 @@ SLURM_ARGS = ("nodes", "gpus_per_node", "launcher", "partition", "account", "qos
 
 
 def _cluster_job(args: argparse.Namespace):
-    from hpcrlhf.hpc.job import cluster_job
+    from hpcrlhf.hpc.job import cluster_job  # start-up: +150 ms
 
     job = cluster_job(args.kind, args.recipe, args.set, args.output_dir,
                       **{k: getattr(args, k) for k in SLURM_ARGS})
@@ -153,14 +159,14 @@ def _cluster_job(args: argparse.Namespace):
 
 
 def cmd_sbatch(args: argparse.Namespace) -> int:
-    from hpcrlhf.hpc.sbatch import render_sbatch
+    from hpcrlhf.hpc.sbatch import render_sbatch  # start-up: +25 ms
 
     job = _cluster_job(args)
     text = render_sbatch(job.argv, job.options)
     if args.print:
         print(text, end="")
         return 0
-    from hpcrlhf.safefiles import make_folders, replace_file
+    from hpcrlhf.run.files import make_folders, replace_file  # start-up: +9 ms
 
     script = Path(args.script or Path(job.options.run_dir) / f"{args.kind}.sbatch")
     make_folders(script.parent, "--script" if args.script else "--output-dir")
@@ -170,7 +176,7 @@ def cmd_sbatch(args: argparse.Namespace) -> int:
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
-    from hpcrlhf.hpc.submit import follow, submit
+    from hpcrlhf.hpc.submit import follow, submit  # start-up: +110 ms
 
     job = _cluster_job(args)
     handle = submit(job.argv, job.options)
@@ -182,7 +188,7 @@ def cmd_image(args: argparse.Namespace) -> int:
     import shutil
     import subprocess
 
-    from hpcrlhf.hpc.image import check_image
+    from hpcrlhf.hpc.image import check_image  # start-up: +6 ms
 
     if shutil.which("apptainer") is None:
         raise ConfigError("image check: apptainer is not on this host's PATH: run the check where Apptainer is "
@@ -228,8 +234,6 @@ def _add_slurm_args(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from hpcrlhf.config.schema import JOB_CONFIGS
-
     kinds = sorted(JOB_CONFIGS)
     parser = argparse.ArgumentParser(
         prog="hpcrlhf",
@@ -365,7 +369,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+RUN_COMMANDS = ("train", "demo")
+"""Commands that write into run folders: the libraries' output goes to the run's third_party.log."""
+
+
 def main(argv: list[str] | None = None) -> int:
+    """The `hpcrlhf` program (argv None: sys.argv), or a call of it in a caller's process (argv given:
+    a test, a script), which gets its own logging back when the call returns (hpcrlhf.logs)."""
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
     if unknown:
@@ -373,17 +383,20 @@ def main(argv: list[str] | None = None) -> int:
             return _unknown_options(parser, args.command, unknown)
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
+        route_third_party(run_folder_follows=args.command in RUN_COMMANDS)
         return args.func(args)
     except HpcrlhfError as e:
         print(f"hpcrlhf: error: {e}", file=sys.stderr)
         return EXIT_LOST if isinstance(e, WorkerLost) else 2
-    except KeyboardInterrupt:  # Ctrl-C before a run could checkpoint, or twice (hpcrlhf.signals)
+    except KeyboardInterrupt:  # Ctrl-C before a run could checkpoint, or twice (hpcrlhf.run.signals)
         rerun = ("; stopped at once, without a new checkpoint: the same command resumes from the last one (if any)"
                  if args.command == "train" else "")
         print(f"\nhpcrlhf: interrupted (Ctrl-C){rerun}", file=sys.stderr)
         return EXIT_INTERRUPTED
     finally:
         release_interrupt()
+        if argv is not None:
+            stop_routing_third_party()
 
 
 def _unknown_options(parser: argparse.ArgumentParser, command: str, unknown: list[str]) -> int:

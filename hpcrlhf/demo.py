@@ -22,6 +22,10 @@ from hpcrlhf.config.loader import load_config
 from hpcrlhf.config.recipe_yaml import quoted
 from hpcrlhf.config.schema import PPOConfig, RMConfig, SFTConfig
 from hpcrlhf.logs import get_logger
+from hpcrlhf.plots import plot_metrics
+from hpcrlhf.trainers.ppo import run_ppo
+from hpcrlhf.trainers.rm import run_rm
+from hpcrlhf.trainers.sft import run_sft
 
 SFT_BUDGET = ("train.max_steps=3000", "task.train_size=192000", "eval.every_steps=10")
 """At most 3000 SFT steps of 64 fresh task rows, evaluated every 10: the budget an early stop ends."""
@@ -40,11 +44,6 @@ PPO_STEPS = 60
 
 
 def run_demo(out: Path, *, fresh: bool = False) -> int:
-    from hpcrlhf.plots import plot_metrics
-    from hpcrlhf.trainers.ppo_runtime import run_ppo
-    from hpcrlhf.trainers.rm import run_rm
-    from hpcrlhf.trainers.sft import run_sft
-
     if fresh and out.exists():
         shutil.rmtree(out)
     sft_model, rm_model = out / "sft" / "model", out / "rm" / "model"

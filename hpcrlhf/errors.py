@@ -48,7 +48,7 @@ class TrainingError(HpcrlhfError):
 
 class WorkerLost(TrainingError):
     """A worker process or a whole node died mid-run: nothing the user did, and nothing lost but the
-    steps since the last checkpoint. The CLI exits `hpcrlhf.signals.EXIT_LOST` for it, on which
+    steps since the last checkpoint. The CLI exits `hpcrlhf.run.signals.EXIT_LOST` for it, on which
     hpcrlhf's Slurm jobs requeue themselves and resume (on healthy nodes: Slurm never starts a job on
     a node it has marked down)."""
 
@@ -56,4 +56,4 @@ class WorkerLost(TrainingError):
 class UnsafeFileError(HpcrlhfError):
     """A path hpcrlhf is about to write is not what it writes there: a symbolic link (hpcrlhf never
     writes through one), a file with other hard links, a FIFO, a device or a folder in place of a file.
-    The message names the path and what is there (hpcrlhf.safefiles)."""
+    The message names the path and what is there (hpcrlhf.run.files)."""

@@ -13,12 +13,11 @@ from __future__ import annotations
 import json
 import zipfile
 from pathlib import Path
-from typing import Optional
 
 TORCH_SUFFIXES = (".pt", ".pth", ".bin")
 
 
-def safetensors_problem(path: Path) -> Optional[str]:
+def safetensors_problem(path: Path) -> str | None:
     """What is wrong with a safetensors file (None: its header is whole and its tensors fit in it):
     8 bytes of header length, the JSON header, then the tensor data the header's offsets describe."""
     size = path.stat().st_size
@@ -38,7 +37,7 @@ def safetensors_problem(path: Path) -> Optional[str]:
     return None
 
 
-def torch_file_problem(path: Path) -> Optional[str]:
+def torch_file_problem(path: Path) -> str | None:
     """What is wrong with a torch.save file (None: nothing seen). torch writes a zip archive whose
     directory sits at the end, so a file cut short has none; files in torch's legacy pickle format
     (not zips, from before torch 1.6) are only checked for being empty."""
@@ -59,7 +58,7 @@ def torch_file_problem(path: Path) -> Optional[str]:
     return None
 
 
-def file_problem(path: Path) -> Optional[str]:
+def file_problem(path: Path) -> str | None:
     """The problem `safetensors_problem` or `torch_file_problem` finds in `path`, by its suffix
     (None for other files)."""
     if path.suffix == ".safetensors":

@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import Literal, Optional
+from typing import Literal
+
+from hpcrlhf.logs import get_logger
 
 RepoType = Literal["model", "dataset"]
 
@@ -41,7 +43,7 @@ def is_hub_id(name: str) -> bool:
     return True
 
 
-def offline_setting(repo_type: RepoType = "model") -> Optional[str]:
+def offline_setting(repo_type: RepoType = "model") -> str | None:
     """The environment variable that turns the hub off for this process (None: it is on). Read
     now, with huggingface_hub's rule (1/ON/YES/TRUE, any case); for datasets HF_DATASETS_OFFLINE,
     when set, decides, as in datasets."""
@@ -63,7 +65,7 @@ def model_in_hub_cache(name: str) -> bool:
     return isinstance(try_to_load_from_cache(name, "config.json"), str)
 
 
-def hub_problem(name: str, repo_type: RepoType = "model") -> Optional[str]:
+def hub_problem(name: str, repo_type: RepoType = "model") -> str | None:
     """Why the hub cannot provide `name` now, as a clause (`the hub is off (HF_HUB_OFFLINE=1)`),
     or None when it can (or the model is in the local hub cache and the hub is off)."""
     if not is_hub_id(name):
@@ -74,8 +76,8 @@ def hub_problem(name: str, repo_type: RepoType = "model") -> Optional[str]:
     return f"the hub is off ({off})" if off else _probe(name, repo_type)
 
 
-@functools.lru_cache(maxsize=None)
-def _probe(name: str, repo_type: RepoType) -> Optional[str]:
+@functools.cache
+def _probe(name: str, repo_type: RepoType) -> str | None:
     from huggingface_hub import HfApi
     from huggingface_hub.constants import ENDPOINT
     from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, RepositoryNotFoundError
@@ -91,8 +93,6 @@ def _probe(name: str, repo_type: RepoType) -> Optional[str]:
     except Exception as e:  # no answer: connection refused, DNS, timeout (httpx's errors, not OSErrors)
         why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         if repo_type == "model" and model_in_hub_cache(name):  # loads from the cache, after the loader's retries
-            from hpcrlhf.logs import get_logger
-
             get_logger().warning(f"the hub ({ENDPOINT}) cannot be reached ({why}): loading '{name}' from the local hub "
                                  "cache; set HF_HUB_OFFLINE=1 to skip the loader's retries")
             return None

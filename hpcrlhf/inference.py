@@ -18,11 +18,26 @@ from typing import Any, BinaryIO, TextIO
 import torch
 
 from hpcrlhf.config.schema import GenerateConfig, RolloutConfig
-from hpcrlhf.diskspace import out_of_space_is_an_error
+from hpcrlhf.data.loading import held_out_prompt_rows, load_train_rows, require_task_prompts, task_note
+from hpcrlhf.data.prompts import encode_prompt_rows
+from hpcrlhf.data.sft import encode_prompt
+from hpcrlhf.data.sources import require_text
+from hpcrlhf.data.tasks import build_task
+from hpcrlhf.engines.deepspeed_engine import FrozenModel
+from hpcrlhf.engines.distributed import device_for
 from hpcrlhf.engines.rollout import SamplingParams
+from hpcrlhf.engines.rollout.hf import HFRollout
+from hpcrlhf.engines.rollout.vllm import VLLMRollout
 from hpcrlhf.errors import DataError
 from hpcrlhf.logs import Progress, get_logger
-from hpcrlhf.safefiles import make_folders, replacing, require_safe
+from hpcrlhf.models.context import ContextWindow, require_generation_fits
+from hpcrlhf.models.loading import load_causal_lm, load_tokenizer, resolve_model_path
+from hpcrlhf.models.value import ValueModel, load_value_model
+from hpcrlhf.rewards.rules import EvalMetrics, check_rules
+from hpcrlhf.rewards.sources import RewardSet
+from hpcrlhf.run.diskspace import out_of_space_is_an_error
+from hpcrlhf.run.files import make_folders, replacing, require_safe
+from hpcrlhf.trainers.online import flatten_generations, sampling_params, vllm_rollout_args
 
 log = get_logger()
 
@@ -31,16 +46,9 @@ def load_generator(path: str, backend: str, *, max_model_len: int, rollout: Roll
                    trust_remote_code: bool = False, attn_implementation: str = "auto", tokenizer=None):
     """(rollout engine, tokenizer) for a model folder; `rollout` holds the vLLM engine's settings
     (KV cache, batching; None: the defaults); `tokenizer`: the model's, loaded already."""
-    from hpcrlhf.engines.distributed import device_for
-    from hpcrlhf.engines.rollout.hf import HFRollout
-    from hpcrlhf.engines.rollout.vllm import VLLMRollout
-    from hpcrlhf.models.loading import load_causal_lm, load_tokenizer, resolve_model_path
-
     if tokenizer is None:
         tokenizer = load_tokenizer(path, trust_remote_code=trust_remote_code)
     if backend == "vllm":
-        from hpcrlhf.trainers.online import vllm_rollout_args
-
         return VLLMRollout(resolve_model_path(path), seed=seed, max_model_len=max_model_len,
                            **vllm_rollout_args(rollout or RolloutConfig())), tokenizer
     device = device_for(0)
@@ -50,18 +58,6 @@ def load_generator(path: str, backend: str, *, max_model_len: int, rollout: Roll
 
 
 def run_generate(cfg: GenerateConfig) -> dict:
-    from hpcrlhf.data.loading import held_out_prompt_rows, load_train_rows, require_task_prompts, task_note
-    from hpcrlhf.data.sources import require_text
-    from hpcrlhf.data.tasks import build_task
-    from hpcrlhf.engines.deepspeed_engine import FrozenModel
-    from hpcrlhf.engines.distributed import device_for
-    from hpcrlhf.models.context import require_generation_fits
-    from hpcrlhf.models.loading import load_tokenizer
-    from hpcrlhf.models.value import ValueModel, load_value_model
-    from hpcrlhf.rewards.rules import EvalMetrics, check_rules
-    from hpcrlhf.rewards.sources import RewardSet
-    from hpcrlhf.trainers.online import encode_prompt_rows, sampling_params
-
     out = Path(cfg.output)
     require_safe(out, fix="name another file with -o (--output)")  # a folder, /dev/full, a link: before loading
     make_folders(out.parent, "-o (--output)")
@@ -144,8 +140,6 @@ def _shown(key: str, value: Any) -> str:
 
 
 def _records(batch, gens, tokenizer, metrics, rewards) -> list[dict]:
-    from hpcrlhf.trainers.online import flatten_generations
-
     _, flat, responses = flatten_generations(batch, gens, tokenizer)
     samples = [j for g in gens for j in range(len(g))]
     records = [{"prompt": r.prompt, "response": r.text, "sample": j, "finished": g.finished,
@@ -252,10 +246,6 @@ def chat(model_path: str, *, backend: str = "hf", max_new_tokens: int = 128, tem
     A message that does not fit the model's positions with `max_new_tokens` (`ContextWindow`) is
     refused: at a terminal with a message on stderr, and the chat goes on; piped input is a script,
     which ends there (DataError: exit 2), since what follows was written to follow that answer."""
-    from hpcrlhf.data.sft import encode_prompt
-    from hpcrlhf.errors import DataError
-    from hpcrlhf.models.context import ContextWindow
-
     window = ContextWindow.of(model_path, "--model", say_unlimited=True)
     window.require_response_fits("--max-new-tokens", max_new_tokens)  # before the model loads
     engine, tokenizer = load_generator(model_path, backend, max_model_len=4096, seed=seed)

@@ -73,9 +73,12 @@ def _check(result: int, what: str) -> None:
 def mount(source: str | None, target: str, fstype: str | None, flags: int, options: str | None = None) -> None:
     """mount(2) in this process's mount namespace; OSError naming the call where it fails."""
     libc = ctypes.CDLL(None, use_errno=True)
-    encode = (lambda text: None if text is None else text.encode())
-    _check(libc.mount(encode(source), target.encode(), encode(fstype), ctypes.c_ulong(flags), encode(options)),
+    _check(libc.mount(_bytes(source), target.encode(), _bytes(fstype), ctypes.c_ulong(flags), _bytes(options)),
            f"mount {source or fstype} on {target}")
+
+
+def _bytes(text: str | None) -> bytes | None:
+    return None if text is None else text.encode()
 
 
 def set_read_only(path: str, read_only: bool, recursive: bool) -> None:

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Sequence
+from collections.abc import Sequence
 
-from hpcrlhf.metrics import read_metrics
+from hpcrlhf.run.metrics import read_metrics
 
 
 def plot_metrics(run_dir: Path | str, keys: Sequence[str], out: Path | str, title: str = "") -> Path:

@@ -132,7 +132,7 @@ ONE_WORKER = ("tests/cluster/", "tests/hpc/")
 cluster and the CPU image are started once per worker process, and the Slurm cluster's ports and
 nodes exist once per host."""
 
-LONG_FIRST = (*ONE_WORKER, "tests/trainers/", "tests/bench/", "tests/engines/", "tests/test_")
+LONG_FIRST = (*ONE_WORKER, "tests/trainers/", "tests/run/", "tests/bench/", "tests/engines/", "tests/test_")
 """Where the tests that run whole jobs live, in the order a worker should start them: long work
 first, the unit tests (seconds each) last, to fill the gaps, so that no worker is left with one
 long module at the end."""
@@ -187,7 +187,7 @@ def signals_left_usable(request):
     that was not so when the session started: CLI runs started later would inherit it (an ignored
     SIGINT: Ctrl-C does nothing). What a test leaves is undone here and named in the output. (A
     session started in a script's background has SIGINT ignored from the start: that is kept, and
-    tests/test_signals sets its own.)"""
+    tests/run/test_signals sets its own.)"""
     yield
     leaks = []
     for sig in WATCHED_SIGNALS:
@@ -206,7 +206,7 @@ def signals_left_usable(request):
         message = f"{request.node.nodeid} left {'; '.join(leaks)} in the test process (restored)"
         if reporter is not None:
             reporter.write_line(f"\nsignals: {message}")
-        warnings.warn(message)
+        warnings.warn(message, stacklevel=2)
 
 
 def pytest_collection_finish(session) -> None:

@@ -60,14 +60,17 @@ class ImageBuild:
                                      stdin=subprocess.DEVNULL, start_new_session=True)
 
     def wait(self, timeout_s: float = 1800) -> Path:
-        left = lambda: max(1.0, timeout_s - (time.monotonic() - self.started))
+        def left() -> float:
+            return max(1.0, timeout_s - (time.monotonic() - self.started))
+
         try:
             status = self.proc.wait(timeout=left())
             if status == BUSY:  # another process builds it: its end releases the lock
                 status = subprocess.run(["flock", str(self.lock), "true"], timeout=left()).returncode
-        except subprocess.TimeoutExpired:
+        except subprocess.TimeoutExpired as timeout:
             self.stop()
-            raise AssertionError(f"apptainer/build.sh cpu ran past {timeout_s:.0f} s:\n{self.log.read_text()[-6000:]}")
+            raise AssertionError(
+                f"apptainer/build.sh cpu ran past {timeout_s:.0f} s:\n{self.log.read_text()[-6000:]}") from timeout
         if status != 0 or not self.image.exists():
             raise AssertionError(f"apptainer/build.sh cpu failed ({status}):\n{self.log.read_text()[-6000:]}")
         return self.image

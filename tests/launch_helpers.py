@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import re
 import subprocess
 import sys
 from concurrent.futures import ProcessPoolExecutor
@@ -45,18 +46,31 @@ def run_cli(args: list[str], *, nproc: int = 1, timeout: float = 600, check: boo
     return proc
 
 
+HPCRLHF_LINE = re.compile(r"\[\d\d:\d\d:\d\d hpcrlhf\] |hpcrlhf[: ]")
+"""How each line hpcrlhf itself writes to the terminal starts: its log lines (the progress too, outside
+a terminal), its errors and notes (`hpcrlhf: error: ...`, `hpcrlhf COMMAND: error: ...`)."""
+
+
+def foreign_lines(proc: subprocess.CompletedProcess) -> list[str]:
+    """The non-empty lines a CLI run wrote to its terminal (stdout and stderr) that are not hpcrlhf's."""
+    return [line for text in (proc.stdout, proc.stderr) for line in text.splitlines()
+            if line.strip() and not HPCRLHF_LINE.match(line)]
+
+
 def stop_after(args: list[str], out: Path, step: int, key: str = "train/loss") -> int:
     """Run `hpcrlhf ARGS`, send it the stop signal (SIGUSR1: what Slurm sends before a time limit)
     once a metrics row of step >= `step` with `key` is logged; the checkpointed step it stopped at."""
     import signal
     import time
 
-    from hpcrlhf.metrics import read_metrics
+    from hpcrlhf.run.metrics import read_metrics
 
     proc = subprocess.Popen(cli_command(args), cwd=ROOT, env=cli_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
-    logged = lambda: (out / "metrics.jsonl").exists() and any(
-        m["step"] >= step for m in read_metrics(out) if key in m)
+
+    def logged() -> bool:
+        return (out / "metrics.jsonl").exists() and any(m["step"] >= step for m in read_metrics(out) if key in m)
+
     deadline = time.monotonic() + 300
     while not logged() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.2)

@@ -19,7 +19,6 @@ import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
 
 from hpcrlhf.cluster.local import stop_process_groups
 
@@ -27,7 +26,7 @@ DAEMONS = ("munged", "mariadbd", "slurmdbd", "slurmctld", "slurmd")
 NODE_TMP = "/var/tmp/hpcrlhf-slurm-nodetmp"
 
 
-def unavailable_reason() -> Optional[str]:
+def unavailable_reason() -> str | None:
     if os.geteuid() != 0:
         return "a local Slurm cluster needs root (slurmd per node in its own namespaces)"
     missing = [d for d in DAEMONS if shutil.which(d, path="/usr/sbin:/usr/bin:/sbin") is None]
@@ -178,7 +177,7 @@ def _start_slurmd(base: Path, node: str, env: dict[str, str]) -> int:
                   base / "log" / f"slurmd-{node}.out", env)
 
 
-def _ok(*cmd: str, env: Optional[dict[str, str]] = None) -> bool:
+def _ok(*cmd: str, env: dict[str, str] | None = None) -> bool:
     return subprocess.run(list(cmd), env=env, capture_output=True).returncode == 0
 
 

@@ -4,9 +4,10 @@ included): no import circle, and no import from a lower layer into a higher one.
 The layers, lowest first (a module belongs to the layer of the longest name listed below that is the
 module or a package holding it; modules of one layer may import each other):
 
- 1. `hpcrlhf` (the version), errors, logs, formats                   -- imports nothing of hpcrlhf
- 2. signals, safefiles, diskspace, usercode, cache, hub, namespaces  -- what keeps files and processes safe,
-                                                                        used by everything that writes or waits
+ 1. `hpcrlhf` (the version), errors, formats                         -- imports nothing of hpcrlhf
+ 2. logs, run.signals, run.files, run.diskspace, run.usercode,     -- what keeps files and processes safe,
+    run.lock, cache, hub, namespaces                                    used by everything that writes or waits
+                                                                        (logs writes the run's third_party.log)
  3. algos.estimators                                                 -- the advantage estimators' names and
                                                                         needs: plain data the config checks
  4. config                                                           -- typed configs, recipes, jobs as data
@@ -16,7 +17,8 @@ module or a package holding it; modules of one layer may import each other):
  8. engines                                                          -- DeepSpeed, process groups, rollout engines
  9. models.factory, rewards                                          -- models built in engines; reward models
                                                                         and rules scoring with them
-10. checkpoint, metrics                                              -- the run folder's files
+10. run                                                              -- the run folder: Run, its checkpoints,
+                                                                        metrics, stats, the NaN/Inf guard
 11. placement                                                        -- the static node map (`hpcrlhf plan`)
 12. cluster                                                          -- the Ray runtime: no trainer code
 13. trainers                                                         -- one per job kind, PPO's roles
@@ -37,18 +39,23 @@ from __future__ import annotations
 
 import ast
 import functools
-from dataclasses import dataclass
+import json
+import subprocess
+import sys
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
+
+import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "hpcrlhf"
 ENTRY_POINTS = {"hpcrlhf.__main__"}
 """Modules that are programs, not library: they may import the CLI."""
 
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("hpcrlhf", "hpcrlhf.errors", "hpcrlhf.logs", "hpcrlhf.formats"),
-    ("hpcrlhf.signals", "hpcrlhf.safefiles", "hpcrlhf.diskspace", "hpcrlhf.usercode", "hpcrlhf.cache", "hpcrlhf.hub",
-     "hpcrlhf.namespaces"),
+    ("hpcrlhf", "hpcrlhf.errors", "hpcrlhf.formats"),
+    ("hpcrlhf.logs", "hpcrlhf.run.signals", "hpcrlhf.run.files", "hpcrlhf.run.diskspace", "hpcrlhf.run.usercode",
+     "hpcrlhf.run.lock", "hpcrlhf.cache", "hpcrlhf.hub", "hpcrlhf.namespaces"),
     ("hpcrlhf.algos.estimators",),
     ("hpcrlhf.config",),
     ("hpcrlhf.algos",),
@@ -56,7 +63,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("hpcrlhf.models",),
     ("hpcrlhf.engines",),
     ("hpcrlhf.models.factory", "hpcrlhf.rewards"),
-    ("hpcrlhf.checkpoint", "hpcrlhf.metrics"),
+    ("hpcrlhf.run",),
     ("hpcrlhf.placement",),
     ("hpcrlhf.cluster",),
     ("hpcrlhf.trainers",),
@@ -65,6 +72,9 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("hpcrlhf.cli", "hpcrlhf.__main__"),
 )
 """The layers, lowest first (see the module docstring)."""
+HEAVY = ("torch", "transformers", "deepspeed", "ray", "vllm")
+"""Libraries that take seconds to import: `hpcrlhf --help` and the commands a login node runs
+import none of them."""
 
 
 def module_name(path: Path) -> str:
@@ -190,9 +200,9 @@ def test_the_circle_finder_finds_circles_and_only_them():
 
 def test_the_graph_sees_function_local_imports():
     graph = import_graph()
-    assert "hpcrlhf.trainers.ppo_ray" in graph["hpcrlhf.trainers.ppo_runtime"]  # imported inside run_ppo only
+    assert "hpcrlhf.trainers.ppo.ray.entry" in graph["hpcrlhf.trainers.ppo"]  # imported inside run_ppo only
     assert "hpcrlhf.cli" in graph["hpcrlhf.__main__"]
-    local = [e for e in imports() if e.source == "hpcrlhf.trainers.ppo_runtime" and e.target == "hpcrlhf.trainers.ppo_ray"]
+    local = [e for e in imports() if e.source == "hpcrlhf.trainers.ppo" and e.target == "hpcrlhf.trainers.ppo.ray.entry"]
     assert local and all(e.local for e in local)
 
 
@@ -226,6 +236,37 @@ def test_no_module_level_import_goes_up_a_layer():
 def test_a_function_local_import_goes_up_a_layer_only_with_its_reason():
     up = [f"{e.source}:{e.line} imports {e.target}" for e in upward(imports()) if e.local and not e.commented]
     assert not up, f"{up}: import the lower layer's code into the higher one instead, or say on the line why not"
+
+
+def test_a_function_local_import_says_why_it_is_not_at_the_top():
+    """Imports belong at the top of a module; one inside a function keeps a heavy library (or a
+    measured start-up cost) out of commands that do not need it, and says so on its line."""
+    silent = [f"{e.source}:{e.line} imports {e.target}" for e in imports() if e.local and not e.commented]
+    assert not silent, f"{silent}: import at the top of the module, or say on the line why not (e.g. `# torch`)"
+
+
+PROBE = """
+import json, sys
+from hpcrlhf.cli import main
+try:
+    main(sys.argv[1:])
+except SystemExit:
+    pass
+print("loaded:" + json.dumps(sorted({m.split(".")[0] for m in sys.modules} & set(HEAVY))), file=sys.stderr)
+"""
+
+
+@pytest.mark.parametrize("args", [["--help"], ["config", "ppo"], ["plan", "ppo-7b", "--nodes", "2", "--gpus-per-node", "8"]],
+                         ids=["help", "config", "plan"])
+def test_the_light_commands_import_no_heavy_library(args):
+    """The commands a login node runs start in a fraction of a second: the modules they import keep
+    torch & co. inside the functions that need them."""
+    code = f"HEAVY = {HEAVY!r}\n" + PROBE
+    proc = subprocess.run([sys.executable, "-c", code, *args], cwd=PACKAGE.parent, capture_output=True, text=True,
+                          timeout=120)
+    line = [x for x in proc.stderr.splitlines() if x.startswith("loaded:")]
+    assert line, proc.stderr[-2000:]
+    assert json.loads(line[-1].removeprefix("loaded:")) == [], f"hpcrlhf {' '.join(args)} imports {line[-1]}"
 
 
 def test_no_library_module_imports_the_cli():

@@ -285,7 +285,7 @@ def test_a_metric_must_be_finite_and_not_named_like_the_task_score(tmp_path, mon
 
 
 def test_a_metric_named_like_one_the_job_reports_is_refused():
-    from hpcrlhf.trainers.base import merge_evaluation
+    from hpcrlhf.trainers.loop import merge_evaluation
 
     assert merge_evaluation({"eval/loss": 1.0}, {"eval/exact": 0.5}) == {"eval/loss": 1.0, "eval/exact": 0.5}
     with pytest.raises(ConfigError, match="a metric function named 'loss' is reported as eval/loss, which this job's "
@@ -412,7 +412,7 @@ def test_rules_and_metrics_get_a_copy_of_the_row(tmp_path, monkeypatch):
 
 def test_the_deadline_is_a_setting_a_rerun_may_change():
     from hpcrlhf.config.schema import EvalConfig
-    from hpcrlhf.trainers.run import is_safe_change
+    from hpcrlhf.run.folder import is_safe_change
 
     assert RewardConfig().rule_timeout_s == EvalConfig().metric_timeout_s == GenerateConfig().metric_timeout_s == 300
     for bad in (0, -1, float("inf")):
@@ -442,7 +442,7 @@ def test_a_stop_signal_is_honoured_while_a_rule_never_returns(tmp_path):
     import subprocess
     import time
 
-    from hpcrlhf.signals import EXIT_REQUEUE
+    from hpcrlhf.run.signals import EXIT_REQUEUE
     from tests.launch_helpers import ROOT, cli_command, cli_env
 
     (tmp_path / "unruly.py").write_text(UNRULY)

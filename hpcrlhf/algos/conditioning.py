@@ -8,7 +8,7 @@ fall into the first or last bucket.
 from __future__ import annotations
 
 import bisect
-from typing import Sequence
+from collections.abc import Sequence
 
 
 def bucket_edges(rewards: Sequence[float], k: int) -> list[float]:

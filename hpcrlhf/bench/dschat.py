@@ -33,12 +33,13 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from collections.abc import Sequence
 
 from hpcrlhf.bench.dschat_rank import WALL
 from hpcrlhf.bench.measure import summarize
+from hpcrlhf.bench.runner import run_logged, step_train_flops
 from hpcrlhf.bench.suites import DSCHAT_PER_DEVICE_BATCH, Suite
-from hpcrlhf.errors import ConfigError
+from hpcrlhf.errors import ConfigError, HpcrlhfError
 from hpcrlhf.logs import get_logger
 
 log = get_logger()
@@ -92,7 +93,7 @@ class DSChat:
     """A DSChat step-2 output; None: made from the suite's reward model (`dschat_rank.make_critic`)."""
 
     @classmethod
-    def from_args(cls, dschat_dir: str, *, critic: str | None, suite: Suite) -> "DSChat":
+    def from_args(cls, dschat_dir: str, *, critic: str | None, suite: Suite) -> DSChat:
         """Checked before anything runs: the checkout, the batches, the step-2 critic if given."""
         checkout = Path(dschat_dir).expanduser().resolve()
         if not (checkout / STEP3 / "main.py").is_file():
@@ -116,7 +117,7 @@ class DSChat:
         import shutil
         import subprocess
 
-        from hpcrlhf.models.loading import load_tokenizer, resolve_model_path
+        from hpcrlhf.models.loading import load_tokenizer, resolve_model_path  # torch, transformers
 
         chat = run_dir / "DeepSpeed-Chat"
         media = shutil.ignore_patterns(".git", "assets", "*.png", "*.mp4", "*.gif", "__pycache__")
@@ -179,7 +180,6 @@ class DSChat:
 
             shutil.rmtree(run_dir)  # a benchmark always measures a fresh run
         run_dir.mkdir(parents=True)
-        from hpcrlhf.bench.runner import run_logged
 
         log.info(f"bench [{index}/{index}] dschat: DeepSpeed-Chat step 3 from {self.checkout}")
         started = time.monotonic()
@@ -219,9 +219,6 @@ def fit_prompts(tokenizer, texts: Sequence[str], max_tokens: int) -> list[str]:
 
 def summarize_dschat(rows: Sequence[dict], suite: Suite, peak, returncode: int) -> dict:
     """A results entry (status, throughput or error) from DSChat's parsed steps."""
-    from hpcrlhf.bench.runner import step_train_flops
-    from hpcrlhf.errors import HpcrlhfError
-
     if returncode != 0 and len(rows) <= suite.warmup_steps:
         return {"status": "failed", "error": f"DeepSpeed-Chat exited {returncode} after {len(rows)} step(s)"}
     try:

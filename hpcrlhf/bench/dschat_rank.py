@@ -25,6 +25,8 @@ import runpy
 import sys
 import time
 
+from hpcrlhf.cache import cache_dir
+
 WALL = "hpcrlhf-bench wall"
 
 
@@ -56,8 +58,7 @@ def prepare_cpu_ops() -> None:
 
     from deepspeed.ops.op_builder import FusedAdamBuilder
 
-    from hpcrlhf.cache import cache_dir
-    from hpcrlhf.engines.deepspeed_engine import load_jit_op, skip_shm_comm_build
+    from hpcrlhf.engines.deepspeed_engine import load_jit_op, skip_shm_comm_build  # torch
 
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(cache_dir("torch_extensions")))
     skip_shm_comm_build()

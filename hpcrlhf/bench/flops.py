@@ -28,9 +28,11 @@ class Shape:
     """SwiGLU-style MLP (gate, up, down: three matrices) rather than two (GPT-2)."""
 
     @classmethod
-    def from_config(cls, config: Any) -> "Shape":
+    def from_config(cls, config: Any) -> Shape:
         """From a `transformers` config (llama, mistral, mixtral, qwen2, gpt2 naming)."""
-        get = lambda *names, default=None: next((getattr(config, n) for n in names if getattr(config, n, None)), default)
+        def get(*names: str, default: Any = None) -> Any:
+            return next((getattr(config, n) for n in names if getattr(config, n, None)), default)
+
         hidden = get("hidden_size", "n_embd")
         heads = get("num_attention_heads", "n_head")
         return cls(layers=get("num_hidden_layers", "n_layer"), hidden=hidden,

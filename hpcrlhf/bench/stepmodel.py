@@ -99,8 +99,13 @@ def predict(w: Workload, lay: SystemShape, hw: Hardware, eff: Efficiency) -> dic
     bytes_actor = 2 * w.params
     tokens = w.samples * (w.prompt + w.response)
     train_factor = 8 if w.recompute else 6
-    fwd = lambda params, devices: 2 * params * tokens / (devices * hw.peak_flops * eff.forward_mfu)
-    train = lambda params, devices: train_factor * params * tokens / (devices * hw.peak_flops * eff.train_mfu)
+
+    def fwd(params: float, devices: int) -> float:
+        return 2 * params * tokens / (devices * hw.peak_flops * eff.forward_mfu)
+
+    def train(params: float, devices: int) -> float:
+        return train_factor * params * tokens / (devices * hw.peak_flops * eff.train_mfu)
+
     kv_row = w.kv_bytes_per_token * (w.prompt + w.response / 2)  # KV bytes a row reads per decode step
     if lay.kind in ("distributed", "colocated"):
         rows = w.samples / lay.engines

@@ -29,8 +29,10 @@ Suites named `cpu*` run here; `gpu-*` suites are for clusters and need `--model`
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Literal, Optional
+from typing import Literal
 
+from hpcrlhf.algos.estimators import CRITIC_FREE
+from hpcrlhf.config.recipe_yaml import quoted
 from hpcrlhf.errors import ConfigError
 
 SystemKind = Literal["hpcrlhf", "dschat-style", "trl"]
@@ -49,12 +51,12 @@ DSCHAT_PPO = (f"ppo.init_kl_coef={DSCHAT_KL}", "reward.clip=5.0", "ppo.clip_eps=
 class System:
     name: str
     kind: SystemKind
-    recipe: Optional[str] = None
+    recipe: str | None = None
     """Shipped recipe (or YAML path) the system starts from; None: the defaults."""
     overrides: tuple[str, ...] = ()
     """`--set` values of this system on top of the suite's common ones (kind "trl": extra
     arguments of `python -m hpcrlhf.bench.trl_system`)."""
-    scaling: Optional[tuple[str, float]] = None
+    scaling: tuple[str, float] | None = None
     """(axis, value) when the system is a point of the scaling plot, e.g. ("vLLM engines", 2)."""
     about: str = ""
     samples_per_prompt: int = 1
@@ -69,8 +71,6 @@ class System:
     def trains_critic(self) -> bool:
         """Whether a critic is trained each step (PPO with GAE); TRL's GRPO and the hpcrlhf GRPO
         systems train the actor alone."""
-        from hpcrlhf.algos.estimators import CRITIC_FREE
-
         if self.kind == "trl":
             return False
         chosen = [o.split("=", 1)[1] for o in self.overrides if o.startswith("ppo.advantage_estimator=")]
@@ -98,12 +98,12 @@ class Suite:
     steps: int
     """Measured steps after the warm-up ones (medians over these)."""
     systems: tuple[System, ...]
-    model: Optional[str] = "builtin:tiny-llama"
+    model: str | None = "builtin:tiny-llama"
     """Actor, reference and (unless `reward_model`) reward model; None: the user must give --model."""
-    reward_model: Optional[str] = None
+    reward_model: str | None = None
     precision: Literal["fp32", "bf16"] = "bf16"
     gradient_checkpointing: bool = False
-    dschat_ranks: Optional[int] = None
+    dschat_ranks: int | None = None
     """Ranks of the all-devices baseline (default: nodes x gpus_per_node; CPU suites: 2, one per
     core, as the colocated layout's 2 declared devices)."""
     extra: tuple[str, ...] = field(default=())
@@ -132,9 +132,8 @@ class Suite:
                           f"{', '.join(s.name for s in self.systems)}")
 
     def common_overrides(self, prompts_path: str) -> list[str]:
-        """`--set` values every system of the suite runs with."""
-        from hpcrlhf.config.recipe_yaml import quoted  # paths (--model, the run folder's prompts) taken literally
-
+        """`--set` values every system of the suite runs with (paths -- `--model`, the run folder's
+        prompts -- quoted: taken literally)."""
         model, reward = quoted(self.model), quoted(self.reward_model or self.model)
         return [
             f"model.path={model}", f"reward.sources=[{{model: {reward}}}]", f"critic.path={reward}",
@@ -154,7 +153,7 @@ class Suite:
             f"rollout.samples_per_prompt={system.samples_per_prompt}"]
         return self.common_overrides(prompts_path) + group + list(system.overrides)
 
-    def with_model(self, model: Optional[str], reward_model: Optional[str]) -> "Suite":
+    def with_model(self, model: str | None, reward_model: str | None) -> Suite:
         """The suite on the user's models; a suite without a model needs one."""
         suite = replace(self, model=model or self.model, reward_model=reward_model or self.reward_model)
         if suite.model is None:

@@ -30,13 +30,14 @@ import argparse
 import json
 import time
 from collections import defaultdict
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Optional, Sequence
 
 from hpcrlhf.bench.suites import GRPO_GROUP as SAMPLES_PER_PROMPT
+from hpcrlhf.errors import ConfigError
 
 
-def trl_version() -> Optional[str]:
+def trl_version() -> str | None:
     """The installed trl's version, or None."""
     try:
         import trl
@@ -48,8 +49,6 @@ def trl_version() -> Optional[str]:
 def rounds_layout(prompts_per_step: int, per_device_batch: int, processes: int) -> int:
     """Optimizer steps per generation round: the round's samples in per-device batches on every
     process; the numbers must divide (GRPO's groups of 2 included)."""
-    from hpcrlhf.errors import ConfigError
-
     global_batch = per_device_batch * processes
     if prompts_per_step % global_batch or prompts_per_step % SAMPLES_PER_PROMPT:
         raise ConfigError(f"trl: prompts_per_step {prompts_per_step} must be a multiple of the train batch "
@@ -57,7 +56,7 @@ def rounds_layout(prompts_per_step: int, per_device_batch: int, processes: int) 
     return prompts_per_step // global_batch
 
 
-def deepspeed_config(stage: int, offload_optimizer: bool) -> Optional[dict]:
+def deepspeed_config(stage: int, offload_optimizer: bool) -> dict | None:
     """The DeepSpeed config TRL's Trainer gets ("auto": the Trainer fills in its own batch sizes and
     precision); None for stage 0 (plain DDP)."""
     if stage == 0:
@@ -124,7 +123,10 @@ def _round_logger(trainer_cls, out: Path, per_round: int):
                 return
             step_s = time.perf_counter() - self.start
             gen, score = trainer_cls.phase_s["generate"], trainer_cls.phase_s["score"]
-            mean = lambda values: sum(values) / max(1, len(values))
+
+            def mean(values: list[float]) -> float:
+                return sum(values) / max(1, len(values))
+
             row = {"step": state.global_step // per_round, "timing/step": step_s, "timing/generate": gen,
                    "timing/make_experience": max(0.0, score - gen), "timing/train": max(0.0, step_s - score),
                    "rollout/response_length": mean(trainer_cls.response_lengths),
@@ -137,7 +139,7 @@ def _round_logger(trainer_cls, out: Path, per_round: int):
     return RoundLogger()
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m hpcrlhf.bench.trl_system", description=__doc__.split("\n")[0])
     p.add_argument("--model", required=True)
     p.add_argument("--reward-model", required=True)
@@ -164,8 +166,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from datasets import Dataset
     from trl import GRPOConfig
 
-    from hpcrlhf.engines.deepspeed_engine import skip_shm_comm_build
-    from hpcrlhf.models.loading import load_tokenizer, resolve_model_path
+    from hpcrlhf.engines.deepspeed_engine import skip_shm_comm_build  # torch, as the imports above
+    from hpcrlhf.models.loading import load_tokenizer, resolve_model_path  # torch, transformers
 
     skip_shm_comm_build()  # as hpcrlhf's own ranks: not built, not loaded under torch's lock file
     out = Path(args.output_dir)

@@ -6,7 +6,7 @@ a Ray run does), then times both sync paths of `placement.vllm.weight_sync` in t
 alternating, `--repeats` times each:
 
 - object_store: the state dict `ray.put` once, each engine actor fetches it and loads it into
-  its workers (what `ActorWorker.push_weights` does after rank 0 holds the full state dict);
+  its workers (what `ActorWorker.put_weights` does after rank 0 holds the full state dict);
 - collective: this process is rank 0 of a weight-sync group with every engine worker and
   broadcasts the state dict in `--bucket-mb` buckets (what `ActorWorker.broadcast_weights` does).
 
@@ -28,7 +28,14 @@ from pathlib import Path
 
 import torch
 
+from hpcrlhf.cluster.engines import EngineWorker
+from hpcrlhf.cluster.local import start_local_cluster
+from hpcrlhf.engines import weight_sync
+from hpcrlhf.engines.rollout import SamplingParams
+from hpcrlhf.engines.rollout.hf import HFRollout
 from hpcrlhf.logs import get_logger
+from hpcrlhf.models.loading import load_causal_lm
+from hpcrlhf.models.tiny import build_sized_llama_dir
 
 log = get_logger()
 
@@ -40,14 +47,6 @@ def perturb(state: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor
 
 def run(out: Path, params_m: float, engines: int, repeats: int, bucket_mb: int) -> dict:
     import ray
-
-    from hpcrlhf.cluster.engines import EngineWorker
-    from hpcrlhf.cluster.local import start_local_cluster
-    from hpcrlhf.engines import weight_sync
-    from hpcrlhf.engines.rollout import SamplingParams
-    from hpcrlhf.engines.rollout.hf import HFRollout
-    from hpcrlhf.models.loading import load_causal_lm
-    from hpcrlhf.models.tiny import build_sized_llama_dir
 
     out.mkdir(parents=True, exist_ok=True)
     root = Path(tempfile.mkdtemp(prefix="ray", dir="/tmp"))
@@ -67,8 +66,8 @@ def run(out: Path, params_m: float, engines: int, repeats: int, bucket_mb: int) 
             actor = ray.remote(EngineWorker).options(num_cpus=0)
             workers = [actor.remote("vllm", i, engines, str(folder), tensor_parallel_size=1, max_model_len=64,
                                     kv_cache_bytes=1 << 27) for i in range(engines)]
-            store, port = weight_sync.serve_store("127.0.0.1")
-            spec = weight_sync.SyncGroup("127.0.0.1", port, 1 + engines, "bench-weights")
+            store, at = weight_sync.serve_store("127.0.0.1")
+            spec = weight_sync.SyncGroup(at, 1 + engines, "bench-weights")
             joined = [w.join_weight_group.remote(spec, 1 + i) for i, w in enumerate(workers)]
             group = weight_sync.join(spec, 0, store)
             ray.get(joined)

@@ -14,12 +14,14 @@ import stat
 import time
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
 
+from hpcrlhf.engines.store_ports import STORE_PORTS_ENV, ports_text
 from hpcrlhf.errors import HpcrlhfError
 
 PORTS_PER_NODE = 120
-"""Ports one Ray node takes from its base: 10 service ports, then its worker port range."""
+"""Ports one node of a job takes from its base: Ray's 10 service ports, its 100 worker ports, then
+10 for the job's own rendezvous stores (hpcrlhf.engines.rendezvous)."""
 
 
 @dataclass(frozen=True)
@@ -40,7 +42,7 @@ class RayPorts:
     max_worker: int
 
     @classmethod
-    def from_base(cls, base: int) -> "RayPorts":
+    def from_base(cls, base: int) -> RayPorts:
         """Consecutive ports from `base`: 10 service ports, then 100 worker ports (one per worker
         process; Ray needs one per actor/task worker alive at the same time)."""
         if not 1024 <= base <= 65535 - PORTS_PER_NODE:
@@ -48,11 +50,19 @@ class RayPorts:
         names = [f.name for f in fields(cls)][:10]
         return cls(**{n: base + i for i, n in enumerate(names)}, min_worker=base + 10, max_worker=base + 109)
 
+    @property
+    def stores(self) -> range:
+        """The node's ports for the job's torch.distributed stores (rendezvous of process groups and
+        weight-sync groups): the block's last 10, after Ray's."""
+        return range(self.max_worker + 1, self.gcs + PORTS_PER_NODE)
+
     def env(self) -> dict[str, str]:
-        """Environment of `ray start` for the ports Ray takes from variables, not flags: the head's
-        autoscaler and dashboard metrics servers (Ray's defaults, 44217 and 44227, would be shared
-        by every job on a node and, bound to all interfaces, tell each job's metrics to any user)."""
-        return {"AUTOSCALER_METRIC_PORT": str(self.autoscaler_metrics), "DASHBOARD_METRIC_PORT": str(self.dashboard_metrics)}
+        """Environment of `ray start` for the ports not given as flags: the head's autoscaler and
+        dashboard metrics servers (Ray's defaults, 44217 and 44227, would be shared by every job on a
+        node and, bound to all interfaces, tell each job's metrics to any user), and the ports of the
+        job's stores, which the node's workers inherit (hpcrlhf.engines.rendezvous)."""
+        return {"AUTOSCALER_METRIC_PORT": str(self.autoscaler_metrics), "DASHBOARD_METRIC_PORT": str(self.dashboard_metrics),
+                STORE_PORTS_ENV: ports_text(self.stores)}
 
 
 HEALTH_CHECKS = {"health_check_period_ms": 2000, "health_check_timeout_ms": 6000, "health_check_failure_threshold": 5}
@@ -80,8 +90,8 @@ def private_temp_dir(parent: Path) -> str:
     return str(parent / "ray")
 
 
-def ray_start_args(*, node_ip: str, ports: RayPorts, head_address: Optional[str], num_cpus: int, num_gpus: int,
-                   temp_dir: Optional[str] = None, resources: Optional[dict[str, float]] = None,
+def ray_start_args(*, node_ip: str, ports: RayPorts, head_address: str | None, num_cpus: int, num_gpus: int,
+                   temp_dir: str | None = None, resources: dict[str, float] | None = None,
                    block: bool = False) -> list[str]:
     """`ray start` for a head (`head_address` None) or a worker joining `head_address` (ip:port).
 

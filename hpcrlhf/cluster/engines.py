@@ -11,10 +11,13 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from typing import Any, Mapping, Sequence
+from typing import Any
+from collections.abc import Mapping, Sequence
 
-from hpcrlhf.cluster.worker_group import (RoleWorker, WorkerGroup, busy, dead_worker_message, death_verdict,
-                                          even_bounds, gather, lost_worker_error)
+from hpcrlhf.cluster.worker_group import (RoleWorker, WorkerGroup, busy, dead_worker_message, death_verdict, gather,
+                                          lost_worker_error)
+from hpcrlhf.data.batching import shard_rows
+from hpcrlhf.engines.rollout.vllm import VLLMRollout
 from hpcrlhf.logs import get_logger
 
 log = get_logger()
@@ -34,7 +37,6 @@ class EngineWorker(RoleWorker):
     def __init__(self, role: str, rank: int, world_size: int, model_dir: str, *, tensor_parallel_size: int,
                  seed: int = 0, **engine_kwargs: Any) -> None:
         super().__init__(role, rank, world_size)
-        from hpcrlhf.engines.rollout.vllm import VLLMRollout
 
         if tensor_parallel_size > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
             import torch
@@ -104,7 +106,7 @@ class EngineFleet:
     def generate(self, prompts: Sequence[Sequence[int]], params) -> list:
         return self.launch(prompts, params).result()
 
-    def launch(self, prompts: Sequence[Sequence[int]], params) -> "FleetBatch":
+    def launch(self, prompts: Sequence[Sequence[int]], params) -> FleetBatch:
         """Start generating `prompts` on the engines (each its part); `result()` collects them."""
         return FleetBatch(self, prompts, params)
 
@@ -187,7 +189,8 @@ class FleetBatch:
 
     def __init__(self, fleet: EngineFleet, prompts: Sequence[Sequence[int]], params) -> None:
         self.fleet, self.prompts, self.params = fleet, prompts, params
-        self.parts = {rank: (a, b) for rank, (a, b) in enumerate(even_bounds(len(prompts), len(fleet.group))) if b > a}
+        self.parts = {rank: (rows[0], rows[-1] + 1) for rank, rows in enumerate(shard_rows(len(prompts), len(fleet.group)))
+                      if rows}
         self.sent_to: dict[int, Any] = {}
         self.current: dict[int, Any] = {}
         self.done_at: dict[int, float] = {}

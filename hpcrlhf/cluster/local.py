@@ -9,6 +9,9 @@ stop` would kill every Ray process on the machine, other users' included.
 With `auth_token_path`, the cluster uses Ray's token authentication (RAY_AUTH_MODE=token): a fresh
 random token is written to that file (mode 0600) and only clients given it (`client_env()`) can
 attach, as on a shared Slurm node (hpcrlhf.hpc.sbatch.ray_token_env).
+
+A watcher process (hpcrlhf.cluster.reaper) stops the cluster and removes the shared memory its
+processes held when the process that started it dies without stopping it (`kill -9`).
 """
 
 from __future__ import annotations
@@ -16,19 +19,18 @@ from __future__ import annotations
 import os
 import secrets
 import shutil
-import signal
 import socket
 import subprocess
 import sys
-import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Optional
+from collections.abc import Iterator
 
 from hpcrlhf.cluster.bootstrap import PORTS_PER_NODE, RayPorts, private_temp_dir, ray_start_args, wait_for_nodes
+from hpcrlhf.cluster.reaper import MARKER, Reaper, terminate
 from hpcrlhf.errors import HpcrlhfError
-from hpcrlhf.safefiles import write_secret
+from hpcrlhf.run.files import write_secret
 
 
 LOCAL_PORT_BASE = 30000
@@ -66,8 +68,10 @@ class LocalRayCluster:
     temp_dir: Path
     groups: list[int] = field(default_factory=list)
     """Process group of each node's `ray start` (the node's daemons inherit it)."""
-    auth_token_path: Optional[Path] = None
+    auth_token_path: Path | None = None
     """The token file of a token-authenticated cluster (None: no authentication)."""
+    reaper: Reaper | None = field(default=None, repr=False, compare=False)
+    """The watcher that stops the cluster if the process that started it dies first (hpcrlhf.cluster.reaper)."""
 
     def client_env(self) -> dict[str, str]:
         """Ray's authentication variables a client of this cluster needs (none without a token); a
@@ -76,8 +80,14 @@ class LocalRayCluster:
 
     def stop(self, timeout_s: float = 5.0) -> None:
         stop_process_groups(self.groups, timeout_s)
+        if self.reaper is not None:
+            self.reaper.dismiss()
+            self.reaper = None
 
-    def __enter__(self) -> "LocalRayCluster":
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "reaper": None}  # the watcher stays with the process that started it
+
+    def __enter__(self) -> LocalRayCluster:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -111,17 +121,14 @@ def _group_alive(pgid: int) -> bool:
 def stop_process_groups(groups: list[int], timeout_s: float = 5.0) -> None:
     """SIGTERM every process group, SIGKILL what is left after `timeout_s` (daemons started in their
     own sessions: only what this process started is touched)."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
+    def send(sig: int) -> None:
         for pgid in groups:
             try:
                 os.killpg(pgid, sig)
             except ProcessLookupError:
                 pass
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline and any(_group_alive(g) for g in groups):
-            time.sleep(0.2)
-        if not any(_group_alive(g) for g in groups):
-            return
+
+    terminate(send, lambda: any(_group_alive(g) for g in groups), timeout_s)
 
 
 def ray_executable() -> str:
@@ -133,7 +140,7 @@ def ray_executable() -> str:
     return found
 
 
-def ray_auth_env(token_path: Optional[Path]) -> dict[str, str]:
+def ray_auth_env(token_path: Path | None) -> dict[str, str]:
     """RAY_AUTH_* settings for token authentication with the token in `token_path`, or for none.
     "None" is said explicitly: with RAY_AUTH_MODE unset, Ray 2.60's `ray start --head` turns token
     authentication on by itself when a token file exists (~/.ray/auth_token, which any local
@@ -145,7 +152,7 @@ def ray_auth_env(token_path: Optional[Path]) -> dict[str, str]:
 
 def write_auth_token(path: Path) -> None:
     """A fresh random token in `path`, created readable by its owner only (0600 from the start, never
-    wider even briefly: hpcrlhf.safefiles.write_secret); an existing file (or link) there is
+    wider even briefly: hpcrlhf.run.files.write_secret); an existing file (or link) there is
     replaced, not reused (the cluster's folder is private: only a run of this user left it)."""
     path.unlink(missing_ok=True)
     write_secret(path, secrets.token_hex(32))
@@ -192,7 +199,8 @@ def _node_env(auth: dict[str, str]) -> dict[str, str]:
 
 
 def start_local_cluster(num_nodes: int, gpus_per_node: int, *, cpus_per_node: int = 2, root: Path,
-                        timeout_s: float = 120.0, auth_token_path: Optional[Path] = None) -> LocalRayCluster:
+                        timeout_s: float = 120.0, auth_token_path: Path | None = None,
+                        die_with_caller: bool = True) -> LocalRayCluster:
     """Start `num_nodes` Ray nodes on 127.0.0.2.. with `gpus_per_node` declared GPUs each, and wait
     until all have joined. Logs and sockets live under `root` (keep the path short: Ray's socket
     paths must fit in 107 bytes).
@@ -203,7 +211,11 @@ def start_local_cluster(num_nodes: int, gpus_per_node: int, *, cpus_per_node: in
     their environment before `ray.init`. The join check's driver in this process has those settings
     only while connected; the caller's RAY_AUTH_* are restored after it, since Ray's are process-wide
     and a later driver of this process may be for another cluster. A process that already has a Ray
-    driver connected is refused before any node starts (Ray allows one per process)."""
+    driver connected is refused before any node starts (Ray allows one per process).
+
+    `die_with_caller`: a watcher (hpcrlhf.cluster.reaper) stops the cluster, removes the shared memory
+    its processes held and its token if this process dies without stopping it (`kill -9`); False
+    for a cluster handed to another process (tests)."""
     _refuse_a_second_driver()
     temp_dir = private_temp_dir(root)  # root made private (0700): Ray's own folder in it is world-writable
     ips = [f"127.0.0.{2 + i}" for i in range(num_nodes)]
@@ -214,7 +226,10 @@ def start_local_cluster(num_nodes: int, gpus_per_node: int, *, cpus_per_node: in
     if auth_token_path is not None:
         write_auth_token(auth_token_path)
     auth = cluster.client_env()
-    env = _node_env(auth)
+    cluster_id = secrets.token_hex(8)
+    env = {**_node_env(auth), MARKER: cluster_id}  # every process of the cluster carries it (the watcher's key)
+    if die_with_caller:
+        cluster.reaper = Reaper.start(cluster_id, root, auth_token_path)
     try:
         for i, (ip, p) in enumerate(zip(ips, ports)):
             args = ray_start_args(node_ip=ip, ports=p, head_address=None if i == 0 else address,

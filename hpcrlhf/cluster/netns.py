@@ -19,7 +19,6 @@ from __future__ import annotations
 import errno
 import os
 from pathlib import Path
-from typing import Optional
 
 from hpcrlhf.logs import get_logger
 from hpcrlhf.namespaces import CLONE_NEWNET, CLONE_NEWUSER, loopback_up, map_self, unshare
@@ -49,7 +48,7 @@ def _threads() -> int:
         return 1
 
 
-def why_not() -> Optional[str]:
+def why_not() -> str | None:
     """Why this process cannot enter a private network now (None: it can try)."""
     if not Path("/proc/self/ns/net").exists():
         return "this system has no Linux namespaces (/proc/self/ns/net)"

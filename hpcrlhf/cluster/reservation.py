@@ -13,7 +13,8 @@ from __future__ import annotations
 import ipaddress
 import time
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any
+from collections.abc import Sequence
 
 from hpcrlhf.errors import PlacementError
 from hpcrlhf.placement import Device, NodeMap
@@ -48,7 +49,7 @@ def dead_node_ids() -> set[str]:
     return {n["NodeID"] for n in ray.nodes() if not n.get("Alive")}
 
 
-def order_nodes(nodes: Sequence[RayNode], node_ips: Optional[Sequence[str]] = None) -> list[RayNode]:
+def order_nodes(nodes: Sequence[RayNode], node_ips: Sequence[str] | None = None) -> list[RayNode]:
     """Ray nodes in node-map order: as `node_ips` lists them (the allocation's host order), else the
     head first and then by address."""
     if node_ips is None:
@@ -57,7 +58,7 @@ def order_nodes(nodes: Sequence[RayNode], node_ips: Optional[Sequence[str]] = No
     return [by_ip[ip] for ip in node_ips if ip in by_ip]
 
 
-def check_cluster(node_map: NodeMap, nodes: Sequence[RayNode], node_ips: Optional[Sequence[str]] = None) -> None:
+def check_cluster(node_map: NodeMap, nodes: Sequence[RayNode], node_ips: Sequence[str] | None = None) -> None:
     """The Ray cluster must have the map's node count, each node at least the map's GPUs."""
     problems = []
     if node_ips is not None:
@@ -86,7 +87,7 @@ class Reservation:
     groups: list[Any]
     """One placement group per map node; bundle g is GPU g."""
 
-    def actor_options(self, devices: Sequence[Device], *, env: Optional[dict[str, str]] = None) -> dict[str, Any]:
+    def actor_options(self, devices: Sequence[Device], *, env: dict[str, str] | None = None) -> dict[str, Any]:
         """`.options(...)` for a Ray actor on `devices` (one GPU, or a vLLM engine's TP group): it
         runs in the first device's bundle with that device's share (1 / occupants), and sees
         exactly `devices` as its GPUs."""
@@ -127,7 +128,7 @@ class Reservation:
         self.groups = []
 
 
-def reserve(node_map: NodeMap, node_ips: Optional[Sequence[str]] = None, timeout_s: float = 60.0) -> Reservation:
+def reserve(node_map: NodeMap, node_ips: Sequence[str] | None = None, timeout_s: float = 60.0) -> Reservation:
     """Hold every GPU of `node_map` on the connected Ray cluster (all nodes or none)."""
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group

@@ -19,8 +19,11 @@ import os
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator, Optional
+from collections.abc import Iterator
 
+from hpcrlhf.cluster import netns
+from hpcrlhf.cluster.local import ray_auth_environ, start_local_cluster
+from hpcrlhf.config.schema import TrainJobConfig
 from hpcrlhf.errors import ConfigError
 from hpcrlhf.logs import get_logger
 from hpcrlhf.placement.layout import plural, shape_text
@@ -36,7 +39,7 @@ def host_gpus() -> int:
     return torch.cuda.device_count()
 
 
-def local_cluster_problem(nodes: int, gpus_per_node: int, *, gpus_here: int, simulated: bool) -> Optional[Problem]:
+def local_cluster_problem(nodes: int, gpus_per_node: int, *, gpus_here: int, simulated: bool) -> Problem | None:
     """Why a local Ray cluster for a map of `nodes` x `gpus_per_node` cannot run on this host of
     `gpus_here` GPUs (None: it can). Every node of a local cluster is this host and its workers see the
     map's GPU numbers, so only a one-node map uses distinct real GPUs; `simulated` GPUs (declared,
@@ -57,14 +60,13 @@ def local_cluster_problem(nodes: int, gpus_per_node: int, *, gpus_here: int, sim
     return Problem("placement", shape_text(nodes, gpus_per_node), reason, fix)
 
 
-def isolate_local_cluster(kind: str, cfg) -> None:
+def isolate_local_cluster(kind: str, cfg: TrainJobConfig) -> None:
     """First thing of a job that will start its own Ray cluster (a Ray PPO job without RAY_ADDRESS):
     move the process into a private network as placement.local_network asks (hpcrlhf.cluster.netns),
     while it is still single-threaded. Other jobs are left alone."""
     placement = getattr(cfg, "placement", None)
     if kind != "ppo" or placement is None or placement.runtime != "ray" or os.environ.get("RAY_ADDRESS"):
         return
-    from hpcrlhf.cluster import netns
 
     try:
         netns.isolate(placement.local_network)
@@ -76,7 +78,7 @@ def isolate_local_cluster(kind: str, cfg) -> None:
 
 
 @contextmanager
-def ray_session(nodes: int, gpus_per_node: int) -> Iterator[Optional[list[str]]]:
+def ray_session(nodes: int, gpus_per_node: int) -> Iterator[list[str] | None]:
     """Connect this process to Ray for the block. Yields the node addresses in node-map order: the
     local cluster's, or HPCRLHF_NODE_IPS (a Slurm job's allocation order); None: Ray's own order
     (head first)."""
@@ -92,8 +94,6 @@ def ray_session(nodes: int, gpus_per_node: int) -> Iterator[Optional[list[str]]]
         finally:
             ray.shutdown()
         return
-
-    from hpcrlhf.cluster.local import ray_auth_environ, start_local_cluster
 
     root = Path(tempfile.mkdtemp(prefix="ray", dir="/tmp"))  # short: Ray's socket paths are limited; 0700
     log.info(f"no RAY_ADDRESS: starting a local Ray cluster of {nodes} node(s) x {gpus_per_node} GPU(s), "

@@ -2,20 +2,23 @@
 role joined in their own torch.distributed group (gloo on CPU, NCCL on GPU).
 
 The controller calls a group as if it were local: `group.call("method", *args)` runs the method
-on every rank and returns their results in rank order.
+on every rank and returns their results in rank order; `group.scatter_rows("method", batch)` runs
+it on each rank's row shard of a batch, and `gather_rows` joins the shards' results into one batch.
 """
 
 from __future__ import annotations
 
 import functools
 import os
-import socket
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence
+from typing import Any
+from collections.abc import Callable, Sequence
 
 from hpcrlhf.cluster.reservation import Reservation
+from hpcrlhf.data.batching import shard_rows
 from hpcrlhf.placement import Device
+from hpcrlhf.run.signals import StopRequested, stop_requested_here
 
 
 COLLECTIVE_TIMEOUT_S = 1800.0
@@ -63,27 +66,36 @@ class RoleWorker:
         out, self.busy_s = self.busy_s, 0.0
         return out
 
-    def free_port(self) -> int:
-        with socket.socket() as s:
-            s.bind(("", 0))
-            return s.getsockname()[1]
+    def serve_rendezvous(self, timeout_s: float = COLLECTIVE_TIMEOUT_S):
+        """(Rank 0) Serve the store of this role's process group on this node's address, on a port of
+        the job's block, sealed (hpcrlhf.engines.rendezvous); its rendezvous, for the group's ranks."""
+        from hpcrlhf.engines import rendezvous  # torch: imported where a worker uses it, as torch is below
+
+        self._store, meeting = rendezvous.serve(self.node_ip(), timeout_s)
+        return meeting
 
     def node_ip(self) -> str:
         import ray
 
         return ray.util.get_node_ip_address()
 
-    def init_process_group(self, master_addr: str, master_port: int, timeout_s: float = COLLECTIVE_TIMEOUT_S) -> None:
-        """Join this role's process group (ranks of other roles are not in it)."""
+    def init_process_group(self, meeting, timeout_s: float = COLLECTIVE_TIMEOUT_S) -> None:
+        """Join this role's process group (ranks of other roles are not in it) at `meeting`, the
+        store rank 0 serves (`serve_rendezvous`)."""
         import datetime
 
         import torch
         import torch.distributed as dist
 
-        os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(self.rank),
+        from hpcrlhf.engines import rendezvous  # torch, as above
+
+        # kept for the group's life: torch holds only the C++ half of a store written in Python
+        self._store = rendezvous.member_store(meeting, self.rank, getattr(self, "_store", None), timeout_s)
+        # torchrun's variables, for libraries that look for them (DeepSpeed does); the store is given
+        os.environ.update(MASTER_ADDR=meeting.host, MASTER_PORT=str(meeting.port), RANK=str(self.rank),
                           WORLD_SIZE=str(self.world_size), LOCAL_RANK="0")
         backend = "nccl" if torch.cuda.is_available() else "gloo"
-        dist.init_process_group(backend, rank=self.rank, world_size=self.world_size,
+        dist.init_process_group(backend, store=self._store, rank=self.rank, world_size=self.world_size,
                                 timeout=datetime.timedelta(seconds=timeout_s))
 
     def check_group(self) -> int:
@@ -105,7 +117,7 @@ class WorkerGroup:
     """The Ray actors of one role (or of the vLLM engines: one actor per TP group)."""
 
     def __init__(self, role: str, worker_cls: type, reservation: Reservation, placements: Sequence[Sequence[Device]],
-                 *args: Any, env: Optional[dict[str, str]] = None, join: bool = True, **kwargs: Any) -> None:
+                 *args: Any, env: dict[str, str] | None = None, join: bool = True, **kwargs: Any) -> None:
         import ray
 
         self.role, self.placements, self.reservation = role, [tuple(p) for p in placements], reservation
@@ -116,17 +128,17 @@ class WorkerGroup:
         self.workers = [self._spawn(rank) for rank in range(world)]
         self.joined = join
         if join and world > 0:
-            addr, port = ray.get([self.workers[0].node_ip.remote(), self.workers[0].free_port.remote()])
-            ray.get([w.init_process_group.remote(addr, port) for w in self.workers])
+            meeting = ray.get(self.workers[0].serve_rendezvous.remote())
+            ray.get([w.init_process_group.remote(meeting) for w in self.workers])
 
     @classmethod
-    def for_role(cls, role: str, worker_cls: type, reservation: Reservation, *args: Any, **kwargs: Any) -> "WorkerGroup":
+    def for_role(cls, role: str, worker_cls: type, reservation: Reservation, *args: Any, **kwargs: Any) -> WorkerGroup:
         """The group of `role`'s ranks, each on its device in the node map."""
         return cls(role, worker_cls, reservation, [[d] for d in reservation.node_map.role_ranks(role)],
                    *args, **kwargs)
 
     @classmethod
-    def for_engines(cls, worker_cls: type, reservation: Reservation, *args: Any, **kwargs: Any) -> "WorkerGroup":
+    def for_engines(cls, worker_cls: type, reservation: Reservation, *args: Any, **kwargs: Any) -> WorkerGroup:
         """One actor per vLLM engine, on its TP group's devices (no process group between engines)."""
         return cls("vllm", worker_cls, reservation, reservation.node_map.engines, *args, join=False, **kwargs)
 
@@ -139,6 +151,12 @@ class WorkerGroup:
             raise ValueError(f"{len(shards)} shards for the {len(self.workers)} {self.role} workers")
         return [getattr(w, method).remote(shard, *args) for w, shard in zip(self.workers, shards)]
 
+    def scatter_rows(self, method: str, batch: Any, *args: Any, pad_to_equal: bool = False) -> Scattered:
+        """`method(shard, *args)` on each worker, shard i of `batch.split(len(self), pad_to_equal=...)`
+        (the rows as `shard_rows` splits them); `gather_rows` joins the results."""
+        shards = batch.split(len(self.workers), pad_to_equal=pad_to_equal)
+        return Scattered(self.scatter_async(method, shards, *args), [len(s) for s in shard_rows(len(batch), len(self))])
+
     def call_async(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
         return [getattr(w, method).remote(*args, **kwargs) for w in self.workers]
 
@@ -148,11 +166,11 @@ class WorkerGroup:
     def name(self, rank: int) -> str:
         return f"vLLM engine {rank}" if self.role == "vllm" else f"{self.role} rank {rank}"
 
-    def rank_of(self, actor_id: Optional[str]) -> Optional[int]:
+    def rank_of(self, actor_id: str | None) -> int | None:
         """The rank of this group's actor with hex id `actor_id`, else None."""
         return next((rank for rank, w in enumerate(self.workers) if w._actor_id.hex() == actor_id), None)
 
-    def owner(self, actor_id: str) -> Optional[str]:
+    def owner(self, actor_id: str) -> str | None:
         """'critic rank 1 (node 2 GPU 1)' for the hex id of one of this group's actors, else None."""
         rank = self.rank_of(actor_id)
         if rank is None:
@@ -179,6 +197,28 @@ class WorkerGroup:
         self.workers = []
 
 
+@dataclass(frozen=True)
+class Scattered:
+    """Work on a batch's row shards under way on a group's workers (`WorkerGroup.scatter_rows`)."""
+
+    refs: list[Any]
+    """One task per worker."""
+    rows: list[int]
+    """Each shard's own rows: a padded shard's repeated rows are dropped from its result."""
+
+
+def gather_rows(*scattered: Scattered, interruptible: bool = False) -> list[Any]:
+    """The joined result of each scattered work: its shards' results (batches with `head(n)` and
+    `concat(parts)`, such as the batch they were given) without their padding, concatenated in rank
+    order. Every task is awaited at once (`gather`: the first failure raises)."""
+    results = iter(gather([ref for work in scattered for ref in work.refs], interruptible=interruptible))
+    joined = []
+    for work in scattered:
+        parts = [next(results).head(rows) for rows in work.rows]
+        joined.append(type(parts[0]).concat(parts))
+    return joined
+
+
 STOP_POLL_S = 0.5
 """How often a `gather(..., interruptible=True)` looks for a stop request while it waits."""
 
@@ -193,8 +233,6 @@ def gather(refs: Sequence[Any], *, interruptible: bool = False) -> list[Any]:
     (the caller's `Run.stoppable` drops the step; the workers go with the job, or end at their
     rule's deadline)."""
     import ray
-
-    from hpcrlhf.signals import StopRequested, stop_requested_here
 
     pending = list(refs)
     while pending:
@@ -250,12 +288,12 @@ def unreachable(error: BaseException) -> bool:
     return isinstance(error, ActorUnavailableError)
 
 
-def worker_with_id(actor_id: Optional[str], groups: Sequence[WorkerGroup]) -> Any:
+def worker_with_id(actor_id: str | None, groups: Sequence[WorkerGroup]) -> Any:
     """The actor handle of `groups` whose hex id is `actor_id` (None when none is)."""
     return next((g.workers[rank] for g in groups if (rank := g.rank_of(actor_id)) is not None), None)
 
 
-def death_verdict(worker: Optional[Any], error: BaseException, wait_s: float) -> BaseException:
+def death_verdict(worker: Any | None, error: BaseException, wait_s: float) -> BaseException:
     """`error` (a `RayActorError` of `worker`) once Ray knows why the worker is gone: an
     `ActorUnavailableError` (contact lost, cause not yet known) is replaced by the `ActorDiedError`
     that follows within `wait_s` if one does. (A killed actor stays 'unavailable' while child
@@ -281,14 +319,3 @@ def lost_node_message(node: str, index: int, groups: Sequence[WorkerGroup]) -> s
     """'node 1 (n2, 10.0.0.2) died ...': which node Ray declared dead and the workers it took along."""
     took = [name for g in groups for name in g.on_node(index)]
     return f"{node} died (Ray's health checks declared it dead) and took {', '.join(took) or 'no worker'} with it"
-
-
-def even_bounds(n: int, parts: int) -> list[tuple[int, int]]:
-    """Contiguous [start, stop) ranges splitting n items into `parts` sizes that differ by at most one."""
-    size, extra = divmod(n, parts)
-    bounds, start = [], 0
-    for i in range(parts):
-        stop = start + size + (i < extra)
-        bounds.append((start, stop))
-        start = stop
-    return bounds

@@ -12,8 +12,11 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
+from hpcrlhf.config.loader import load_config
+from hpcrlhf.config.recipe_yaml import quoted
+from hpcrlhf.config.schema import JOB_CONFIGS
 from hpcrlhf.errors import ConfigError
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
@@ -22,7 +25,7 @@ BENCH_SETTINGS = ("model", "reward_model", "systems", "steps")
 """What a cluster benchmark job takes as --set KEY=VALUE (its `hpcrlhf bench` options)."""
 
 
-def resolve_recipe(spec: Optional[str]) -> Optional[str]:
+def resolve_recipe(spec: str | None) -> str | None:
     """A recipe is a YAML path, or the name of one shipped in hpcrlhf/recipes/ (without .yaml)."""
     if spec is None or Path(spec).exists():
         return spec
@@ -33,21 +36,16 @@ def resolve_recipe(spec: Optional[str]) -> Optional[str]:
     raise ConfigError(f"--config: '{spec}' is neither a file nor a shipped recipe; shipped recipes: {names}")
 
 
-def build_config(kind: str, recipe: Optional[str], overrides: Sequence[str], output_dir: Optional[str]):
+def build_config(kind: str, recipe: str | None, overrides: Sequence[str], output_dir: str | None):
     """The typed config of job `kind`: its defaults, then the recipe, then the overrides (and the run
     folder, as `output_dir=`, taken literally)."""
-    from hpcrlhf.config.loader import load_config
-    from hpcrlhf.config.schema import JOB_CONFIGS
-
     overrides = list(overrides) + literal_setting("output_dir", output_dir)
     return load_config(JOB_CONFIGS[kind], resolve_recipe(recipe), overrides)
 
 
-def literal_setting(key: str, path: Optional[str]) -> list[str]:
+def literal_setting(key: str, path: str | None) -> list[str]:
     """`--set KEY=PATH` for a path given as an option (`-o DIR`, `--model PATH`; none when not given): quoted,
     so the path is taken as written -- `-o 2024-01-01` or `-o '"x"'` names that folder, not a date or `x`."""
-    from hpcrlhf.config.recipe_yaml import quoted
-
     return [] if path is None else [f"{key}={quoted(path)}"]
 
 
@@ -69,8 +67,6 @@ def add_config_arguments(p: argparse.ArgumentParser) -> None:
 
 def add_train_arguments(p: argparse.ArgumentParser) -> None:
     """The arguments of `hpcrlhf train` (after the command name)."""
-    from hpcrlhf.config.schema import JOB_CONFIGS
-
     p.add_argument("kind", choices=sorted(JOB_CONFIGS), help="job kind")
     add_config_arguments(p)
     p.add_argument("--output-dir", "-o", type=path_text, metavar="DIR",
@@ -127,9 +123,9 @@ class TrainJob:
     """`hpcrlhf train KIND [--config RECIPE] [--set KEY=VALUE ...] [--output-dir DIR]`."""
 
     kind: str
-    recipe: Optional[str] = None
+    recipe: str | None = None
     overrides: tuple[str, ...] = ()
-    output_dir: Optional[str] = None
+    output_dir: str | None = None
 
     def argv(self) -> list[str]:
         args = ["train", self.kind] + (_option("--config", self.recipe) if self.recipe else [])
@@ -137,11 +133,11 @@ class TrainJob:
         return args + (_option("--output-dir", self.output_dir) if self.output_dir else [])
 
     @classmethod
-    def from_args(cls, a: argparse.Namespace) -> "TrainJob":
+    def from_args(cls, a: argparse.Namespace) -> TrainJob:
         return cls(a.kind, a.config, tuple(a.set), a.output_dir)
 
     @classmethod
-    def from_argv(cls, argv: Sequence[str]) -> "TrainJob":
+    def from_argv(cls, argv: Sequence[str]) -> TrainJob:
         return cls.from_args(_parse("train", add_train_arguments, argv))
 
     def config(self):
@@ -154,11 +150,11 @@ class BenchJob:
     [--steps N]` (the options a cluster benchmark job may set)."""
 
     suite: str
-    output: Optional[str] = None
-    model: Optional[str] = None
-    reward_model: Optional[str] = None
-    systems: Optional[str] = None
-    steps: Optional[int] = None
+    output: str | None = None
+    model: str | None = None
+    reward_model: str | None = None
+    systems: str | None = None
+    steps: int | None = None
 
     def argv(self) -> list[str]:
         args = ["bench", *_option("--suite", self.suite)] + (_option("--output", self.output) if self.output else [])
@@ -168,14 +164,14 @@ class BenchJob:
         return args
 
     @classmethod
-    def from_argv(cls, argv: Sequence[str]) -> "BenchJob":
+    def from_argv(cls, argv: Sequence[str]) -> BenchJob:
         a = _parse("bench", add_bench_arguments, argv)
         if not a.suite:
             raise ConfigError(f"a bench job names its suite (--suite NAME): hpcrlhf {' '.join(argv)}")
         return cls(a.suite, a.output, a.model, a.reward_model, a.systems, a.steps)
 
     @classmethod
-    def from_settings(cls, suite: str, overrides: Sequence[str], output: str) -> "BenchJob":
+    def from_settings(cls, suite: str, overrides: Sequence[str], output: str) -> BenchJob:
         """The job `hpcrlhf sbatch --kind bench SUITE --set model=PATH ...` asks for: the --set keys are
         the bench options model, reward_model, systems, steps."""
         given: dict = {}

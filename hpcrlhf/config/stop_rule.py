@@ -3,7 +3,7 @@
 A rule is one metric, `>=` or `<=`, and a finite number. The trainer checks it after each
 periodic evaluation and ends the run at the first one that meets it (checkpoint, exported model
 and summary as at a normal end), as Lightning's `EarlyStopping(stopping_threshold=...)` does.
-Pure parsing and comparison here; the loop is in hpcrlhf.trainers.base.
+Pure parsing and comparison here; the loop is in hpcrlhf.trainers.loop.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
-from typing import Mapping
+from collections.abc import Mapping
 
 from hpcrlhf.errors import ConfigError
 

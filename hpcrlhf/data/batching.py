@@ -7,11 +7,14 @@ block-diagonal causal mask (`masking_utils.find_packed_sequence_indices`), so a 
 attends across samples. Trailing padding forms its own segment and carries no loss.
 
 Labels are already shifted: `labels[t]` is the target for the logits at position t, or -100.
+
+`shard_rows` is how rows are split over workers or ranks, everywhere (evaluation over ranks, Ray
+role workers, vLLM engines): contiguous shards whose sizes differ by at most one.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -62,3 +65,36 @@ def collate(rows: Sequence[Sequence[TokenizedSample]], pad_id: int, packed: bool
     if not packed:
         batch["attention_mask"] = attention_mask
     return batch
+
+
+def shard_rows(n: int, parts: int, *, pad_to_equal: bool = False) -> list[list[int]]:
+    """The row indices of n rows split into `parts` contiguous shards whose sizes differ by at most
+    one (the first n % parts shards hold one more). `pad_to_equal`: every shard as long as the
+    longest, filled with its own last row (an empty shard with the batch's last): every rank of a
+    ZeRO-3 role must run the same number of forward passes; the repeats are dropped when the
+    results are joined (`cluster.worker_group.gather_rows`)."""
+    size, extra = divmod(n, parts)
+    shards, start = [], 0
+    for i in range(parts):
+        stop = start + size + (i < extra)
+        shards.append(list(range(start, stop)))
+        start = stop
+    if pad_to_equal and n:
+        longest = size + (extra > 0)
+        shards = [s + [s[-1] if s else n - 1] * (longest - len(s)) for s in shards]
+    return shards
+
+
+class RowList(list):
+    """Rows of any kind (the responses a reward worker scores) that split over workers and join
+    again like a tensor batch (`shard_rows`)."""
+
+    def split(self, parts: int, *, pad_to_equal: bool = False) -> list[RowList]:
+        return [RowList(self[i] for i in rows) for rows in shard_rows(len(self), parts, pad_to_equal=pad_to_equal)]
+
+    @classmethod
+    def concat(cls, parts: Sequence[RowList]) -> RowList:
+        return cls(row for part in parts for row in part)
+
+    def head(self, n: int) -> RowList:
+        return RowList(self[:n])

@@ -7,7 +7,8 @@ supplies data and score only when `data.train_path` is unset; `task_note` says s
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any
+from collections.abc import Callable, Sequence
 
 from hpcrlhf.config.schema import DataSourceConfig, TaskConfig
 from hpcrlhf.data.sources import Row, brief, read_rows, require_text, rows_from_records

@@ -13,7 +13,7 @@ those sequences can be precomputed like any other).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from collections.abc import Sequence
 
 from hpcrlhf.algos.preference import mismatched_pairs
 from hpcrlhf.config.schema import PairDataConfig, TaskConfig, UnpairedDataConfig

@@ -16,7 +16,8 @@ EOS, the warning says the model will not learn where a response ends.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence, TypeVar
+from typing import TypeVar
+from collections.abc import Sequence
 
 from hpcrlhf.data.sources import Row
 from hpcrlhf.errors import ConfigError, DataError
@@ -80,7 +81,7 @@ class Truncation:
         """Rows whose response lost its end (the EOS at least)."""
         return sum(n > self.max_length for n in self.sample_tokens)
 
-    def of_pairs(self, other: "Truncation", usable: Sequence[bool]) -> "Truncation":
+    def of_pairs(self, other: Truncation, usable: Sequence[bool]) -> Truncation:
         """The truncation of pairs whose chosen responses had this one and rejected ones `other`."""
         return Truncation(self.max_length, self.prompt_tokens, tuple(map(max, self.sample_tokens, other.sample_tokens)),
                           tuple(usable), "the difference between chosen and rejected")

@@ -12,9 +12,11 @@ import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Sequence, TextIO
+from typing import Any, TextIO
+from collections.abc import Iterable, Sequence
 
 from hpcrlhf.errors import DataError
+from hpcrlhf.hub import hub_problem, is_hub_id
 
 FILE_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv", ".arrow": "arrow"}
 
@@ -147,8 +149,6 @@ def require_distinct(rows: Sequence[Row], a: str, b: str) -> None:
 def _looks_local(spec: str) -> bool:
     """Hub names are `name` or `org/name` (`hpcrlhf.hub.is_hub_id`); anything else that does not exist
     is a missing path."""
-    from hpcrlhf.hub import is_hub_id
-
     return spec.startswith(("/", ".", "~")) or Path(spec).suffix in FILE_FORMATS or not is_hub_id(spec)
 
 
@@ -308,8 +308,6 @@ def _read_saved_dataset(path: Path, split: str) -> list[Row]:
 def _read_hub(name: str, split: str) -> list[Row]:
     """A hub dataset, once `hpcrlhf.hub` says the hub can provide it: datasets would otherwise retry an
     unreachable hub for about 30 s before an error that no longer says `name` was also no local path."""
-    from hpcrlhf.hub import hub_problem
-
     why = hub_problem(name, "dataset")
     if why:
         raise DataError(f"data '{name}' is neither a local file or folder (nothing at {Path(name).absolute()}) nor a "

@@ -18,12 +18,15 @@ import os
 import sys
 from functools import partial
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
+from collections.abc import Callable, Iterator
 
 import torch
 
+from hpcrlhf.cache import cache_dir, cache_root
 from hpcrlhf.config.schema import EngineConfig, OptimConfig
 from hpcrlhf.engines.schedule import lr_multiplier
+from hpcrlhf.run.files import open_in_place
 
 
 def build_deepspeed_config(
@@ -222,7 +225,7 @@ class TrainingEngine:
 
     def save_checkpoint(self, folder: Path, client_state: dict[str, Any]) -> None:
         """Model, optimizer and scheduler (sharded per rank) plus the trainer's client state."""
-        # hpcrlhf writes `latest` itself, after every rank has finished (see hpcrlhf.checkpoint).
+        # hpcrlhf writes `latest` itself, after every rank has finished (see hpcrlhf.run.checkpoint).
         self.engine.save_checkpoint(str(folder.parent), tag=folder.name, client_state=client_state, save_latest=False)
 
     def load_checkpoint(self, folder: Path) -> dict[str, Any]:
@@ -295,8 +298,6 @@ def _step_disabled(optimizer: torch.optim.Optimizer):
 def prepare_extensions(ds_config: dict[str, Any]) -> None:
     """DeepSpeed's JIT ops (CPU Adam) build once per machine into hpcrlhf's cache; load the ones
     `ds_config` needs now, safely (see `load_jit_op`)."""
-    from hpcrlhf.cache import cache_dir
-
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(cache_dir("torch_extensions")))
     if "offload_optimizer" in ds_config["zero_optimization"]:
         from deepspeed.ops.op_builder import CPUAdamBuilder
@@ -314,9 +315,6 @@ def load_jit_op(builder, extensions_dir: Path):
     lock file left in hpcrlhf's own cache belongs to a dead process and remove it. Later loads in
     this process reuse the op (DeepSpeed caches loaded ops by name)."""
     import fcntl
-
-    from hpcrlhf.cache import cache_root
-    from hpcrlhf.safefiles import open_in_place
 
     extensions_dir.mkdir(parents=True, exist_ok=True)
     with os.fdopen(open_in_place(extensions_dir / ".hpcrlhf-build.flock", os.O_RDWR | os.O_CREAT), "r+b") as guard:

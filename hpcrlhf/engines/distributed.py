@@ -11,11 +11,12 @@ import os
 import socket
 from dataclasses import dataclass
 from datetime import timedelta
-
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from hpcrlhf.engines.rendezvous import launched_store, local_store
 
 
 @dataclass(frozen=True)
@@ -49,18 +50,42 @@ def init_distributed(timeout_minutes: float = 30.0) -> DistEnv:
     env = read_dist_env()
     if dist.is_initialized():
         return env
-    if env.world_size == 1:
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(free_port()))
-        os.environ.setdefault("RANK", "0")
-        os.environ.setdefault("LOCAL_RANK", "0")
-        os.environ.setdefault("WORLD_SIZE", "1")
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if torch.cuda.is_available():
         torch.cuda.set_device(env.local_rank)
     # A finite timeout turns a dead peer into an error instead of a hang until the job's time limit.
-    dist.init_process_group(backend, timeout=timedelta(minutes=timeout_minutes))
+    timeout = timedelta(minutes=timeout_minutes)
+    if env.world_size == 1:
+        _init_world_of_one(backend, timeout)
+    elif os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":  # torchrun's agent serves the store
+        dist.init_process_group(backend, timeout=timeout)
+    else:
+        _init_launched(backend, env, timeout)
     return env
+
+
+_STORE: list = []
+"""The default group's store, kept: torch holds only the C++ half of a store written in Python."""
+
+
+def _init_launched(backend: str, env: DistEnv, timeout: timedelta) -> None:
+    """The default group of ranks started by hpcrlhf's launchers (MPI, `hpcrlhf submit`): its store on
+    MASTER_ADDR only, sealed where the launcher made a secret (hpcrlhf.engines.rendezvous)."""
+    _STORE[:] = [launched_store(env.rank, timeout.total_seconds())]
+    dist.init_process_group(backend, store=_STORE[0], rank=env.rank, world_size=env.world_size, timeout=timeout)
+
+
+def _init_world_of_one(backend: str, timeout: timedelta) -> None:
+    """A process group of this process alone, with nothing listening beyond loopback: its store in
+    memory (`local_store`: torch's env:// store would listen on every interface, on a port the
+    system picks), and gloo's devices -- this group's and those libraries make later (DeepSpeed
+    clones the world group) -- on loopback (GLOO_SOCKET_IFNAME=lo unless set: by default gloo
+    listens on the host name's address, open to other hosts). Every member of any group this
+    process forms is on this host. torchrun's variables are set for libraries that look for them."""
+    for key, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "0", "RANK": "0", "LOCAL_RANK": "0",
+                       "WORLD_SIZE": "1", "GLOO_SOCKET_IFNAME": "lo"}.items():
+        os.environ.setdefault(key, value)
+    dist.init_process_group(backend, store=local_store(), rank=0, world_size=1, timeout=timeout)
 
 
 def leave_process_group() -> None:

@@ -4,20 +4,20 @@ Prompts are left-padded so that every row's continuation starts at the same colu
 every rank must run the same number of forward passes (`synced_gpus`), so callers give every rank
 the same number of batches.
 
-A stop request (a time-limit signal, Ctrl-C: `hpcrlhf.signals`) ends a generation at the next decode
+A stop request (a time-limit signal, Ctrl-C: `hpcrlhf.run.signals`) ends a generation at the next decode
 step (`StopOnRequest`), so a long one does not outlast the time before the kill. Under `synced_gpus`
 a rank that stops goes on with the forward passes its peers need (transformers' synced loop) until
-they are done too; the caller throws the cut result away (`hpcrlhf.trainers.run.Run.stoppable`).
+they are done too; the caller throws the cut result away (`hpcrlhf.run.folder.Run.stoppable`).
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
-from hpcrlhf.signals import stop_requested_here
+from hpcrlhf.run.signals import stop_requested_here
 
 
 class StopOnRequest(StoppingCriteria):

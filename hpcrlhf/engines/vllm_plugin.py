@@ -1,5 +1,5 @@
 """hpcrlhf's vLLM plugin (entry point group `vllm.general_plugins`, see setup.cfg), which vLLM
-loads in each of its processes: the engine's own, its engine core and every worker. It does two
+loads in each of its processes: the engine's own, its engine core and every worker. It does three
 things.
 
 **The engine's processes die with their parent.** vLLM's engine core is a process of its own; its
@@ -9,6 +9,18 @@ actor, `ray stop --force`, a job step's kill): each orphaned TP-2 engine kept ~4
 host (its weights, KV cache, three Python processes) until the next job ran out of memory.
 In the engine core and each worker, the plugin asks Linux for SIGKILL when the parent dies
 (`prctl(PR_SET_PDEATHSIG)`), or exits at once when it died already.
+
+**The engine's processes leave the job's stop signals to their owner.** Ctrl-C at a terminal and
+`kill -TERM -PGID` (a launcher, Slurm's preemption of a step) signal the whole process group, and
+Slurm's time-limit signals (SIGUSR1/SIGUSR2 without `B:`) every process of the step: the trainer
+then finishes its step, checkpoints and exits 3 -- but vLLM's engine core shuts down on SIGTERM
+and SIGINT, and SIGUSR1/2 end any process that does not handle them, so the trainer's next
+request failed with EngineDeadError (exit 1, no checkpoint). The engine core and its workers
+therefore start a session of their own (`setsid`: no signal to the trainer's process group or
+terminal reaches them) and ignore SIGUSR1/SIGUSR2; their owner closes them (`VLLMRollout.close`,
+signalling them one by one), and they die with it (above). A SIGTERM sent to each process of a
+step one by one (Slurm's preemption under proctrack/cgroup) still reaches them, as it reaches
+Ray's processes.
 
 **Short idle spins on CPU hosts.**
 
@@ -36,20 +48,46 @@ CHILD_PROCESSES = ("EngineCore", "VllmWorker")
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
+IGNORED = (signal.SIGUSR1, signal.SIGUSR2)
+"""Slurm's time-limit signals, for the trainer only (vLLM handles neither: they would end the process)."""
+
+
 def register() -> None:
     """Called by vLLM in each process (possibly more than once)."""
-    die_with_parent()
+    if started_by_vllm():
+        die_with_parent()
+        leave_the_callers_signals()
     shorten_idle_spins()
+
+
+def started_by_vllm() -> bool:
+    """Whether this is a process vLLM started (its engine core, a worker), not the trainer or an engine actor."""
+    import multiprocessing
+
+    return (multiprocessing.parent_process() is not None
+            and multiprocessing.current_process().name.startswith(CHILD_PROCESSES))
+
+
+def leave_the_callers_signals() -> None:
+    """A session of this process's own (the workers the engine core starts next inherit it), and
+    SIGUSR1/SIGUSR2 ignored (inherited too)."""
+    try:
+        os.setsid()
+    except OSError:  # a session or group leader already (called before)
+        pass
+    import threading
+
+    if threading.current_thread() is threading.main_thread():  # Python sets handlers there only
+        for sig in IGNORED:
+            signal.signal(sig, signal.SIG_IGN)
 
 
 def die_with_parent() -> bool:
     """In a process vLLM started: SIGKILL when the parent dies (Linux), and exit now if it is gone
-    already. Elsewhere (the trainer, an engine actor) nothing. Returns whether it was set."""
+    already. Returns whether it was set."""
     import multiprocessing
 
     parent = multiprocessing.parent_process()
-    if parent is None or not multiprocessing.current_process().name.startswith(CHILD_PROCESSES):
-        return False
     if not sys.platform.startswith("linux"):
         return False
     import ctypes

@@ -7,8 +7,9 @@ TP-1 engine beside actor rank 0, e.g. one GPU): each bucket stays on the GPU, th
 a handle to it over a gloo group and copy it device to device; else gloo (CPU hosts, and members
 of which only some share a GPU, which NCCL refuses: the weights then go through host memory); the
 same code. It is separate from the actor's own group (ZeRO's) and from each engine's
-(vLLM's TP group): a `TCPStore` served by actor rank 0 and a process group built on it
-directly, so nobody's default group is touched.
+(vLLM's TP group): a store served by actor rank 0 (hpcrlhf.engines.rendezvous: on the node's
+address and a port of the job's block, sealed with the group's secret) and a process group built
+on it directly, so nobody's default group is touched.
 
 A sync streams. Every actor rank walks the state dict chunk by chunk (under ZeRO-3 gathering one
 chunk's parameters at a time: the whole state dict never exists twice); rank 0 copies each
@@ -49,6 +50,8 @@ from dataclasses import dataclass
 
 import torch
 
+from hpcrlhf.engines import rendezvous
+from hpcrlhf.engines.rendezvous import Rendezvous
 from hpcrlhf.logs import get_logger
 
 log = get_logger()
@@ -63,11 +66,10 @@ header sends the rest in a second broadcast."""
 
 @dataclass(frozen=True)
 class SyncGroup:
-    """Where a weight-sync group meets: actor rank 0's store, the group's size and name (each
-    re-formed group, e.g. after an engine restart, gets a new one)."""
+    """Where a weight-sync group meets: actor rank 0's store (`serve_store`), the group's size and
+    name (each re-formed group, e.g. after an engine restart, gets a new one)."""
 
-    host: str
-    port: int
+    at: Rendezvous
     world_size: int
     name: str
     timeout_s: float = 1800.0
@@ -77,6 +79,10 @@ class SyncGroup:
     transport: str | None = None
     """None: chosen by the members' devices (`choose_backend`); "shm": buckets shared through /dev/shm
     files between processes of one host, the CPU twin of CUDA IPC (tests)."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.at, dict):  # from `dataclasses.asdict`, as vLLM's collective_rpc carries it
+            object.__setattr__(self, "at", Rendezvous(**self.at))
 
 
 @dataclass
@@ -130,7 +136,7 @@ class Group:
         self.pg.allreduce([torch.zeros(1, device=self.control)]).wait()
 
     @property
-    def shared(self) -> "_Shared | None":
+    def shared(self) -> _Shared | None:
         """The transport that shares buckets instead of broadcasting them, if the group has one."""
         return SHARED.get(self.backend)
 
@@ -213,23 +219,20 @@ def choose_backend(devices: list[str]) -> str:
     return "nccl"
 
 
-def serve_store(host: str, timeout_s: float = 1800.0):
-    """The group's store on rank 0, on a port the system picks: (store, port)."""
-    from torch.distributed import TCPStore
-
-    store = TCPStore(host, 0, None, True, datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
-    return store, store.port
+def serve_store(host: str, timeout_s: float = 1800.0, *, local: bool = False):
+    """The group's store on rank 0, listening on `host` (127.0.0.1 when `local`: the members are this
+    process's own vLLM workers): (store, its rendezvous for `SyncGroup.at`)."""
+    return rendezvous.serve(host, timeout_s, local=local)
 
 
 def join(spec: SyncGroup, rank: int, store=None) -> Group:
     """Join the group as `rank` (rank 0 passes the store it serves; the others connect to it).
     Every member first posts its device, so all of them pick the same backend (`choose_backend`).
     Returns when every member has joined."""
-    from torch.distributed import PrefixStore, ProcessGroupGloo, TCPStore
+    from torch.distributed import PrefixStore, ProcessGroupGloo
 
     timeout = datetime.timedelta(seconds=spec.timeout_s)
-    if store is None:
-        store = TCPStore(spec.host, spec.port, None, False, timeout)
+    store = rendezvous.member_store(spec.at, rank, store, spec.timeout_s)
     keys = PrefixStore(spec.name, store)
     keys.set(f"device/{rank}", device_key())
     kind = spec.transport or choose_backend([keys.get(f"device/{r}").decode() for r in range(spec.world_size)])

@@ -18,9 +18,12 @@ import re
 import socket
 import sys
 from dataclasses import dataclass
-from typing import Mapping, Optional, Sequence
+from collections.abc import Mapping, Sequence
 
-from hpcrlhf.errors import ConfigError, PlacementError
+from hpcrlhf.bench.runner import bench_fits
+from hpcrlhf.config.jobspec import BenchJob, job_from_argv
+from hpcrlhf.errors import ConfigError, HpcrlhfError, PlacementError
+from hpcrlhf.placement import build_node_map
 
 
 @dataclass(frozen=True)
@@ -41,8 +44,8 @@ class Allocation:
         return f"{self.nodes} node(s) x {self.gpus_per_node} GPU(s)"
 
     @classmethod
-    def from_env(cls, env: Optional[Mapping[str, str]] = None,
-                 hostnames: Optional[Sequence[str]] = None) -> "Allocation":
+    def from_env(cls, env: Mapping[str, str] | None = None,
+                 hostnames: Sequence[str] | None = None) -> Allocation:
         """The allocation of the Slurm job this process runs in (raises ConfigError outside one)."""
         env = os.environ if env is None else env
         if "SLURM_JOB_ID" not in env:
@@ -108,17 +111,11 @@ def check_fits(args: Sequence[str], nodes: int, gpus_per_node: int, *, launcher:
     """Raise unless the job `hpcrlhf <args>` fits `nodes` x `gpus_per_node` under `launcher`.
 
     `where` names what is checked against ("the allocation of job 42", "--nodes/--gpus-per-node")."""
-    from hpcrlhf.config.jobspec import BenchJob, job_from_argv
-
     job = job_from_argv(args)
     if isinstance(job, BenchJob):
-        from hpcrlhf.bench.runner import bench_fits
-
         return bench_fits(job, nodes, gpus_per_node, where)
     kind, cfg = job.kind, job.config()
     if launcher == "ray":
-        from hpcrlhf.placement import build_node_map
-
         node_map = build_node_map(cfg)  # the map the driver will use: a bad recipe fails here
         if node_map.nodes > nodes or node_map.gpus_per_node > gpus_per_node:
             raise PlacementError(
@@ -132,10 +129,8 @@ def check_fits(args: Sequence[str], nodes: int, gpus_per_node: int, *, launcher:
                           "(or --set placement.runtime=local for single-process-group PPO)")
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     """Exit 0 when `hpcrlhf <args>` fits this job's allocation under the launcher, else 2 with why."""
-    from hpcrlhf.errors import HpcrlhfError
-
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] not in ("ray", "mpi"):
         print("usage: python -m hpcrlhf.hpc.allocation {ray|mpi} HPCRLHF_ARGS", file=sys.stderr)

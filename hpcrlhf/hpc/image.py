@@ -17,8 +17,8 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Optional
 
+from hpcrlhf import __version__
 from hpcrlhf.errors import ConfigError
 
 SIF_MAGIC = b"SIF_MAGIC"
@@ -31,7 +31,7 @@ def unusable(path: str, why: str) -> ConfigError:
     return ConfigError(f"--container: {path!r} cannot be used: {why}")
 
 
-def image_problem(path: str) -> Optional[str]:
+def image_problem(path: str) -> str | None:
     """Why `path` cannot be a job's image (None: it is a readable SIF file)."""
     p = Path(path)
     if not p.is_absolute():
@@ -62,8 +62,6 @@ def probe_hpcrlhf(path: str, python: str = "python", apptainer: str = "apptainer
 
 def check_image(path: str, python: str = "python") -> list[str]:
     """Raise ConfigError unless `path` is a usable image; returns notes for the user."""
-    from hpcrlhf import __version__
-
     problem = image_problem(path)
     if problem:
         raise unusable(path, problem)
@@ -91,7 +89,7 @@ def selftest() -> int:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        from hpcrlhf.models.tiny import build_tiny_model_dir
+        from hpcrlhf.models.tiny import build_tiny_model_dir  # torch, transformers (as above)
 
         folder = build_tiny_model_dir("llama")
         tokenizer = AutoTokenizer.from_pretrained(str(folder))
@@ -107,7 +105,7 @@ def selftest() -> int:
     return 0
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv != ["selftest"]:
         print("usage: python -m hpcrlhf.hpc.image selftest", file=sys.stderr)

@@ -9,14 +9,17 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, fields, is_dataclass
 from pathlib import Path
-from typing import Optional, Sequence
 
+from hpcrlhf.bench.suites import get_suite
 from hpcrlhf.config.jobspec import BenchJob, TrainJob, resolve_recipe
 from hpcrlhf.errors import ConfigError
 from hpcrlhf.hpc.allocation import check_fits
+from hpcrlhf.hpc.image import check_image
 from hpcrlhf.hpc.sbatch import SlurmOptions
+from hpcrlhf.models.context import require_generation_fits
 
 
 @dataclass(frozen=True)
@@ -49,12 +52,12 @@ def config_paths(cfg: object) -> list[str]:
     return list(dict.fromkeys(found))
 
 
-def check_rules(cfg: object, python: str, container: Optional[str]) -> list[str]:
+def check_rules(cfg: object, python: str, container: str | None) -> list[str]:
     """Import every `package.module:function` rule and metric of `cfg` (`hpcrlhf.rewards.rules.rule_names`)
     as the job will, before it is written or queued: a ConfigError names the field, the rule and
     why. Only when the job runs this Python outside a container (the default); otherwise returns a
     note that the job imports them when it starts."""
-    from hpcrlhf.rewards.rules import check_rules as import_rules, rule_names  # imports torch: only for a job config
+    from hpcrlhf.rewards.rules import check_rules as import_rules, rule_names  # only for rules to check
 
     rules = rule_names(cfg)
     if not rules:
@@ -92,7 +95,7 @@ def container_binds(paths: Sequence[str], run_dir: str) -> tuple[list[str], list
     return keep, notes
 
 
-def cluster_job(kind: str, recipe: Optional[str], overrides: Sequence[str], output_dir: Optional[str],
+def cluster_job(kind: str, recipe: str | None, overrides: Sequence[str], output_dir: str | None,
                 **slurm: object) -> ClusterJob:
     """The job `hpcrlhf train KIND --config RECIPE --set ...` on Slurm, with options `slurm` (None:
     the default; nodes/GPUs default to the recipe's placement for Ray, 1 x 1 for MPI)."""
@@ -104,8 +107,6 @@ def cluster_job(kind: str, recipe: Optional[str], overrides: Sequence[str], outp
     if given.get("cache_dir"):  # like the run folder: relative to here, written absolute
         given["cache_dir"] = os.path.abspath(str(given["cache_dir"]))
     if kind == "bench":  # a benchmark suite: its systems run one after the other on one Ray cluster
-        from hpcrlhf.bench.suites import get_suite
-
         if given.get("launcher", "ray") != "ray":
             raise ConfigError("--launcher: a bench job runs on Ray (its all-ranks baseline starts its own srun step)")
         suite = get_suite(recipe or "")
@@ -133,8 +134,6 @@ def cluster_job(kind: str, recipe: Optional[str], overrides: Sequence[str], outp
     given.setdefault("python", "python" if given.get("container") else sys.executable)
     given["binds"] = tuple(given.get("binds") or ())
     if given.get("container"):
-        from hpcrlhf.hpc.image import check_image
-
         notes += check_image(str(given["container"]), str(given["python"]))
         binds, missing = container_binds(config_paths(cfg) if cfg is not None else [], run_dir)
         given["binds"] = tuple(binds) + given["binds"]
@@ -143,9 +142,7 @@ def cluster_job(kind: str, recipe: Optional[str], overrides: Sequence[str], outp
     check_fits(argv, options.nodes, options.gpus_per_node, launcher=options.launcher,
                where="the requested --nodes/--gpus-per-node")
     if cfg is not None:
-        from hpcrlhf.models.context import require_generation_fits  # a model folder here is checked now
-
-        require_generation_fits(cfg, kind)
+        require_generation_fits(cfg, kind)  # a model folder here is checked now
         # last: the user's code runs once everything else is known to be valid
         notes += check_rules(cfg, options.python, options.container)
     return ClusterJob(argv, options, tuple(notes))

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import runpy
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 CLI = "hpcrlhf"
 """The `hpcrlhf` command as a module (hpcrlhf/__main__.py)."""

@@ -21,11 +21,14 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 from hpcrlhf.cluster.bootstrap import PORTS_PER_NODE, RayPorts, private_temp_dir, ray_start_args, wait_for_nodes
+from hpcrlhf.cluster.local import free_port_block, ray_executable, stop_process_groups
 from hpcrlhf.errors import HpcrlhfError
 from hpcrlhf.hpc.allocation import Allocation, check_fits, node_addresses
+from hpcrlhf.hpc.program import CLI, run_module
+from hpcrlhf.run.signals import catch_early_stop_signals
 
 PORT_BASE = 20000
 PORT_SLOTS = 60
@@ -64,8 +67,6 @@ def wait_for_head(address: str, timeout_s: float = JOIN_TIMEOUT_S) -> None:
 
 
 def node_ports(alloc: Allocation, node_index: int, node_ip: str) -> RayPorts:
-    from hpcrlhf.cluster.local import free_port_block
-
     ports = job_ports(alloc.job_id, node_index)
     first = ports.gcs
     if node_index == 0:
@@ -81,8 +82,6 @@ def node_ports(alloc: Allocation, node_index: int, node_ip: str) -> RayPorts:
 def start_node(alloc: Allocation, node_index: int) -> subprocess.Popen:
     """`ray start --block` for this host as node `node_index` of the allocation, in its own session,
     with SIGUSR1/SIGUSR2 ignored by every Ray process (inherited through exec)."""
-    from hpcrlhf.cluster.local import ray_executable
-
     node_ip = node_addresses([socket.gethostname()])[0]
     ports = node_ports(alloc, node_index, node_ip)
     head = None if node_index == 0 else head_address(alloc)
@@ -105,12 +104,10 @@ def start_node(alloc: Allocation, node_index: int) -> subprocess.Popen:
 
 
 def stop_node(proc: subprocess.Popen) -> None:
-    from hpcrlhf.cluster.local import stop_process_groups
-
     stop_process_groups([proc.pid], timeout_s=10)
 
 
-def run_node(alloc: Optional[Allocation] = None, *, poll_s: float = 2.0) -> int:
+def run_node(alloc: Allocation | None = None, *, poll_s: float = 2.0) -> int:
     """Run this host's Ray node until SIGTERM/SIGINT, or (a worker) until the head has gone."""
     alloc = alloc or Allocation.from_env()
     index = int(os.environ.get("SLURM_NODEID", alloc.hosts.index(socket.gethostname())))
@@ -134,7 +131,7 @@ def run_node(alloc: Optional[Allocation] = None, *, poll_s: float = 2.0) -> int:
     return 0 if stopping or index > 0 or proc.returncode in (0, None) else proc.returncode
 
 
-def prepare_driver(argv: Sequence[str], alloc: Optional[Allocation] = None) -> dict[str, str]:
+def prepare_driver(argv: Sequence[str], alloc: Allocation | None = None) -> dict[str, str]:
     """Check the job against the allocation, wait until every node has joined the Ray cluster, and
     return the environment the `hpcrlhf` command needs to use it (RAY_ADDRESS, node order)."""
     import ray
@@ -153,15 +150,12 @@ def prepare_driver(argv: Sequence[str], alloc: Optional[Allocation] = None) -> d
 
 
 def run_driver(argv: Sequence[str]) -> int:
-    from hpcrlhf.hpc.program import CLI, run_module
-    from hpcrlhf.signals import catch_early_stop_signals
-
     catch_early_stop_signals()
     os.environ.update(prepare_driver(argv))
     return run_module(CLI, argv)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     usage = "usage: python -m hpcrlhf.hpc.ray_slurm {node | driver HPCRLHF_ARGS}"
     if not argv or argv[0] not in ("node", "driver"):

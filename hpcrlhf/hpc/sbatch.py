@@ -25,8 +25,10 @@ from __future__ import annotations
 import re
 import shlex
 from dataclasses import dataclass, fields
-from typing import Literal, Optional, Sequence
+from typing import Literal
+from collections.abc import Sequence
 
+from hpcrlhf import __version__
 from hpcrlhf.errors import ConfigError
 from hpcrlhf.placement.layout import MAX_GPUS_PER_NODE, MAX_NODES
 
@@ -52,7 +54,7 @@ def _has_het_word(text: str) -> bool:
     return any(word in text.lower() for word in HET_WORDS)
 
 
-def path_problem(path: str, *, in_sbatch_line: bool = False, bound: bool = False) -> Optional[str]:
+def path_problem(path: str, *, in_sbatch_line: bool = False, bound: bool = False) -> str | None:
     """Why `path` cannot be written into the job (None: it can). Every path is shell-quoted (`shlex.quote`)
     wherever the script uses it; what quoting cannot carry is refused: control characters (a newline
     ends a script line) and, for a path in an `#SBATCH` line (the run folder, in `--output`), what sbatch's
@@ -84,17 +86,17 @@ class SlurmOptions:
     """The job's run folder (Slurm log, metrics, checkpoints): an absolute path on shared storage."""
     launcher: Literal["ray", "mpi"] = "ray"
     time: str = "24:00:00"
-    partition: Optional[str] = None
-    account: Optional[str] = None
-    qos: Optional[str] = None
+    partition: str | None = None
+    account: str | None = None
+    qos: str | None = None
     job_name: str = "hpcrlhf"
-    cpus_per_gpu: Optional[int] = None
-    container: Optional[str] = None
+    cpus_per_gpu: int | None = None
+    container: str | None = None
     """An Apptainer image (.sif) every step runs in."""
     binds: tuple[str, ...] = ()
     """Folders bound into the container besides the run folder and caches (`SRC` or `SRC:DST`):
     the recipe's local model/data folders (added by `cluster_job`) and `--bind` ones."""
-    cache_dir: Optional[str] = None
+    cache_dir: str | None = None
     """Shared folder for HF_HOME and HPCRLHF_CACHE (default: $HOME/.cache)."""
     python: str = "python"
     """The Python (with hpcrlhf installed) on the compute nodes, or inside the container."""
@@ -257,8 +259,6 @@ def ray_token_env(o: SlurmOptions) -> list[str]:
 
 def render_sbatch(args: Sequence[str], o: SlurmOptions) -> str:
     """The sbatch script running `hpcrlhf <args>` with options `o`."""
-    from hpcrlhf import __version__
-
     py = exec_prefix(o)
     job = " ".join(_q(a) for a in args)
     shown = job.replace("\r", "\\r").replace("\n", "\\n")  # a newline would end the comment: a command, or the header

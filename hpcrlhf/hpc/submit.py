@@ -25,10 +25,16 @@ import sys
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any
+from collections.abc import Sequence
 
 from hpcrlhf.errors import HpcrlhfError
-from hpcrlhf.hpc.sbatch import SlurmOptions
+from hpcrlhf.hpc.allocation import Allocation, check_fits, node_addresses
+from hpcrlhf.hpc.ray_slurm import run_node, start_node, stop_node
+from hpcrlhf.hpc.sbatch import SlurmOptions, container_setup, exec_prefix, offline_env, ray_token_env
+from hpcrlhf.run.files import make_folders, require_safe
+from hpcrlhf.run.signals import EXIT_LOST, EXIT_REQUEUE
+
 
 def rendezvous_port(job_id: int) -> int:
     """torch.distributed's port for a non-Ray job (from the job id, below Ray's port blocks)."""
@@ -44,7 +50,7 @@ class ClusterTask:
     requeues: int = 0
 
     def __post_init__(self) -> None:
-        self._child: Optional[subprocess.Popen] = None
+        self._child: subprocess.Popen | None = None
 
     def __getstate__(self) -> dict:
         return {k: v for k, v in self.__dict__.items() if k != "_child"}
@@ -56,29 +62,21 @@ class ClusterTask:
     def __call__(self) -> Any:
         import submitit
 
-        from hpcrlhf.hpc.allocation import Allocation, check_fits
-
         env = submitit.JobEnvironment()
         alloc = Allocation.from_env(hostnames=env.hostnames)
         print(f"hpcrlhf: task {env.global_rank}/{env.num_tasks} on {env.hostname} (attempt {self.requeues + 1})",
               flush=True)
         if self.launcher == "ray" and env.global_rank != 0:
-            from hpcrlhf.hpc.ray_slurm import run_node
-
             return run_node(alloc)
         check_fits(self.argv, alloc.nodes, alloc.gpus_per_node, launcher=self.launcher,
                    where=f"the allocation of job {alloc.job_id}")
         if self.launcher == "ray":
-            from hpcrlhf.hpc.ray_slurm import start_node, stop_node
-
             head = start_node(alloc, 0)
             try:
                 status = self._run([self.python, "-m", "hpcrlhf.hpc.ray_slurm", "driver", *self.argv], {})
             finally:
                 stop_node(head)
         else:
-            from hpcrlhf.hpc.allocation import node_addresses
-
             ranks = {"RANK": env.global_rank, "WORLD_SIZE": env.num_tasks, "LOCAL_RANK": env.local_rank,
                      "LOCAL_WORLD_SIZE": env.num_tasks // env.num_nodes, "GROUP_RANK": env.node,
                      "MASTER_ADDR": node_addresses(alloc.hosts[:1])[0], "MASTER_PORT": rendezvous_port(alloc.job_id)}
@@ -92,8 +90,6 @@ class ClusterTask:
         return self._child.returncode
 
     def _result(self, status: int, rank: int) -> Any:
-        from hpcrlhf.signals import EXIT_LOST, EXIT_REQUEUE
-
         run_dir = Path(self.argv[self.argv.index("--output-dir") + 1])
         if status == EXIT_REQUEUE:
             return {"status": "stopped", "run_dir": str(run_dir)}
@@ -155,8 +151,6 @@ class ClusterTask:
 def executor(o: SlurmOptions):
     import submitit
 
-    from hpcrlhf.hpc.sbatch import container_setup, exec_prefix, offline_env, ray_token_env
-
     # submitit's script: the same environment (offline, caches, the image and its checks, Ray's token)
     # as `hpcrlhf sbatch` writes, then `srun <python> -m submitit.core._submit`, inside the image if any.
     ex = submitit.AutoExecutor(folder=Path(o.run_dir) / "submitit", cluster="slurm",
@@ -175,15 +169,13 @@ def executor(o: SlurmOptions):
 
 def submit(argv: Sequence[str], o: SlurmOptions):
     """Queue `hpcrlhf <argv>` with options `o`; returns submitit's job handle."""
-    from hpcrlhf.safefiles import make_folders, require_safe
-
     make_folders(Path(o.run_dir), "--output-dir")
     require_safe(Path(o.run_dir) / "submitit", "folder")  # submitit writes the job's pickle into it by path
     task = ClusterTask(list(argv), o.launcher, o.max_requeues, python=o.python)
     return executor(o).submit(task)
 
 
-def latest_metrics(run_dir: Path, keys: int = 6) -> Optional[str]:
+def latest_metrics(run_dir: Path, keys: int = 6) -> str | None:
     """The run's latest metrics line, shortened to its step and first `keys` values."""
     path = run_dir / "metrics.jsonl"
     if not path.exists():

@@ -24,8 +24,9 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Optional
+from collections.abc import Iterable
 
+from hpcrlhf.config.schema import JobConfig
 from hpcrlhf.errors import ConfigError, DataError
 from hpcrlhf.logs import get_logger
 
@@ -36,11 +37,11 @@ POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length"
 language model keeps them in `text_config`)."""
 
 
-def model_config(path: str) -> Optional[dict]:
+def model_config(path: str) -> dict | None:
     """The config.json of model `path` (a folder, a bundled `builtin:` name, or a hub name in the
     local hub cache), None when there is none to read here (the loaders report why, later)."""
     if path.startswith("builtin:"):
-        from hpcrlhf.models.tiny import resolve_model_path
+        from hpcrlhf.models.tiny import resolve_model_path  # torch, transformers: for builtin: names only
 
         path = resolve_model_path(path)
     file = Path(path).expanduser() / "config.json"
@@ -61,7 +62,7 @@ def model_config(path: str) -> Optional[dict]:
     return config if isinstance(config, dict) else None
 
 
-def positions_in(config: dict) -> tuple[Optional[int], str]:
+def positions_in(config: dict) -> tuple[int | None, str]:
     """(positions, the config entry that says so) of a model's config.json; (None, '') when it names none."""
     text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
     for key in POSITION_KEYS:
@@ -71,7 +72,7 @@ def positions_in(config: dict) -> tuple[Optional[int], str]:
     return None, ""
 
 
-def model_positions(path: str) -> Optional[int]:
+def model_positions(path: str) -> int | None:
     """The longest sequence model `path`'s config.json allows (None when it does not say)."""
     config = model_config(path)
     return positions_in(config)[0] if config is not None else None
@@ -84,13 +85,13 @@ class ContextWindow:
     key: str
     """The config field or option that names the model (`model.path`, `--model`)."""
     path: str
-    positions: Optional[int]
+    positions: int | None
     """None: the model's config names no limit, or could not be read here."""
     source: str = ""
     """The config.json entry that gives `positions`."""
 
     @classmethod
-    def of(cls, path: str, key: str = "model.path", *, say_unlimited: bool = False) -> "ContextWindow":
+    def of(cls, path: str, key: str = "model.path", *, say_unlimited: bool = False) -> ContextWindow:
         """The window of model `path`; `say_unlimited`: log that a config without a limit is not checked."""
         config = model_config(path)
         positions, source = positions_in(config) if config is not None else (None, "")
@@ -125,7 +126,7 @@ class ContextWindow:
             self.require_prompt_fits(tokens, field, new_tokens, where)
 
 
-def generation_lengths(cfg) -> list[tuple[str, int]]:
+def generation_lengths(cfg: JobConfig) -> list[tuple[str, int]]:
     """(config field, tokens) of every response length a job or generate config asks the model for."""
     lengths = []
     rollout = getattr(cfg, "rollout", None)
@@ -137,7 +138,7 @@ def generation_lengths(cfg) -> list[tuple[str, int]]:
     return lengths
 
 
-def require_generation_fits(cfg, kind: str = "") -> ContextWindow:
+def require_generation_fits(cfg: JobConfig, kind: str = "") -> ContextWindow:
     """Before a job or `generate` loads anything: every response length its config asks for fits
     the window of `model.path` (a reward model job, `kind` rm, generates nothing); returns the window."""
     window = ContextWindow.of(cfg.model.path, say_unlimited=kind != "rm")

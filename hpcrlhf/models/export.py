@@ -11,22 +11,23 @@ disk, which is what vLLM loads (weight sync).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
+from collections.abc import Callable, Iterator
 
 import torch
 
 from hpcrlhf.config.schema import LoRAConfig
-from hpcrlhf.diskspace import out_of_space_is_an_error
+from hpcrlhf.run.diskspace import out_of_space_is_an_error
 from hpcrlhf.models.lora import merge_adapters
 from hpcrlhf.models.value import ValueModel
-from hpcrlhf.safefiles import replace_file, staged_folder
+from hpcrlhf.run.files import replace_file, staged_folder
 
 
 def export_pretrained(module: torch.nn.Module, state: dict[str, torch.Tensor], folder: Path, tokenizer, *,
                       lora: LoRAConfig, build_base: Callable[[], torch.nn.Module],
                       config_updates: dict[str, Any] | None = None, files: dict[str, str] | None = None) -> None:
     """Write the model into `folder` (and `files`, name -> text, beside it). It is written into a
-    fresh private staging folder and renamed into place only when complete (hpcrlhf.safefiles), so
+    fresh private staging folder and renamed into place only when complete (hpcrlhf.run.files), so
     a failed export (a full disk) leaves no half folder and an earlier export as it was."""
     value_head = isinstance(module, ValueModel)
     prefix = "hf_model." if value_head else ""

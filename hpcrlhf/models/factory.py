@@ -10,12 +10,21 @@ and exports a trained one in Hugging Face format (`export`). A trainer owns the 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
+from hpcrlhf.engines.deepspeed_engine import (FrozenModel, TrainingEngine, build_deepspeed_config,
+                                              build_frozen_deepspeed_config, maybe_zero3_init_context,
+                                              prepare_extensions, save_hf_model, zero3_init_paused)
 from hpcrlhf.engines.distributed import device_for, init_distributed
+from hpcrlhf.config.schema import TrainJobConfig
 from hpcrlhf.errors import ConfigError
+from hpcrlhf.models.export import export_pretrained
+from hpcrlhf.models.loading import load_causal_lm, load_tokenizer
+from hpcrlhf.models.lora import apply_lora, quantization_config
+from hpcrlhf.models.moe import has_router
+from hpcrlhf.models.value import ValueModel, load_value_model
 
 
 def trainable_parameters(engine) -> int:
@@ -24,9 +33,7 @@ def trainable_parameters(engine) -> int:
 
 
 class ModelFactory:
-    def __init__(self, cfg) -> None:
-        from hpcrlhf.models.loading import load_tokenizer
-
+    def __init__(self, cfg: TrainJobConfig) -> None:
         self.cfg = cfg
         self.env = init_distributed()
         torch.manual_seed(cfg.seed)
@@ -41,10 +48,6 @@ class ModelFactory:
     def load_model(self, path: str, *, value_head: bool, key: str = "model.path") -> torch.nn.Module:
         """A transformers model from `path` (named by config field `key`): a causal LM, or with
         `value_head` a one-label sequence-classification model (no LoRA, not yet in an engine)."""
-        from hpcrlhf.models.loading import load_causal_lm
-        from hpcrlhf.models.lora import quantization_config
-        from hpcrlhf.models.value import load_value_model
-
         cfg = self.cfg
         kw = dict(attn_implementation=cfg.model.attn_implementation, dtype=cfg.engine.precision,
                   trust_remote_code=cfg.model.trust_remote_code, quantization_config=quantization_config(cfg.lora),
@@ -57,11 +60,6 @@ class ModelFactory:
                             total_steps: int, key: str = "model.path"):
         """A model from `path` (causal LM or value model, LoRA when configured) in a DeepSpeed
         training engine with its own optimizer and schedule."""
-        from hpcrlhf.engines.deepspeed_engine import (TrainingEngine, build_deepspeed_config,
-                                                      maybe_zero3_init_context, prepare_extensions)
-        from hpcrlhf.models.lora import apply_lora
-        from hpcrlhf.models.value import ValueModel
-
         cfg = self.cfg
         ds_config = build_deepspeed_config(cfg.engine, optim, micro_batch_size=micro_batch_rows,
                                            grad_accum_steps=grad_accum_steps, world_size=self.env.world_size)
@@ -69,8 +67,6 @@ class ModelFactory:
         self._zero3_ctx = maybe_zero3_init_context(ds_config)
         model = self.load_model(path, value_head=value_head, key=key)
         if cfg.model.router_aux_loss_coef and not value_head:
-            from hpcrlhf.models.moe import has_router
-
             if not has_router(model.config):
                 raise ConfigError(f"model.router_aux_loss_coef: {cfg.model.router_aux_loss_coef}, but {key} {path} "
                                   f"({model.config.model_type}) is no mixture-of-experts model: it has no router to "
@@ -87,10 +83,6 @@ class ModelFactory:
                            key: str = "model.path"):
         """A model used for forward passes only (reference, reward model): replicated at ZeRO 0-2,
         sharded like the trained model at ZeRO-3 (optionally with its weights kept on the CPU)."""
-        from hpcrlhf.engines.deepspeed_engine import (FrozenModel, build_frozen_deepspeed_config,
-                                                      maybe_zero3_init_context)
-        from hpcrlhf.models.value import ValueModel
-
         ds_config = build_frozen_deepspeed_config(self.cfg.engine, offload=offload, micro_batch_size=micro_batch_rows,
                                                   world_size=self.env.world_size)
         ctx = maybe_zero3_init_context(ds_config) if ds_config else None  # shard while loading
@@ -103,14 +95,11 @@ class ModelFactory:
             set_hf_deepspeed_config(self._zero3_ctx)
         return frozen
 
-    def export(self, engine, *, value_head: bool, config_updates: Optional[dict[str, Any]] = None,
-               files: Optional[dict[str, str]] = None) -> None:
+    def export(self, engine, *, value_head: bool, config_updates: dict[str, Any] | None = None,
+               files: dict[str, str] | None = None) -> None:
         """Write `engine`'s model in Hugging Face format into `model/` of the run folder (LoRA
         adapters merged, the adapter alone in `model/adapter/`; every rank calls: ZeRO-3 gathers).
         `config_updates`: extra entries for its config.json; `files`: more files (name -> text)."""
-        from hpcrlhf.engines.deepspeed_engine import save_hf_model, zero3_init_paused
-        from hpcrlhf.models.export import export_pretrained
-
         def build_base():
             with zero3_init_paused():
                 return self.load_model(self.cfg.model.path, value_head=value_head)

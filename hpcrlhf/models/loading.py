@@ -20,6 +20,7 @@ import torch
 
 from hpcrlhf.errors import ModelError
 from hpcrlhf.formats import file_problem
+from hpcrlhf.hub import hub_problem, is_hub_id
 from hpcrlhf.models.tiny import resolve_model_path
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -60,8 +61,6 @@ def check_model_source(path: str, key: str = "model.path") -> None:
     """Fail at once, naming `key`, unless `path` is a model folder with a readable config.json or
     a hub model this process can get now (`hpcrlhf.hub`): a name that is neither never reaches
     transformers, which would retry the hub for about a minute."""
-    from hpcrlhf.hub import hub_problem, is_hub_id
-
     folder = Path(path).expanduser()
     if folder.is_dir():
         _read_config(folder, path, key)

@@ -67,7 +67,7 @@ def load_value_model(path: str, *, pad_token_id: int, attn_implementation: str =
     config field that names it, for errors)."""
     from transformers import AutoModelForSequenceClassification
 
-    from hpcrlhf.models.loading import from_pretrained
+    from hpcrlhf.models.loading import from_pretrained  # transformers, as above: rewards imports this module
 
     return from_pretrained(AutoModelForSequenceClassification, path, attn_implementation=attn_implementation,
                            dtype=dtype, trust_remote_code=trust_remote_code, quantization_config=quantization_config,

@@ -15,7 +15,7 @@ never listed. Placing on 100,000 nodes costs what placing on the nodes used cost
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from hpcrlhf.config.schema import PLACEMENT_ROLES
 from hpcrlhf.placement.problems import Problem

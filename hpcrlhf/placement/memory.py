@@ -63,7 +63,7 @@ class MemoryParts:
     def total(self) -> int:
         return sum(getattr(self, name) for name in PARTS)
 
-    def __add__(self, other: "MemoryParts") -> "MemoryParts":
+    def __add__(self, other: MemoryParts) -> MemoryParts:
         return MemoryParts(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)})
 
     def as_dict(self) -> dict[str, int]:

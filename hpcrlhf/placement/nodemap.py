@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 from hpcrlhf.algos.estimators import ESTIMATORS
 from hpcrlhf.config.schema import PPOConfig
@@ -34,8 +34,8 @@ class Occupant:
     """actor, critic, ref, reward or vllm."""
     rank: int
     """Rank within the role; for vllm the engine's index."""
-    tp_rank: Optional[int] = None
-    tp_size: Optional[int] = None
+    tp_rank: int | None = None
+    tp_size: int | None = None
 
     @property
     def label(self) -> str:
@@ -64,7 +64,7 @@ class NodeMap:
     """Bytes of one GPU."""
     roles: dict[str, RolePlan]
     """The DeepSpeed roles that have GPUs, with their effective settings and memory per rank."""
-    vllm: Optional[EnginePlan]
+    vllm: EnginePlan | None
     """The vLLM engines (None without engines)."""
     ranks: dict[str, tuple[Device, ...]]
     """Role -> the device of each rank, in rank order (node-major)."""
@@ -90,7 +90,7 @@ class NodeMap:
             raise ValueError(f"unknown role {role!r}; roles are {', '.join(MODEL_ROLES)} (vLLM: NodeMap.engines)")
         return list(self.ranks.get(role, ()))
 
-    def occupant_memory(self, occupant: Occupant) -> Optional[MemoryParts]:
+    def occupant_memory(self, occupant: Occupant) -> MemoryParts | None:
         """What one occupant holds on its GPU (None when a model's shape is unknown)."""
         if occupant.role == "vllm":
             return self.vllm.memory.parts if self.vllm and self.vllm.memory else None
@@ -174,7 +174,7 @@ def _occupants(layout: Layout, gpus_per_node: int, tp: int) -> dict[Device, tupl
     return {d: tuple(occ) for d, occ in seats.items()}
 
 
-def build_node_map(cfg: PPOConfig, nodes: Optional[int] = None, gpus_per_node: Optional[int] = None) -> NodeMap:
+def build_node_map(cfg: PPOConfig, nodes: int | None = None, gpus_per_node: int | None = None) -> NodeMap:
     """Place `cfg`'s roles on its `placement` allocation, or on `nodes` x `gpus_per_node` when
     given (`hpcrlhf plan --nodes/--gpus-per-node`). Raises PlacementError listing every problem."""
     p = cfg.placement

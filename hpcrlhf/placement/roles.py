@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
 
 from hpcrlhf.algos.estimators import CRITIC_FREE_NAMES
 from hpcrlhf.config.schema import PPOConfig, RoleConfig
@@ -37,7 +36,7 @@ class RolePlan:
     zero_stage: int
     offload_optimizer: bool
     offload_params: bool
-    memory: Optional[MemoryParts]
+    memory: MemoryParts | None
     """Bytes on each of its GPUs (None when a model's shape is unknown; the plan is then rejected)."""
     sleep: bool = False
     """Its states leave the GPU while vLLM generates (placement.<role>.sleep)."""
@@ -56,7 +55,7 @@ class EnginePlan:
     engines: int
     tensor_parallel_size: int
     gpu_memory_utilization: float
-    memory: Optional[EngineMemory]
+    memory: EngineMemory | None
     sleep: bool = False
     """The engines release their memory while the roles train (placement.vllm.sleep)."""
 
@@ -91,7 +90,7 @@ class _Shapes:
     def __init__(self, problems: list[Problem]):
         self.problems, self.known = problems, {}
 
-    def get(self, key: str, path: str) -> Optional[ModelShape]:
+    def get(self, key: str, path: str) -> ModelShape | None:
         if path not in self.known:
             try:
                 self.known[path] = shape_of(path, key)
@@ -137,7 +136,7 @@ def _role_memory(cfg: PPOConfig, name: str, shapes: list[ModelShape], ranks: int
 
 
 def resolve_roles(cfg: PPOConfig, gpu_memory: int, problems: list[Problem]) -> tuple[dict[str, RolePlan],
-                                                                                        Optional[EnginePlan]]:
+                                                                                        EnginePlan | None]:
     """The roles that get GPUs and the vLLM engines (None without engines), with their memory."""
     shapes, models, p = _Shapes(problems), role_models(cfg), cfg.placement
     roles = {}
@@ -227,7 +226,7 @@ def check_batches(cfg: PPOConfig, roles: dict[str, RolePlan], problems: list[Pro
                                 f"use a multiple of {actor.ranks}, e.g. {_round_up(prompts, actor.ranks)}"))
 
 
-def _engine_problems(cfg: PPOConfig, shape: Optional[ModelShape], engine: EnginePlan) -> list[Problem]:
+def _engine_problems(cfg: PPOConfig, shape: ModelShape | None, engine: EnginePlan) -> list[Problem]:
     """vLLM sizes the model rejects, a rollout that does not split over the engines, and a KV
     cache too small for one sequence."""
     problems, tp, n = [], engine.tensor_parallel_size, engine.engines

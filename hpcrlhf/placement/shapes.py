@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hpcrlhf.errors import ConfigError
+from hpcrlhf.errors import ConfigError, ModelError
 
 BUILTIN_PREFIX = "builtin:"  # hpcrlhf.models.tiny's names; not imported, it pulls in torch
 
@@ -152,8 +152,7 @@ def shape_of(path: str, key: str = "model.path") -> ModelShape:
     path that cannot be sized is reported where the user wrote it.
     """
     if path.startswith(BUILTIN_PREFIX):
-        from hpcrlhf.errors import ModelError
-        from hpcrlhf.models.tiny import resolve_model_path
+        from hpcrlhf.models.tiny import resolve_model_path  # torch, transformers: `hpcrlhf plan` needs neither
 
         try:
             path = resolve_model_path(path)

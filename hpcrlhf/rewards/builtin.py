@@ -14,7 +14,7 @@ processes (`rules.workers`).
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import regex
 

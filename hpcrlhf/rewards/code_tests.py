@@ -25,7 +25,8 @@ import secrets
 import shutil
 import sys
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any
+from collections.abc import Mapping, Sequence
 
 from hpcrlhf.config.schema import CodeRuleConfig, RulesConfig
 from hpcrlhf.data.sources import brief
@@ -66,12 +67,12 @@ main()
 class Test:
     """One test: Python run after the program (`code`), or stdin and the expected stdout."""
 
-    code: Optional[str] = None
+    code: str | None = None
     stdin: str = ""
     expected: str = ""
 
 
-def program_in(text: str, block: Optional[str]) -> Optional[str]:
+def program_in(text: str, block: str | None) -> str | None:
     """The program of a response: the last complete fenced block whose language (the info string's
     first word, any case) is `block` ("" any language), or the whole text (`block` None)."""
     if block is None:

@@ -18,7 +18,7 @@ import os
 import re
 import sys
 from pathlib import Path
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 from hpcrlhf.config.schema import MathRuleConfig, RulesConfig
 from hpcrlhf.data.sources import brief
@@ -34,7 +34,7 @@ NUMBER = re.compile(r"(?<!\d)-?(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?(?:/\d+
 """A number written in digits: `-12`, `3.5`, `1,234` (thousands separated by commas), `3/4`."""
 
 
-def last_boxed(text: str) -> Optional[str]:
+def last_boxed(text: str) -> str | None:
     """The content of the last `\\boxed{...}` of `text`, braces balanced (`\\{` and `\\}` are text);
     None when there is none, or the last one is not a complete box."""
     start = text.rfind(BOX + "{")
@@ -56,13 +56,13 @@ def last_boxed(text: str) -> Optional[str]:
     return None
 
 
-def last_number(text: str) -> Optional[str]:
+def last_number(text: str) -> str | None:
     """The last number written in digits in `text` (thousands separators removed), or None."""
     found = NUMBER.findall(text)
     return found[-1].replace(",", "") if found else None
 
 
-def final_answer(text: str, extract: str) -> Optional[str]:
+def final_answer(text: str, extract: str) -> str | None:
     """The response's final answer as `rules.math.extract` says (`boxed`, `last_number`), or None."""
     return last_boxed(text) if extract == "boxed" else last_number(text)
 

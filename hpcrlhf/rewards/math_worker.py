@@ -19,6 +19,8 @@ import logging
 import resource
 import sys
 
+from hpcrlhf.rewards.workers import serve
+
 
 def limit_memory(megabytes: int) -> None:
     _, hard = resource.getrlimit(resource.RLIMIT_AS)
@@ -27,9 +29,7 @@ def limit_memory(megabytes: int) -> None:
 
 
 def main(argv: list[str]) -> None:
-    from math_verify import LatexExtractionConfig, parse, verify
-
-    from hpcrlhf.rewards.workers import serve
+    from math_verify import LatexExtractionConfig, parse, verify  # sympy: in the worker only
 
     logging.disable(logging.WARNING)  # "Timeout is disabled ...": this process is the timeout
     boxed = [LatexExtractionConfig(boxed_match_priority=0)]

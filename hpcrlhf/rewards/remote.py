@@ -30,7 +30,8 @@ import threading
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
+from collections.abc import Sequence
 from urllib.parse import urlsplit
 
 from hpcrlhf.config.schema import RemoteRewardConfig, RewardSourceConfig

@@ -6,7 +6,8 @@ function rules (`hpcrlhf.rewards.rules`) both build on these, so they live apart
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping, Protocol, Sequence
+from typing import Any, Protocol
+from collections.abc import Mapping, Sequence
 
 from hpcrlhf.data.sources import brief
 from hpcrlhf.errors import RuleError

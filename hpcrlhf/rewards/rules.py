@@ -22,7 +22,7 @@ it. A metric must be finite (a mean over a NaN would hide which answer caused it
 `rule_names(cfg)` lists every `module:function` a config names, `check_rules` imports them all.
 
 Each call gets its own copy of the row (what a rule changes in it, no other rule, metric or later
-evaluation sees) and runs as the user's code (`hpcrlhf.usercode`): past its deadline
+evaluation sees) and runs as the user's code (`hpcrlhf.run.usercode`): past its deadline
 (`reward.rule_timeout_s`, `eval.metric_timeout_s`), or on `sys.exit()` and other exceptions that
 would end the job, it fails with a RuleError naming the rule; a stop request interrupts it.
 """
@@ -36,17 +36,21 @@ import math
 import numbers
 import traceback
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
-from hpcrlhf.config.schema import (BUILTIN_RULES, DEFAULT_USER_CODE_TIMEOUT_S, KNOWN_RULES, TASK_RULES, RulesConfig,
-                                   metric_name)
+from hpcrlhf.config.schema import (BUILTIN_RULES, DEFAULT_USER_CODE_TIMEOUT_S, KNOWN_RULES, TASK_RULES, JobConfig,
+                                   RulesConfig, metric_name)
 from hpcrlhf.data.sources import brief
 from hpcrlhf.errors import ConfigError, RuleError
+from hpcrlhf.rewards.builtin import build_builtin
 from hpcrlhf.rewards.response import Response, Scorer
-from hpcrlhf.signals import Interrupted, StopRequested
-from hpcrlhf.usercode import UserCodeTimeout, user_code
+from hpcrlhf.run.signals import Interrupted, StopRequested
+from hpcrlhf.run.usercode import UserCodeTimeout, user_code
 
 RuleFn = Callable[[str, str, Mapping[str, Any]], Any]
+DEFAULT_RULES = RulesConfig()
+"""The built-in rules' default settings (where a caller gives none)."""
 CONTRACT = "a rule returns a real number: an int, a float or a bool (True counts 1.0, False 0.0)"
 
 
@@ -146,7 +150,7 @@ def _raised_at(e: BaseException) -> str:
 
 def resolve_rule(name: str, task, field: str = "reward.sources", *, finite: bool = False,
                  timeout_s: float = DEFAULT_USER_CODE_TIMEOUT_S, timeout_key: str = "reward.rule_timeout_s",
-                 rules: RulesConfig = RulesConfig()) -> Scorer:
+                 rules: RulesConfig = DEFAULT_RULES) -> Scorer:
     """The rule `name` (a built-in rule set by `rules`, `task`, `task_partial` or
     `package.module:function`), imported and checked before anything runs; `field` is the config
     field that names it, for the errors; each call of a function may take `timeout_s` (the setting
@@ -154,8 +158,6 @@ def resolve_rule(name: str, task, field: str = "reward.sources", *, finite: bool
     label = f"{field} {name!r}"
     limits = dict(timeout_s=timeout_s, timeout_key=timeout_key)
     if name in BUILTIN_RULES:
-        from hpcrlhf.rewards.builtin import build_builtin
-
         return build_builtin(name, rules, label)
     if name in TASK_RULES:
         if task is None:
@@ -190,7 +192,7 @@ def _takes_three_arguments(fn: Callable) -> bool:
     return True
 
 
-def rule_names(cfg) -> list[tuple[str, str]]:
+def rule_names(cfg: JobConfig) -> list[tuple[str, str]]:
     """(config field, rule) of every `package.module:function` a job or generate config names: its
     reward rules (`reward.sources[i].rule`) and its evaluation metrics (`eval.metrics[i]`, or
     `metrics[i]` for generate). These import the user's code, so a node that runs the job must be
@@ -205,7 +207,7 @@ def rule_names(cfg) -> list[tuple[str, str]]:
     return out
 
 
-def check_rules(cfg) -> None:
+def check_rules(cfg: JobConfig) -> None:
     """Import and check every `package.module:function` of `cfg` (`rule_names`): a ConfigError names
     the first field whose rule cannot be imported or is no function of (prompt, response, row)."""
     for field, rule in rule_names(cfg):
@@ -216,11 +218,11 @@ class EvalMetrics:
     """What evaluation reports about each generated answer: the task score (with a task) and the
     metrics of `eval.metrics` (built-in rules set by `rules`, reported under their name;
     `package.module:function`s, under the function's name). `stats` gives `eval/<name>` sums for
-    `Trainer.eval_means`, `values` each answer's."""
+    `TrainingLoop.eval_means`, `values` each answer's."""
 
     def __init__(self, metrics: Sequence[str], task, field: str = "eval.metrics",
                  timeout_s: float = DEFAULT_USER_CODE_TIMEOUT_S, timeout_key: str = "eval.metric_timeout_s",
-                 rules: RulesConfig = RulesConfig()):
+                 rules: RulesConfig = DEFAULT_RULES):
         self.rules: dict[str, Scorer] = {}
         limits = dict(timeout_s=timeout_s, timeout_key=timeout_key)
         if task is not None:

@@ -59,7 +59,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping, Optional
+from collections.abc import Mapping
 
 LAUNCHER = Path(__file__).with_name("sandbox_launch.py")
 REFUSED, CANNOT_RUN = 125, 127  # sandbox_launch's exit statuses
@@ -95,7 +95,7 @@ class Limits:
 class Outcome:
     """How a run ended."""
 
-    exit_status: Optional[int]
+    exit_status: int | None
     """The program's exit status (128 + N: killed by signal N, e.g. 137 at its CPU limit, 153 past its
     file size); None: killed at the wall-clock timeout."""
     stdout: bytes

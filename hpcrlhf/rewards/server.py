@@ -29,14 +29,23 @@ import secrets
 import signal
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Any
+from collections.abc import Callable, Sequence
 
 from aiohttp import web
 
-from hpcrlhf.config.schema import ServeRewardConfig
+from hpcrlhf.config.schema import DataSourceConfig, ServeRewardConfig
+from hpcrlhf.data.tasks import build_task
+from hpcrlhf.engines.deepspeed_engine import FrozenModel
+from hpcrlhf.engines.distributed import device_for
 from hpcrlhf.errors import ConfigError, HpcrlhfError
 from hpcrlhf.logs import get_logger
+from hpcrlhf.models.loading import load_tokenizer
+from hpcrlhf.models.value import ValueModel, load_value_model
 from hpcrlhf.rewards.response import Response
+from hpcrlhf.rewards.rules import check_rules
+from hpcrlhf.rewards.sources import RewardSet, source_name
+from hpcrlhf.run.files import ensure_folder, replace_file, write_secret
 
 log = get_logger()
 
@@ -117,7 +126,7 @@ class Batcher:
             return e
 
 
-def build_app(score: Score, token: Optional[str], sources: list[str], max_batch: int = 256, wait_s: float = 0.005,
+def build_app(score: Score, token: str | None, sources: list[str], max_batch: int = 256, wait_s: float = 0.005,
               max_request_bytes: int = 64 << 20) -> web.Application:
     """The server's routes over `score` (see the module docstring); `token` None: none asked."""
     batcher = Batcher(score, max_batch, wait_s)
@@ -160,10 +169,8 @@ def _authorized(header: str, token: str) -> bool:
     return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), token.encode())
 
 
-def server_token(cfg: ServeRewardConfig, out: Path) -> tuple[Optional[str], Optional[Path]]:
+def server_token(cfg: ServeRewardConfig, out: Path) -> tuple[str | None, Path | None]:
     """(token, its file): the token_file's, a new one written to `out/token`, or (None, None) with no_token."""
-    from hpcrlhf.safefiles import write_secret
-
     if cfg.no_token:
         return None, None
     if cfg.token_file is not None:
@@ -186,16 +193,6 @@ def server_token(cfg: ServeRewardConfig, out: Path) -> tuple[Optional[str], Opti
 
 def run_server(cfg: ServeRewardConfig) -> int:
     """Load the sources, serve until SIGTERM or Ctrl-C; 0 then."""
-    from hpcrlhf.config.schema import DataSourceConfig
-    from hpcrlhf.data.tasks import build_task
-    from hpcrlhf.engines.deepspeed_engine import FrozenModel
-    from hpcrlhf.engines.distributed import device_for
-    from hpcrlhf.models.loading import load_tokenizer
-    from hpcrlhf.models.value import ValueModel, load_value_model
-    from hpcrlhf.rewards.rules import check_rules
-    from hpcrlhf.rewards.sources import RewardSet, source_name
-    from hpcrlhf.safefiles import ensure_folder
-
     check_rules(cfg)
     out = ensure_folder(Path(cfg.output_dir))
     token, token_path = server_token(cfg, out)
@@ -217,11 +214,9 @@ def run_server(cfg: ServeRewardConfig) -> int:
     return asyncio.run(_serve(app, cfg, out, token_path, sources))
 
 
-async def _serve(app: web.Application, cfg: ServeRewardConfig, out: Path, token_path: Optional[Path],
+async def _serve(app: web.Application, cfg: ServeRewardConfig, out: Path, token_path: Path | None,
                  sources: list[str]) -> int:
     """Listen, write server.json, wait for SIGTERM or Ctrl-C, then remove it and stop."""
-    from hpcrlhf.safefiles import replace_file
-
     runner = web.AppRunner(app, access_log=None, handle_signals=False)
     await runner.setup()
     site = web.TCPSite(runner, cfg.host, cfg.port)

@@ -16,7 +16,7 @@ Each source becomes one scorer, a callable from the responses to a tensor of the
 (`RuleScorer`, `RewardModelScorer`), so another kind of source sits beside these two.
 
 `adjust_scores` then applies the configured penalties (length, missing EOS). Reward models are
-frozen models (see `Trainer.build_frozen_model`): sharded under ZeRO-3, so every rank must call
+frozen models (see `ModelFactory.build_frozen_model`): sharded under ZeRO-3, so every rank must call
 `score` with the same number of sequences.
 """
 
@@ -24,14 +24,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
 from hpcrlhf.config.schema import RewardConfig, RewardSourceConfig, RulesConfig
+from hpcrlhf.models.value import last_token_values, reward_stats
 from hpcrlhf.rewards.remote import RemoteSource, server_name
 from hpcrlhf.rewards.response import Response, Scorer
-from hpcrlhf.rewards.rules import resolve_rule
+from hpcrlhf.rewards.rules import DEFAULT_RULES, resolve_rule
 
 SourceScorer = Callable[[Sequence[Response]], torch.Tensor]
 """One source: the responses' values, float32 on the CPU."""
@@ -50,8 +52,6 @@ class RewardModelScorer:
     """A frozen reward model scoring prompt + response sequences at their last token."""
 
     def __init__(self, model, tokenizer, policy_tokenizer, source: RewardSourceConfig, batch_size: int, device):
-        from hpcrlhf.models.value import reward_stats
-
         self.model, self.tokenizer = model, tokenizer
         # None: no policy (a reward server): the text is all there is
         self.same_vocab = policy_tokenizer is not None and tokenizer.get_vocab() == policy_tokenizer.get_vocab()
@@ -66,8 +66,7 @@ class RewardModelScorer:
 
     @torch.no_grad()
     def __call__(self, responses: Sequence[Response]) -> torch.Tensor:
-        from hpcrlhf.engines.hf_generate import right_pad
-        from hpcrlhf.models.value import last_token_values
+        from hpcrlhf.engines.hf_generate import right_pad  # transformers (+3 s): only with a reward model
 
         out = []
         for start in range(0, len(responses), self.batch_size):
@@ -88,7 +87,7 @@ class RewardSet:
     reward model folder named by config field `field`; `rules` sets the built-in rules."""
 
     def __init__(self, cfg: RewardConfig, load_model: Callable[[str, str], Any], tokenizer, task, device,
-                 trust_remote_code: bool = False, rules: RulesConfig = RulesConfig()):
+                 trust_remote_code: bool = False, rules: RulesConfig = DEFAULT_RULES):
         self.cfg = cfg
         self.weights = [s.weight for s in cfg.sources]
         self.names = [source_name(i, s) for i, s in enumerate(cfg.sources)]
@@ -103,7 +102,7 @@ class RewardSet:
 
     def _model_scorer(self, i: int, source: RewardSourceConfig, load_model, tokenizer, device,
                       trust_remote_code: bool) -> SourceScorer:
-        from hpcrlhf.models.loading import load_tokenizer
+        from hpcrlhf.models.loading import load_tokenizer  # transformers (+3 s): only with a reward model
 
         rm_tokenizer = load_tokenizer(source.model, trust_remote_code=trust_remote_code, key=f"reward.sources[{i}].model")
         return RewardModelScorer(load_model(source.model, f"reward.sources[{i}].model"), rm_tokenizer, tokenizer, source,

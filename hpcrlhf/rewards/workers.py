@@ -1,13 +1,13 @@
 """Checking answers in parallel, each check in a process a deadline can kill.
 
 A check of a model's answer can run forever inside C code that no signal interrupts: sympy raising
-9 to the 9^9-th power holds the interpreter for hours, and SIGALRM -- what `hpcrlhf.usercode` and
+9 to the 9^9-th power holds the interpreter for hours, and SIGALRM -- what `hpcrlhf.run.usercode` and
 math-verify's own timeouts use -- waits for it. So the built-in rules check in other processes and
 the job only waits, with a deadline per check:
 
 - `run_parallel(fn, items, workers, abort)`: `fn(item)` for every item, `workers` at a time in
   threads of this process that each wait on one process or server (a sandboxed test run, a
-  worker's answer, a reward server's); a stop request (`hpcrlhf.signals.interruptible`) or an error
+  worker's answer, a reward server's); a stop request (`hpcrlhf.run.signals.interruptible`) or an error
   calls `abort` (which kills the processes), drops the items not begun, and is raised at once.
 - `WorkerPool`: long-lived worker processes (a checker that imports sympy once, not per answer)
   answering one JSON request at a time over pipes; a worker past the deadline is killed and a new
@@ -27,9 +27,10 @@ import subprocess
 import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Iterable, Optional, Sequence, TypeVar
+from typing import Any, TypeVar
+from collections.abc import Callable, Iterable, Sequence
 
-from hpcrlhf.signals import interruptible
+from hpcrlhf.run.signals import interruptible
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -84,7 +85,7 @@ class _Worker:
             raise WorkerError((why or f"no answer within {start_timeout_s:g} s").strip()[-2000:])
         self.proc.stderr.close()  # a ready worker writes no more there (serve sends it to /dev/null)
 
-    def _line(self, timeout_s: float) -> Optional[str]:
+    def _line(self, timeout_s: float) -> str | None:
         """The next line the worker writes, or None when it ends or `timeout_s` passes first."""
         ready, _, _ = select.select([self.proc.stdout], [], [], timeout_s)
         if not ready:
@@ -92,7 +93,7 @@ class _Worker:
         line = self.proc.stdout.readline()  # the worker writes each answer whole, in one write
         return line.rstrip("\n") if line else None
 
-    def ask(self, request: Any, timeout_s: float) -> Optional[Any]:
+    def ask(self, request: Any, timeout_s: float) -> Any | None:
         """The worker's answer to `request`, or None when it did not answer within `timeout_s` (or died)."""
         try:
             self.proc.stdin.write(json.dumps(request) + "\n")
@@ -118,17 +119,17 @@ class WorkerPool:
     when first needed and stay until `close()` (or until this process ends: a worker ends at the end
     of its input)."""
 
-    def __init__(self, argv: list[str], size: int, timeout_s: float, env: Optional[dict[str, str]] = None,
+    def __init__(self, argv: list[str], size: int, timeout_s: float, env: dict[str, str] | None = None,
                  start_timeout_s: float = 120.0):
         self.argv, self.size, self.timeout_s, self.start_timeout_s = argv, size, timeout_s, start_timeout_s
         self.env = dict(os.environ if env is None else env)
-        self.idle: queue.SimpleQueue[Optional[_Worker]] = queue.SimpleQueue()
+        self.idle: queue.SimpleQueue[_Worker | None] = queue.SimpleQueue()
         for _ in range(size):
             self.idle.put(None)  # a slot: a worker is started in it when first needed
         self.busy: set[_Worker] = set()
         self.lock = threading.Lock()
 
-    def _ask(self, request: Any) -> Optional[Any]:
+    def _ask(self, request: Any) -> Any | None:
         worker = self.idle.get()  # run_parallel runs at most `size` at once: never waits
         try:
             if worker is None or worker.proc.poll() is not None:
@@ -146,7 +147,7 @@ class WorkerPool:
                     self.busy.discard(worker)
             self.idle.put(worker)
 
-    def ask_all(self, requests: Sequence[Any]) -> list[Optional[Any]]:
+    def ask_all(self, requests: Sequence[Any]) -> list[Any | None]:
         """Each request's answer, or None for one not answered within `timeout_s`. Raises WorkerError
         when a worker cannot start."""
         return run_parallel(self._ask, requests, self.size, self._kill_busy)

@@ -17,12 +17,12 @@ import torch
 from hpcrlhf.algos.preference import dpo_loss
 from hpcrlhf.config.schema import DPOConfig
 from hpcrlhf.data.preference import PairSample, load_pairs
-from hpcrlhf.trainers.base import merge_evaluation
-from hpcrlhf.trainers.stats import Stats
-from hpcrlhf.trainers.policy import PolicyTrainer
+from hpcrlhf.run.stats import Stats
+from hpcrlhf.trainers.loop import merge_evaluation
+from hpcrlhf.trainers.offline_policy import OfflinePolicyTrainer
 
 
-class DPOTrainer(PolicyTrainer):
+class DPOTrainer(OfflinePolicyTrainer):
     kind = "dpo"
 
     def __init__(self, cfg: DPOConfig):

@@ -15,12 +15,12 @@ from hpcrlhf.algos.preference import kto_loss
 from hpcrlhf.config.schema import KTOConfig
 from hpcrlhf.data.preference import UnpairedSample, load_unpaired
 from hpcrlhf.engines.distributed import all_reduce_sum
-from hpcrlhf.trainers.base import merge_evaluation
-from hpcrlhf.trainers.stats import Stats
-from hpcrlhf.trainers.policy import PolicyTrainer, task_pairs
+from hpcrlhf.run.stats import Stats
+from hpcrlhf.trainers.loop import merge_evaluation
+from hpcrlhf.trainers.offline_policy import OfflinePolicyTrainer, task_pairs
 
 
-class KTOTrainer(PolicyTrainer):
+class KTOTrainer(OfflinePolicyTrainer):
     kind = "kto"
 
     def __init__(self, cfg: KTOConfig):
@@ -28,7 +28,7 @@ class KTOTrainer(PolicyTrainer):
         self.train, self.evals = load_unpaired(cfg.data, cfg.task, self.tokenizer)
         self.build_engine(len(self.train))
         self.build_reference(lambda u: (u.sample, u.mismatched))
-        self.pairs = task_pairs(self)
+        self.pairs = task_pairs(cfg, self.tokenizer)
 
     @torch.no_grad()
     def kl_estimate(self, rows: list[UnpairedSample], table: str, indices: list[int]) -> torch.Tensor:

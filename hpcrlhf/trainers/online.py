@@ -3,86 +3,46 @@ greedy generation.
 
 `OnlineTrainer.rollout_step(prompts, params)` is the generate-and-score half of an online step:
 `params.n` responses to each of this rank's prompts from the rollout engine, and their scores
-from the reward set (with the length, missing-EOS and overlong adjustments). With the vLLM backend on several training ranks, rank 0 runs the engine
-for everyone (`engines.shared_rollout.Rank0Rollout`); the Ray launcher replaces that with engine actors.
+from the reward set (with the length, missing-EOS and overlong adjustments). `sync_rollout` puts
+the trained policy's weights into the rollout engine before it generates again. With the vLLM
+backend on several training ranks, rank 0 runs the engine for everyone
+(`engines.rollout.shared.Rank0Rollout`); on Ray the engines are actors of their own
+(`trainers.ppo.ray`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any
+from collections.abc import Sequence
 
 import torch
 
+from hpcrlhf.config.schema import OnlineJobConfig, PPOConfig, RolloutConfig
+from hpcrlhf.data.prompts import Prompt, encode_prompt_rows, load_train_prompts
 from hpcrlhf.engines.distributed import all_reduce_sum
 from hpcrlhf.engines.rollout import Generation, Pending, SamplingParams, launch
+from hpcrlhf.engines.rollout.hf import HFRollout
 from hpcrlhf.engines.rollout.shared import Rank0Rollout
-from hpcrlhf.errors import ConfigError, DataError
+from hpcrlhf.engines.rollout.vllm import VLLMRollout
+from hpcrlhf.errors import ConfigError
 from hpcrlhf.logs import get_logger
+from hpcrlhf.models.export import checkpoint_stream
+from hpcrlhf.models.factory import ModelFactory
+from hpcrlhf.models.loading import resolve_model_path
 from hpcrlhf.rewards.response import Response
 from hpcrlhf.rewards.sources import RewardSet, adjust_scores
-from hpcrlhf.trainers.base import Trainer, merge_evaluation
-from hpcrlhf.trainers.stats import Stats
+from hpcrlhf.run.stats import Stats
+from hpcrlhf.trainers.loop import TrainingLoop, merge_evaluation
+from hpcrlhf.trainers.seeds import sampling_seed
 
 log = get_logger()
 
 
-@dataclass(frozen=True)
-class Prompt:
-    ids: tuple[int, ...]
-    text: str
-    row: Mapping[str, Any]
-    origin: str = ""
-    """Where the row came from (`prompts.jsonl:17`), for errors about it."""
-
-
-def load_prompts(cfg, tokenizer, eval_limit: int | None = None) -> tuple[list[Prompt], list[Prompt]]:
-    """(train prompts, up to `eval_limit` held-out prompts (`held_out_prompt_rows`))."""
-    from hpcrlhf.data.loading import held_out_prompt_rows
-
-    eval_rows, key = held_out_prompt_rows(cfg.data, cfg.task, eval_limit)
-    return load_train_prompts(cfg, tokenizer), encode_prompt_rows(eval_rows, cfg.data, tokenizer, key)
-
-
-def load_train_prompts(cfg, tokenizer) -> list[Prompt]:
-    """Training prompts from `data.train_path` or the bundled task's prompt rows."""
-    from hpcrlhf.data.loading import load_train_rows, require_task_prompts
-
-    rows = load_train_rows(cfg.data, cfg.task, lambda task, split, n: task.prompt_rows(split, n))
-    if cfg.data.train_path:  # a task named on purpose scores these too (rollout/task_score, `task` rules)
-        require_task_prompts(rows, cfg.data.prompt_key, cfg.task, cfg.data)
-    return encode_prompt_rows(rows, cfg.data, tokenizer)
-
-
-def encode_prompt_rows(rows, data, tokenizer, key: str | None = None) -> list[Prompt]:
-    """Checked, tokenised prompts of dataset rows (field `key`, default `data.prompt_key`; chat
-    template, max length)."""
-    from hpcrlhf.data.sft import encode_prompts
-    from hpcrlhf.data.sources import require_text
-
-    if not rows:
-        return []
-    key = key or data.prompt_key
-    require_text(rows, (key,), key_option={key: "data.prompt_key"})
-    texts = [r.data[key] for r in rows]
-    ids = encode_prompts(tokenizer, texts, data.apply_chat_template)
-    for row, p in zip(rows, ids):
-        if len(p) > data.max_length:
-            raise DataError(f"{row.origin}: prompt has {len(p)} tokens > data.max_length {data.max_length}; "
-                            "raise data.max_length or shorten the prompt")
-    return [Prompt(tuple(p), t, r.data, r.origin) for p, t, r in zip(ids, texts, rows)]
-
-
-def sampling_params(r, *, n: int, seed: int | None, greedy: bool = False) -> SamplingParams:
+def sampling_params(r: RolloutConfig, *, n: int, seed: int | None, greedy: bool = False) -> SamplingParams:
     """The engine's sampling settings from a `rollout` config section."""
     return SamplingParams(n=n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_new_tokens,
                           min_new_tokens=r.min_new_tokens, greedy=greedy, seed=seed)
-
-
-def refill_seed(seed: int, round: int) -> int:
-    """The seed of a step's generation round: the run's own for the first, another per refill round
-    of ppo.dynamic_sampling (a prompt order and sampling of its own, the same on every attempt)."""
-    return seed + round * 1_000_033
 
 
 def flatten_generations(prompts: Sequence[Prompt], generations: list[list[Generation]], tokenizer
@@ -97,11 +57,9 @@ def flatten_generations(prompts: Sequence[Prompt], generations: list[list[Genera
     return flat_prompts, flat, responses
 
 
-def vllm_engine_args(cfg) -> dict[str, Any]:
+def vllm_engine_args(cfg: PPOConfig) -> dict[str, Any]:
     """`VLLMRollout`'s settings for a job: model folder, seed, longest sequence (prompt + rollout
     or evaluation response), precision and the rollout section's engine settings."""
-    from hpcrlhf.models.loading import resolve_model_path
-
     r = cfg.rollout
     return dict(model_dir=resolve_model_path(cfg.model.path), seed=cfg.seed,
                 max_model_len=cfg.data.max_length + max(r.max_new_tokens, cfg.eval.max_new_tokens),
@@ -110,26 +68,38 @@ def vllm_engine_args(cfg) -> dict[str, Any]:
                 **vllm_rollout_args(r))
 
 
-def vllm_rollout_args(r) -> dict[str, Any]:
+def vllm_rollout_args(r: RolloutConfig) -> dict[str, Any]:
     """`VLLMRollout`'s settings from a `RolloutConfig`: KV cache, eager mode and batching limits."""
     return dict(kv_cache_bytes=int(r.vllm_kv_cache_gb * (1 << 30)), enforce_eager=r.vllm_enforce_eager,
                 max_num_seqs=r.vllm_max_num_seqs, max_num_batched_tokens=r.vllm_max_num_batched_tokens,
                 chunked_prefill=r.vllm_chunked_prefill)
 
 
-def reward_set(cfg, models, task) -> RewardSet:
-    """The job's reward sources: reward models built by `models` (a `ModelFactory`), rules, the task."""
+def reward_set(cfg: OnlineJobConfig, models: ModelFactory, task) -> RewardSet:
+    """The job's reward sources: reward models built by `models`, rules, the task."""
     return RewardSet(cfg.reward, lambda path, field: models.build_frozen_model(path, value_head=True, key=field),
                      models.tokenizer, task, models.device, cfg.model.trust_remote_code, cfg.rules)
 
 
-def push_weights(engine, rollout, cfg) -> dict[str, float] | None:
-    """The trained `engine`'s weights into a vLLM `rollout` engine, streamed chunk by chunk (every
-    rank takes part: ZeRO-3 gathers): what was sent (`weight_sync/*`), where this rank sends."""
-    from hpcrlhf.models.export import checkpoint_stream
-
-    sent = rollout.load_weights(checkpoint_stream(engine, cfg.placement.vllm.sync_bucket_mb << 20))
+def stream_weights(engine, rollout, bucket_bytes: int) -> dict[str, float] | None:
+    """The trained `engine`'s weights into a vLLM `rollout` engine in this process (or rank 0's),
+    streamed in buckets of `bucket_bytes` (every rank takes part: ZeRO-3 gathers): what was sent
+    (`weight_sync/*`), where this rank sends."""
+    sent = rollout.load_weights(checkpoint_stream(engine, bucket_bytes))
     return None if sent is None else {"weight_sync/bytes": float(sent.bytes), "weight_sync/buckets": float(sent.buckets)}
+
+
+def rollout_engines(engine, models: ModelFactory, cfg: OnlineJobConfig):
+    """(the rollout engine, the trained module of `engine` as a generator): the same object
+    with rollout.backend hf; with vllm, an engine on rank 0 serving every rank."""
+    env = models.env
+    synced = engine.zero_stage == 3 and env.world_size > 1
+    hf = HFRollout(engine.module, pad_token_id=models.pad_id, eos_token_id=models.tokenizer.eos_token_id,
+                   device=engine.device, synced_gpus=synced, batch_size=cfg.rollout.hf_batch_size)
+    if cfg.rollout.backend == "hf":
+        return hf, hf
+    vllm = VLLMRollout(**vllm_engine_args(cfg)) if env.is_main else None
+    return (vllm if env.world_size == 1 else Rank0Rollout(vllm, env)), hf
 
 
 @dataclass(frozen=True)
@@ -163,9 +133,20 @@ class Rollout:
         return torch.tensor([g.finished for g in self.generations])
 
 
-class OnlineTrainer(Trainer):
-    """Base of trainers that learn from their own generations."""
+class OnlineTrainer(TrainingLoop):
+    """Base of trainers that learn from their own generations. A subclass sets up the rollout
+    engines (`rollout`; `hf_rollout`, the trained module as a generator where this process holds
+    it) and the reward sources (`rewards`), and says how the trained policy's weights reach the
+    rollout engine (`send_policy_weights`)."""
 
+    rollout: Any
+    """The engine that generates rollouts (`engines.rollout` protocol)."""
+    hf_rollout: Any
+    """The trained policy module as a generator (always in sync), or None where it runs elsewhere."""
+    rewards: Any
+    """The reward sources (`RewardSet` protocol: names, score)."""
+    rollout_synced: bool
+    """Whether the rollout engine holds the trained policy's current weights."""
     sync_metrics: dict[str, float] = {}
     """What the last weight sync moved (`weight_sync/bytes`, ...), where the sync path measures it."""
 
@@ -182,50 +163,23 @@ class OnlineTrainer(Trainer):
             raise ConfigError("rollout.backend: vllm with lora.rank > 0 is not supported yet (the engine needs merged "
                               "weights after every update); use rollout.backend=hf with LoRA")
 
-    def build_rollout(self) -> None:
-        """The rollout engine (after the actor engine exists) and the greedy evaluator."""
-        self.rollout, self.hf_rollout = self.rollout_engines(self.engine)
-        # a vLLM engine starts from model.path: the actor's weights go in before it generates
-        self.rollout_synced = self.rollout is self.hf_rollout
-
-    def rollout_engines(self, engine):
-        """(the rollout engine, the trained module of `engine` as a generator): the same object
-        with rollout.backend hf; with vllm, an engine on rank 0 serving every rank."""
-        from hpcrlhf.engines.rollout.hf import HFRollout
-
-        synced = engine.zero_stage == 3 and self.env.world_size > 1
-        hf = HFRollout(engine.module, pad_token_id=self.pad_id, eos_token_id=self.tokenizer.eos_token_id,
-                       device=engine.device, synced_gpus=synced, batch_size=self.cfg.rollout.hf_batch_size)
-        if self.cfg.rollout.backend == "hf":
-            return hf, hf
-        vllm = self._build_vllm() if self.env.is_main else None
-        return (vllm if self.env.world_size == 1 else Rank0Rollout(vllm, self.env)), hf
-
-    def _build_vllm(self):
-        from hpcrlhf.engines.rollout.vllm import VLLMRollout
-
-        return VLLMRollout(**vllm_engine_args(self.cfg))
-
-    def build_rewards(self) -> None:
-        self.rewards = reward_set(self.cfg, self.models, self.task)
-
     def evaluated_models(self) -> dict[str, str]:
         return {**super().evaluated_models(), **{f"reward.sources[{i}].model": s.model
                                                  for i, s in enumerate(self.cfg.reward.sources) if s.model}}
 
     def sync_rollout(self) -> None:
-        """Push the actor's weights into the rollout engine (nothing to do for the HF backend,
-        which generates with the trained module itself): streamed out of the engine chunk by
-        chunk, every rank taking part (ZeRO-3 gathers), into the vLLM engine on rank 0."""
+        """Put the trained policy's weights into the rollout engine (nothing to do when it generates
+        with the trained module itself)."""
         if self.rollout is not self.hf_rollout:
-            self.sync_metrics = push_weights(self.engine, self.rollout, self.cfg) or self.sync_metrics
+            self.sync_metrics = self.send_policy_weights() or self.sync_metrics
         self.rollout_synced = True
 
+    def send_policy_weights(self) -> dict[str, float] | None:
+        """The trained policy's weights into `rollout`: what was sent (`weight_sync/*`) where measured."""
+        raise NotImplementedError
+
     def sampling(self, step: int, n: int, round: int = 0) -> SamplingParams:
-        # A seed per (step, rank) -- and per dynamic-sampling round -- makes a resumed run generate
-        # exactly what the first run would have.
-        seed = refill_seed(self.cfg.seed, round) * 1_000_003 + step * 7919 + self.env.rank
-        return sampling_params(self.cfg.rollout, n=n, seed=seed)
+        return sampling_params(self.cfg.rollout, n=n, seed=sampling_seed(self.cfg.seed, step, self.env.rank, round))
 
     def rollout_step(self, prompts: Sequence[Prompt], params: SamplingParams) -> Rollout:
         """Generate `params.n` responses per prompt and score them."""

@@ -18,16 +18,16 @@ from hpcrlhf.algos.preference import pairwise_rm_loss
 from hpcrlhf.config.schema import RMConfig
 from hpcrlhf.data.preference import PairSample, load_pairs
 from hpcrlhf.models.value import REWARD_MEAN, REWARD_STD, last_token_values
-from hpcrlhf.trainers.base import Trainer
-from hpcrlhf.trainers.stats import Stats
+from hpcrlhf.run.stats import Stats
 from hpcrlhf.trainers.sequences import model_batch
+from hpcrlhf.trainers.single_model import SingleModelTrainer
 
 STATS_SAMPLE = 1024
 """Training pairs used for the reward statistics when there is no held-out data."""
 _MEAN, _SQUARE = "moments/reward", "moments/reward_squared"
 
 
-class RMTrainer(Trainer):
+class RMTrainer(SingleModelTrainer):
     kind = "rm"
     value_head = True
 

@@ -21,6 +21,7 @@ import json
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from hpcrlhf.algos.preference import dpo_loss
 from hpcrlhf.config.schema import RSConfig
@@ -28,12 +29,14 @@ from hpcrlhf.data.sft import TokenizedSample
 from hpcrlhf.engines.distributed import barrier
 from hpcrlhf.errors import ConfigError, DataError
 from hpcrlhf.logs import get_logger
-from hpcrlhf.safefiles import ensure_folder, replace_file
-from hpcrlhf.trainers.stats import Stats, reduce_means
-from hpcrlhf.trainers.online import OnlineTrainer, Rollout
-from hpcrlhf.trainers.plan import BatchPlan, rows_for_step
+from hpcrlhf.run.files import ensure_folder, replace_file
+from hpcrlhf.run.stats import Stats, reduce_means
+from hpcrlhf.trainers.batches import BatchPlan, rows_for_step
+from hpcrlhf.trainers.online import OnlineTrainer, Rollout, reward_set, rollout_engines, stream_weights
+from hpcrlhf.trainers.seeds import selection_order_seed
 from hpcrlhf.trainers.sequences import response_logps
 from hpcrlhf.trainers.sft import nll_step
+from hpcrlhf.trainers.single_model import SingleModelTrainer
 
 log = get_logger()
 
@@ -72,7 +75,10 @@ def _sample(rec: dict, role: str) -> TokenizedSample:
     return TokenizedSample(tuple(prompt + response), (False,) * len(prompt) + (True,) * len(response), "rs")
 
 
-class RSTrainer(OnlineTrainer):
+class RSTrainer(OnlineTrainer, SingleModelTrainer):
+    """Online (it generates its training data), with one trained model and the rollout engine in
+    this process."""
+
     kind = "rs"
 
     def __init__(self, cfg: RSConfig):
@@ -98,20 +104,23 @@ class RSTrainer(OnlineTrainer):
             self.reference = self.models.build_frozen_model(path, value_head=False, key=field,
                                                             offload=cfg.reference.offload,
                                                             micro_batch_rows=plan.micro_batch_rows)
-        self.build_rewards()
-        self.build_rollout()
+        self.rewards = reward_set(cfg, self.models, self.task)
+        self.rollout, self.hf_rollout = rollout_engines(self.engine, self.models, cfg)
+        # a vLLM engine starts from model.path: the policy's weights go in before it generates
+        self.rollout_synced = self.rollout is self.hf_rollout
         self.round, self.selected = -1, []
         log.info(f"rs ({rs.mode}): {rs.iterations} rounds of {rs.prompts_per_iteration} prompts x "
                  f"{cfg.rollout.samples_per_prompt} samples, {rs.steps_per_iteration} steps each; "
                  f"rewards: {', '.join(self.rewards.names)}")
+
+    def send_policy_weights(self) -> dict[str, float] | None:
+        return stream_weights(self.engine, self.rollout, self.cfg.placement.vllm.sync_bucket_mb << 20)
 
     def round_path(self, k: int) -> Path:
         return self.run.dir / "rounds" / f"round_{k:03d}.jsonl"
 
     def start_round(self, k: int, step: int) -> dict[str, float]:
         """Generate, score and select this round's data (or reload it when resuming)."""
-        import torch.distributed as dist
-
         path, metrics = self.round_path(k), {}
         if path.exists():
             self.selected = [json.loads(line) for line in path.read_text().splitlines()]
@@ -146,7 +155,7 @@ class RSTrainer(OnlineTrainer):
         g = self.plan.global_batch_rows
         # A small selection is cycled through: its indices tiled to at least one global batch.
         order = list(range(len(self.selected))) * max(1, -(-g // len(self.selected)))
-        idx = rows_for_step(len(order), within, self.cfg.seed + 1000 * k, self.env.rank,
+        idx = rows_for_step(len(order), within, selection_order_seed(self.cfg.seed, k), self.env.rank,
                             steps_per_epoch=len(order) // g, global_rows=g,
                             rows_per_rank=self.plan.rows_per_rank_per_step)
         records = [self.selected[order[i]] for i in idx]

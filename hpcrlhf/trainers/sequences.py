@@ -6,7 +6,7 @@ model, evaluation). Samples are right-padded one per row with an attention mask.
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 

@@ -14,13 +14,14 @@ import torch
 from hpcrlhf.algos.logprobs import nll_sum
 from hpcrlhf.config.schema import SFTConfig
 from hpcrlhf.data.batching import collate, pack_rows
-from hpcrlhf.data.sft import TokenizedSample, keep_usable, tokenize_sft
 from hpcrlhf.data.loading import load_rows
+from hpcrlhf.data.sft import TokenizedSample, keep_usable, tokenize_sft
 from hpcrlhf.data.sources import Row, require_text
 from hpcrlhf.engines.distributed import all_reduce_sum
 from hpcrlhf.models.moe import router_kwargs
-from hpcrlhf.trainers.base import Trainer, merge_evaluation
+from hpcrlhf.trainers.loop import merge_evaluation
 from hpcrlhf.trainers.sequences import model_batch
+from hpcrlhf.trainers.single_model import SingleModelTrainer
 
 
 @dataclass(frozen=True)
@@ -56,7 +57,7 @@ def build_sft_data(cfg: SFTConfig, tokenizer, train_rows: list[Row], eval_rows: 
     return SFTData(rows, evals)
 
 
-class SFTTrainer(Trainer):
+class SFTTrainer(SingleModelTrainer):
     kind = "sft"
 
     def __init__(self, cfg: SFTConfig):
@@ -89,7 +90,7 @@ class SFTTrainer(Trainer):
         return {"eval/loss": (float(nll), n)}
 
 
-def nll_step(trainer: Trainer, rows: list[list[TokenizedSample]], packed: bool) -> dict[str, float]:
+def nll_step(trainer: SingleModelTrainer, rows: list[list[TokenizedSample]], packed: bool) -> dict[str, float]:
     """One optimizer step of `trainer.engine` on the mean token NLL of this rank's `rows` and
     every other rank's (normalised by the global token count)."""
     engine, micro_rows, world = trainer.engine, trainer.plan.micro_batch_rows, trainer.env.world_size

@@ -59,8 +59,8 @@ def test_masked_whiten_is_global_over_fake_ranks(dtype):
         x = (torch.randn(mask.shape, generator=g, dtype=torch.float64) * 2 - 3).to(dtype)
         whole = masked_whiten(x, mask)
         (xa, xb), (ma, mb) = x.split(4), mask.split(4)
-        sums_a = capture_sums(lambda r: masked_whiten(xa, ma, reduce=r))
-        sums_b = capture_sums(lambda r: masked_whiten(xb, mb, reduce=r))
+        sums_a = capture_sums(lambda r, x=xa, m=ma: masked_whiten(x, m, reduce=r))
+        sums_b = capture_sums(lambda r, x=xb, m=mb: masked_whiten(x, m, reduce=r))
         split = torch.cat([masked_whiten(xa, ma, reduce=plus(sums_b)), masked_whiten(xb, mb, reduce=plus(sums_a))])
         # Same sums added in another order: equal up to float64 rounding of the statistics.
         assert torch.allclose(split, whole, atol=1e-12 if dtype == torch.float64 else 1e-6, rtol=0)

@@ -14,7 +14,6 @@ import torch
 from hpcrlhf.algos.reward_shaping import RunningMoments, clip_rewards, normalize_scores, shape_rewards
 from tests.algos.helpers import capture_sums, close, make_masks, plus, positions, rows
 
-
 # ---- rewards ---------------------------------------------------------------------------------
 
 
@@ -79,9 +78,9 @@ def test_running_moments_split_across_fake_ranks_and_state_roundtrip():
         whole.update(torch.cat([xa, xb]))
         probe = RunningMoments()
         probe.load_state_dict(rank_b.state_dict())
-        sums_b = capture_sums(lambda r: probe.update(xb, reduce=r))
+        sums_b = capture_sums(lambda r, p=probe, x=xb: p.update(x, reduce=r))
         probe.load_state_dict(rank_a.state_dict())
-        sums_a = capture_sums(lambda r: probe.update(xa, reduce=r))
+        sums_a = capture_sums(lambda r, p=probe, x=xa: p.update(x, reduce=r))
         ma = rank_a.update(xa, reduce=plus(sums_b))
         mb = rank_b.update(xb, reduce=plus(sums_a))
         assert ma == pytest.approx(mb, rel=1e-14) and ma == pytest.approx((whole.mean, whole.std), rel=1e-12)

@@ -130,7 +130,7 @@ def test_step_model_by_hand_and_fit_inverts_predict():
 def test_paper_predictions_reproduce_the_fitted_7b_and_check_13b():
     r = paper_predictions()
     assert 0 < r["efficiency"]["train_mfu"] < 1 and 0 < r["efficiency"]["gather_bw"] < 1
-    for size, shape in r["shapes"].items():
+    for shape in r["shapes"].values():
         assert set(shape["phases_s"]) == {"distributed", "colocated", "dschat-style"}
         assert all(math.isfinite(v) and v > 0 for v in shape["speedup_vs_dschat_style"].values())
     assert all(abs(c["error"]) < 1 for c in r["check_13b"].values())
@@ -182,7 +182,7 @@ def test_the_overlapped_schedule_hides_generation_behind_training_only_on_separa
     """rollout.max_staleness 1 in the model: the distributed layout's step is max(generate,
     make_experience + train) + weight_sync; layouts whose engines share the training devices gain nothing."""
     r = paper_predictions()
-    for size, shape in r["shapes"].items():
+    for shape in r["shapes"].values():
         d = shape["phases_s"]["distributed"]
         assert d["step_overlapped"] == pytest.approx(
             max(d["generate"], d["make_experience"] + d["train"]) + d["weight_sync"])

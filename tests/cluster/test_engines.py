@@ -25,8 +25,8 @@ def weight_group(engines, tp: int):
     """A weight-sync group of this process (rank 0) and every worker of `engines`."""
     import ray
 
-    store, port = weight_sync.serve_store("127.0.0.1")
-    spec = weight_sync.SyncGroup("127.0.0.1", port, 1 + len(engines) * tp, "test-weights", timeout_s=120)
+    store, at = weight_sync.serve_store("127.0.0.1")
+    spec = weight_sync.SyncGroup(at, 1 + len(engines) * tp, "test-weights", timeout_s=120)
     joined = [e.join_weight_group.remote(spec, 1 + i * tp) for i, e in enumerate(engines)]
     group = weight_sync.join(spec, 0, store)
     assert ray.get(joined) == [[1, 2], [3, 4]]  # each worker's rank in the group

@@ -3,6 +3,7 @@ finished by `sync`: which push runs when, with a recording push in place of `Wei
 
 from __future__ import annotations
 
+from functools import partial
 from types import SimpleNamespace
 
 import pytest
@@ -90,11 +91,11 @@ def test_close_does_not_wait_on_engines_that_may_wait_for_weights(started):
 def test_the_ray_roles_start_the_sync_only_where_nobody_sleeps_between_phases():
     """`RayRoles.learn(push=True)` queues the sync behind the epochs unless a role or the engines
     sleep between train and weight_sync (their memory must move first, at `push_weights`)."""
-    from hpcrlhf.trainers.ppo_ray import RayRoles
+    from hpcrlhf.trainers.ppo.ray.roles import RayRoles
 
     for sleepers, push, expected in [((), True, 1), (("engines",), True, 0), (("actor",), True, 0), ((), False, 0)]:
         started = []
         roles = SimpleNamespace(phases=SimpleNamespace(enter=lambda phase: None, sleepers=sleepers), groups={},
-                                rollout=SimpleNamespace(start_sync=lambda: started.append(1)))
+                                rollout=SimpleNamespace(start_sync=partial(started.append, 1)))
         RayRoles.learn(roles, None, 0, [], push=push)
         assert len(started) == expected, (sleepers, push)

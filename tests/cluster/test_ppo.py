@@ -21,7 +21,7 @@ import time
 
 import pytest
 
-from hpcrlhf.metrics import read_metrics
+from hpcrlhf.run.metrics import read_metrics
 from tests.hpc.slurm_jobs import attempts, render, slurm_log, wait_for_step
 from tests.launch_helpers import ROOT, cli_command, cli_env, run_cli
 from tests.slurm_cluster import node_address
@@ -103,7 +103,7 @@ def logged_steps(folder) -> int:
 
 @pytest.mark.slow
 def test_ppo_on_ray_learns_the_task_like_single_machine_ppo(runs):
-    """The bar of tests/trainers/test_ppo_e2e.py's single-machine gae run, on the spread layout."""
+    """The bar of tests/trainers/ppo/test_ppo_e2e.py's single-machine gae run, on the spread layout."""
     s = summary(runs[SEPARATED])
     before, after = s["before"]["eval/task_score"], s["after"]["eval/task_score"]
     assert 0.3 < before < 0.7, s

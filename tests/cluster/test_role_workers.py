@@ -6,14 +6,14 @@ import pytest
 import torch
 
 from hpcrlhf.config.jobspec import resolve_recipe
-from hpcrlhf.trainers.ppo_workers import RewardWorker, role_config
+from hpcrlhf.trainers.ppo.ray.workers import RewardWorker, role_config
 from hpcrlhf.cluster.reservation import reserve
 from hpcrlhf.cluster.worker_group import WorkerGroup
 from hpcrlhf.config.loader import load_config
 from hpcrlhf.config.schema import PPOConfig
 from hpcrlhf.models.loading import load_tokenizer
 from hpcrlhf.placement import Device, build_node_map
-from hpcrlhf.trainers.ppo_ray import RemoteRewards
+from hpcrlhf.trainers.ppo.ray.roles import RemoteRewards
 from tests.test_rewards import _make_rm, _reference_reward, _responses
 
 

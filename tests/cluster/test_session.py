@@ -15,7 +15,7 @@ from hpcrlhf.cluster.session import host_gpus, local_cluster_problem
 from hpcrlhf.config.loader import load_config
 from hpcrlhf.config.schema import PPOConfig
 from hpcrlhf.placement import build_node_map
-from hpcrlhf.trainers.ppo_ray import start_problems
+from hpcrlhf.trainers.ppo.ray.entry import start_problems
 from tests.launch_helpers import ROOT, cli_command, cli_env
 
 

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from hpcrlhf.cluster.worker_group import gather
-from hpcrlhf.signals import STOP_SIGNALS, StopFlag, StopRequested
+from hpcrlhf.run.signals import STOP_SIGNALS, StopFlag, StopRequested
 
 
 @pytest.mark.slow

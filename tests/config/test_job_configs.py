@@ -78,7 +78,7 @@ def test_one_intent_one_edit_batches_follow_the_rollout():
     """Changing the rollout size alone used to fail on train.global_batch_size, then on
     train.micro_batch_size: left null they are derived (largest divisor <= 64), set they are kept."""
     from hpcrlhf.config.schema import PPOConfig
-    from hpcrlhf.trainers.plan import BatchPlan, PPOPlan
+    from hpcrlhf.trainers.batches import BatchPlan, PPOPlan
 
     for prompts, mini in [(32, 64), (20, 40), (7, 28), (100, 50)]:
         cfg = load_config(PPOConfig, overrides=[f"rollout.prompts_per_step={prompts}"])

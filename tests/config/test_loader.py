@@ -6,7 +6,7 @@ import dataclasses
 import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any, Literal, Optional
+from typing import Annotated, Any, Literal
 
 import pytest
 import yaml
@@ -32,7 +32,7 @@ class TrainConfig:
     """Warm-up steps."""
     betas: tuple[float, ...] = (0.9, 0.95)
     """AdamW betas."""
-    clip: Optional[float] = 1.0
+    clip: float | None = 1.0
     """Gradient clipping (null: off)."""
     bf16: bool = True
     """Train in bf16."""
@@ -44,13 +44,13 @@ class TrainConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
-    path: Optional[str] = None
+    path: str | None = None
     """Training file."""
     tags: list[str] = field(default_factory=lambda: ["base"])
     """Free-form tags."""
     shape: tuple[int, str] = (2, "x")
     """A fixed-length pair."""
-    eval_path: Optional[Annotated[str, NonEmpty()]] = None
+    eval_path: Annotated[str, NonEmpty()] | None = None
     """Held-out file (a path: never empty)."""
 
 
@@ -102,7 +102,7 @@ class JobConfig:
     """Global random seed."""
     train: TrainConfig = field(default_factory=TrainConfig)
     """Optimizer settings."""
-    lora: Optional[LoraConfig] = None
+    lora: LoraConfig | None = None
     """LoRA adapters (null: full fine-tuning)."""
 
 

@@ -539,7 +539,7 @@ def load_kind(kind: str, cfg: Any, tokenizer: Any) -> None:
         trainer.cfg, trainer.tokenizer = cfg, tokenizer
         trainer.build_data()
     else:
-        from hpcrlhf.trainers.online import load_prompts
+        from hpcrlhf.data.prompts import load_prompts
 
         load_prompts(cfg, tokenizer)
 

@@ -5,7 +5,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hpcrlhf.algos.logprobs import nll_sum
-from hpcrlhf.data.batching import collate, pack_rows
+from hpcrlhf.data.batching import RowList, collate, pack_rows, shard_rows
 from hpcrlhf.data.sft import TokenizedSample, tokenize_sft
 from hpcrlhf.data.sources import rows_from_records
 
@@ -52,3 +52,26 @@ def test_packed_loss_equals_unpacked_loss(family):
     packed = loss(collate([[samples[i] for i in g] for g in groups], tok.pad_token_id, packed=True))
     assert packed[1] == unpacked[1]
     assert packed[0].item() == pytest.approx(unpacked[0].item(), rel=1e-5)
+
+
+@pytest.mark.parametrize("n, parts, sizes", [(10, 3, [4, 3, 3]), (4, 4, [1, 1, 1, 1]), (2, 3, [1, 1, 0]), (0, 2, [0, 0]),
+                                             (7, 3, [3, 2, 2])])
+def test_shard_rows_are_contiguous_balanced_and_cover_every_row_once(n, parts, sizes):
+    shards = shard_rows(n, parts)
+    assert [len(s) for s in shards] == sizes
+    assert [i for s in shards for i in s] == list(range(n))
+
+
+@pytest.mark.parametrize("n, parts, padded", [(7, 3, [[0, 1, 2], [3, 4, 4], [5, 6, 6]]), (2, 3, [[0], [1], [1]]),
+                                              (6, 3, [[0, 1], [2, 3], [4, 5]]), (0, 2, [[], []])])
+def test_padded_shards_are_equal_and_repeat_their_last_row(n, parts, padded):
+    """ZeRO-3 ranks must run the same number of forward passes: every shard as long as the longest,
+    each filled with its own last row (an empty one with the batch's last row)."""
+    assert shard_rows(n, parts, pad_to_equal=True) == padded
+
+
+def test_a_row_list_splits_and_joins_like_a_batch():
+    rows = RowList("abcdefg")
+    shards = rows.split(3, pad_to_equal=True)
+    assert shards == [list("abc"), list("dee"), list("fgg")] and all(isinstance(s, RowList) for s in shards)
+    assert RowList.concat([s.head(k) for s, k in zip(shards, (3, 2, 2))]) == rows

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from hpcrlhf.metrics import read_metrics
+from hpcrlhf.run.metrics import read_metrics
 from tests.launch_helpers import run_cli
 
 QUICK = ["--set", "train.max_steps=2", "--set", "train.global_batch_size=4", "--set", "train.micro_batch_size=4",

@@ -35,6 +35,17 @@ from hpcrlhf.engines.rollout.hf import HFRollout
 from hpcrlhf.models.loading import load_causal_lm, load_tokenizer
 
 TOL = 1e-4
+
+
+def engine_tol() -> float:
+    """A vLLM engine on a GPU (fp32, its CUDA kernels) against the trainer's CPU forward, measured on
+    an H200 (2026-11-26): 4.2e-4 on the tiny llama, 1.46e-3 on the tiny mixtral (fused_moe). Asked of
+    vLLM's platform, not `torch.cuda`: CUDA initialised in the test process breaks the engine's
+    forked core."""
+    from vllm.platforms import current_platform
+
+    return TOL if current_platform.is_cpu() else 2e-3
+
 CPU = torch.device("cpu")
 
 
@@ -245,7 +256,7 @@ def test_hf_generates_in_eval_mode_and_restores_the_mode(hf_model, tokenizer, ro
 def test_a_stop_request_ends_a_generation_at_the_next_decode_step(hf_model, tokenizer, rollout_prompts):
     """A time-limit signal must not wait for a long generation (issue 36): once this process is asked
     to stop, HF generate ends at the next decode step, sampled and greedy alike."""
-    from hpcrlhf.signals import STOP_SIGNALS, StopFlag
+    from hpcrlhf.run.signals import STOP_SIGNALS, StopFlag
 
     fixed = SamplingParams(n=2, max_new_tokens=40, min_new_tokens=40, seed=1)
     saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, *STOP_SIGNALS)}
@@ -433,7 +444,7 @@ def test_vllm_seeded_batch_larger_than_the_token_budget(vllm_rollout, hf_model, 
     params = SamplingParams(n=8, max_new_tokens=12, seed=7)
     gens = vllm_rollout.generate(prompts, params)
     check_structure(gens, prompts, n=8, max_new_tokens=12, eos=tokenizer.eos_token_id)
-    assert max_logprob_error(hf_model, gens[:4]) < TOL
+    assert max_logprob_error(hf_model, gens[:4]) < engine_tol()
     small = [s for i in range(0, len(prompts), 4)
              for s in vllm_rollout.generate(prompts[i : i + 4], replace(params, first_index=i))]
     assert tokens(small) == tokens(gens)

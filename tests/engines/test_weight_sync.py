@@ -25,9 +25,7 @@ from hpcrlhf.engines.rollout.hf import HFRollout
 from hpcrlhf.models.export import checkpoint_names
 from hpcrlhf.models.loading import load_causal_lm, load_tokenizer
 from hpcrlhf.models.tiny import build_tiny_model_dir
-from tests.engines.test_rollout import max_logprob_error, one_torch_thread, perturbed, tokens  # noqa: F401
-
-TOL = 1e-4
+from tests.engines.test_rollout import engine_tol, max_logprob_error, one_torch_thread, perturbed, tokens  # noqa: F401
 
 
 @pytest.mark.parametrize("family", ["mistral", "mixtral", "qwen2", "gpt2"])
@@ -52,7 +50,7 @@ def test_weight_sync_follows_the_trainer_for_each_family(family):
         after = engine.generate(prompts, greedy)
         assert tokens(after) != tokens(before)  # the update reached the engine ...
         assert tokens(after) == tokens(hf.generate(prompts, greedy))  # ... whole and in the right layout
-        assert max_logprob_error(model, after) < TOL
+        assert max_logprob_error(model, after) < engine_tol()
     finally:
         engine.close()
 
@@ -127,8 +125,8 @@ def test_broadcast_delivers_every_tensor_bit_exact_in_order(transport):
     from hpcrlhf.engines import weight_sync
 
     ctx = multiprocessing.get_context("spawn")
-    store, port = weight_sync.serve_store("127.0.0.1", timeout_s=120)
-    spec = weight_sync.SyncGroup("127.0.0.1", port, 3, "test", timeout_s=120, transport=transport)
+    store, at = weight_sync.serve_store("127.0.0.1", timeout_s=120)
+    spec = weight_sync.SyncGroup(at, 3, "test", timeout_s=120, transport=transport)
     queue = ctx.Queue()
     members = [ctx.Process(target=_member, args=(spec, rank, queue)) for rank in (1, 2)]
     for m in members:
@@ -176,8 +174,8 @@ def _armed_member(spec, queue) -> None:
 def _rank0_then_gone(queue) -> None:
     from hpcrlhf.engines import weight_sync
 
-    store, port = weight_sync.serve_store("127.0.0.1", timeout_s=300)
-    spec = weight_sync.SyncGroup("127.0.0.1", port, 2, "orphan", timeout_s=300)
+    store, at = weight_sync.serve_store("127.0.0.1", timeout_s=300)
+    spec = weight_sync.SyncGroup(at, 2, "orphan", timeout_s=300)
     queue.put(spec)
     weight_sync.join(spec, 0, store)
     time.sleep(600)  # killed by the test
@@ -191,8 +189,8 @@ def test_a_member_armed_long_before_a_sync_waits_for_it_past_the_group_timeout()
     from hpcrlhf.engines import weight_sync
 
     ctx = multiprocessing.get_context("spawn")
-    store, port = weight_sync.serve_store("127.0.0.1", timeout_s=2)
-    spec = weight_sync.SyncGroup("127.0.0.1", port, 2, "armed", timeout_s=2)
+    store, at = weight_sync.serve_store("127.0.0.1", timeout_s=2)
+    spec = weight_sync.SyncGroup(at, 2, "armed", timeout_s=2)
     queue = ctx.Queue()
     member = ctx.Process(target=_armed_member, args=(spec, queue))
     member.start()

@@ -7,7 +7,7 @@ import torch
 from hpcrlhf.engines import weight_sync
 
 
-def broadcast_and_check(rank: int, gpus: int, port: int) -> None:
+def broadcast_and_check(rank: int, gpus: int, at) -> None:
     """Rank 0 sends a llama-like state from its GPU in small buckets; rank 1, on its own GPU when
     there are two (NCCL) or on the same one (CUDA IPC: the bucket's handle, copied on the GPU;
     NCCL refuses two ranks on one device), receives it and checks every tensor bit for bit."""
@@ -16,14 +16,10 @@ def broadcast_and_check(rank: int, gpus: int, port: int) -> None:
     state = {f"model.layers.{i}.{n}": torch.randn(shape, generator=g).to(dtype)
              for i in range(3) for n, shape, dtype in (("w", (256, 384), torch.bfloat16), ("b", (384,), torch.float32),
                                                        ("big", (1024, 1024), torch.bfloat16))}
-    store = None
-    if rank == 0:
-        from torch.distributed import TCPStore
-        import datetime
+    from hpcrlhf.engines import rendezvous
 
-        store = TCPStore("127.0.0.1", port, None, True, datetime.timedelta(seconds=120), wait_for_workers=False)
-    spec = weight_sync.SyncGroup("127.0.0.1", port, 2, "gpu-test", timeout_s=120)
-    group = weight_sync.join(spec, rank, store)
+    spec = weight_sync.SyncGroup(at, 2, "gpu-test", timeout_s=120)
+    group = weight_sync.join(spec, rank, rendezvous.connect(at, 120))  # the store is the test process's
     assert group.backend == ("nccl" if gpus > 1 else "cuda_ipc"), group.backend
     if rank == 0:
         stats = weight_sync.WeightSender(group, bucket_bytes=1 << 20).send((k, v.cuda()) for k, v in state.items())

@@ -1,6 +1,7 @@
 """The paths only a CUDA GPU exercises, through the real CLI: bf16 training under DeepSpeed on the
 device (ZeRO-0/2/3 held to fp32), PPO in bf16 that learns, flash-attn against sdpa, QLoRA, a vLLM
-CUDA engine fed by the weight sync, vLLM sleep mode and sleeping DeepSpeed roles in PPO, and the weight broadcast between GPU processes (NCCL on two
+CUDA engine fed by the weight sync, vLLM sleep mode and sleeping DeepSpeed roles in PPO, the router loss of a
+mixture-of-experts under ZeRO-3 in bf16, and the weight broadcast between GPU processes (NCCL on two
 GPUs, gloo on one). Each checks a result, not only that the run ended; the ones whose package is
 missing are skipped and say which.
 benchmarks/gpu-check.sh runs this file; CI (no GPU) collects and skips it."""
@@ -13,7 +14,7 @@ import json
 import pytest
 import torch
 
-from hpcrlhf.metrics import read_metrics
+from hpcrlhf.run.metrics import read_metrics
 from tests.launch_helpers import run_cli
 
 SFT = ["--set", "train.global_batch_size=64", "--set", "train.micro_batch_size=64", "--set", "log.every_steps=1",
@@ -67,6 +68,13 @@ def test_bf16_ppo_with_a_critic_raises_the_task_score_on_the_gpu(policy_model, t
     assert len(rows) == 60 and all(0 < r["train/value_loss"] < 1 for r in rows)  # binary rewards: the critic tracks them
     # HF generate's bf16 incremental decoding vs the trainer's full bf16 forward (1.8e-6 measured on an H100)
     assert max(r["rollout/logprob_max_diff"] for r in rows) < 1e-3
+
+
+def test_the_router_loss_steers_a_mixture_of_experts_under_zero_3_in_bf16(tmp_path):
+    """`model.router_aux_loss_coef` where the router weights are ZeRO-3 shards and the logits bf16."""
+    from tests.models.test_moe import assert_sft_steers_the_router_towards_balance
+
+    assert_sft_steers_the_router_towards_balance(tmp_path, "--set", "engine.zero_stage=3", "--set", "engine.precision=bf16")
 
 
 @needs("flash_attn", "pip install flash-attn to test it")
@@ -205,7 +213,8 @@ def test_weight_broadcast_between_gpu_processes():
     """Two processes: NCCL when each has its own GPU, CUDA IPC when they share one."""
     import torch.multiprocessing as mp
 
-    from hpcrlhf.engines.distributed import free_port
+    from hpcrlhf.engines import weight_sync
     from tests.gpu.nccl_ranks import broadcast_and_check
 
-    mp.spawn(broadcast_and_check, args=(min(2, torch.cuda.device_count()), free_port()), nprocs=2, join=True)
+    store, at = weight_sync.serve_store("127.0.0.1", timeout_s=120)  # kept alive while the ranks use it
+    mp.spawn(broadcast_and_check, args=(min(2, torch.cuda.device_count()), at), nprocs=2, join=True)

@@ -8,7 +8,7 @@ import signal
 import time
 from pathlib import Path
 
-from hpcrlhf.metrics import read_metrics
+from hpcrlhf.run.metrics import read_metrics
 from tests.launch_helpers import run_cli
 
 SFT = ["--set", "train.max_steps=60", "--set", "train.global_batch_size=32", "--set", "train.micro_batch_size=16",

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from hpcrlhf.cli import main
-from hpcrlhf.metrics import read_metrics
+from hpcrlhf.run.metrics import read_metrics
 from tests.hpc.slurm_jobs import SFT, attempts, losses, render, run_rendered, slurm_log
 from tests.images import busybox_image
 from tests.launch_helpers import run_cli

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import json
 import shutil
+import socket
 import subprocess
 import sys
 
 import pytest
 
 from hpcrlhf.hpc.mpi import RankInfo, node_layout
-from hpcrlhf.metrics import read_metrics
+from hpcrlhf.run.metrics import read_metrics
 from tests.launch_helpers import ROOT, cli_env, run_cli
 
 SHORT = ["--set", "train.max_steps=12", "--set", "train.global_batch_size=32", "--set", "train.micro_batch_size=16",
@@ -32,6 +33,46 @@ def test_torch_env_is_what_torchrun_sets():
     env = RankInfo(3, 4, 1, 2, 1, "10.0.0.1", 29500).torch_env()
     assert env == {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "1",
                    "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"}
+    sealed = RankInfo(3, 4, 1, 2, 1, "10.0.0.1", 29500, "ab" * 64)
+    assert sealed.torch_env()["HPCRLHF_STORE_SECRET"] == "ab" * 64 and "ab" * 64 not in repr(sealed)
+
+
+PROBE = """
+import json, os, sys, datetime, psutil
+from torch.distributed import TCPStore
+from hpcrlhf.engines.distributed import barrier, init_distributed
+init_distributed()
+barrier()
+if os.environ["RANK"] == "0":
+    spy = TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), None, False, datetime.timedelta(seconds=10))
+    keys = [[name, spy.get(name).hex()] for name in spy.list_keys()]
+    listening = sorted({(c.laddr.ip, c.laddr.port) for c in psutil.Process().net_connections("tcp")
+                        if c.status == psutil.CONN_LISTEN})
+    json.dump({"keys": keys, "listening": listening, "at": [os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]]},
+              open(sys.argv[1], "w"))
+barrier()
+"""
+
+
+@pytest.mark.skipif(shutil.which("mpirun") is None, reason="Open MPI is not installed (slurm/install-test-deps.sh)")
+def test_mpi_ranks_meet_in_a_store_on_rank_0s_address_sealed(tmp_path):
+    """Issue 36: the default group's store listened on every interface and any client read its keys;
+    now it listens on MASTER_ADDR only and a client without the secret rank 0 sent over MPI sees
+    opaque names and sealed values. (gloo's listener stays on the host name's address, and Open MPI's
+    own TCP transport listens on every interface: theirs.)"""
+    (tmp_path / "probe.py").write_text(PROBE)
+    report = tmp_path / "report.json"
+    proc = subprocess.run(["mpirun", "--allow-run-as-root", "--oversubscribe", "-n", "2", sys.executable,
+                           "-m", "hpcrlhf.hpc.mpi", "-m", "probe", str(report)], cwd=ROOT,
+                          env=cli_env(PYTHONPATH=f"{tmp_path}:{ROOT}"), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    found = json.loads(report.read_text())
+    host, port = found["at"][0], int(found["at"][1])
+    assert [host, port] in found["listening"], found
+    assert not [a for a in found["listening"] if a[1] == port and a[0] != host], found["listening"]  # there only
+    assert found["keys"] and all(len(name) == 64 and "/" not in name for name, _ in found["keys"]), found["keys"]
+    gloo = {socket.inet_aton(ip).hex() for ip, _ in found["listening"] if ":" not in ip}  # its address, packed
+    assert not [v for _, v in found["keys"] if any(a in v for a in gloo)], "a value shows an address in the clear"
 
 
 def losses(run_dir) -> dict[int, float]:

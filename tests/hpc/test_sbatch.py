@@ -47,7 +47,7 @@ CASES = {  # name: (kind, recipe, overrides, slurm options)
 def images_exist(monkeypatch):
     """The goldens' image paths are a cluster's: only their text is tested here (the image checks:
     tests/hpc/test_container.py)."""
-    monkeypatch.setattr("hpcrlhf.hpc.image.check_image", lambda path, python="python": [])
+    monkeypatch.setattr("hpcrlhf.hpc.job.check_image", lambda path, python="python": [])
 
 
 def render(name: str) -> str:

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from hpcrlhf.metrics import read_metrics
+from hpcrlhf.run.metrics import read_metrics
 from tests.hpc.slurm_jobs import SFT, kill_task, losses, render, slurm_log, wait_for_step
 from tests.launch_helpers import run_cli
 from tests.slurm_cluster import node_address

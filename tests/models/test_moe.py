@@ -19,7 +19,7 @@ from hpcrlhf.errors import ConfigError
 from hpcrlhf.models.loading import load_causal_lm
 from hpcrlhf.models.moe import has_router, router_kwargs
 from hpcrlhf.models.tiny import build_tiny_model_dir
-from hpcrlhf.metrics import read_metrics
+from hpcrlhf.run.metrics import read_metrics
 from tests.launch_helpers import run_cli
 
 
@@ -62,20 +62,25 @@ def test_sft_on_a_dense_model_refuses_it(tmp_path):
     assert proc.returncode == 2 and "is no mixture-of-experts model: it has no router" in proc.stderr
 
 
-def test_sft_trains_the_router_towards_balance(tmp_path):
+def assert_sft_steers_the_router_towards_balance(tmp_path, *overrides: str) -> None:
     """Reported every step; a large weight lowers the loss towards its balanced value (top_k)
-    while a run without it is not steered."""
+    while a run without it is not steered. `overrides` (--set pairs) run it under another engine
+    setting (tests/gpu: ZeRO-3 in bf16)."""
     runs = {}
     for coef in (0.0, 5.0):
         out = tmp_path / f"coef{coef}"
         run_cli(["train", "sft", "-o", str(out), *QUICK, "--set", "model.path=builtin:tiny-mixtral",
-                 "--set", "train.max_steps=30", "--set", f"model.router_aux_loss_coef={coef}"])
+                 "--set", "train.max_steps=30", "--set", f"model.router_aux_loss_coef={coef}", *overrides])
         runs[coef] = [m.get("train/router_aux_loss") for m in read_metrics(out) if "train/loss" in m]
     assert all(v is None for v in runs[0.0])  # off: not computed
     aux = runs[5.0]
     assert all(v is not None and v == v for v in aux)
     top_k = json.loads((build_tiny_model_dir("mixtral") / "config.json").read_text())["num_experts_per_tok"]
     assert min(aux[-5:]) < aux[0] and aux[-1] - top_k < 0.5 * (aux[0] - top_k), aux
+
+
+def test_sft_trains_the_router_towards_balance(tmp_path):
+    assert_sft_steers_the_router_towards_balance(tmp_path)
 
 
 def test_the_ppo_actor_adds_and_reports_it(tmp_path):

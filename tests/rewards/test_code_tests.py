@@ -20,7 +20,7 @@ from hpcrlhf.errors import ConfigError, RuleError
 from hpcrlhf.rewards.builtin import build_builtin
 from hpcrlhf.rewards.code_tests import program_in
 from hpcrlhf.rewards.response import Response
-from hpcrlhf.signals import STOP_SIGNALS, StopFlag, StopRequested
+from hpcrlhf.run.signals import STOP_SIGNALS, StopFlag, StopRequested
 from tests.launch_helpers import ROOT
 from tests.rewards.programs import PYTHON, TOKEN, processes_with_token, tagged
 

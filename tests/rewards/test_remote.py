@@ -14,17 +14,17 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Callable
+from collections.abc import Callable
 
 import pytest
 
 from hpcrlhf.config.loader import load_config
 from hpcrlhf.config.schema import PPOConfig, RemoteRewardConfig, RewardSourceConfig
 from hpcrlhf.errors import ConfigError, RewardServerError
-from hpcrlhf.metrics import read_metrics
+from hpcrlhf.run.metrics import read_metrics
 from hpcrlhf.rewards.remote import RemoteSource
 from hpcrlhf.rewards.response import Response
-from hpcrlhf.signals import STOP_SIGNALS, StopFlag, StopRequested
+from hpcrlhf.run.signals import STOP_SIGNALS, StopFlag, StopRequested
 from tests.launch_helpers import run_cli
 
 TOKEN = "s3cret-token-for-the-test"

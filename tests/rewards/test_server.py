@@ -22,7 +22,7 @@ import pytest
 from hpcrlhf.config.loader import load_config
 from hpcrlhf.config.schema import RemoteRewardConfig, RewardSourceConfig, ServeRewardConfig
 from hpcrlhf.errors import ConfigError, RewardServerError
-from hpcrlhf.metrics import read_metrics
+from hpcrlhf.run.metrics import read_metrics
 from hpcrlhf.rewards.remote import RemoteSource
 from hpcrlhf.rewards.response import Response
 from tests.launch_helpers import cli_command, cli_env, run_cli

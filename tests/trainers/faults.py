@@ -32,10 +32,10 @@ def nan_for_first_prompt(prompt: str, response: str, row) -> float:
 def inject_nan_logits(steps: set[int]) -> None:
     """Patch the training engine so training forwards during `steps` return NaN logits."""
     from hpcrlhf.engines.deepspeed_engine import TrainingEngine
-    from hpcrlhf.trainers.base import Trainer
+    from hpcrlhf.trainers.loop import TrainingLoop
 
     current = {"step": 0}
-    guarded_step, forward = Trainer.guarded_step, TrainingEngine.__call__
+    guarded_step, forward = TrainingLoop.guarded_step, TrainingEngine.__call__
 
     def guarded_step_spy(self, step):
         current["step"] = step + 1
@@ -47,7 +47,7 @@ def inject_nan_logits(steps: set[int]) -> None:
             out["logits"] = out["logits"] * float("nan")
         return out
 
-    Trainer.guarded_step, TrainingEngine.__call__ = guarded_step_spy, poisoned_forward
+    TrainingLoop.guarded_step, TrainingEngine.__call__ = guarded_step_spy, poisoned_forward
 
 
 def engine_skip_report(stage: int, precision: str) -> dict:

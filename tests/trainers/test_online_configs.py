@@ -10,7 +10,7 @@ import pytest
 from hpcrlhf.config.loader import load_config
 from hpcrlhf.config.schema import PPOConfig, RSConfig, TrainConfig
 from hpcrlhf.errors import ConfigError
-from hpcrlhf.trainers.plan import PPOPlan
+from hpcrlhf.trainers.batches import PPOPlan
 
 
 @pytest.mark.parametrize("overrides, message", [
@@ -82,7 +82,7 @@ def test_ppo_plan_rejects_impossible_shapes(kwargs, message):
 
 
 def test_rollouts_are_generated_ahead_only_within_the_run():
-    from hpcrlhf.trainers.overlap import generate_ahead
+    from hpcrlhf.trainers.ppo.staleness import generate_ahead
 
     # 5 steps: step i's rollout (0-based) may be generated during step i-1, never one past the last step
     assert [i for i in range(7) if generate_ahead(i, 5, 1)] == [1, 2, 3, 4]

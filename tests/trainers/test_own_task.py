@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from hpcrlhf.metrics import read_metrics
+from hpcrlhf.run.metrics import read_metrics
 from tests.launch_helpers import run_cli
 
 USER_MODULE = '''\

@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from hpcrlhf.metrics import read_metrics
+from hpcrlhf.run.metrics import read_metrics
 from tests.launch_helpers import run_cli
 
 QUIET = ["--set", "log.tensorboard=false", "--set", "eval.every_steps=0"]

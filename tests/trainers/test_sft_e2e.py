@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from hpcrlhf.metrics import read_metrics
+from hpcrlhf.run.metrics import read_metrics
 from tests.launch_helpers import ROOT, cli_command, cli_env, run_cli, stop_after
 
 # A short, fully logged run: 24 steps, 2 micro-batches of 16 per step on one rank.

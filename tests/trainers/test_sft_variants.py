@@ -12,7 +12,7 @@ import pytest
 
 from hpcrlhf.config.loader import load_config
 from hpcrlhf.config.schema import SFTConfig
-from hpcrlhf.metrics import read_metrics
+from hpcrlhf.run.metrics import read_metrics
 from hpcrlhf.trainers.sft import run_sft
 
 QUICK = ["train.max_steps=12", "train.global_batch_size=16", "train.micro_batch_size=8", "log.every_steps=1",

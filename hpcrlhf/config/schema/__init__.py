@@ -35,14 +35,17 @@ from hpcrlhf.config.schema.sections import (BUNDLED_TASKS, DEFAULT_MAX_LENGTH, D
                                             DEFAULT_USER_CODE_TIMEOUT_S, MAX_STEPS, MICRO_BATCH_CAP, BundledTask,
                                             CheckpointConfig, DataConfig, DataSourceConfig, EngineConfig, EvalConfig,
                                             LogConfig, LoRAConfig, ModelConfig, OptimConfig, ReferenceConfig, TaskConfig,
-                                            TrainConfig, TrainJobConfig, resolved_new_tokens)
+                                            TrainConfig, TrainJobConfig, resolved_max_length, resolved_new_tokens)
 
 JOB_CONFIGS: dict[str, type] = {"sft": SFTConfig, "rm": RMConfig, "dpo": DPOConfig, "kto": KTOConfig, "csft": CSFTConfig,
                                 "ppo": PPOConfig, "rs": RSConfig}
 """Job kind -> its config class (the CLI's `train KIND`)."""
 
+JobConfig = TrainJobConfig | GenerateConfig
+"""A config the CLI builds from a recipe: a training job's (`JOB_CONFIGS`) or `hpcrlhf generate`'s."""
+
 __all__ = [
-    "JOB_CONFIGS", "PathText", "largest_divisor", "resolved_new_tokens",
+    "JOB_CONFIGS", "JobConfig", "PathText", "largest_divisor", "resolved_max_length", "resolved_new_tokens",
     "BUNDLED_TASKS", "DEFAULT_MAX_LENGTH", "DEFAULT_NEW_TOKENS", "DEFAULT_TASK", "DEFAULT_USER_CODE_TIMEOUT_S",
     "MAX_STEPS", "MICRO_BATCH_CAP", "PLACEMENT_ROLES", "TASK_RULES", "KNOWN_RULES", "BUILTIN_RULES", "metric_name", "BundledTask", "PlacementRole",
     "TrainJobConfig", "OnlineJobConfig", "PolicyJobConfig",

@@ -65,7 +65,7 @@ def largest_divisor(n: int, cap: int) -> int:
     return max(d for d in range(1, min(n, cap) + 1) if n % d == 0)
 
 
-def fill_derived(cfg, section: str, **values) -> None:
+def fill_derived(cfg: object, section: str, **values: object) -> None:
     """Fill derived values into a section of a config being built (its `__post_init__`): the section
     is rebuilt (and checked again) with them; values equal to the section's are left alone."""
     current = getattr(cfg, section)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import string
 from dataclasses import dataclass, field
-from typing import ClassVar, Literal, Optional
+from typing import ClassVar, Literal
 
 from hpcrlhf.config.schema.checks import PathText, require, require_finite
 from hpcrlhf.config.schema.sections import (DataConfig, DataSourceConfig, OptimConfig, ReferenceConfig, TrainConfig,
@@ -20,7 +20,7 @@ class PairDataConfig(DataSourceConfig):
     """Field of each row holding the preferred response."""
     rejected_key: str = "rejected"
     """Field of each row holding the dispreferred response."""
-    margin_key: Optional[str] = None
+    margin_key: str | None = None
     """Field holding a numeric preference margin (how much better chosen is). Reward model: the
     loss becomes -log sigmoid(r_chosen - r_rejected - margin) (Llama 2). Unset: no margin."""
 

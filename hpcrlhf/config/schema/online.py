@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import difflib
 from dataclasses import dataclass, field
-from typing import Literal, Optional
+from typing import Literal
+from urllib.parse import urlsplit
 
 from hpcrlhf.config.schema.checks import (PathText, fill_derived, require, require_finite,
                                           require_timeout, shown)
 from hpcrlhf.config.schema.sections import (DEFAULT_USER_CODE_TIMEOUT_S, MAX_STEPS, DataSourceConfig, ModelConfig,
                                             OptimConfig, ReferenceConfig, TaskConfig, TrainConfig, TrainJobConfig,
-                                            resolve_data_length, resolved_new_tokens)
+                                            resolved_max_length, resolved_new_tokens)
 from hpcrlhf.config.schema.rules import BUILTIN_RULES, RulesConfig, is_user_function, require_metrics
 from hpcrlhf.errors import ConfigError
 
@@ -37,7 +38,7 @@ class RolloutConfig:
     """Nucleus sampling: keep the smallest token set with this much probability (1.0: off)."""
     top_k: int = 0
     """Sample among the k most likely tokens (0: off)."""
-    max_new_tokens: Optional[int] = None
+    max_new_tokens: int | None = None
     """Longest response; responses cut here have no EOS (see reward.missing_eos_penalty). null: the
     bundled task's answer length (8) when the task applies, else 256 (`DEFAULT_NEW_TOKENS`)."""
     min_new_tokens: int = 0
@@ -48,18 +49,18 @@ class RolloutConfig:
     per_device_generation_batch_size)."""
     vllm_kv_cache_gb: float = 1.0
     """vllm only: KV-cache memory of the engine, in GiB."""
-    vllm_enforce_eager: Optional[bool] = None
+    vllm_enforce_eager: bool | None = None
     """vllm only: skip graph capture / compilation. null: eager on CPU (capture gains nothing there
     and costs minutes at start), CUDA graphs on GPU (without them decoding is launch-bound: ~22 ms
     per token step for 64 sequences of a 0.5B model on an H100, no faster than HF generate)."""
-    vllm_max_num_seqs: Optional[int] = None
+    vllm_max_num_seqs: int | None = None
     """vllm only: most sequences the engine runs at once (vLLM's max_num_seqs; null: vLLM's
     default, 256 per TP rank on CPU, 256-1024 on GPU). Lower it when the KV cache is small."""
-    vllm_max_num_batched_tokens: Optional[int] = None
+    vllm_max_num_batched_tokens: int | None = None
     """vllm only: tokens the engine computes per step (vLLM's max_num_batched_tokens; null: vLLM's
     default, 4096 per TP rank on CPU, 8192-16384 on GPU, raised to the longest sequence without
     chunked prefill)."""
-    vllm_chunked_prefill: Optional[bool] = None
+    vllm_chunked_prefill: bool | None = None
     """vllm only: split long prompts over engine steps. null: off on CPU (vLLM 0.32 cannot rewind a
     CPU random generator after a split prompt and dies with seeded sampling; true is refused
     there), vLLM's default (on) on GPU."""
@@ -104,21 +105,21 @@ class RolloutConfig:
 
 @dataclass(frozen=True)
 class RewardSourceConfig:
-    model: Optional[PathText] = None
+    model: PathText | None = None
     """A reward model folder (from `hpcrlhf train rm`, or any one-label sequence classifier)."""
-    rule: Optional[str] = None
+    rule: str | None = None
     """A rule-based reward instead: a built-in rule (`math`, `code`, `format`: set in the `rules`
     section, see docs/rewards.md), `task` (the bundled task's exact score, 1 or 0), `task_partial`
     (share of digits right), or `package.module:function` taking (prompt, response, row) and
     returning a float."""
-    url: Optional[str] = None
+    url: str | None = None
     """A reward server instead (http:// or https://): the responses are POSTed there in batches and
     it answers one score each (the protocol: docs/rewards.md#reward-servers; `reward.remote` sets
     batch size, concurrency, timeout and retries)."""
-    token_file: Optional[PathText] = None
+    token_file: PathText | None = None
     """url only: a file holding the bearer token sent with each request (only the file's path is
     written anywhere; the token is read when the job starts)."""
-    token_env: Optional[str] = None
+    token_env: str | None = None
     """url only: the environment variable holding the bearer token, instead of token_file."""
     weight: float = 1.0
     """This source's weight in the weighted sum of all sources."""
@@ -145,8 +146,6 @@ class RewardSourceConfig:
 def require_url(url: str, key: str) -> None:
     """An http(s) URL with a host and no user or password in it (config.yaml and the logs show URLs:
     a token goes in token_file or token_env)."""
-    from urllib.parse import urlsplit
-
     parts = urlsplit(url)
     require(parts.scheme in ("http", "https") and bool(parts.hostname), key, url,
             "use an http:// or https:// URL with a host, e.g. http://10.0.0.5:8000/score")
@@ -191,7 +190,7 @@ def _close(name: str) -> str:
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
-def _require_task_for_rules(reward: Optional["RewardConfig"], task: TaskConfig, data: DataSourceConfig) -> None:
+def _require_task_for_rules(reward: RewardConfig | None, task: TaskConfig, data: DataSourceConfig) -> None:
     """The `task` rules need the bundled task to apply: refused when the config loads, not after the
     models have loaded and the first prompt fails to parse."""
     if reward is None or task.resolve(data) is not None:
@@ -210,11 +209,11 @@ class RewardConfig:
     sources: tuple[RewardSourceConfig, ...] = (RewardSourceConfig(rule="task"),)
     """Reward models and rule-based rewards; a response's score is their weighted sum, e.g.
     `[{model: runs/rm/model, weight: 1.0}, {rule: task, weight: 0.5}]`."""
-    clip: Optional[float] = None
+    clip: float | None = None
     """Clip each combined score to [-clip, clip] (null: no clipping)."""
     running_norm: bool = False
     """Standardise scores with their running mean and std over all rollouts so far."""
-    missing_eos_penalty: Optional[float] = None
+    missing_eos_penalty: float | None = None
     """Added to the score of a response cut at rollout.max_new_tokens (e.g. -1.0); null: none."""
     length_penalty: float = 0.0
     """Subtracted from the score per response token (discourages long answers)."""
@@ -296,7 +295,7 @@ class RSSectionConfig:
     """Prompts sampled (best-of-n over rollout.samples_per_prompt) in each round."""
     steps_per_iteration: int = 40
     """Optimizer steps on each round's selected data."""
-    min_score: Optional[float] = None
+    min_score: float | None = None
     """sft: keep a prompt's best response only if its score reaches this (e.g. 1.0 with the exact
     task reward); null: only if it scores higher than the prompt's worst response."""
     beta: float = 0.1
@@ -358,7 +357,7 @@ class GenerateConfig:
     """Generation settings (backend, samples per prompt, temperature, length)."""
     greedy: bool = True
     """Greedy decoding (rollout.temperature/top_p/top_k unused); false samples."""
-    reward: Optional[RewardConfig] = None
+    reward: RewardConfig | None = None
     """Score each response with these reward models / rules (null: no scores)."""
     metrics: tuple[str, ...] = ()
     """Metrics of each response, as `eval.metrics` of training jobs (built-in rules or
@@ -377,7 +376,7 @@ class GenerateConfig:
     def __post_init__(self) -> None:
         require(self.batch_size >= 1, "batch_size", self.batch_size, "use at least 1")
         require_timeout(self.metric_timeout_s, "metric_timeout_s")
-        resolve_data_length(self)
+        fill_derived(self, "data", max_length=resolved_max_length(self.data.max_length, self.task, self.data))
         fill_derived(self, "rollout", max_new_tokens=resolved_new_tokens(self.rollout.max_new_tokens, self.task, self.data))
         require_metrics(self.metrics, "metrics")
         _require_task_for_rules(self.reward, self.task, self.data)

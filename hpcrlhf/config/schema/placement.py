@@ -4,7 +4,7 @@ from (`hpcrlhf.placement`, `hpcrlhf plan`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Optional
+from typing import Literal
 
 from hpcrlhf.config.schema.checks import require, require_finite
 
@@ -25,12 +25,12 @@ class RoleConfig:
     gpus_per_node: int = 1
     """GPUs the role takes on each of its nodes; its data-parallel ranks are nodes x gpus_per_node
     (0: the role gets no GPUs)."""
-    zero_stage: Optional[Literal[0, 1, 2, 3]] = None
+    zero_stage: Literal[0, 1, 2, 3] | None = None
     """This role's ZeRO stage (null: engine.zero_stage)."""
-    offload_optimizer: Optional[bool] = None
+    offload_optimizer: bool | None = None
     """Keep this role's optimizer states in CPU memory (null: engine.offload_optimizer). Trained
     roles (actor, critic) only."""
-    offload_params: Optional[bool] = None
+    offload_params: bool | None = None
     """Keep this role's weights in CPU memory between uses, ZeRO-3 only (null: actor and critic
     engine.offload_params, ref reference.offload, reward false)."""
     sleep: bool = False

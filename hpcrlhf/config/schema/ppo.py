@@ -4,7 +4,7 @@ groups, batch sizes, the Ray runtime, sleep between phases). Where its roles run
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import ClassVar, Literal, Optional
+from typing import ClassVar, Literal
 
 from hpcrlhf.algos.estimators import ADVANTAGE_ESTIMATORS, ESTIMATORS, Estimator
 from hpcrlhf.config.schema.checks import PathText, fill_derived, largest_divisor, require, require_finite, shown
@@ -15,7 +15,7 @@ from hpcrlhf.errors import ConfigError
 
 @dataclass(frozen=True)
 class CriticConfig:
-    path: Optional[PathText] = None
+    path: PathText | None = None
     """Model the critic starts from. Unset: the first reward model in reward.sources (head kept),
     else the actor's model.path (a new value head)."""
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-3, scheduler="constant", warmup_ratio=0.0))
@@ -36,16 +36,16 @@ class PPOSectionConfig:
     """Passes over each rollout's experience (mini-batches of train.global_batch_size sequences)."""
     clip_eps: float = 0.2
     """Clip the probability ratio to [1 - clip_eps, 1 + clip_eps_high]."""
-    clip_eps_high: Optional[float] = None
+    clip_eps_high: float | None = None
     """Upper clip range (null: clip_eps); a larger value lets rare good tokens grow (DAPO)."""
     ratio_level: Literal["token", "sequence"] = "token"
     """token: PPO's per-token probability ratio; sequence: GSPO (Zheng et al. 2025), one ratio per
     response (the geometric mean of its token ratios) clipped as a whole -- use it with a
     sequence-level estimator (grpo, dr_grpo, rloo), clip ranges like the paper's (clip_eps 3e-4,
     clip_eps_high 4e-4) and loss_aggregation seq-mean-token-mean."""
-    dual_clip: Optional[float] = None
+    dual_clip: float | None = None
     """Dual-clip constant c > 1 bounding the loss of negative-advantage tokens (Ye et al. 2020)."""
-    value_clip: Optional[float] = 0.2
+    value_clip: float | None = 0.2
     """Clip the critic's new values to old +- value_clip in the value loss (null: no clipping)."""
     gamma: float = 1.0
     """Discount factor over response tokens."""
@@ -63,7 +63,7 @@ class PPOSectionConfig:
     exp(-r) - 1 + r (non-negative, unbiased)."""
     init_kl_coef: float = 0.05
     """Coefficient of the KL penalty subtracted from the per-token rewards (0: none)."""
-    kl_target: Optional[float] = None
+    kl_target: float | None = None
     """Adaptive KL controller target per sequence (Ziegler et al. 2019); null: fixed coefficient."""
     kl_horizon: int = 10000
     """Adaptive KL controller horizon, in sequences."""
@@ -74,7 +74,7 @@ class PPOSectionConfig:
     experience (its importance ratio uses the log-probs it was generated with)."""
     freeze_actor_steps: int = 0
     """Train only the critic for the first N steps (warms the value estimates up)."""
-    tis_cap: Optional[float] = None
+    tis_cap: float | None = None
     """Truncated importance sampling (Yao et al. 2025): weight each token's policy loss by
     min(pi_old / pi_rollout, tis_cap), pi_rollout the rollout engine's log-prob of the token (it
     differs from the trainer's recomputation by the engine's numerics -- bf16 vLLM on GPU -- and,
@@ -194,7 +194,7 @@ class PPOConfig(OnlineJobConfig):
                     "placement.runtime=local")
 
 
-def _require_sleep_settings(cfg: "PPOConfig") -> None:
+def _require_sleep_settings(cfg: PPOConfig) -> None:
     """Sleep (placement.vllm.sleep, placement.<role>.sleep) swaps GPU memory between generation and
     training: it needs vLLM engines, trained roles that hold their states on the GPU, and phases
     that take turns."""

@@ -8,7 +8,7 @@ the same way; what each rule does with them: `hpcrlhf.rewards.builtin` and docs/
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Optional
+from typing import Literal
 
 import regex
 
@@ -57,10 +57,10 @@ class CodeRuleConfig:
     output_key: str = "output"
     """The key of a stdin/stdout test's expected output (compared with the program's output, each
     line's trailing whitespace and trailing blank lines ignored)."""
-    block: Optional[str] = "python"
+    block: str | None = "python"
     """The program is the response's last fenced block with this language (```python ... ```);
     empty: the last fenced block of any language; null: the whole response. No such block scores 0."""
-    python: Optional[PathText] = None
+    python: PathText | None = None
     """The interpreter that runs the programs; null: the job's own. Run as root, hpcrlhf runs programs
     as the user nobody, which must be able to run it: a Python under /root cannot (the job then
     fails at the start and says so), use e.g. /usr/bin/python3."""
@@ -127,7 +127,7 @@ class RulesConfig:
     passed."""
     format: FormatRuleConfig = field(default_factory=FormatRuleConfig)
     """`format`: 1 when the response matches a regular expression, else 0."""
-    workers: Optional[int] = None
+    workers: int | None = None
     """Checks (`math`) and test runs (`code`) at once, each in its own process; null: the CPU cores
     this process may use, shared among the training processes of its node (LOCAL_WORLD_SIZE)."""
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import ClassVar, Literal, Optional
+from typing import ClassVar, Literal
 
 from hpcrlhf.config.schema.checks import (PathText, fill_derived, largest_divisor, require, require_finite,
                                           require_timeout)
@@ -63,7 +63,7 @@ BUNDLED_TASKS: dict[str, BundledTask] = {
 
 @dataclass(frozen=True)
 class TaskConfig:
-    name: Optional[str] = "auto"
+    name: str | None = "auto"
     """Bundled synthetic task (rule-based score): it supplies the data when `data.train_path` is
     unset, and the task score (`eval/task_score`, the `task` reward rules). `auto`: the arithmetic
     task when `data.train_path` is unset, none when it is set (your data is not scored as
@@ -97,7 +97,7 @@ class TaskConfig:
         require(0 <= self.hard_pair_fraction <= 1, "task.hard_pair_fraction", self.hard_pair_fraction,
                 "use a value in [0, 1]")
 
-    def resolve(self, data: "DataSourceConfig") -> Optional[str]:
+    def resolve(self, data: DataSourceConfig) -> str | None:
         """The task that applies to a job with `data`: `name`, with `auto` decided by
         `data.train_path`."""
         if self.name != "auto":
@@ -109,10 +109,10 @@ class TaskConfig:
 class DataSourceConfig:
     """Where rows come from and how prompts are tokenised (shared by every job kind's `data`)."""
 
-    train_path: Optional[PathText] = None
+    train_path: PathText | None = None
     """Training data: a .jsonl/.json/.parquet/.csv file, a folder saved by `datasets`, or a hub
     dataset name (online only). Unset: rows from the bundled task."""
-    eval_path: Optional[PathText] = None
+    eval_path: PathText | None = None
     """Held-out data in the same forms. Unset: the task's eval split (or none with a train file)."""
     split: str = "train"
     """Split to read from hub datasets."""
@@ -120,10 +120,10 @@ class DataSourceConfig:
     """Field of each row holding the prompt."""
     apply_chat_template: bool = False
     """Wrap each prompt as a user turn with the tokenizer's chat template."""
-    max_length: Optional[int] = None
+    max_length: int | None = None
     """Tokens per sample (prompt + response + EOS); longer samples are truncated (and counted).
     null: the bundled task's (64) when the task applies, else 1024 (`DEFAULT_MAX_LENGTH`)."""
-    max_samples: Optional[int] = None
+    max_samples: int | None = None
     """Use only the first N training rows."""
 
     def __post_init__(self) -> None:
@@ -204,14 +204,14 @@ schedule (warm-up and decay computed in float64 from step counts) stay exact, an
 class TrainConfig:
     epochs: int = 1
     """Passes over the training data (ignored when `max_steps` is set)."""
-    max_steps: Optional[int] = None
+    max_steps: int | None = None
     """Stop after this many optimizer steps (takes precedence over `epochs`)."""
-    global_batch_size: Optional[int] = 64
+    global_batch_size: int | None = 64
     """Samples (packed rows with packing) per optimizer step, summed over all data-parallel ranks.
     ppo: sequences per optimizer step (the mini-batch); null (its default) derives it from the
     rollout: the largest divisor of its sequences (rollout.prompts_per_step x samples_per_prompt)
     that is at most 64, so changing the rollout size alone never breaks the batch."""
-    micro_batch_size: Optional[int] = None
+    micro_batch_size: int | None = None
     """Samples per forward/backward pass on one rank; null: the largest divisor of each rank's
     share of the global batch that is at most 64 (`MICRO_BATCH_CAP`; lower it, or set it, when a
     micro batch does not fit in memory). Accumulation steps are derived: global_batch_size /
@@ -269,7 +269,7 @@ class EvalConfig:
     every_steps: int = 50
     """Evaluate (held-out loss and task score) every N optimizer steps, and at the end (0: only at
     the end)."""
-    max_new_tokens: Optional[int] = None
+    max_new_tokens: int | None = None
     """Tokens generated per eval prompt for the task score and `metrics` (greedy); null: the bundled
     task's answer length (8) when the task applies, else 256 (`DEFAULT_NEW_TOKENS`)."""
     score_prompts: int = 256
@@ -314,6 +314,11 @@ class LogConfig:
     """Also write TensorBoard event files into the run folder."""
     progress: bool = True
     """Show a progress bar (rank 0) with rate and ETA."""
+    third_party: Literal["file", "console"] = "file"
+    """Where the libraries' own output goes (transformers, DeepSpeed, vLLM and its engine processes,
+    Ray, torch, Python warnings): `file`: the run folder's `third_party.log`, their errors also on the
+    terminal; `console`: the terminal, as they print it. HPCRLHF_VERBOSE=1 shows it on the terminal
+    for any command."""
 
     def __post_init__(self) -> None:
         require(self.every_steps >= 1, "log.every_steps", self.every_steps, "use at least 1 (every step)")
@@ -370,7 +375,7 @@ class LoRAConfig:
 
 @dataclass(frozen=True)
 class ReferenceConfig:
-    path: Optional[PathText] = None
+    path: PathText | None = None
     """Frozen reference model. Unset: the model training starts from (`model.path`)."""
     offload: bool = False
     """Keep the reference's weights in CPU memory between uses (ZeRO-3 parameter offload; needs
@@ -380,7 +385,7 @@ class ReferenceConfig:
     reference model (saves its memory and forward passes during training)."""
 
 
-def _task_default(given: Optional[int], task: TaskConfig, data: "DataSourceConfig", attribute: str,
+def _task_default(given: int | None, task: TaskConfig, data: DataSourceConfig, attribute: str,
                   default: int) -> int:
     """`given`, or (null) the bundled task's own value (`attribute` of its `BundledTask`) when the
     task applies to a job with `data`, else `default`."""
@@ -390,16 +395,15 @@ def _task_default(given: Optional[int], task: TaskConfig, data: "DataSourceConfi
     return getattr(BUNDLED_TASKS[name], attribute) if name is not None else default
 
 
-def resolved_new_tokens(given: Optional[int], task: TaskConfig, data: "DataSourceConfig") -> int:
+def resolved_new_tokens(given: int | None, task: TaskConfig, data: DataSourceConfig) -> int:
     """`given`, or the bundled task's answer length when it applies, else `DEFAULT_NEW_TOKENS`."""
     return _task_default(given, task, data, "answer_tokens", DEFAULT_NEW_TOKENS)
 
 
-def resolve_data_length(cfg) -> None:
-    """A null `data.max_length`: the bundled task's sample length when it applies, else
+def resolved_max_length(given: int | None, task: TaskConfig, data: DataSourceConfig) -> int:
+    """`given` (`data.max_length`), or the bundled task's sample length when it applies, else
     `DEFAULT_MAX_LENGTH`."""
-    fill_derived(cfg, "data", max_length=_task_default(cfg.data.max_length, cfg.task, cfg.data, "sample_tokens",
-                                                   DEFAULT_MAX_LENGTH))
+    return _task_default(given, task, data, "sample_tokens", DEFAULT_MAX_LENGTH)
 
 
 @dataclass(frozen=True)
@@ -442,7 +446,7 @@ class TrainJobConfig:
     def __post_init__(self) -> None:
         if self.task.name is None and self.data.train_path is None:
             raise ConfigError("data.train_path: null needs a task for data: set data.train_path or task.name")
-        resolve_data_length(self)
+        fill_derived(self, "data", max_length=resolved_max_length(self.data.max_length, self.task, self.data))
         if self.model.router_aux_loss_coef and not self.uses_router_loss:
             raise ConfigError(f"model.router_aux_loss_coef: {self.model.router_aux_loss_coef} is used by sft and the ppo "
                               "actor only; use 0 for this job")

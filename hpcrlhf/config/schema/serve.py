@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import ipaddress
 from dataclasses import dataclass, field
-from typing import Optional
 
 from hpcrlhf.config.schema.checks import PathText, require, require_finite
 from hpcrlhf.config.schema.online import RewardConfig
@@ -49,7 +48,7 @@ class ServeRewardConfig:
     an address of another interface (or 0.0.0.0, every interface) to serve jobs on other nodes."""
     port: int = 8000
     """The port to listen on; 0: a free one (written to `<output_dir>/server.json`)."""
-    token_file: Optional[PathText] = None
+    token_file: PathText | None = None
     """A file holding the token requests must bring (`Authorization: Bearer ...`); null: a new
     random token, written to `<output_dir>/token` (readable by you only)."""
     no_token: bool = False

@@ -4,7 +4,7 @@ the generations scattered back. On Ray each engine is its own actor instead (hpc
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from hpcrlhf.engines.rollout.contract import ENGINE_MEMORY, Generation, SamplingParams
 

@@ -49,7 +49,7 @@ from hpcrlhf.engines.rollout.vllm_worker import EXTENSION_CLASS
 from hpcrlhf.engines.vllm_plugin import IDLE_SPIN_ENV
 from hpcrlhf.engines.weight_sync import SyncStats
 from hpcrlhf.errors import ConfigError
-from hpcrlhf.logs import get_logger
+from hpcrlhf.logs import get_logger, third_party_processes
 from hpcrlhf.models.context import model_positions
 
 log = get_logger()
@@ -179,13 +179,14 @@ class VLLMRollout:
                      + f", chunked prefill {'on' if kwargs['enable_chunked_prefill'] else 'off'}, at most "
                      f"{kwargs.get('max_num_seqs', 'vLLM default')} sequences and "
                      f"{kwargs.get('max_num_batched_tokens', 'vLLM default')} tokens per step, eager={enforce_eager}")
-            self._llm = LLM(
-                model=str(model_dir), tokenizer=str(model_dir), seed=seed, max_model_len=max_model_len, dtype=dtype,
-                enforce_eager=enforce_eager, tensor_parallel_size=tensor_parallel_size,
-                gpu_memory_utilization=gpu_memory_utilization,
-                logprobs_mode="raw_logprobs",  # vLLM's default, stated: log-probs before temperature/top-p/top-k
-                worker_extension_cls=EXTENSION_CLASS, enable_sleep_mode=self.sleep_mode, **kwargs,
-            )
+            with third_party_processes("starting vLLM's engine"):  # its processes print into the run log
+                self._llm = LLM(
+                    model=str(model_dir), tokenizer=str(model_dir), seed=seed, max_model_len=max_model_len, dtype=dtype,
+                    enforce_eager=enforce_eager, tensor_parallel_size=tensor_parallel_size,
+                    gpu_memory_utilization=gpu_memory_utilization,
+                    logprobs_mode="raw_logprobs",  # vLLM's default, stated: log-probs before temperature/top-p/top-k
+                    worker_extension_cls=EXTENSION_CLASS, enable_sleep_mode=self.sleep_mode, **kwargs,
+                )
         self.asleep: set[str] = set()
         """Sleep-mode memory tags released (`sleep`) and not woken yet."""
 
@@ -252,9 +253,8 @@ class VLLMRollout:
     def _own_group(self) -> weight_sync.Group:
         """The weight-sync group of this process and the engine's workers, formed at first use."""
         if self._group is None:
-            host = "127.0.0.1"
-            store, port = weight_sync.serve_store(host)
-            spec = weight_sync.SyncGroup(host, port, 1 + self.tensor_parallel_size, f"hpcrlhf-local-{port}", kind="local")
+            store, at = weight_sync.serve_store("127.0.0.1", local=True)
+            spec = weight_sync.SyncGroup(at, 1 + self.tensor_parallel_size, f"hpcrlhf-local-{at.port}", kind="local")
             with ThreadPoolExecutor(1, thread_name_prefix="hpcrlhf-weights") as pool:
                 joined = pool.submit(self.join_weight_group, spec, 1)
                 self._group = weight_sync.join(spec, 0, store)

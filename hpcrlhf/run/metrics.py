@@ -1,0 +1,87 @@
+"""Metrics: `metrics.jsonl` (one JSON object per logged step, always with `step`) and TensorBoard.
+
+Keys are stable and namespaced (`train/loss`, `eval/task_score`, `timing/step`) so that runs,
+plots and benchmarks can be compared. Only rank 0 writes.
+
+A line is appended whole or not at all: when a write fails (a full disk), the file is cut back to
+its previous end, so a rerun never meets half a line; never through a link, never into a FIFO
+(hpcrlhf.run.files.append). `read_metrics` also drops a torn last line
+(a crash or power loss mid-write) with a warning, and names the line of any other bad one.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from hpcrlhf.errors import DataError
+from hpcrlhf.logs import get_logger
+from hpcrlhf.run.diskspace import out_of_space_is_an_error
+from hpcrlhf.run.files import append, require_safe
+
+
+class MetricsWriter:
+    def __init__(self, run_dir: Path, *, enabled: bool = True, tensorboard: bool = True):
+        self.enabled = enabled
+        self.path = run_dir / "metrics.jsonl"
+        self._tb = None
+        if enabled and tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            require_safe(run_dir / "tensorboard", "folder")  # its writer follows links
+            self._tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        record = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
+        with out_of_space_is_an_error(self.path.parent, self.path.name, resume_hint=RESUME_HINT):
+            append(self.path, (json.dumps(record) + "\n").encode())
+        if self._tb is not None:
+            with out_of_space_is_an_error(self.path.parent, "tensorboard/", resume_hint=RESUME_HINT):
+                for key, value in record.items():
+                    if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
+                        self._tb.add_scalar(key, value, step)
+                self._tb.flush()
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()
+
+
+def _plain(value: Any) -> Any:
+    if hasattr(value, "item"):
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)  # JSON has no NaN/Inf; keep them visible instead of invalid output
+    return value
+
+
+RESUME_HINT = ": it resumes from its last intact checkpoint"
+
+
+def read_metrics(run_dir: Path | str) -> list[dict[str, Any]]:
+    """Every record of a run's metrics.jsonl, in order. A torn last line (no newline, not JSON: a
+    crash mid-write) is left out with a warning; any other bad line is a DataError naming it."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.exists():
+        return []
+    text = path.read_text(errors="replace")
+    lines = text.splitlines()
+    records = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError as e:
+            if number == len(lines) and not text.endswith("\n"):
+                get_logger().warning(f"{path}:{number}: the last line is incomplete (a write cut short); ignoring it")
+                break
+            raise DataError(f"{path}:{number}: not a JSON line ({e}); fix or delete that line") from None
+        if not isinstance(record, dict) or "step" not in record:
+            raise DataError(f"{path}:{number}: not a metrics record (a JSON object with a step); fix or delete that line")
+        records.append(record)
+    return records

@@ -1,0 +1,309 @@
+"""PPO and its critic-free relatives (GRPO, RLOO, REINFORCE++): the driver of a job, local or on Ray.
+
+One step reads top to bottom, each phase timed under its metric name:
+
+    rollout    this rank's prompts -> n responses each (vLLM or HF generate)   timing/generate
+               -> scores from the reward models / rules, penalties              timing/reward
+    experience actor log-probs (old), reference log-probs, critic values,
+               KL-shaped rewards, advantages and returns                        timing/make_experience
+    update     PPO epochs over mini-batches of the replay buffer: the actor's
+               clipped policy loss (+ entropy bonus, + KL loss), the critic's
+               clipped value loss                                               timing/train (wall time),
+                                                                                timing/train_actor, timing/train_critic
+    sync       actor weights into the rollout engine (on Ray queued behind the
+               actor's epochs: the engines wait in it while the roles train;
+               timed from the end of the updates)                                timing/weight_sync
+
+With rollout.max_staleness 1 the next step's rollout is launched as soon as this step's generations
+are in, so engines that run elsewhere (Ray) generate it while this step scores and trains; the sync
+waits for it first (timing/generate_ahead_wait, timing/overlap; see `trainers.ppo.staleness`).
+
+The maths are pure functions in `algos` (`ppo`, `kl`, `reward_shaping`, `advantages`). Every batch statistic
+(whitening, the KL controller's measured KL, running reward moments, loss normalisers) is
+summed over ranks, so N ranks train like one rank with N times the batch.
+
+The PPO ratio's denominator is the actor's own recomputed log-prob of each response token (fp32,
+temperature 1), not the rollout engine's: the two agree to ~1e-5 (logged as
+`rollout/logprob_max_diff`), and recomputing keeps the ratio exactly 1 at the first update.
+
+The models are reached through a roles interface (`trainers.ppo.roles.PPORoles`): `LocalRoles`
+holds them in this process (one rank of a torchrun group), `ray.roles.RayRoles` on Ray workers placed
+by the node map (`placement.runtime: ray`); the driver, its schedule and its checkpoints are the same.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+from collections.abc import Callable
+
+import torch
+
+from hpcrlhf.algos.advantages import compute_advantages
+from hpcrlhf.algos.kl import build_kl_controller, kl_estimate
+from hpcrlhf.algos.logprobs import IGNORE
+from hpcrlhf.algos.masked import masked_sum
+from hpcrlhf.algos.ppo import truncated_is_weights
+from hpcrlhf.algos.reward_shaping import RunningMoments, clip_rewards, normalize_scores, shape_rewards
+from hpcrlhf.config.schema import PPOConfig
+from hpcrlhf.data.prompts import Prompt
+from hpcrlhf.engines.distributed import all_reduce_sum
+from hpcrlhf.engines.rollout import Done
+from hpcrlhf.logs import get_logger
+from hpcrlhf.run.folder import StepAbandoned
+from hpcrlhf.run.stats import Stats, reduce_means
+from hpcrlhf.trainers.batches import key_settings
+from hpcrlhf.trainers.loop import Checkpointable
+from hpcrlhf.trainers.online import LaunchedRollout, OnlineTrainer, Rollout
+from hpcrlhf.trainers.ppo.dynamic_sampling import fill_step
+from hpcrlhf.trainers.ppo.experience import ExperienceBatch, rollout_batch
+from hpcrlhf.trainers.ppo.roles import LocalRoles, PPORoles, RoleContext
+from hpcrlhf.trainers.ppo.staleness import generate_ahead, load_ahead, save_ahead
+from hpcrlhf.trainers.seeds import refill_seed
+
+log = get_logger()
+
+
+class PPOTrainer(OnlineTrainer):
+    kind = "ppo"
+    progress_key = "rollout/score"
+
+    def __init__(self, cfg: PPOConfig, roles: Callable[[RoleContext], PPORoles] = LocalRoles):
+        """`roles(context)` builds the job's models once the prompts are loaded: `LocalRoles` in this
+        process, or `ray.roles.RayRoles` on the node map's Ray workers."""
+        self.setup(cfg)
+        self.setup_online()
+        self.roles = roles(RoleContext(cfg, self.models, self.task, len(self.prompts), self.run.dir, self.run.timed))
+        # a vLLM engine starts from model.path: the actor's weights go in before it generates
+        self.rollout_synced = self.rollout is self.hf_rollout
+        self.setup_ppo_state()
+        self.log_start(self.roles.where)
+
+    # -- what the roles hold, read from them (the driver keeps no copy) --------------------------
+    plan = property(lambda self: self.roles.plan)
+    rollout = property(lambda self: self.roles.rollout)
+    hf_rollout = property(lambda self: self.roles.hf_rollout)
+    rewards = property(lambda self: self.roles.rewards)
+
+    def setup_ppo_state(self) -> None:
+        """The KL controller, the running reward moments and the rollout generated ahead."""
+        ppo = self.cfg.ppo
+        self.kl_ctl = build_kl_controller(ppo.init_kl_coef, ppo.kl_target, ppo.kl_horizon)
+        self.moments = RunningMoments()
+        self.ahead: tuple[int, LaunchedRollout] | None = None
+        """(step, its rollout) generated ahead (rollout.max_staleness 1), to be scored at that step."""
+
+    # -- checkpoints -------------------------------------------------------------------------
+    def save_checkpoint(self, folder: Path, client_state: dict[str, Any]) -> None:
+        """Everything a PPO checkpoint holds: the roles' (actor and critic engines with their
+        optimizers and schedules, their replay buffers), the driver's KL controller and running
+        reward moments, and the rollout generated ahead. Workers' random states are not saved:
+        PPO's randomness (sampling, mini-batch order) is seeded per step (`trainers.seeds`)."""
+        controllers = {"kl_controller": self.kl_ctl.state_dict(), "reward_moments": self.moments.state_dict()}
+        self.roles.save(folder, {**client_state, **controllers})
+        save_ahead(self.ahead, folder, self.env.rank)
+
+    def load_checkpoint(self, folder: Path) -> dict[str, Any]:
+        state = self.roles.load(folder)
+        self.kl_ctl.load_state_dict(state["kl_controller"])
+        self.moments.load_state_dict(state["reward_moments"])
+        self.restore_ahead(folder, self.env.rank)
+        self.rollout_synced = self.rollout is self.hf_rollout  # push the resumed weights before generating
+        return state
+
+    def log_start(self, where: str) -> None:
+        cfg, plan = self.cfg, self.plan
+        log.info(f"ppo ({cfg.ppo.advantage_estimator}): {len(self.prompts)} prompts, {plan.total_steps} rollouts of "
+                 f"{cfg.rollout.prompts_per_step} prompts x {cfg.rollout.samples_per_prompt} samples, "
+                 f"{plan.updates_per_step} optimizer step(s) per rollout, {where}, "
+                 f"rewards: {', '.join(self.rewards.names)}")
+        log.info(key_settings(cfg, ranks=plan.data_parallel_size, micro_batch_rows=plan.micro_batch_rows,
+                              grad_accum_steps=plan.grad_accum_steps))
+
+    # -- the loop's questions, answered by the roles --------------------------------------------
+    @property
+    def checkpointable(self) -> Checkpointable:
+        return self  # save_checkpoint / load_checkpoint: the checkpoint of a PPO job
+
+    def trained_weights(self):
+        return self.roles.trained_weights()
+
+    def optimizer_stats(self) -> dict[str, float | None]:
+        return self.roles.optimizer_stats()
+
+    def skipped_updates(self) -> None:
+        return None  # each learner reports its engine's in the step's metrics
+
+    def save_outputs(self) -> None:
+        self.roles.save_model()
+
+    def close(self) -> None:
+        self.roles.close()
+
+    def send_policy_weights(self) -> dict[str, float] | None:
+        return self.roles.push_weights()
+
+    def greedy_rollout(self):
+        """Evaluation generates with the trained module where this process holds it (and keeps it
+        on the GPU), else with the rollout engine once it has the actor's weights."""
+        if self.hf_rollout is not None and "actor" not in self.roles.phases.sleepers:
+            return self.hf_rollout
+        if not self.rollout_synced:
+            self.sync_rollout()
+        self.ready_to_generate()
+        return self.rollout
+
+    def ready_to_generate(self) -> None:
+        self.roles.phases.enter("generate")
+
+    # -- one PPO step ---------------------------------------------------------------------------
+    def train_step(self, step: int) -> dict[str, float]:
+        """The PPO step, plus how long each role's workers were busy in it where the roles measure
+        it (`timing/busy_<role>`, the mean over its ranks; `util/<role>_idle` in the log is
+        1 - busy / step)."""
+        self.roles.pop_busy()  # what evaluation used is not this step's
+        rollout, sampling_metrics = self.step_rollout(step)
+        with self.run.timed("make_experience"):
+            experience, stats = self.make_experience(rollout)
+        with self.run.timed("train"):  # wall time of the updates (train_actor/critic may overlap)
+            sums = self.train_roles(experience, step)
+        self.await_ahead()
+        with self.run.timed("weight_sync"):
+            self.sync_rollout()
+        for role, seconds in self.roles.pop_busy().items():
+            self.run.add_timing(f"busy_{role}", seconds)
+        return {**self.step_metrics(rollout, stats, sums), **self.sync_metrics, **sampling_metrics}
+
+    def step_rollout(self, step: int) -> tuple[Rollout, dict[str, float]]:
+        """The step's scored rollout: its prompts' groups, or with ppo.dynamic_sampling the step's
+        quota of informative groups gathered over rounds (and what that took). With
+        rollout.max_staleness 1 the rollout may have been generated during the step before, and
+        the next step's is started here, once this one's generations are in."""
+        n = self.cfg.rollout.samples_per_prompt
+        if self.cfg.ppo.dynamic_sampling:
+            filled = fill_step(lambda r: self.rollout_step(self.step_prompts(step, r), self.sampling(step, n, r)),
+                               n=n, max_rounds=self.cfg.ppo.dynamic_sampling_max_rounds,
+                               missing_anywhere=lambda missing: int(all_reduce_sum([missing])[0]))
+            return filled.rollout, filled.metrics(reduce=all_reduce_sum)
+        ahead, self.ahead = self.ahead, None
+        launched = ahead[1] if ahead is not None and ahead[0] == step else None
+        stale = launched is not None
+        if launched is None:
+            launched = self.launch_rollout(self.step_prompts(step), self.sampling(step, n))
+        with self.run.timed("generate"):
+            launched.pending.result()
+        try:
+            if generate_ahead(step + 1, self.plan.total_steps, self.cfg.rollout.max_staleness):
+                self.ahead = (step + 1, self.launch_rollout(self.step_prompts(step + 1), self.sampling(step + 1, n)))
+            metrics = {"rollout/staleness": float(stale)} if self.cfg.rollout.max_staleness else {}
+            return self.score_rollout(launched), metrics
+        except StepAbandoned:  # the step is redone on resume: its checkpoint keeps the rollout it was given
+            self.ahead = ahead
+            raise
+
+    def restore_ahead(self, folder: Path, rank: int) -> None:
+        """The rollout generated ahead that a checkpoint holds (`staleness.save_ahead`), if any."""
+        saved = load_ahead(folder, rank)
+        self.ahead = None
+        if saved is not None:
+            step, generations = saved
+            self.ahead = (step, LaunchedRollout(self.step_prompts(step),
+                                                self.sampling(step, self.cfg.rollout.samples_per_prompt),
+                                                Done(generations)))
+
+    def await_ahead(self) -> None:
+        """Wait for the rollout generated ahead (before new weights go into its engines) and log
+        `timing/overlap`: the seconds it was generated while this step scored and trained."""
+        if self.ahead is None:
+            if self.cfg.rollout.max_staleness:
+                self.run.add_timing("overlap", 0.0)
+            return
+        waited = time.monotonic()
+        pending = self.ahead[1].pending
+        with self.run.timed("generate_ahead_wait"):
+            pending.result()
+        self.run.add_timing("overlap", max(0.0, min(pending.finished() or waited, waited) - pending.launched))
+
+    def step_prompts(self, step: int, round: int = 0) -> list[Prompt]:
+        """The step's prompts of the actor ranks this driver generates for, in rank order (`round`
+        > 0: a dynamic-sampling refill, drawn from an order of its own)."""
+        seed, n = refill_seed(self.cfg.seed, round), len(self.prompts)
+        return [self.prompts[i] for rank in self.roles.prompt_ranks for i in self.plan.prompts_for_step(n, step, seed, rank)]
+
+    @torch.no_grad()
+    def make_experience(self, rollout: Rollout) -> tuple[ExperienceBatch, Stats]:
+        """Old log-probs, reference log-probs, values, rewards and advantages of a rollout."""
+        return self.experience_from(rollout, self.roles.score_tokens(rollout_batch(rollout, self.pad_id)))
+
+    def experience_from(self, rollout: Rollout, scored: ExperienceBatch) -> tuple[ExperienceBatch, Stats]:
+        """The maths of an experience: scores (normalised, clipped), the KL penalty, per-token
+        rewards, advantages and returns, from the models' numbers for the rollout's tokens
+        (`scored`: the rollout's batch with `old_logps`, and `ref_logps`, `values` where there are)."""
+        cfg, ppo = self.cfg, self.cfg.ppo
+        old, ref, values = (scored.tensors.get(k) for k in ("old_logps", "ref_logps", "values"))
+        mask = scored.tensors["labels"] != IGNORE
+        if values is not None:
+            values = values * mask
+        scores = rollout.scores.clone()
+        if cfg.reward.running_norm:
+            self.moments.update(scores, reduce=all_reduce_sum)
+            scores = normalize_scores(scores, self.moments)
+        scores = clip_rewards(scores, cfg.reward.clip)
+        kl = kl_estimate(old, ref, ppo.kl_estimator, mask) if ref is not None else torch.zeros_like(old)
+        kl_coef = self.kl_ctl.value if ppo.init_kl_coef > 0 else 0.0
+        if ppo.estimator.sequence_level:
+            # Sequence-level estimators: the KL penalty joins the score before the group baseline.
+            scores = scores - kl_coef * masked_sum(kl, mask, dim=-1)
+            rewards = shape_rewards(scores, torch.zeros_like(kl), mask, 0.0)
+        else:
+            rewards = shape_rewards(scores, kl, mask, kl_coef)
+        advantages, returns = compute_advantages(
+            ppo.advantage_estimator, rewards=rewards, mask=mask, scores=scores, values=values,
+            group_size=cfg.rollout.samples_per_prompt, gamma=ppo.gamma, lam=ppo.lam,
+            whiten=ppo.whiten_advantages, reduce=all_reduce_sum)
+        rollout_logps = torch.zeros_like(old)
+        for i, (g, r) in enumerate(zip(rollout.generations, rollout.responses)):
+            start = len(r.sequence_ids) - len(g.response_ids)
+            rollout_logps[i, start - 1 : start - 1 + len(g.logprobs)] = torch.tensor(g.logprobs)
+        is_weights = truncated_is_weights(old, rollout_logps, mask, ppo.tis_cap) if ppo.tis_cap else None
+        experience = scored.with_tensors(advantages=advantages, returns=returns, values=values,
+                                         ref_logps=ref if ppo.kl_loss_coef > 0 else None, is_weights=is_weights)
+        n = len(experience)
+        stats = self.rollout_stats(rollout)
+        if is_weights is not None:
+            tokens = float(mask.sum())
+            stats["rollout/is_weight"] = (float(masked_sum(is_weights, mask)), tokens)
+            stats["rollout/is_truncated"] = (float((mask & (is_weights >= ppo.tis_cap * (1 - 1e-6))).sum()), tokens)
+        stats["rollout/kl"] = (float(masked_sum(kl, mask)), n)
+        stats["rollout/logprob_max_diff"] = (float(((rollout_logps - old).abs() * mask).amax(dim=-1).sum()), n)
+        stats["rollout/advantage"] = (float(masked_sum(advantages, mask)), float(mask.sum()))
+        if values is not None:
+            stats["rollout/value"] = (float(masked_sum(values, mask)), float(mask.sum()))
+            stats["rollout/return"] = (float(masked_sum(returns, mask)), float(mask.sum()))
+        return experience, stats
+
+    # -- updates ----------------------------------------------------------------------------
+    def train_roles(self, experience: ExperienceBatch, step: int) -> Stats:
+        """The trained roles' PPO epochs on the new experience (the actor waits out
+        `ppo.freeze_actor_steps`), timed per role (`timing/train_<role>`: from the common start
+        to the role's end, where roles train at once). The weight sync that follows may start
+        as soon as the actor is done, unless the engines are generating the next rollout."""
+        roles = [r for r in self.roles.trained if not (r == "actor" and step < self.cfg.ppo.freeze_actor_steps)]
+        push = self.rollout is not self.hf_rollout and self.ahead is None
+        sums, seconds = self.roles.learn(experience, step, roles, push=push)
+        for role, s in seconds.items():
+            self.run.add_timing(f"train_{role}", s)
+        return sums
+
+    def step_metrics(self, rollout: Rollout, stats: Stats, sums: Stats) -> dict[str, float]:
+        """The step's means over ranks; updates the KL controller."""
+        cfg = self.cfg
+        metrics = reduce_means(stats) | reduce_means(sums, sum_divisor=self.plan.updates_per_step)
+        self.kl_ctl.update(metrics.get("rollout/kl", 0.0), n_steps=cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt)
+        metrics["train/kl_coef"] = self.kl_ctl.value
+        metrics["train/loss"] = metrics.get("train/policy_loss", 0.0)
+        metrics["train/tokens"], metrics["train/samples"] = all_reduce_sum([float(rollout.lengths.sum()),
+                                                                            float(len(rollout.generations))])
+        return metrics
+

@@ -1,0 +1,58 @@
+"""How a rollout's batch is packed, split over ranks and joined again (the Ray driver sends
+`ExperienceBatch` row shards to every role's ranks: forward passes, updates, and back the scores)."""
+
+from __future__ import annotations
+
+import torch
+
+from hpcrlhf.trainers.ppo.experience import ExperienceBatch, collate_experience
+
+
+def batch(lengths: list[int]) -> ExperienceBatch:
+    width, n = max(lengths), len(lengths)
+    ids = torch.zeros(n, width, dtype=torch.long)
+    labels = torch.full((n, width), -100)
+    for i, length in enumerate(lengths):
+        ids[i, :length] = torch.arange(1, length + 1) + 100 * i
+        labels[i, 1 : length - 1] = ids[i, 2:length]  # the last two positions predict the response
+    floats = torch.randn(n, width, generator=torch.Generator().manual_seed(0))
+    return ExperienceBatch({"input_ids": ids, "labels": labels, "old_logps": floats, "advantages": floats * 2,
+                            "returns": floats * 3, "values": None, "ref_logps": None}, lengths)
+
+
+def test_rows_are_trimmed_to_their_lengths_and_shards_concatenate_to_the_whole():
+    b = batch([5, 3, 7, 2, 6])
+    rows = b.rows()
+    assert [len(e.input_ids) for e in rows] == [5, 3, 7, 2, 6]
+    assert rows[1].values is None and torch.equal(rows[2].advantages, b.tensors["advantages"][2, :7])
+    shards = b.split(2)
+    assert [s.lengths for s in shards] == [[5, 3, 7], [2, 6]]
+    assert shards[1].tensors["input_ids"].shape == (2, 7)  # rows keep the batch's width
+    again = [e for s in shards for e in s.rows()]
+    for x, y in zip(rows, again):
+        assert all(torch.equal(getattr(x, f), getattr(y, f)) for f in ("input_ids", "labels", "old_logps", "returns"))
+    joined = ExperienceBatch.concat(shards)
+    assert joined.lengths == b.lengths and joined.tensors["values"] is None
+    assert all(torch.equal(joined.tensors[k], b.tensors[k]) for k in ("input_ids", "labels", "old_logps", "returns"))
+    # the collated shard is what the single-machine learner collates from the same rows
+    collated = collate_experience(shards[0].rows(), 0, torch.device("cpu"))
+    assert torch.equal(collated["input_ids"], collate_experience(rows[:3], 0, torch.device("cpu"))["input_ids"])
+
+
+def test_padded_shards_give_every_rank_the_same_rows_and_join_to_the_batch():
+    """ZeRO-3 ranks run equal numbers of forward passes; the repeated rows are dropped on joining."""
+    b = batch([5, 3, 7, 2, 6])
+    shards = b.split(2, pad_to_equal=True)
+    assert [len(s) for s in shards] == [3, 3] and shards[1].lengths == [2, 6, 6]
+    joined = ExperienceBatch.concat([s.head(n) for s, n in zip(shards, (3, 2))])
+    assert joined.lengths == b.lengths and torch.equal(joined.tensors["labels"], b.tensors["labels"])
+    assert [s.lengths for s in b.split(5, pad_to_equal=True)] == [[5], [3], [7], [2], [6]]
+
+
+def test_scores_join_the_batch_they_were_computed_for():
+    """A role's scores come back as a batch of their own fields; the driver adds them to the rollout's."""
+    b = batch([5, 3])
+    scores = ExperienceBatch({"ref_logps": torch.ones(2, 7), "score": torch.tensor([1.0, 2.0])}, b.lengths)
+    both = b.with_tensors(**scores.tensors)
+    assert torch.equal(both.tensors["ref_logps"], torch.ones(2, 7)) and both.tensors["input_ids"] is b.tensors["input_ids"]
+    assert torch.equal(ExperienceBatch.concat(scores.split(2)).tensors["score"], scores.tensors["score"])
