@@ -37,7 +37,8 @@ from hpcrlhf.rewards.rules import EvalMetrics, check_rules
 from hpcrlhf.rewards.sources import RewardSet
 from hpcrlhf.run.diskspace import out_of_space_is_an_error
 from hpcrlhf.run.files import make_folders, replacing, require_safe
-from hpcrlhf.trainers.online import flatten_generations, sampling_params, vllm_rollout_args
+from hpcrlhf.engines.rollout.settings import sampling_params, vllm_rollout_args
+from hpcrlhf.trainers.online import flatten_generations
 
 log = get_logger()
 

@@ -18,18 +18,18 @@ from collections.abc import Sequence
 
 import torch
 
-from hpcrlhf.config.schema import OnlineJobConfig, PPOConfig, RolloutConfig
+from hpcrlhf.config.schema import OnlineJobConfig
 from hpcrlhf.data.prompts import Prompt, encode_prompt_rows, load_train_prompts
 from hpcrlhf.engines.distributed import all_reduce_sum
 from hpcrlhf.engines.rollout import Generation, Pending, SamplingParams, launch
 from hpcrlhf.engines.rollout.hf import HFRollout
+from hpcrlhf.engines.rollout.settings import sampling_params, vllm_engine_args
 from hpcrlhf.engines.rollout.shared import Rank0Rollout
 from hpcrlhf.engines.rollout.vllm import VLLMRollout
 from hpcrlhf.errors import ConfigError
 from hpcrlhf.logs import get_logger
 from hpcrlhf.models.export import checkpoint_stream
 from hpcrlhf.models.factory import ModelFactory
-from hpcrlhf.models.loading import resolve_model_path
 from hpcrlhf.rewards.response import Response
 from hpcrlhf.rewards.sources import RewardSet, adjust_scores
 from hpcrlhf.run.stats import Stats
@@ -37,12 +37,6 @@ from hpcrlhf.trainers.loop import TrainingLoop, merge_evaluation
 from hpcrlhf.trainers.seeds import sampling_seed
 
 log = get_logger()
-
-
-def sampling_params(r: RolloutConfig, *, n: int, seed: int | None, greedy: bool = False) -> SamplingParams:
-    """The engine's sampling settings from a `rollout` config section."""
-    return SamplingParams(n=n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_new_tokens,
-                          min_new_tokens=r.min_new_tokens, greedy=greedy, seed=seed)
 
 
 def flatten_generations(prompts: Sequence[Prompt], generations: list[list[Generation]], tokenizer
@@ -55,24 +49,6 @@ def flatten_generations(prompts: Sequence[Prompt], generations: list[list[Genera
     responses = [Response(p.text, t, tuple(p.ids) + tuple(g.response_ids), p.row, p.origin)
                  for p, g, t in zip(flat_prompts, flat, texts)]
     return flat_prompts, flat, responses
-
-
-def vllm_engine_args(cfg: PPOConfig) -> dict[str, Any]:
-    """`VLLMRollout`'s settings for a job: model folder, seed, longest sequence (prompt + rollout
-    or evaluation response), precision and the rollout section's engine settings."""
-    r = cfg.rollout
-    return dict(model_dir=resolve_model_path(cfg.model.path), seed=cfg.seed,
-                max_model_len=cfg.data.max_length + max(r.max_new_tokens, cfg.eval.max_new_tokens),
-                dtype="bfloat16" if cfg.engine.precision == "bf16" else "float32",
-                bucket_bytes=cfg.placement.vllm.sync_bucket_mb << 20, sleep=cfg.placement.vllm.sleep,
-                **vllm_rollout_args(r))
-
-
-def vllm_rollout_args(r: RolloutConfig) -> dict[str, Any]:
-    """`VLLMRollout`'s settings from a `RolloutConfig`: KV cache, eager mode and batching limits."""
-    return dict(kv_cache_bytes=int(r.vllm_kv_cache_gb * (1 << 30)), enforce_eager=r.vllm_enforce_eager,
-                max_num_seqs=r.vllm_max_num_seqs, max_num_batched_tokens=r.vllm_max_num_batched_tokens,
-                chunked_prefill=r.vllm_chunked_prefill)
 
 
 def reward_set(cfg: OnlineJobConfig, models: ModelFactory, task) -> RewardSet:

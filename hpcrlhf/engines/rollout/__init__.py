@@ -13,7 +13,8 @@ token, its log-probability under the policy. Two backends sit behind the same th
 
 This package exposes the contract (`contract`: what an engine takes and returns) and
 `build_rollout`; the backends are `hf`, `vllm` (with `vllm_worker`, what runs inside vLLM's own
-processes) and `shared` (one engine on rank 0 serving every rank of a machine).
+processes) and `shared` (one engine on rank 0 serving every rank of a machine); `settings` reads
+a job's config into sampling settings and a vLLM engine's arguments.
 
 Why the log-probs are raw. PPO's ratio is pi_new(a|s) / pi_old(a|s), where pi_old is the
 probability the *trained model* gave the token when it was sampled. The trainer recomputes

@@ -47,7 +47,8 @@ from hpcrlhf.logs import get_logger
 from hpcrlhf.placement.roles import TRAINED
 from hpcrlhf.run.files import replace_file
 from hpcrlhf.run.stats import Stats, add_stats, new_stats
-from hpcrlhf.trainers.online import reward_set, vllm_engine_args
+from hpcrlhf.engines.rollout.settings import vllm_engine_args
+from hpcrlhf.trainers.online import reward_set
 from hpcrlhf.trainers.ppo.experience import ExperienceBatch
 from hpcrlhf.trainers.ppo.learner import SCORE_FIELDS
 from hpcrlhf.trainers.ppo.phases import PhaseSwitch
