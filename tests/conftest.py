@@ -138,6 +138,13 @@ first, the unit tests (seconds each) last, to fill the gaps, so that no worker i
 long module at the end."""
 
 
+def unit_of(nodeid: str) -> str:
+    """The unit of work a test belongs to (what one worker runs whole): its module, or the ONE_WORKER
+    folders together."""
+    path = nodeid.split("::", 1)[0]
+    return "+".join(ONE_WORKER) if path.startswith(ONE_WORKER) else path
+
+
 def _rank(path: str) -> int:
     return next((i for i, prefix in enumerate(LONG_FIRST) if path.startswith(prefix)), len(LONG_FIRST))
 
@@ -170,11 +177,38 @@ if LoadScopeScheduling is not None:
             config.option.loadscopereorder = False  # keep LONG_FIRST's order, not the largest unit first
 
         def _split_scope(self, nodeid: str) -> str:
-            path = nodeid.split("::", 1)[0]
-            return "+".join(ONE_WORKER) if path.startswith(ONE_WORKER) else path
+            return unit_of(nodeid)
 
     def pytest_xdist_make_scheduler(config, log):
         return ModuleScheduling(config, log)
+
+
+_seconds: dict[tuple[str, str], float] = {}
+"""(worker, unit) -> seconds its tests' setup, call and teardown took, for the summary below."""
+
+
+def pytest_runtest_logreport(report) -> None:
+    node = getattr(report, "node", None)  # under pytest-xdist: the worker that ran it
+    worker = node.gateway.id if node is not None else os.environ.get("PYTEST_XDIST_WORKER", "main")
+    key = (worker, unit_of(report.nodeid))
+    _seconds[key] = _seconds.get(key, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter, config) -> None:
+    """Where the run's time went, by worker and by unit of work: the run lasts as long as its busiest
+    worker, and the largest units are what to shorten or split first (CI's time budget, docs/tests.md)."""
+    if hasattr(config, "workerinput") or not _seconds:
+        return
+    by_worker: dict[str, float] = {}
+    by_unit: dict[tuple[str, str], float] = {}
+    for (worker, unit), s in _seconds.items():
+        by_worker[worker] = by_worker.get(worker, 0.0) + s
+        by_unit[(unit, worker)] = by_unit.get((unit, worker), 0.0) + s
+    terminalreporter.section("test time by worker and unit")
+    for worker, s in sorted(by_worker.items()):
+        terminalreporter.write_line(f"{worker}: {s:7.0f} s in tests")
+    for (unit, worker), s in sorted(by_unit.items(), key=lambda kv: -kv[1])[:25]:
+        terminalreporter.write_line(f"{s:7.0f} s  {worker}  {unit}")
 
 
 WATCHED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
