@@ -16,13 +16,16 @@ processes held when the process that started it dies without stopping it (`kill 
 
 from __future__ import annotations
 
+import fcntl
 import os
 import secrets
 import shutil
 import socket
 import subprocess
 import sys
-from contextlib import contextmanager
+import tempfile
+import time
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from collections.abc import Iterator
@@ -30,8 +33,11 @@ from collections.abc import Iterator
 from hpcrlhf.cluster.bootstrap import PORTS_PER_NODE, RayPorts, private_temp_dir, ray_start_args, wait_for_nodes
 from hpcrlhf.cluster.reaper import MARKER, Reaper, terminate
 from hpcrlhf.errors import HpcrlhfError
+from hpcrlhf.logs import get_logger
 from hpcrlhf.run.files import write_secret
 
+
+log = get_logger()
 
 LOCAL_PORT_BASE = 30000
 RAY_AUTH_VARS = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
@@ -55,6 +61,41 @@ def free_port_block(size: int, start: int = 20000, end: int = 60000, host: str =
             for s in socks:
                 s.close()
     raise HpcrlhfError(f"no block of {size} free ports between {start} and {end}")
+
+
+PICK_LOCK = Path(tempfile.gettempdir()) / "hpcrlhf-port-pick.lock"
+"""Held (flock) by a process from picking a local cluster's port block until its nodes listen there."""
+PICK_LOCK_WAIT_S = 120.0
+
+
+@contextmanager
+def port_pick_lock(path: Path = PICK_LOCK, wait_s: float = PICK_LOCK_WAIT_S) -> Iterator[None]:
+    """No other process on this host picks a port block while the caller holds this, so that two
+    local clusters starting at once (two jobs, two test workers) cannot both find the same block free
+    before either listens on it. Best effort: where the lock file cannot be opened (another user's
+    file of another kind, a symbolic link) or stays held past `wait_s`, the caller goes on without it,
+    with a warning."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CREAT | os.O_NOFOLLOW, 0o644)  # read-only suffices for flock
+    except OSError as e:
+        log.warning(f"cannot open the port-pick lock {path} ({e.strerror}); picking ports without it")
+        yield
+        return
+    try:
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    log.warning(f"the port-pick lock {path} was held for more than {wait_s:g} s; picking ports "
+                                "without it")
+                    break
+                time.sleep(0.1)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
 @dataclass
@@ -219,37 +260,46 @@ def start_local_cluster(num_nodes: int, gpus_per_node: int, *, cpus_per_node: in
     _refuse_a_second_driver()
     temp_dir = private_temp_dir(root)  # root made private (0700): Ray's own folder in it is world-writable
     ips = [f"127.0.0.{2 + i}" for i in range(num_nodes)]
-    base = free_port_block(PORTS_PER_NODE * num_nodes, start=LOCAL_PORT_BASE)  # Slurm jobs' blocks lie below
-    ports = [RayPorts.from_base(base + i * PORTS_PER_NODE) for i in range(num_nodes)]
-    address = f"{ips[0]}:{ports[0].gcs}"
-    cluster = LocalRayCluster(address=address, node_ips=ips, temp_dir=Path(temp_dir), auth_token_path=auth_token_path)
-    if auth_token_path is not None:
-        write_auth_token(auth_token_path)
-    auth = cluster.client_env()
     cluster_id = secrets.token_hex(8)
-    env = {**_node_env(auth), MARKER: cluster_id}  # every process of the cluster carries it (the watcher's key)
-    if die_with_caller:
-        cluster.reaper = Reaper.start(cluster_id, root, auth_token_path)
-    try:
-        for i, (ip, p) in enumerate(zip(ips, ports)):
-            args = ray_start_args(node_ip=ip, ports=p, head_address=None if i == 0 else address,
-                                  num_cpus=cpus_per_node, num_gpus=gpus_per_node,
-                                  temp_dir=temp_dir if i == 0 else None)
-            args[0] = ray_executable()
-            log = open(root / f"ray_start_{i}.log", "w")
-            proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env={**env, **p.env()},
-                                    start_new_session=True)
-            cluster.groups.append(proc.pid)
-            if proc.wait(timeout=timeout_s) != 0:
-                log.close()
-                said = (root / f"ray_start_{i}.log").read_text(errors="replace").strip().splitlines()[-15:]
-                raise HpcrlhfError(f"`{' '.join(args)}` failed; the end of {root / f'ray_start_{i}.log'}:\n"
-                                   + "\n".join(said))
-        _wait_from_driver(address, ips, timeout_s, auth)
-    except BaseException:
-        cluster.stop()
-        raise
+    with ExitStack() as picking:
+        picking.enter_context(port_pick_lock())  # until the nodes listen on their block
+        base = free_port_block(PORTS_PER_NODE * num_nodes, start=LOCAL_PORT_BASE)  # Slurm jobs' blocks lie below
+        ports = [RayPorts.from_base(base + i * PORTS_PER_NODE) for i in range(num_nodes)]
+        address = f"{ips[0]}:{ports[0].gcs}"
+        cluster = LocalRayCluster(address=address, node_ips=ips, temp_dir=Path(temp_dir),
+                                  auth_token_path=auth_token_path)
+        if auth_token_path is not None:
+            write_auth_token(auth_token_path)
+        auth = cluster.client_env()
+        env = {**_node_env(auth), MARKER: cluster_id}  # every process of the cluster carries it (the watcher's key)
+        if die_with_caller:
+            cluster.reaper = Reaper.start(cluster_id, root, auth_token_path)
+        try:
+            for i, (ip, p) in enumerate(zip(ips, ports)):
+                _start_node(root, i, ray_start_args(node_ip=ip, ports=p, head_address=None if i == 0 else address,
+                                                    num_cpus=cpus_per_node, num_gpus=gpus_per_node,
+                                                    temp_dir=temp_dir if i == 0 else None),
+                            {**env, **p.env()}, cluster, timeout_s)
+            picking.close()  # the nodes listen: another cluster may pick its block now
+            _wait_from_driver(address, ips, timeout_s, auth)
+        except BaseException:
+            cluster.stop()
+            raise
     return cluster
+
+
+def _start_node(root: Path, i: int, args: list[str], env: dict[str, str], cluster: LocalRayCluster,
+                timeout_s: float) -> None:
+    """Node `i`'s `ray start` (its process group kept in `cluster`), waited for; its log's end in the
+    error when it fails."""
+    args[0] = ray_executable()
+    with open(root / f"ray_start_{i}.log", "w") as log_file:
+        proc = subprocess.Popen(args, stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        cluster.groups.append(proc.pid)
+        status = proc.wait(timeout=timeout_s)
+    if status != 0:
+        said = (root / f"ray_start_{i}.log").read_text(errors="replace").strip().splitlines()[-15:]
+        raise HpcrlhfError(f"`{' '.join(args)}` failed; the end of {root / f'ray_start_{i}.log'}:\n" + "\n".join(said))
 
 
 def _refuse_a_second_driver() -> None:

@@ -1,16 +1,20 @@
 """Starting the local Ray cluster (hpcrlhf.cluster.local): a node that cannot start says why, not
 only where its log was (on a lent GPU machine the log's folder went with the failed run, and the
 job's log said only "`ray start ...` failed; see /tmp/.../ray_start_0.log"); and the nodes of a
-cluster without authentication join whatever Ray token files the user has."""
+cluster without authentication join whatever Ray token files the user has; and two clusters starting
+at once on one host never pick the same ports (`port_pick_lock`)."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import tempfile
+import threading
 from pathlib import Path
 
 import pytest
 
-from hpcrlhf.cluster.local import start_local_cluster
+from hpcrlhf.cluster.local import port_pick_lock, start_local_cluster
 from hpcrlhf.errors import HpcrlhfError
 from tests.launch_helpers import in_a_fresh_process
 
@@ -55,3 +59,58 @@ def test_a_process_with_a_ray_driver_is_refused_before_any_node_starts(ray_clust
     with pytest.raises(HpcrlhfError, match=r"already has a Ray driver connected.*ray.shutdown\(\)"):
         start_local_cluster(1, 0, cpus_per_node=1, root=root)
     assert not any(root.iterdir()), "nothing may start"
+
+
+HOLD_THE_LOCK = """import sys
+from pathlib import Path
+from hpcrlhf.cluster.local import port_pick_lock
+with port_pick_lock(Path(sys.argv[1])):
+    print("held", flush=True)
+    sys.stdin.read()  # until the test closes our stdin
+"""
+
+
+def test_a_port_block_is_picked_by_one_process_at_a_time(tmp_path):
+    """A cluster holds the pick lock from choosing its block until its nodes listen there: another
+    process's pick waits for it (else both would find the same block free and collide)."""
+    lock = tmp_path / "pick.lock"
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_THE_LOCK, str(lock)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        taken = threading.Event()
+
+        def pick():
+            with port_pick_lock(lock):
+                taken.set()
+
+        picker = threading.Thread(target=pick, daemon=True)
+        picker.start()
+        assert not taken.wait(1.0)  # the other process holds it
+        holder.stdin.close()  # it leaves its `with`: the lock is free
+        assert taken.wait(30)
+        picker.join(30)
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_a_pick_lock_that_cannot_be_had_is_gone_around_with_a_warning(tmp_path, caplog):
+    """Best effort: a lock file that is a symbolic link (planted in a shared /tmp), or one held past
+    the wait, delays a start at most `wait_s` and never stops it."""
+    link = tmp_path / "link.lock"
+    link.symlink_to(tmp_path / "elsewhere")
+    with port_pick_lock(link):
+        pass
+    assert "cannot open the port-pick lock" in caplog.text and not (tmp_path / "elsewhere").exists()
+    lock = tmp_path / "pick.lock"
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_THE_LOCK, str(lock)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        with port_pick_lock(lock, wait_s=0.3):
+            pass
+        assert "was held for more than 0.3 s" in caplog.text
+    finally:
+        holder.kill()
+        holder.wait()
