@@ -25,8 +25,8 @@ from hpcrlhf.config.schema.offline import (CSFTConfig, CSFTDataConfig, CSFTSecti
 from hpcrlhf.config.schema.online import (KNOWN_RULES, TASK_RULES, GenerateConfig, OnlineJobConfig, PromptDataConfig,
                                           RemoteRewardConfig, RewardConfig,
                                           RewardSourceConfig, RolloutConfig, RSConfig, RSSectionConfig)
-from hpcrlhf.config.schema.placement import (PLACEMENT_ROLES, PlacementConfig, PlacementRole, RoleConfig,
-                                             VLLMPlacementConfig)
+from hpcrlhf.config.schema.placement import (PLACEMENT_ROLES, PlacementConfig, PlacementRole, RewardServerConfig,
+                                             RoleConfig, VLLMPlacementConfig)
 from hpcrlhf.config.schema.ppo import CriticConfig, PPOConfig, PPOSectionConfig
 from hpcrlhf.config.schema.rules import (BUILTIN_RULES, CodeRuleConfig, FormatRuleConfig, MathRuleConfig, RulesConfig,
                                          metric_name)
@@ -54,6 +54,6 @@ __all__ = [
     "CSFTDataConfig", "PromptDataConfig", "OptimConfig", "TrainConfig", "EngineConfig", "EvalConfig", "LogConfig",
     "CheckpointConfig", "LoRAConfig", "ReferenceConfig", "DPOLossConfig", "KTOLossConfig", "CSFTSectionConfig",
     "RolloutConfig", "RewardSourceConfig", "RemoteRewardConfig", "RewardConfig", "CriticConfig", "PPOSectionConfig", "RSSectionConfig",
-    "PlacementConfig", "RoleConfig", "VLLMPlacementConfig", "RulesConfig", "MathRuleConfig", "CodeRuleConfig",
+    "PlacementConfig", "RoleConfig", "VLLMPlacementConfig", "RewardServerConfig", "RulesConfig", "MathRuleConfig", "CodeRuleConfig",
     "FormatRuleConfig", "ServeRewardConfig",
 ]

@@ -125,8 +125,16 @@ class RewardSourceConfig:
     """This source's weight in the weighted sum of all sources."""
     normalize: bool = True
     """model only: standardise with the reward mean/std stored in the model's config.json."""
+    servers: int = 0
+    """0: this source is scored inside the job. N > 0 (ppo on Ray only): the job starts N reward
+    servers serving this source alone, placed by the node map (a reward model's server takes one GPU,
+    a rule's server `placement.reward_server.cpus` CPU cores), health-checked before the first step
+    and stopped with the job; the job asks them as it asks a `url` source, and applies `weight`."""
 
     def __post_init__(self) -> None:
+        require(self.servers >= 0, "servers", self.servers, "use 0 (scored in the job) or more servers")
+        require(not (self.servers and self.url is not None), "servers", self.servers,
+                "a url source is a server already: drop servers, or give the model or rule the server would serve")
         kinds = [key for key in ("model", "rule", "url") if getattr(self, key) is not None]
         if len(kinds) != 1:
             raise ConfigError(f"reward.sources: each source sets exactly one of `model` (a reward model folder), "
@@ -141,6 +149,15 @@ class RewardSourceConfig:
         require(self.token_file is None or self.token_env is None, "token_env", self.token_env,
                 "give the token one way: token_file or token_env")
         require(self.token_env is None or bool(self.token_env), "token_env", self.token_env, "name an environment variable")
+
+
+def require_in_job(reward: RewardConfig | None, job: str) -> None:
+    """Only ppo on Ray starts reward servers of its own (`reward.sources[i].servers`): other jobs
+    refuse them before anything loads."""
+    for i, source in enumerate(reward.sources if reward is not None else ()):
+        require(not source.servers, f"reward.sources[{i}].servers", source.servers,
+                f"only ppo on the Ray runtime starts reward servers, not {job}: use servers=0 to score in the job, "
+                "or start `hpcrlhf serve-reward` yourself and give the source its url")
 
 
 def require_url(url: str, key: str) -> None:
@@ -261,8 +278,18 @@ class OnlineJobConfig(TrainJobConfig):
     """The frozen reference model (KL penalty, iterative DPO)."""
 
     def reward_models(self) -> list[tuple[str, str]]:
-        """(config field, path) of each reward model in `reward.sources` (rules load nothing)."""
+        """(config field, path) of each reward model in `reward.sources` (rules load nothing), served
+        or not."""
         return [(f"reward.sources[{i}].model", src.model) for i, src in enumerate(self.reward.sources) if src.model]
+
+    def in_job_reward_models(self) -> list[tuple[str, str]]:
+        """(config field, path) of each reward model the job loads itself (not served: `servers` 0)."""
+        return [(f"reward.sources[{i}].model", src.model) for i, src in enumerate(self.reward.sources)
+                if src.model and not src.servers]
+
+    def served_sources(self) -> list[tuple[int, RewardSourceConfig]]:
+        """(index, source) of each source the job's own reward servers score (`servers` > 0)."""
+        return [(i, src) for i, src in enumerate(self.reward.sources) if src.servers]
 
     def reference_source(self) -> tuple[str, str]:
         """(config field, path) of the frozen reference: `reference.path`, else `model.path`."""
@@ -338,6 +365,7 @@ class RSConfig(OnlineJobConfig):
                               "leave train.max_steps null and set those instead")
         require(not self.rollout.max_staleness, "rollout.max_staleness", self.rollout.max_staleness,
                 "rejection sampling generates each round with the weights the round before trained: use 0")
+        require_in_job(self.reward, "rs")
         if self.rs.mode == "dpo" and self.rollout.samples_per_prompt < 2:
             raise ConfigError("rollout.samples_per_prompt: iterative DPO pairs a prompt's best and worst responses: "
                               "use at least 2")
@@ -379,4 +407,5 @@ class GenerateConfig:
         fill_derived(self, "data", max_length=resolved_max_length(self.data.max_length, self.task, self.data))
         fill_derived(self, "rollout", max_new_tokens=resolved_new_tokens(self.rollout.max_new_tokens, self.task, self.data))
         require_metrics(self.metrics, "metrics")
+        require_in_job(self.reward, "generate")
         _require_task_for_rules(self.reward, self.task, self.data)

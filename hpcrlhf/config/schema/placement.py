@@ -88,6 +88,24 @@ class VLLMPlacementConfig:
 
 
 @dataclass(frozen=True)
+class RewardServerConfig:
+    """The reward servers a ppo job on Ray starts for its sources with `reward.sources[i].servers`."""
+
+    cpus: int = 1
+    """Ray CPUs reserved for each rule's server (its built-in rules check answers in as many
+    processes: `rules.workers`). A reward model's server takes one GPU instead."""
+    start_timeout_s: float = 600.0
+    """The longest every server may take to load, listen and answer a first request, in seconds;
+    past it the job stops before its first step, naming the server, its node and its log."""
+
+    def __post_init__(self) -> None:
+        require_finite(self, "placement.reward_server")
+        require(self.cpus >= 1, "placement.reward_server.cpus", self.cpus, "use at least 1 CPU per rule server")
+        require(self.start_timeout_s > 0, "placement.reward_server.start_timeout_s", self.start_timeout_s,
+                "give a positive number of seconds, e.g. 600")
+
+
+@dataclass(frozen=True)
 class PlacementConfig:
     """Where each role of a PPO job runs on the allocation (nodes x GPUs), for the Ray runtime.
     `hpcrlhf plan RECIPE` prints the resulting node map and rejects layouts that cannot work.
@@ -110,6 +128,8 @@ class PlacementConfig:
     """Every reward model of reward.sources, together (no GPUs when all sources are rules)."""
     vllm: VLLMPlacementConfig = field(default_factory=VLLMPlacementConfig)
     """The vLLM rollout engines."""
+    reward_server: RewardServerConfig = field(default_factory=RewardServerConfig)
+    """The reward servers the job starts (`reward.sources[i].servers`)."""
     colocate: tuple[tuple[PlacementRole, ...], ...] = (("actor", "critic", "ref", "reward", "vllm"),)
     """Groups of roles that share the same GPUs, e.g. [[actor, ref], [critic, reward]]. Roles in a
     group need the same nodes and gpus_per_node (vLLM: engines x tensor_parallel_size equal to

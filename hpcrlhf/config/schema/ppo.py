@@ -185,6 +185,11 @@ class PPOConfig(OnlineJobConfig):
                 f"{shown(self.rollout.prompts_per_step)} x samples_per_prompt {shown(n)}); "
                 f"use a divisor of {shown(sequences)}")
         _require_sleep_settings(self)
+        for i, source in self.served_sources():
+            require(self.placement.runtime == "ray", f"reward.sources[{i}].servers", source.servers,
+                    "the job starts reward servers where the Ray runtime's node map places them: set "
+                    "placement.runtime=ray (with rollout.backend=vllm), or servers=0 to score in the job, or start "
+                    "`hpcrlhf serve-reward` yourself and give the source its url")
         if self.placement.runtime == "ray":
             require(self.rollout.backend == "vllm", "rollout.backend", self.rollout.backend,
                     "the Ray runtime generates with vLLM engines on their own workers: set rollout.backend=vllm "

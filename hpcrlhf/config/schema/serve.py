@@ -10,7 +10,7 @@ import ipaddress
 from dataclasses import dataclass, field
 
 from hpcrlhf.config.schema.checks import PathText, require, require_finite
-from hpcrlhf.config.schema.online import RewardConfig
+from hpcrlhf.config.schema.online import RewardConfig, require_in_job
 from hpcrlhf.config.schema.rules import RulesConfig
 from hpcrlhf.config.schema.sections import TaskConfig
 from hpcrlhf.errors import ConfigError
@@ -66,6 +66,7 @@ class ServeRewardConfig:
 
     def __post_init__(self) -> None:
         require_finite(self, "serve-reward")
+        require_in_job(self.reward, "serve-reward (a server serves its sources itself)")
         require(bool(self.host), "host", self.host, "give an address, e.g. 127.0.0.1")
         require(0 <= self.port <= 65535, "port", self.port, "use 0 (any free port) to 65535")
         require(self.max_batch >= 1, "max_batch", self.max_batch, "use at least 1")
