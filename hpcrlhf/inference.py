@@ -27,6 +27,7 @@ from hpcrlhf.engines.deepspeed_engine import FrozenModel
 from hpcrlhf.engines.distributed import device_for
 from hpcrlhf.engines.rollout import SamplingParams
 from hpcrlhf.engines.rollout.hf import HFRollout
+from hpcrlhf.engines.rollout.settings import sampling_params, vllm_rollout_args
 from hpcrlhf.engines.rollout.vllm import VLLMRollout
 from hpcrlhf.errors import DataError
 from hpcrlhf.logs import Progress, get_logger
@@ -37,7 +38,6 @@ from hpcrlhf.rewards.rules import EvalMetrics, check_rules
 from hpcrlhf.rewards.sources import RewardSet
 from hpcrlhf.run.diskspace import out_of_space_is_an_error
 from hpcrlhf.run.files import make_folders, replacing, require_safe
-from hpcrlhf.engines.rollout.settings import sampling_params, vllm_rollout_args
 from hpcrlhf.trainers.online import flatten_generations
 
 log = get_logger()

@@ -200,14 +200,12 @@ def pytest_terminal_summary(terminalreporter, config) -> None:
     if hasattr(config, "workerinput") or not _seconds:
         return
     by_worker: dict[str, float] = {}
-    by_unit: dict[tuple[str, str], float] = {}
-    for (worker, unit), s in _seconds.items():
+    for (worker, _), s in _seconds.items():
         by_worker[worker] = by_worker.get(worker, 0.0) + s
-        by_unit[(unit, worker)] = by_unit.get((unit, worker), 0.0) + s
     terminalreporter.section("test time by worker and unit")
     for worker, s in sorted(by_worker.items()):
         terminalreporter.write_line(f"{worker}: {s:7.0f} s in tests")
-    for (unit, worker), s in sorted(by_unit.items(), key=lambda kv: -kv[1])[:25]:
+    for (worker, unit), s in sorted(_seconds.items(), key=lambda kv: -kv[1])[:25]:
         terminalreporter.write_line(f"{s:7.0f} s  {worker}  {unit}")
 
 

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -70,14 +71,24 @@ with port_pick_lock(Path(sys.argv[1])):
 """
 
 
-def test_a_port_block_is_picked_by_one_process_at_a_time(tmp_path):
-    """A cluster holds the pick lock from choosing its block until its nodes listen there: another
-    process's pick waits for it (else both would find the same block free and collide)."""
-    lock = tmp_path / "pick.lock"
+@contextmanager
+def held_elsewhere(lock: Path):
+    """`lock` held by another process until `release()` is called (or the block ends)."""
     holder = subprocess.Popen([sys.executable, "-c", HOLD_THE_LOCK, str(lock)], stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline() == "held\n"
+        yield holder.stdin.close  # the holder leaves its `with`: the lock is free
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_a_port_block_is_picked_by_one_process_at_a_time(tmp_path):
+    """A cluster holds the pick lock from choosing its block until its nodes listen there: another
+    process's pick waits for it (else both would find the same block free and collide)."""
+    lock = tmp_path / "pick.lock"
+    with held_elsewhere(lock) as release:
         taken = threading.Event()
 
         def pick():
@@ -87,12 +98,9 @@ def test_a_port_block_is_picked_by_one_process_at_a_time(tmp_path):
         picker = threading.Thread(target=pick, daemon=True)
         picker.start()
         assert not taken.wait(1.0)  # the other process holds it
-        holder.stdin.close()  # it leaves its `with`: the lock is free
+        release()
         assert taken.wait(30)
         picker.join(30)
-    finally:
-        holder.kill()
-        holder.wait()
 
 
 def test_a_pick_lock_that_cannot_be_had_is_gone_around_with_a_warning(tmp_path, caplog):
@@ -104,13 +112,7 @@ def test_a_pick_lock_that_cannot_be_had_is_gone_around_with_a_warning(tmp_path, 
         pass
     assert "cannot open the port-pick lock" in caplog.text and not (tmp_path / "elsewhere").exists()
     lock = tmp_path / "pick.lock"
-    holder = subprocess.Popen([sys.executable, "-c", HOLD_THE_LOCK, str(lock)], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, text=True)
-    try:
-        assert holder.stdout.readline() == "held\n"
+    with held_elsewhere(lock):
         with port_pick_lock(lock, wait_s=0.3):
             pass
         assert "was held for more than 0.3 s" in caplog.text
-    finally:
-        holder.kill()
-        holder.wait()

@@ -21,8 +21,9 @@ def outside_the_private_folders() -> Path:
     """A folder of this host that a sandboxed program sees (read-only) and may reach: the checkout,
     or where that lies in /tmp (a CI clone) or cannot be passed through, the home folder or /var/lib."""
     for base in (ROOT, Path.home(), Path("/var/lib")):
-        if (not any(base.resolve().is_relative_to(private) for private in PRIVATE_IN_THE_SANDBOX)
-                and os.access(base, os.W_OK) and _passable(base.resolve())):
+        real = base.resolve()
+        if not any(real.is_relative_to(private) for private in PRIVATE_IN_THE_SANDBOX) and os.access(real, os.W_OK) \
+                and _passable(real):
             return base
     pytest.skip(f"no folder outside {', '.join(map(str, PRIVATE_IN_THE_SANDBOX))} that this user may write and a "
                 "sandboxed program may reach (tried the checkout, the home folder and /var/lib)")

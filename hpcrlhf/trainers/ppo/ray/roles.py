@@ -42,12 +42,12 @@ from hpcrlhf.cluster.engines import EngineFleet, EngineWorker
 from hpcrlhf.cluster.reservation import Reservation
 from hpcrlhf.cluster.worker_group import WorkerGroup, gather, gather_rows
 from hpcrlhf.data.batching import RowList
+from hpcrlhf.engines.rollout.settings import vllm_engine_args
 from hpcrlhf.errors import PlacementError
 from hpcrlhf.logs import get_logger
 from hpcrlhf.placement.roles import TRAINED
 from hpcrlhf.run.files import replace_file
 from hpcrlhf.run.stats import Stats, add_stats, new_stats
-from hpcrlhf.engines.rollout.settings import vllm_engine_args
 from hpcrlhf.trainers.online import reward_set
 from hpcrlhf.trainers.ppo.experience import ExperienceBatch
 from hpcrlhf.trainers.ppo.learner import SCORE_FIELDS
