@@ -2,9 +2,11 @@
 
 Colocated roles form one unit placed once; every member gets exactly the unit's GPUs. Units are
 placed in role order (actor, critic, ref, reward: a group where its first member comes), then
-the vLLM engines one by one. A unit of k nodes x g GPUs takes the g lowest free GPUs on each of
+the vLLM engines one by one, then the reward models' servers (one GPU each). A unit of k nodes x g GPUs takes the g lowest free GPUs on each of
 the first k nodes that still have g free; an engine of TP t takes the t lowest free GPUs of the
-first node with t free, as a TP group must not span nodes. Ranks are numbered node-major.
+first node with t free, as a TP group must not span nodes; a server takes the lowest free GPU. Servers
+colocated with a unit take its GPUs in turn (server k on its k-th GPU, wrapping around). Ranks are
+numbered node-major.
 Nothing is moved or shrunk to make a layout fit: what does not fit is a problem.
 
 First fit fills nodes in order, so the nodes anything runs on are the first ones: a node is only
@@ -17,11 +19,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from collections.abc import Iterable, Mapping, Sequence
 
-from hpcrlhf.config.schema import PLACEMENT_ROLES
+from hpcrlhf.config.schema import MODEL_ROLES
 from hpcrlhf.placement.problems import Problem
 
-MODEL_ROLES = tuple(r for r in PLACEMENT_ROLES if r != "vllm")
-"""The roles DeepSpeed runs (each a group of ranks), in placement order."""
+SERVICES = ("vllm", "reward_server")
+"""Placement roles that are not DeepSpeed ranks: they take GPUs after (or inside) the model roles' units."""
 MAX_NODES = 100_000
 """The most nodes an allocation may have (`hpcrlhf plan`, `sbatch`, `submit`): ten times today's largest GPU
 clusters (about 10,000 nodes). A larger count is a typo (or an overflow), refused with this limit."""
@@ -60,6 +62,8 @@ class Layout:
 
     ranks: dict[str, tuple[Device, ...]]
     engines: tuple[tuple[Device, ...], ...]
+    servers: tuple[Device, ...]
+    """The GPU of each reward model's server, in server order."""
     colocated: tuple[tuple[str, ...], ...]
     idle: tuple[Device, ...]
     """GPUs nothing runs on, on the nodes before `used_nodes`."""
@@ -76,6 +80,7 @@ class _Unit:
     nodes: int
     gpus_per_node: int
     with_vllm: bool
+    with_servers: bool = False
 
     @property
     def gpus(self) -> int:
@@ -122,7 +127,7 @@ def _units(shapes: Mapping[str, tuple[int, int]], engines: int, tp: int, groups:
             continue
         group = next((g for g in groups if role in g), (role,))
         done.update(group)
-        members = tuple(r for r in group if r != "vllm")
+        members = tuple(r for r in group if r not in SERVICES)
         sizes = {r: shapes[r] for r in members}
         if len(set(sizes.values())) > 1:
             shown = ", ".join(f"{r} {shape_text(*s)}" for r, s in sizes.items())
@@ -131,7 +136,7 @@ def _units(shapes: Mapping[str, tuple[int, int]], engines: int, tp: int, groups:
                                     "gpus_per_node, or split the group"))
             continue
         nodes, per_node = shapes[role]
-        unit = _Unit(members, nodes, per_node, "vllm" in group)
+        unit = _Unit(members, nodes, per_node, "vllm" in group, "reward_server" in group)
         if unit.with_vllm and engines * tp != unit.gpus:
             fit = f"placement.vllm.engines={unit.gpus // tp}" if unit.gpus % tp == 0 else "a TP size dividing it"
             problems.append(Problem("placement.vllm.engines", engines, f"vLLM is colocated with {role}, which has "
@@ -205,10 +210,11 @@ class FreeGPUs:
         return devices
 
 
-def _demand_problem(units: list[_Unit], engines: int, tp: int, nodes: int, gpus_per_node: int) -> Problem:
-    asks = [f"{'+'.join(u.roles)}{'+vllm' * u.with_vllm} {u.gpus}" for u in units]
+def _demand_problem(units: list[_Unit], engines: int, tp: int, servers: int, nodes: int, gpus_per_node: int) -> Problem:
+    asks = [f"{'+'.join(u.roles)}{'+vllm' * u.with_vllm}{'+reward_server' * u.with_servers} {u.gpus}" for u in units]
     asks += [f"vllm {engines * tp} ({engines} engines x TP {tp})"] if engines else []
-    total = sum(u.gpus for u in units) + engines * tp
+    asks += [f"reward_server {servers}"] if servers else []
+    total = sum(u.gpus for u in units) + engines * tp + servers
     tips = []
     for pair in (("actor", "ref"), ("critic", "reward")):
         sizes = [u for u in units if u.roles == (pair[0],) or u.roles == (pair[1],)]
@@ -220,6 +226,8 @@ def _demand_problem(units: list[_Unit], engines: int, tp: int, nodes: int, gpus_
     excess = total - nodes * gpus_per_node
     if engines * tp > excess:
         tips.append(f"fewer vLLM engines (placement.vllm.engines={engines - -(-excess // tp)})")
+    if servers:
+        tips.append("colocate the reward servers (add reward_server to a group, e.g. [critic, reward_server])")
     tips.append(f"more nodes (--nodes {-(-total // gpus_per_node)})")
     return Problem("placement", shape_text(nodes, gpus_per_node),
                    f"the roles ask for {total} GPUs ({', '.join(asks)}) but the allocation has {nodes * gpus_per_node}",
@@ -227,12 +235,16 @@ def _demand_problem(units: list[_Unit], engines: int, tp: int, nodes: int, gpus_
 
 
 def assign(nodes: int, gpus_per_node: int, shapes: Mapping[str, tuple[int, int]], engines: int, tp: int,
-           colocate: Sequence[tuple[str, ...]], problems: list[Problem]) -> Layout:
-    """Place every role (shapes: role -> (nodes, gpus_per_node), 0 GPUs for none) and `engines`
-    vLLM engines of TP `tp`; add a problem for anything that cannot be placed."""
+           colocate: Sequence[tuple[str, ...]], problems: list[Problem], gpu_servers: int = 0) -> Layout:
+    """Place every role (shapes: role -> (nodes, gpus_per_node), 0 GPUs for none), `engines`
+    vLLM engines of TP `tp` and `gpu_servers` reward-model servers of one GPU; add a problem for
+    anything that cannot be placed."""
     found_before = len(problems)
-    has = {r for r in MODEL_ROLES if shapes[r][0] * shapes[r][1]} | ({"vllm"} if engines else set())
-    groups = [g for g in (tuple(r for r in group if r in has) for group in colocate) if len(g) >= 2]
+    has = ({r for r in MODEL_ROLES if shapes[r][0] * shapes[r][1]} | ({"vllm"} if engines else set())
+           | ({"reward_server"} if gpu_servers else set()))
+    # a group is placed by its model roles with GPUs: without one, its engines and servers are placed alone
+    groups = [g for g in (tuple(r for r in group if r in has) for group in colocate)
+              if len(g) >= 2 and any(r in MODEL_ROLES for r in g)]
     units = _units(shapes, engines, tp, groups, problems)
     free_engines = engines if "vllm" in has and not any("vllm" in g for g in groups) else 0
     if free_engines and tp > gpus_per_node:
@@ -240,12 +252,14 @@ def assign(nodes: int, gpus_per_node: int, shapes: Mapping[str, tuple[int, int]]
                                 f"and a node has {gpus_per_node} GPUs", f"use a TP size of at most {gpus_per_node}"))
         free_engines = 0
     units = [u for u in units if _fits_shape(u, nodes, gpus_per_node, problems)]
-    over = sum(u.gpus for u in units) + free_engines * tp > nodes * gpus_per_node
+    free_servers = 0 if any("reward_server" in g for g in groups) else gpu_servers
+    over = sum(u.gpus for u in units) + free_engines * tp + free_servers > nodes * gpus_per_node
     if over:
-        problems.append(_demand_problem(units, free_engines, tp, nodes, gpus_per_node))
+        problems.append(_demand_problem(units, free_engines, tp, free_servers, nodes, gpus_per_node))
     free = FreeGPUs(nodes, gpus_per_node)
     ranks: dict[str, tuple[Device, ...]] = {}
     engine_devices: list[tuple[Device, ...]] = []
+    servers: list[Device] = []
     for unit in units:
         taken = free.take(unit.nodes, unit.gpus_per_node)
         if taken is None:
@@ -260,6 +274,8 @@ def assign(nodes: int, gpus_per_node: int, shapes: Mapping[str, tuple[int, int]]
             ranks[role] = tuple(taken)
         if unit.with_vllm:  # consecutive GPUs of a node form one TP group
             engine_devices += [tuple(taken[i : i + tp]) for i in range(0, len(taken), tp)]
+        if unit.with_servers:
+            servers = [taken[k % len(taken)] for k in range(gpu_servers)]
     for e in range(free_engines):
         taken = free.take(1, tp)
         if taken is None:
@@ -271,8 +287,20 @@ def assign(nodes: int, gpus_per_node: int, shapes: Mapping[str, tuple[int, int]]
                                         f"{max(most, 1)}, or reshape the roles so the free GPUs sit on one node"))
             break
         engine_devices.append(tuple(taken))
+    for k in range(free_servers):
+        taken = free.take(1, 1)
+        if taken is None:
+            if not over:
+                problems.append(Problem("placement.reward_server", plural(gpu_servers, "server"),
+                                        f"reward-model servers {k}-{gpu_servers - 1} need a GPU each, but no GPU is "
+                                        "free after the roles and engines", "colocate them (add reward_server to a "
+                                        "group, e.g. [critic, reward_server]), fewer servers, or more nodes "
+                                        f"(--nodes {nodes + 1})"))
+            break
+        servers += taken
     idle = tuple(Device(n, g) for n, gpus in enumerate(free.nodes) for g in gpus)
-    return Layout(ranks, tuple(engine_devices), tuple(groups), idle, len(free.nodes), complete=len(problems) == found_before)
+    return Layout(ranks, tuple(engine_devices), tuple(servers), tuple(groups), idle, len(free.nodes),
+                  complete=len(problems) == found_before)
 
 
 def idle_problem(layout: Layout, nodes: int, gpus_per_node: int, engines: int, tp: int, sequences: int) -> Problem:

@@ -22,18 +22,19 @@ from hpcrlhf.placement.layout import (MODEL_ROLES, Device, Layout, allocation_pr
 from hpcrlhf.placement.memory import GIB, PHASES, MemoryParts, phase_parts
 from hpcrlhf.placement.problems import Problem, raise_problems
 from hpcrlhf.placement.roles import EnginePlan, RolePlan, check_batches, check_roles, resolve_roles
+from hpcrlhf.placement.servers import ServerPlan, gpu_servers, plan_servers
 
-__all__ = ["Device", "NodeMap", "Occupant", "build_node_map"]
+__all__ = ["Device", "NodeMap", "Occupant", "ServerPlan", "build_node_map"]
 
 
 @dataclass(frozen=True)
 class Occupant:
-    """A role rank (or one TP rank of a vLLM engine) on a GPU."""
+    """A role rank (or one TP rank of a vLLM engine, or a reward model's server) on a GPU."""
 
     role: str
-    """actor, critic, ref, reward or vllm."""
+    """actor, critic, ref, reward, vllm or reward_server."""
     rank: int
-    """Rank within the role; for vllm the engine's index."""
+    """Rank within the role; for vllm the engine's index, for reward_server the server's."""
     tp_rank: int | None = None
     tp_size: int | None = None
 
@@ -42,6 +43,8 @@ class Occupant:
         """`actor[0]`, `vllm0 tp1/2`."""
         if self.role == "vllm":
             return f"vllm{self.rank} tp{self.tp_rank}/{self.tp_size}"
+        if self.role == "reward_server":
+            return f"reward_server{self.rank}"
         return f"{self.role}[{self.rank}]"
 
 
@@ -79,6 +82,8 @@ class NodeMap:
     estimator: str = "gae"
     """ppo.advantage_estimator: what it needs (hpcrlhf.algos.estimators) decides the roles."""
     samples_per_prompt: int = 1
+    reward_servers: tuple[ServerPlan, ...] = ()
+    """The job's own reward servers (`reward.sources[i].servers`), in server order."""
     _by_roles: dict[tuple[str, ...], _GpuMemory] = field(default_factory=dict, init=False, repr=False,
                                                            compare=False)
     """What a GPU holds depends only on which roles it holds: each set of roles is summed once, not once per
@@ -94,6 +99,8 @@ class NodeMap:
         """What one occupant holds on its GPU (None when a model's shape is unknown)."""
         if occupant.role == "vllm":
             return self.vllm.memory.parts if self.vllm and self.vllm.memory else None
+        if occupant.role == "reward_server":
+            return self.reward_servers[occupant.rank].memory
         return self.roles[occupant.role].memory
 
     def memory(self, device: Device) -> MemoryParts:
@@ -109,26 +116,32 @@ class NodeMap:
         return self._memory(device).peak
 
     def _memory(self, device: Device) -> _GpuMemory:
-        """What a GPU holding `device`'s occupant roles holds, worked out once per set of roles."""
-        roles = tuple(o.role for o in self.devices[device])
-        if roles not in self._by_roles:
-            occupants = [Occupant(role, 0) for role in roles]  # every rank of a role holds the same
+        """What a GPU holding `device`'s occupant roles holds, worked out once per set of roles (a
+        reward server counts by its number: servers may serve different models)."""
+        key = tuple(o.label if o.role == "reward_server" else o.role for o in self.devices[device])
+        if key not in self._by_roles:
+            # every rank of a role holds the same
+            occupants = [o if o.role == "reward_server" else Occupant(o.role, 0) for o in self.devices[device]]
             held = [(self.occupant_memory(o) or MemoryParts(), self._kind(o), self._sleeps(o)) for o in occupants]
             phases = {phase: sum((phase_parts(parts, kind=kind, sleeps=sleeps, phase=phase)
                                   for parts, kind, sleeps in held), MemoryParts()) for phase in PHASES}
-            self._by_roles[roles] = _GpuMemory(phases, sum((parts for parts, _, _ in held), MemoryParts()),
-                                               max(phases.items(), key=lambda item: item[1].total))
-        return self._by_roles[roles]
+            self._by_roles[key] = _GpuMemory(phases, sum((parts for parts, _, _ in held), MemoryParts()),
+                                             max(phases.items(), key=lambda item: item[1].total))
+        return self._by_roles[key]
 
     def sleeps(self, device: Device) -> bool:
         """Whether an occupant of `device` frees its memory between phases."""
         return any(self._sleeps(o) for o in self.devices[device])
 
     def _kind(self, occupant: Occupant) -> str:
-        return "engine" if occupant.role == "vllm" else "trained" if self.roles[occupant.role].trainable else "frozen"
+        if occupant.role in ("vllm", "reward_server"):
+            return "engine" if occupant.role == "vllm" else "frozen"
+        return "trained" if self.roles[occupant.role].trainable else "frozen"
 
     def _sleeps(self, occupant: Occupant) -> bool:
-        return bool(self.vllm and self.vllm.sleep) if occupant.role == "vllm" else self.roles[occupant.role].sleep
+        if occupant.role in ("vllm", "reward_server"):  # a server answers whenever asked: it never sleeps
+            return occupant.role == "vllm" and bool(self.vllm and self.vllm.sleep)
+        return self.roles[occupant.role].sleep
 
     def to_json(self) -> str:
         """The map as JSON of plain types with sorted keys (stable for tools and golden files)."""
@@ -158,11 +171,18 @@ def _plain(m: NodeMap) -> dict[str, Any]:
                for d, occ in m.devices.items()]
     return {"allocation": {"nodes": m.nodes, "gpus_per_node": m.gpus_per_node, "gpu_memory_bytes": m.gpu_memory},
             "roles": roles, "vllm": vllm, "colocated": [list(g) for g in m.colocated], "devices": devices,
-            "idle_nodes": m.idle_nodes,
+            "idle_nodes": m.idle_nodes, "reward_servers": [_server_json(s) for s in m.reward_servers],
             "estimator": {**dataclasses.asdict(ESTIMATORS[m.estimator]), "samples_per_prompt": m.samples_per_prompt}}
 
 
-def _occupants(layout: Layout, gpus_per_node: int, tp: int) -> dict[Device, tuple[Occupant, ...]]:
+def _server_json(s: ServerPlan) -> dict[str, Any]:
+    return {"server": s.index, "source": s.source, "name": s.name, "replica": s.replica, "kind": s.kind, "node": s.node,
+            "device": _device(s.device) if s.device else None, "cpus": s.cpus, "model": s.model, "params": s.params,
+            "memory": s.memory.as_dict() if s.memory else None}
+
+
+def _occupants(layout: Layout, gpus_per_node: int, tp: int,
+               servers: tuple[ServerPlan, ...]) -> dict[Device, tuple[Occupant, ...]]:
     seats: dict[Device, list[Occupant]] = {Device(n, g): [] for n in range(layout.used_nodes)
                                            for g in range(gpus_per_node)}
     for role in MODEL_ROLES:
@@ -171,6 +191,9 @@ def _occupants(layout: Layout, gpus_per_node: int, tp: int) -> dict[Device, tupl
     for e, group in enumerate(layout.engines):
         for t, d in enumerate(group):
             seats[d].append(Occupant("vllm", e, t, tp))
+    for server in servers:
+        if server.device:
+            seats[server.device].append(Occupant("reward_server", server.index))
     return {d: tuple(occ) for d, occ in seats.items()}
 
 
@@ -185,17 +208,18 @@ def build_node_map(cfg: PPOConfig, nodes: int | None = None, gpus_per_node: int 
     gpu_memory = int(p.gpu_memory_gb * GIB)
     problems: list[Problem] = []
     check_roles(cfg, problems)
-    roles, engine = resolve_roles(cfg, gpu_memory, problems)
+    roles, engine, served = resolve_roles(cfg, gpu_memory, problems)
     check_batches(cfg, roles, problems)
     shapes = {r: (getattr(p, r).nodes, getattr(p, r).gpus_per_node) for r in MODEL_ROLES}
     tp = p.vllm.tensor_parallel_size
-    layout = assign(nodes, gpus_per_node, shapes, p.vllm.engines, tp, p.colocate, problems)
+    layout = assign(nodes, gpus_per_node, shapes, p.vllm.engines, tp, p.colocate, problems, gpu_servers(cfg))
+    servers = plan_servers(cfg, layout.servers, layout.used_nodes, served)
     if layout.complete and (layout.idle or layout.used_nodes < nodes) and not p.allow_idle_gpus:
         sequences = cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt
         problems.append(idle_problem(layout, nodes, gpus_per_node, p.vllm.engines, tp, sequences))
     node_map = NodeMap(nodes, gpus_per_node, gpu_memory, roles, engine, layout.ranks, layout.engines, layout.colocated,
-                       _occupants(layout, gpus_per_node, tp), nodes - layout.used_nodes, cfg.ppo.advantage_estimator,
-                       cfg.rollout.samples_per_prompt)
+                       _occupants(layout, gpus_per_node, tp, servers), nodes - layout.used_nodes,
+                       cfg.ppo.advantage_estimator, cfg.rollout.samples_per_prompt, servers)
     _check_memory(node_map, cfg.engine.gradient_checkpointing, problems)
     raise_problems(problems, where)
     return node_map
@@ -246,7 +270,7 @@ def _memory_fixes(m: NodeMap, roles: tuple[str, ...], checkpointing: bool) -> li
         if sleepers:
             tips.append(f"{' and '.join(sleepers)} (vLLM and the trained roles take turns with the GPU memory; GPUs "
                         "only, with rollout.max_staleness=0)")
-    for name in dict.fromkeys(r for r in roles if r != "vllm"):
+    for name in dict.fromkeys(r for r in roles if r in m.roles):
         plan, key = m.roles[name], f"placement.{name}"
         if plan.zero_stage < 3:
             tips.append(f"{key}.zero_stage=3 (shard its {'states' if plan.trainable else 'weights'} over its ranks)")
@@ -257,10 +281,13 @@ def _memory_fixes(m: NodeMap, roles: tuple[str, ...], checkpointing: bool) -> li
         if plan.trainable and plan.memory and plan.memory.activations and not checkpointing:
             tips.append("engine.gradient_checkpointing=true (or a smaller train.micro_batch_size)")
     # More ranks shrink only what ZeRO shards: a trained role's states from stage 1, weights at 3.
-    sharded = [r for r in dict.fromkeys(roles) if r != "vllm"
+    sharded = [r for r in dict.fromkeys(roles) if r in m.roles
                and (m.roles[r].zero_stage == 3 or (m.roles[r].trainable and m.roles[r].zero_stage >= 1))]
     if sharded:
         tips.append(f"more GPUs for {', '.join(sharded)} (placement.<role>.nodes / gpus_per_node)")
+    if "reward_server" in roles:
+        tips.append("fewer reward servers on these GPUs (colocate them with another group, or give them GPUs of "
+                    "their own: leave reward_server out of placement.colocate)")
     if len(roles) > 1:
         tips.append("colocate fewer roles on these GPUs")
     if roles == ("vllm",):

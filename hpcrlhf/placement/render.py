@@ -68,7 +68,11 @@ def estimator_line(name: str, samples_per_prompt: int) -> str:
 def render_text(m: NodeMap) -> str:
     """The map as text: node by node, GPU by GPU, then one line per role and per engine."""
     capacity = _gib(m.gpu_memory)
-    gpu_rows = []
+    gpu_rows, node_of_row = [], []
+    cpu_servers: dict[int, list] = {}
+    for server in m.reward_servers:
+        if server.device is None:
+            cpu_servers.setdefault(server.node, []).append(server)
     for device, occupants in m.devices.items():
         parts = m.memory(device)
         shown = " + ".join(f"{name} {_gib(v)}" for name, v in parts.as_dict().items() if v)
@@ -77,11 +81,17 @@ def render_text(m: NodeMap) -> str:
             total = f"{total} in all, at most {_gib(m.peak(device)[1].total)} at once"
         gpu_rows.append([f"  gpu {device.gpu}", " + ".join(o.label for o in occupants) or "idle",
                          f"{shown + ' = ' if shown else ''}{total} / {capacity} GiB"])
+        node_of_row.append(device.node)
+        if device.gpu == m.gpus_per_node - 1 and device.node in cpu_servers:  # the node's rule servers
+            on_cpus = cpu_servers[device.node]
+            gpu_rows.append(["  cpu", " + ".join(s.label for s in on_cpus),
+                             plural(sum(s.cpus for s in on_cpus), "CPU core")])
+            node_of_row.append(device.node)
     lines = [f"node map: {shape_text(m.nodes, m.gpus_per_node)} = {plural(m.nodes * m.gpus_per_node, 'GPU')} "
              f"of {capacity} GiB"]
     for i, row in enumerate(_columns(gpu_rows)):
-        if i % m.gpus_per_node == 0:
-            lines.append(f"node {i // m.gpus_per_node}")
+        if i == 0 or node_of_row[i] != node_of_row[i - 1]:
+            lines.append(f"node {node_of_row[i]}")
         lines.append(row)
     if m.idle_nodes:  # the allocation's last nodes: one line, however many
         each = " each" * (m.idle_nodes > 1)
@@ -93,6 +103,11 @@ def render_text(m: NodeMap) -> str:
         role_rows.append(["  vllm", f"{plural(e.engines, 'engine')} x TP {e.tensor_parallel_size}", "vLLM",
                           f"gpu_memory_utilization {e.gpu_memory_utilization:g}", f"{_count(e.params)} params",
                           e.model])
+    if m.reward_servers:
+        on_gpus = sum(s.device is not None for s in m.reward_servers)
+        role_rows.append(["  reward_server", plural(len(m.reward_servers), "server"),
+                          f"{on_gpus} on GPUs, {len(m.reward_servers) - on_gpus} on CPU cores", "", "",
+                          ", ".join(dict.fromkeys(s.name for s in m.reward_servers))])
     lines += ["roles"] + _columns(role_rows)
     lines.append(f"colocated: {', '.join(' + '.join(g) for g in m.colocated) or 'none'}")
     lines.append(estimator_line(m.estimator, m.samples_per_prompt))
@@ -101,4 +116,9 @@ def render_text(m: NodeMap) -> str:
         rows = [[f"  vllm{i}", describe_devices(group), f"{kv} GiB per GPU = {tokens:,} tokens"]
                 for i, group in enumerate(m.engines)]
         lines += ["kv cache"] + _columns(rows)
+    if m.reward_servers:
+        rows = [[f"  {s.label}", f"reward.sources[{s.source}] {s.name}", s.where,
+                 f"weights {_gib(s.memory.weights)} GiB" if s.memory else plural(s.cpus, "CPU core"), s.model or ""]
+                for s in m.reward_servers]
+        lines += ["reward servers (address and token made when the job starts)"] + _columns(rows)
     return "\n".join(lines) + "\n"

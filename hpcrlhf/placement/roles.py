@@ -66,20 +66,24 @@ def sequence_tokens(cfg: PPOConfig) -> int:
 
 
 def role_models(cfg: PPOConfig) -> dict[str, list[tuple[str, str]]]:
-    """Role -> (config field, model path) of each model it loads (the trainer's choices)."""
+    """Role -> (config field, model path) of each model it loads (the trainer's choices); reward: the
+    reward models scored in the job, reward_server: those the job's own servers serve (one per server)."""
+    served = [(f"reward.sources[{i}].model", src.model) for i, src in cfg.served_sources() if src.model]
     return {"actor": [("model.path", cfg.model.path)], "critic": [cfg.critic_source()], "ref": [cfg.reference_source()],
-            "reward": cfg.reward_models(), "vllm": [("model.path", cfg.model.path)]}
+            "reward": cfg.in_job_reward_models(), "vllm": [("model.path", cfg.model.path)], "reward_server": served}
 
 
 def uses(cfg: PPOConfig) -> dict[str, tuple[bool, str]]:
     """Role -> (whether the config needs it, the setting that decides, as text)."""
     ppo, models = cfg.ppo, role_models(cfg)["reward"]
+    served = len(cfg.reward_models()) - len(models)
+    by_servers = f" scored in the job ({served} served by the job's reward servers)" if served else ""
     return {
         "actor": (True, "the policy is always trained"),
         "critic": (ppo.uses_critic, f"ppo.advantage_estimator is {ppo.advantage_estimator!r}"),
         "ref": (ppo.uses_reference,
                 f"ppo.init_kl_coef is {ppo.init_kl_coef} and ppo.kl_loss_coef {ppo.kl_loss_coef}"),
-        "reward": (bool(models), f"reward.sources has {len(models)} reward model(s)"),
+        "reward": (bool(models), f"reward.sources has {len(models)} reward model(s){by_servers}"),
         "vllm": (cfg.rollout.backend == "vllm", f"rollout.backend is {cfg.rollout.backend!r}"),
     }
 
@@ -135,9 +139,10 @@ def _role_memory(cfg: PPOConfig, name: str, shapes: list[ModelShape], ranks: int
                                   offload_optimizer=offload_optimizer, offload_params=offload_params, activations=acts)
 
 
-def resolve_roles(cfg: PPOConfig, gpu_memory: int, problems: list[Problem]) -> tuple[dict[str, RolePlan],
-                                                                                        EnginePlan | None]:
-    """The roles that get GPUs and the vLLM engines (None without engines), with their memory."""
+def resolve_roles(cfg: PPOConfig, gpu_memory: int, problems: list[Problem]) -> tuple[
+        dict[str, RolePlan], EnginePlan | None, dict[str, ModelShape | None]]:
+    """The roles that get GPUs and the vLLM engines (None without engines), with their memory, and
+    the shape of each model the job's reward servers serve (by path; None: unknown, a problem)."""
     shapes, models, p = _Shapes(problems), role_models(cfg), cfg.placement
     roles = {}
     for name in MODEL_ROLES:
@@ -161,7 +166,7 @@ def resolve_roles(cfg: PPOConfig, gpu_memory: int, problems: list[Problem]) -> t
         engine = EnginePlan(cfg.model.path, shape.params if shape else 0, p.vllm.engines,
                             p.vllm.tensor_parallel_size, p.vllm.gpu_memory_utilization, memory, p.vllm.sleep)
         problems += _engine_problems(cfg, shape, engine)
-    return roles, engine
+    return roles, engine, {path: shapes.get(key, path) for key, path in models["reward_server"]}
 
 
 # ---------------------------------------------------------------- checks without a layout

@@ -32,7 +32,6 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 from collections.abc import Sequence
-from urllib.parse import urlsplit
 
 from hpcrlhf.config.schema import RemoteRewardConfig, RewardSourceConfig
 from hpcrlhf.data.sources import brief
@@ -53,11 +52,6 @@ class Failed(Exception):
     def __init__(self, what: str, retry: bool = True):
         super().__init__(what)
         self.retry = retry
-
-
-def server_name(url: str) -> str:
-    """The server's host, as a metric name's part (`10.0.0.5`, `rm.example.org`)."""
-    return urlsplit(url).hostname or "server"
 
 
 def read_token(source: RewardSourceConfig, field: str) -> str | None:

@@ -44,7 +44,8 @@ from hpcrlhf.models.loading import load_tokenizer
 from hpcrlhf.models.value import ValueModel, load_value_model
 from hpcrlhf.rewards.response import Response
 from hpcrlhf.rewards.rules import check_rules
-from hpcrlhf.rewards.sources import RewardSet, source_name
+from hpcrlhf.config.schema import source_name
+from hpcrlhf.rewards.sources import RewardSet
 from hpcrlhf.run.files import ensure_folder, replace_file, write_secret
 
 log = get_logger()

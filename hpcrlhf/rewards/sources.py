@@ -23,29 +23,19 @@ frozen models (see `ModelFactory.build_frozen_model`): sharded under ZeRO-3, so 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
-from hpcrlhf.config.schema import RewardConfig, RewardSourceConfig, RulesConfig
+from hpcrlhf.config.schema import RewardConfig, RewardSourceConfig, RulesConfig, source_name
 from hpcrlhf.models.value import last_token_values, reward_stats
-from hpcrlhf.rewards.remote import RemoteSource, server_name
+from hpcrlhf.rewards.remote import RemoteSource
 from hpcrlhf.rewards.response import Response, Scorer
 from hpcrlhf.rewards.rules import DEFAULT_RULES, resolve_rule
 
 SourceScorer = Callable[[Sequence[Response]], torch.Tensor]
 """One source: the responses' values, float32 on the CPU."""
-
-
-def source_name(index: int, source: RewardSourceConfig) -> str:
-    """Metric name of a source: `rule_<name>`, `model<i>_<folder name>` or `server<i>_<host>`."""
-    if source.rule is not None:
-        return "rule_" + source.rule.replace(":", ".").replace("/", ".")
-    if source.url is not None:
-        return f"server{index}_{server_name(source.url)}"
-    return f"model{index}_{Path(source.model).name or 'rm'}"
 
 
 class RewardModelScorer:

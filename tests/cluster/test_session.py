@@ -68,6 +68,16 @@ def test_large_recipes_need_their_gpus_and_their_models(no_ray_address, monkeypa
                for p in found), found  # tests run offline (tests/conftest.py)
 
 
+def test_a_served_reward_models_path_is_checked_before_ray_starts(no_ray_address, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # a hub model the planner knows the shape of, not downloaded here
+    cfg = load_config(PPOConfig, resolve_recipe("ppo-tiny-ray"), [
+        "reward.sources=[{rule: task}, {model: Qwen/Qwen2.5-0.5B, servers: 1}]", "critic.path=builtin:tiny-llama",
+        "placement.colocate=[[actor, ref], [critic, reward_server]]"])
+    found = [str(p) for p in start_problems(cfg, build_node_map(cfg))]
+    assert any(p.startswith("reward.sources[1].model = 'Qwen/Qwen2.5-0.5B': ") and "HF_HUB_OFFLINE=1" in p
+               for p in found), found
+
+
 def test_with_ray_address_the_cluster_is_checked_by_ray_not_by_this_host(monkeypatch):
     monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")
     cfg = load_config(PPOConfig, resolve_recipe("ppo-7b"), ["model.path=builtin:tiny-llama",

@@ -13,7 +13,7 @@ from hpcrlhf.errors import ConfigError
 def test_defaults_fit_one_gpu_with_everything_colocated():
     p = PPOConfig().placement
     assert (p.nodes, p.gpus_per_node) == (1, 1)
-    assert p.colocate == (("actor", "critic", "ref", "reward", "vllm"),)
+    assert p.colocate == (("actor", "critic", "ref", "reward", "vllm", "reward_server"),)
     assert p.reward.num_gpus == 0 and p.vllm.engines == 0  # rule reward and the hf backend by default
     assert "placement:" in describe(PPOConfig) and "Groups of roles that share the same GPUs" in describe(PPOConfig)
 

@@ -20,10 +20,14 @@ GOLDEN = Path(__file__).parent / "golden"
 SCALE_70B_16X8 = ["placement.actor.nodes=4", "placement.critic.nodes=4", "placement.ref.nodes=4",
                   "placement.reward.nodes=4", "placement.vllm.engines=16"]
 
+SERVED = ["reward.sources=[{rule: task, servers: 2}, {model: 'builtin:tiny-llama', servers: 1, weight: 0.0}]",
+          "placement.colocate=[[actor, ref], [critic, reward_server]]"]
+
 CASES = {  # name: (recipe, overrides, nodes, gpus per node)
     "1x8-7b-hybrid": ("ppo-7b", HYBRID_1X8, 1, 8),  # everything colocated on one node
     "1x8-7b-hybrid-sleep": ("ppo-7b", HYBRID_1X8_SLEEP, 1, 8),  # ... taking turns with the memory
     "2x4-tiny-ray": ("ppo-tiny-ray", [], 2, 4),
+    "2x4-tiny-ray-reward-servers": ("ppo-tiny-ray", SERVED, 2, 4),  # rule servers on CPU cores, one on the critic's GPU
     "1x2-tiny-ray-colocated": ("ppo-tiny-ray-colocated", [], 1, 2),
     "2x8-7b": ("ppo-7b", [], 2, 8),
     "4x8-13b": ("ppo-13b", [], 4, 8),

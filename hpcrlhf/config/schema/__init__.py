@@ -24,8 +24,8 @@ from hpcrlhf.config.schema.offline import (CSFTConfig, CSFTDataConfig, CSFTSecti
                                            SFTConfig, UnpairedDataConfig)
 from hpcrlhf.config.schema.online import (KNOWN_RULES, TASK_RULES, GenerateConfig, OnlineJobConfig, PromptDataConfig,
                                           RemoteRewardConfig, RewardConfig,
-                                          RewardSourceConfig, RolloutConfig, RSConfig, RSSectionConfig)
-from hpcrlhf.config.schema.placement import (PLACEMENT_ROLES, PlacementConfig, PlacementRole, RewardServerConfig,
+                                          RewardSourceConfig, RolloutConfig, RSConfig, RSSectionConfig, source_name)
+from hpcrlhf.config.schema.placement import (MODEL_ROLES, PLACEMENT_ROLES, PlacementConfig, PlacementRole, RewardServerConfig,
                                              RoleConfig, VLLMPlacementConfig)
 from hpcrlhf.config.schema.ppo import CriticConfig, PPOConfig, PPOSectionConfig
 from hpcrlhf.config.schema.rules import (BUILTIN_RULES, CodeRuleConfig, FormatRuleConfig, MathRuleConfig, RulesConfig,
@@ -47,7 +47,7 @@ JobConfig = TrainJobConfig | GenerateConfig
 __all__ = [
     "JOB_CONFIGS", "JobConfig", "PathText", "largest_divisor", "resolved_max_length", "resolved_new_tokens",
     "BUNDLED_TASKS", "DEFAULT_MAX_LENGTH", "DEFAULT_NEW_TOKENS", "DEFAULT_TASK", "DEFAULT_USER_CODE_TIMEOUT_S",
-    "MAX_STEPS", "MICRO_BATCH_CAP", "PLACEMENT_ROLES", "TASK_RULES", "KNOWN_RULES", "BUILTIN_RULES", "metric_name", "BundledTask", "PlacementRole",
+    "MAX_STEPS", "MICRO_BATCH_CAP", "MODEL_ROLES", "PLACEMENT_ROLES", "TASK_RULES", "KNOWN_RULES", "BUILTIN_RULES", "metric_name", "source_name", "BundledTask", "PlacementRole",
     "TrainJobConfig", "OnlineJobConfig", "PolicyJobConfig",
     "SFTConfig", "RMConfig", "DPOConfig", "KTOConfig", "CSFTConfig", "PPOConfig", "RSConfig", "GenerateConfig",
     "ModelConfig", "TaskConfig", "DataSourceConfig", "DataConfig", "PairDataConfig", "UnpairedDataConfig",

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import difflib
 from dataclasses import dataclass, field
+from pathlib import PurePath
 from typing import Literal
 from urllib.parse import urlsplit
 
@@ -149,6 +150,16 @@ class RewardSourceConfig:
         require(self.token_file is None or self.token_env is None, "token_env", self.token_env,
                 "give the token one way: token_file or token_env")
         require(self.token_env is None or bool(self.token_env), "token_env", self.token_env, "name an environment variable")
+
+
+def source_name(index: int, source: RewardSourceConfig) -> str:
+    """Metric name of reward.sources[index] (`reward/<name>`): `rule_<name>`, `model<i>_<folder name>` or
+    `server<i>_<host>`."""
+    if source.rule is not None:
+        return "rule_" + source.rule.replace(":", ".").replace("/", ".")
+    if source.url is not None:
+        return f"server{index}_{urlsplit(source.url).hostname or 'server'}"
+    return f"model{index}_{PurePath(source.model).name or 'rm'}"
 
 
 def require_in_job(reward: RewardConfig | None, job: str) -> None:

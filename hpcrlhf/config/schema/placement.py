@@ -8,11 +8,13 @@ from typing import Literal
 
 from hpcrlhf.config.schema.checks import require, require_finite
 
-PlacementRole = Literal["actor", "critic", "ref", "reward", "vllm"]
+PlacementRole = Literal["actor", "critic", "ref", "reward", "vllm", "reward_server"]
 
 
-PLACEMENT_ROLES: tuple[str, ...] = ("actor", "critic", "ref", "reward", "vllm")
-"""Roles a node map places, in placement order (vLLM engines last)."""
+PLACEMENT_ROLES: tuple[str, ...] = ("actor", "critic", "ref", "reward", "vllm", "reward_server")
+"""Roles a node map places, in placement order (vLLM engines, then the job's reward servers last)."""
+MODEL_ROLES: tuple[str, ...] = ("actor", "critic", "ref", "reward")
+"""The roles DeepSpeed runs (each a group of ranks): the ones a colocation group is placed by."""
 
 
 @dataclass(frozen=True)
@@ -130,11 +132,12 @@ class PlacementConfig:
     """The vLLM rollout engines."""
     reward_server: RewardServerConfig = field(default_factory=RewardServerConfig)
     """The reward servers the job starts (`reward.sources[i].servers`)."""
-    colocate: tuple[tuple[PlacementRole, ...], ...] = (("actor", "critic", "ref", "reward", "vllm"),)
+    colocate: tuple[tuple[PlacementRole, ...], ...] = (("actor", "critic", "ref", "reward", "vllm", "reward_server"),)
     """Groups of roles that share the same GPUs, e.g. [[actor, ref], [critic, reward]]. Roles in a
     group need the same nodes and gpus_per_node (vLLM: engines x tensor_parallel_size equal to
     the group's GPUs); a role with no GPUs in a group places nothing. Other roles get GPUs of
-    their own."""
+    their own. reward_server (the reward models' servers, `reward.sources[i].servers`) shares the
+    GPUs of its group's first role with GPUs, server k on its k-th GPU (wrapping around)."""
     allow_idle_gpus: bool = False
     """Accept an allocation with GPUs no role uses (otherwise the plan is rejected)."""
     simulated_gpus: bool = False
@@ -175,6 +178,9 @@ class PlacementConfig:
                         f"{role} is already in placement.colocate[{seen.get(role)}]; a role shares GPUs with "
                         f"one group only: merge the two groups")
                 seen[role] = i
+            require("reward_server" not in group or any(r in MODEL_ROLES for r in group), key, list(group),
+                    "reward servers share the GPUs of a model role's group: add one (e.g. [critic, reward_server]), "
+                    "or leave reward_server out to give its servers GPUs of their own")
 
     @staticmethod
     def _check_role(name: str, role: RoleConfig) -> None:

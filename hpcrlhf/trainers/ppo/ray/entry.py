@@ -42,7 +42,8 @@ def start_problems(cfg: PPOConfig, node_map: NodeMap) -> list[Problem]:
                                         simulated=cfg.placement.simulated_gpus)
         problems += [problem] if problem else []
     checked = set()
-    for role in [*node_map.roles, *(["vllm"] if node_map.vllm else [])]:
+    served = ["reward_server"] if any(s.model for s in node_map.reward_servers) else []
+    for role in [*node_map.roles, *(["vllm"] if node_map.vllm else []), *served]:
         for key, path in role_models(cfg)[role]:
             if path in checked:  # each path once, under the first field that names it
                 continue
