@@ -16,12 +16,12 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from collections.abc import Callable, Sequence
 
-from hpcrlhf.engines.store_ports import STORE_PORTS_ENV, ports_text
+from hpcrlhf.engines.store_ports import NODE_SERVICE_PORTS, STORE_PORTS_ENV, ports_text
 from hpcrlhf.errors import HpcrlhfError
 
-PORTS_PER_NODE = 120
+PORTS_PER_NODE = 110 + NODE_SERVICE_PORTS
 """Ports one node of a job takes from its base: Ray's 10 service ports, its 100 worker ports, then
-10 for the job's own rendezvous stores (hpcrlhf.engines.rendezvous)."""
+20 for the job's own rendezvous stores (hpcrlhf.engines.rendezvous) and reward servers."""
 
 
 @dataclass(frozen=True)
@@ -53,7 +53,7 @@ class RayPorts:
     @property
     def stores(self) -> range:
         """The node's ports for the job's torch.distributed stores (rendezvous of process groups and
-        weight-sync groups): the block's last 10, after Ray's."""
+        weight-sync groups) and its reward servers: the block's last 20, after Ray's."""
         return range(self.max_worker + 1, self.gcs + PORTS_PER_NODE)
 
     def env(self) -> dict[str, str]:

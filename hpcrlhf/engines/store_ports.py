@@ -14,6 +14,11 @@ import os
 
 from hpcrlhf.errors import HpcrlhfError
 
+NODE_SERVICE_PORTS = 20
+"""Ports of each node's share of the job's block for the job's own listeners: its rendezvous stores
+and its reward servers (`reward.sources[i].servers`)."""
+MAX_SERVERS_PER_NODE = 10
+"""The most reward servers one node may run: the other half of NODE_SERVICE_PORTS stays for the stores."""
 STORE_PORTS_ENV = "HPCRLHF_STORE_PORTS"
 """`FIRST-LAST`: the ports of this node's share of the job's block that the job's stores may use
 (hpcrlhf.engines.rendezvous), in the environment of the node's `ray start`, which its workers inherit."""

@@ -32,7 +32,7 @@ from hpcrlhf.run.signals import catch_early_stop_signals
 
 PORT_BASE = 20000
 PORT_SLOTS = 60
-"""Job-derived port blocks: 20000 + (job id % 60) x 120 (+120 per node): below the local clusters'
+"""Job-derived port blocks: 20000 + (job id % 60) x 130 (+130 per node): below the local clusters'
 ports (30000+, hpcrlhf.cluster.local) and Linux's ephemeral ports (32768+)."""
 JOIN_TIMEOUT_S = float(os.environ.get("HPCRLHF_RAY_JOIN_TIMEOUT_S", "300"))
 """How long the driver waits for every node to join (and a worker for the head to come up)."""

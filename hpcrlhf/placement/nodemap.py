@@ -22,7 +22,7 @@ from hpcrlhf.placement.layout import (MODEL_ROLES, Device, Layout, allocation_pr
 from hpcrlhf.placement.memory import GIB, PHASES, MemoryParts, phase_parts
 from hpcrlhf.placement.problems import Problem, raise_problems
 from hpcrlhf.placement.roles import EnginePlan, RolePlan, check_batches, check_roles, resolve_roles
-from hpcrlhf.placement.servers import ServerPlan, gpu_servers, plan_servers
+from hpcrlhf.placement.servers import ServerPlan, gpu_servers, plan_servers, port_problems
 
 __all__ = ["Device", "NodeMap", "Occupant", "ServerPlan", "build_node_map"]
 
@@ -214,6 +214,7 @@ def build_node_map(cfg: PPOConfig, nodes: int | None = None, gpus_per_node: int 
     tp = p.vllm.tensor_parallel_size
     layout = assign(nodes, gpus_per_node, shapes, p.vllm.engines, tp, p.colocate, problems, gpu_servers(cfg))
     servers = plan_servers(cfg, layout.servers, layout.used_nodes, served)
+    problems += port_problems(servers, layout.used_nodes)
     if layout.complete and (layout.idle or layout.used_nodes < nodes) and not p.allow_idle_gpus:
         sequences = cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt
         problems.append(idle_problem(layout, nodes, gpus_per_node, p.vllm.engines, tp, sequences))

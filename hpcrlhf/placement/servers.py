@@ -12,8 +12,10 @@ from dataclasses import dataclass
 from typing import Literal
 
 from hpcrlhf.config.schema import PPOConfig, source_name
-from hpcrlhf.placement.layout import Device
+from hpcrlhf.engines.store_ports import MAX_SERVERS_PER_NODE
+from hpcrlhf.placement.layout import Device, plural
 from hpcrlhf.placement.memory import MemoryParts, frozen_memory
+from hpcrlhf.placement.problems import Problem
 from hpcrlhf.placement.shapes import ModelShape
 
 
@@ -79,3 +81,21 @@ def plan_servers(cfg: PPOConfig, gpus: tuple[Device, ...], used_nodes: int,
                                     cfg.placement.reward_server.cpus, None, 0, None))
             rule_k += 1
     return tuple(plans)
+
+
+def port_problems(servers: tuple[ServerPlan, ...], used_nodes: int) -> list[Problem]:
+    """A node with more servers than its share of the job's port block holds (MAX_SERVERS_PER_NODE)."""
+    count: dict[int, int] = {}
+    for server in servers:
+        count[server.node] = count.get(server.node, 0) + 1
+    crowded = {node: n for node, n in count.items() if n > MAX_SERVERS_PER_NODE}
+    if not crowded:
+        return []
+    node, n = min(crowded.items())
+    more = f" (and {len(crowded) - 1} more nodes)" if len(crowded) > 1 else ""
+    room = MAX_SERVERS_PER_NODE * used_nodes
+    return [Problem("reward.sources[].servers", plural(len(servers), "server"),
+                    f"node {node} would run {n} reward servers{more}, but a node listens for at most "
+                    f"{MAX_SERVERS_PER_NODE} (its share of the job's port block)",
+                    f"use at most {room} servers on these {plural(used_nodes, 'node')}, or spread model servers "
+                    "over more GPUs' nodes")]

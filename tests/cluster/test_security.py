@@ -388,7 +388,7 @@ class Survey:
 
 
 def node_blocks(pids) -> list[range]:
-    """Each node's port block: the store ports in the environment of its processes are its last 10."""
+    """Each node's port block: the store ports in the environment of its processes are its last 20."""
     found = set()
     for pid in pids:
         try:

@@ -90,6 +90,13 @@ def test_servers_that_do_not_fit_are_named_with_the_fix():
     find(found, "placement.gpu_memory_gb", "reward_server0", "fewer reward servers on these GPUs")
 
 
+def test_more_servers_on_a_node_than_its_ports_is_a_problem():
+    assert len(plan("ppo-tiny-ray", "reward.sources=[{rule: task, servers: 20}]").reward_servers) == 20  # 10 a node
+    found = problems("ppo-tiny-ray", "reward.sources=[{rule: task, servers: 21}]")
+    find(found, "reward.sources[].servers = 21 servers", "node 0 would run 11 reward servers",
+         "at most 10 (its share of the job's port block)", "use at most 20 servers on these 2 nodes")
+
+
 @pytest.mark.parametrize("overrides, needles", [
     (["placement.colocate=[[vllm, reward_server]]"],
      ["placement.colocate[0]", "['vllm', 'reward_server']", "add one (e.g. [critic, reward_server])"]),
