@@ -95,14 +95,24 @@ def scores_in(body: bytes, expected: int) -> list[float]:
 
 
 class RemoteSource:
-    """A reward server as a reward source (the `hpcrlhf.rewards.response.Scorer` protocol)."""
+    """A reward server as a reward source (the `hpcrlhf.rewards.response.Scorer` protocol): the
+    source's `url`, or the replicas a job started for it (`served`: their URLs and token), each batch
+    sent to the replica with the fewest batches in flight and retried there."""
 
-    def __init__(self, source: RewardSourceConfig, cfg: RemoteRewardConfig, field: str):
-        self.url, self.cfg = source.url, cfg
-        self.label = f"{field}.url {source.url!r}"
-        self.token = read_token(source, field)
+    def __init__(self, source: RewardSourceConfig, cfg: RemoteRewardConfig, field: str,
+                 served: tuple[Sequence[str], str] | None = None):
+        self.cfg = cfg
+        if served is None:
+            self.urls, self.token = [source.url], read_token(source, field)
+            self.labels = [f"{field}.url {source.url!r}"]
+        else:
+            self.urls, self.token = list(served[0]), served[1]
+            self.labels = [f"{field} (the job's reward server {url!r})" for url in self.urls]
+        self.in_flight = [0] * len(self.urls)
+        self._pick = threading.Lock()
         self.stopping = threading.Event()
         """Set when a run stops waiting (a stop request): retries wait no longer."""
+
 
     def scores(self, responses: Sequence[Response]) -> list[float]:
         size = self.cfg.batch_size
@@ -111,35 +121,55 @@ class RemoteSource:
         answers = run_parallel(self._ask, batches, self.cfg.concurrency, self.stopping.set)
         return [score for answer in answers for score in answer]
 
+    def probe(self) -> None:
+        """One empty request to each replica, no retry: RewardServerError unless every one answers it
+        (so it listens, speaks the protocol and takes the token)."""
+        for k in range(len(self.urls)):
+            try:
+                self._post([], k)
+            except Failed as e:
+                raise RewardServerError(f"{self.labels[k]}: the reward server answered {e}") from None
+
     def _ask(self, batch: Sequence[Response]) -> list[float]:
-        """The scores of one batch, tried up to 1 + retries times; RewardServerError after the last."""
-        tries, delay = self.cfg.retries + 1, self.cfg.backoff_s
+        """The scores of one batch, tried up to 1 + retries times on the replica with the fewest batches
+        in flight; RewardServerError after the last."""
+        with self._pick:
+            k = min(range(len(self.urls)), key=self.in_flight.__getitem__)
+            self.in_flight[k] += 1
+        try:
+            return self._tries(batch, k)
+        finally:
+            with self._pick:
+                self.in_flight[k] -= 1
+
+    def _tries(self, batch: Sequence[Response], k: int) -> list[float]:
+        tries, delay, label = self.cfg.retries + 1, self.cfg.backoff_s, self.labels[k]
         for attempt in range(1, tries + 1):
             try:
-                return self._post(batch)
+                return self._post(batch, k)
             except Failed as e:
                 if not e.retry or attempt == tries or self.stopping.is_set():
-                    raise RewardServerError(self._failure(e, attempt)) from None
-                log.warning(f"{self.label}: try {attempt} of {tries} failed ({e}); trying again in {delay:g} s")
+                    raise RewardServerError(self._failure(e, attempt, label)) from None
+                log.warning(f"{label}: try {attempt} of {tries} failed ({e}); trying again in {delay:g} s")
             if self.stopping.wait(delay):
-                raise RewardServerError(f"{self.label}: stopped while waiting to try again")
+                raise RewardServerError(f"{label}: stopped while waiting to try again")
             delay *= 2
         raise AssertionError("unreachable")
 
-    def _failure(self, e: Failed, attempt: int) -> str:
+    def _failure(self, e: Failed, attempt: int, label: str) -> str:
         if not e.retry:
-            return f"{self.label}: the reward server answered {e}"
-        return (f"{self.label}: the reward server failed {attempt} time(s) in a row (1 try and reward.remote.retries="
+            return f"{label}: the reward server answered {e}"
+        return (f"{label}: the reward server failed {attempt} time(s) in a row (1 try and reward.remote.retries="
                 f"{self.cfg.retries}), the last with {e}; check that it runs and answers the protocol of "
                 "docs/rewards.md#reward-servers, or raise reward.remote.timeout_s / retries")
 
-    def _post(self, batch: Sequence[Response]) -> list[float]:
+    def _post(self, batch: Sequence[Response], k: int = 0) -> list[float]:
         body = json.dumps({"prompts": [r.prompt for r in batch], "responses": [r.text for r in batch],
                            "rows": [dict(r.row) for r in batch]}).encode()
         headers = {"Content-Type": "application/json", "Accept": "application/json"}
         if self.token is not None:
             headers["Authorization"] = f"Bearer {self.token}"
-        request = urllib.request.Request(self.url, data=body, headers=headers, method="POST")
+        request = urllib.request.Request(self.urls[k], data=body, headers=headers, method="POST")
         try:
             with urllib.request.urlopen(request, timeout=self.cfg.timeout_s) as reply:
                 answer = reply.read()

@@ -23,7 +23,7 @@ frozen models (see `ModelFactory.build_frozen_model`): sharded under ZeRO-3, so 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -77,15 +77,21 @@ class RewardSet:
     reward model folder named by config field `field`; `rules` sets the built-in rules."""
 
     def __init__(self, cfg: RewardConfig, load_model: Callable[[str, str], Any], tokenizer, task, device,
-                 trust_remote_code: bool = False, rules: RulesConfig = DEFAULT_RULES):
+                 trust_remote_code: bool = False, rules: RulesConfig = DEFAULT_RULES,
+                 served: Mapping[int, tuple[Sequence[str], str]] | None = None):
         self.cfg = cfg
         self.weights = [s.weight for s in cfg.sources]
         self.names = [source_name(i, s) for i, s in enumerate(cfg.sources)]
         # Rules and servers are resolved first: a typo or a missing token fails before any reward model is loaded.
-        resolved = {i: RuleScorer(resolve_rule(s.rule, task, f"reward.sources[{i}].rule", timeout_s=cfg.rule_timeout_s,
-                                               rules=rules) if s.rule is not None
+        served = dict(served or {})
+        missing = [i for i, s in enumerate(cfg.sources) if s.servers and i not in served]
+        if missing:  # the runtime starts them first (hpcrlhf.cluster.reward_servers)
+            raise ValueError(f"reward.sources{missing} are served by the job's reward servers, but none were given")
+        resolved = {i: RuleScorer(RemoteSource(s, cfg.remote, f"reward.sources[{i}]", served[i]) if i in served
+                                  else resolve_rule(s.rule, task, f"reward.sources[{i}].rule",
+                                                    timeout_s=cfg.rule_timeout_s, rules=rules) if s.rule is not None
                                   else RemoteSource(s, cfg.remote, f"reward.sources[{i}]"))
-                    for i, s in enumerate(cfg.sources) if s.model is None}
+                    for i, s in enumerate(cfg.sources) if s.model is None or i in served}
         self.scorers: list[SourceScorer] = [
             resolved[i] if i in resolved else self._model_scorer(i, s, load_model, tokenizer, device, trust_remote_code)
             for i, s in enumerate(cfg.sources)]

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -51,10 +51,12 @@ def flatten_generations(prompts: Sequence[Prompt], generations: list[list[Genera
     return flat_prompts, flat, responses
 
 
-def reward_set(cfg: OnlineJobConfig, models: ModelFactory, task) -> RewardSet:
-    """The job's reward sources: reward models built by `models`, rules, the task."""
+def reward_set(cfg: OnlineJobConfig, models: ModelFactory, task,
+               served: Mapping[int, tuple[Sequence[str], str]] | None = None) -> RewardSet:
+    """The job's reward sources: reward models built by `models`, rules, the task, and the sources its
+    own reward servers serve (`served`: source index -> (their URLs, the token))."""
     return RewardSet(cfg.reward, lambda path, field: models.build_frozen_model(path, value_head=True, key=field),
-                     models.tokenizer, task, models.device, cfg.model.trust_remote_code, cfg.rules)
+                     models.tokenizer, task, models.device, cfg.model.trust_remote_code, cfg.rules, served)
 
 
 def stream_weights(engine, rollout, bucket_bytes: int) -> dict[str, float] | None:

@@ -134,6 +134,43 @@ def test_a_missing_token_fails_when_the_source_is_built(token, message):
         source("http://127.0.0.1:9/score", **token)
 
 
+def test_a_jobs_replicas_share_the_batches_by_fewest_in_flight_and_a_failing_one_is_named(serve):
+    """A source the job's own servers serve (`servers: 2`): their URLs and the job's token, the batches
+    spread over the replicas, the scores in order; a failure names the replica that failed."""
+    first, second = serve(delay_s=0.2), serve(delay_s=0.2)
+    served = RemoteSource(RewardSourceConfig(rule="task", servers=2), FAST, "reward.sources[0]",
+                          served=([first.url, second.url], TOKEN))
+    assert served.scores(responses(12)) == [i + 0.5 for i in range(12)]
+    assert len(first.requests) == len(second.requests) == 2  # 4 batches of 3, 2 at a time: one on each
+    assert {auth for _, auth in first.requests + second.requests} == {f"Bearer {TOKEN}"}
+    served.probe()  # an empty request to each: both answer it
+    assert first.requests[-1][0] == second.requests[-1][0] == {"prompts": [], "responses": [], "rows": []}
+    second.answer = lambda request: (401, {"error": "no valid token"})
+    with pytest.raises(RewardServerError) as e:
+        served.probe()
+    assert str(e.value).startswith(f"reward.sources[0] (the job's reward server '{second.url}'): the reward server "
+                                   "answered status 401: no valid token (refused)"), str(e.value)
+
+
+def test_a_reward_set_asks_the_jobs_servers_for_their_sources_and_loads_none_of_their_models(serve):
+    import torch
+
+    from hpcrlhf.config.schema import RewardConfig
+    from hpcrlhf.rewards.sources import RewardSet
+
+    replica = serve()
+    cfg = RewardConfig(sources=(RewardSourceConfig(model="/nowhere/rm", servers=1, weight=2.0),
+                                RewardSourceConfig(rule="userrules:never_loaded", servers=1, weight=0.5)),
+                       remote=FAST)
+    served = {0: ([replica.url], TOKEN), 1: ([replica.url], TOKEN)}
+    rewards = RewardSet(cfg, lambda path, field: pytest.fail(f"loaded {path}"), None, None, "cpu", served=served)
+    total, parts = rewards.score(responses(3))
+    assert list(parts) == ["model0_rm", "rule_userrules.never_loaded"]  # the sources' own metric names
+    assert torch.equal(parts["model0_rm"], torch.tensor([0.5, 1.5, 2.5])) and torch.equal(total, 2.5 * parts["model0_rm"])
+    with pytest.raises(ValueError, match=r"reward.sources\[0, 1\] are served by the job's reward servers, but none"):
+        RewardSet(cfg, None, None, None, "cpu")
+
+
 def failing(body) -> Callable[[dict], tuple[int, object]]:
     return lambda request: (200, body(request) if callable(body) else body)
 
