@@ -4,7 +4,9 @@
 - `POST /score`: `{"prompts", "responses", "rows"}` in, `{"scores"}` out: the weighted sum of the
   served `reward.sources` for each response. Without the token (`Authorization: Bearer ...`):
   401. A body that is not such a request, or rows a rule cannot score (a missing field): 400 with
-  the reason in `{"error": ...}`, which the asking job shows and stops on.
+  the reason in `{"error": ...}`, which the asking job shows and stops on. A scorer that fails in
+  another way (a bug, out of memory): 500 with the error, for each request of that batch; the server
+  goes on serving.
 - `GET /health`: `{"status": "ok", "sources": [...], "requests": N, "batches": M}`, no token
   needed (it tells nothing but that the server runs).
 
@@ -27,6 +29,8 @@ import json
 import os
 import secrets
 import signal
+import socket
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -101,7 +105,10 @@ class Batcher:
                     break
                 batch.append(item)
                 size += len(item[0])
-            results = await loop.run_in_executor(self.thread, self._scored, [responses for responses, _ in batch])
+            try:
+                results = await loop.run_in_executor(self.thread, self._scored, [responses for responses, _ in batch])
+            except Exception as e:  # noqa: BLE001 -- a fault of the scorer (a bug, out of memory): each request
+                results = [e] * len(batch)  # of the batch answers 500 with it, and the server goes on
             self.requests, self.batches = self.requests + len(batch), self.batches + 1
             for (_, done), result in zip(batch, results):
                 if not done.cancelled():  # the client may have left
@@ -146,6 +153,10 @@ def build_app(score: Score, token: str | None, sources: list[str], max_batch: in
             scores = await batcher.submit(responses)
         except HpcrlhfError as e:  # a row a rule cannot score: the asking job's data
             return web.json_response({"error": str(e)}, status=400)
+        except Exception as e:  # noqa: BLE001 -- the server's own fault: said, never a hang
+            log.warning(f"serve-reward: scoring failed: {type(e).__name__}: {e}")
+            return web.json_response({"error": f"the reward server failed to score: {type(e).__name__}: {e}"},
+                                     status=500)
         return web.json_response({"scores": scores})
 
     async def health_route(request: web.Request) -> web.Response:
@@ -191,11 +202,9 @@ def server_token(cfg: ServeRewardConfig, out: Path) -> tuple[str | None, Path | 
     return token, path.resolve()
 
 
-def run_server(cfg: ServeRewardConfig) -> int:
-    """Load the sources, serve until SIGTERM or Ctrl-C; 0 then."""
+def load_scoring(cfg: ServeRewardConfig) -> tuple[Score, list[str]]:
+    """The served sources loaded (reward models on this process's device): (score, their metric names)."""
     check_rules(cfg)
-    out = ensure_folder(Path(cfg.output_dir))
-    token, token_path = server_token(cfg, out)
     device = device_for(0)
 
     def load_rm(path: str, field: str) -> FrozenModel:
@@ -205,43 +214,91 @@ def run_server(cfg: ServeRewardConfig) -> int:
 
     task = build_task(cfg.task, DataSourceConfig())
     rewards = RewardSet(cfg.reward, load_rm, None, task, device, cfg.trust_remote_code, cfg.rules)
-    sources = [source_name(i, s) for i, s in enumerate(cfg.reward.sources)]
 
     def score(responses: Sequence[Response]) -> list[float]:
         return rewards.score(responses)[0].tolist()
 
-    app = build_app(score, token, sources, cfg.max_batch, cfg.batch_wait_ms / 1000, cfg.max_request_mb << 20)
-    return asyncio.run(_serve(app, cfg, out, token_path, sources))
+    return score, [source_name(i, s) for i, s in enumerate(cfg.reward.sources)]
 
 
-async def _serve(app: web.Application, cfg: ServeRewardConfig, out: Path, token_path: Path | None,
-                 sources: list[str]) -> int:
-    """Listen, write server.json, wait for SIGTERM or Ctrl-C, then remove it and stop."""
-    runner = web.AppRunner(app, access_log=None, handle_signals=False)
-    await runner.setup()
-    site = web.TCPSite(runner, cfg.host, cfg.port)
+def listening_socket(host: str, port: int) -> socket.socket:
+    """A socket bound to host:port (0: a free port) and listening; a ConfigError names the setting."""
     try:
-        await site.start()
+        return socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
     except OSError as e:
-        await runner.cleanup()
-        raise ConfigError(f"port: cannot listen on {cfg.host}:{cfg.port} ({e.strerror}); use another port, or 0 for "
+        raise ConfigError(f"port: cannot listen on {host}:{port} ({e.strerror}); use another port, or 0 for "
                           "a free one") from None
-    port = site._server.sockets[0].getsockname()[1]  # the one chosen for port 0
-    host = f"[{cfg.host}]" if ":" in cfg.host else cfg.host
-    url = f"http://{host}:{port}/score"
-    info = out / "server.json"
-    replace_file(info, json.dumps({"url": url, "token_file": str(token_path) if token_path else None,
-                                   "pid": os.getpid()}, indent=1) + "\n")
-    log.info(f"serve-reward: serving {', '.join(sources)} on {url} "
-             + (f"(token in {token_path})" if token_path else "(no token)") + f"; {info} says where")
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+
+
+class ServerThread:
+    """An app served on an already listening socket, on an event loop in a thread of its own: `start()`
+    returns its URL once it answers and writes `<out>/server.json`; `stop()` removes the file and
+    closes the socket. The program around it keeps its main thread (a Ray actor, signal handlers)."""
+
+    def __init__(self, app: web.Application, sock: socket.socket, out: Path, token_path: Path | None,
+                 sources: list[str]):
+        self.app, self.sock, self.info, self.token_path, self.sources = app, sock, out / "server.json", token_path, sources
+        host, port = sock.getsockname()[:2]
+        self.url = f"http://{f'[{host}]' if ':' in host else host}:{port}/score"
+        self._ready, self._failed = threading.Event(), None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self._thread = threading.Thread(target=self._run, name="hpcrlhf-reward-server", daemon=True)
+
+    def start(self, timeout_s: float = 60.0) -> str:
+        self._thread.start()
+        if not self._ready.wait(timeout_s):
+            raise HpcrlhfError(f"the reward server on {self.url} did not start within {timeout_s:g} s")
+        if self._failed is not None:
+            raise self._failed
+        replace_file(self.info, json.dumps({"url": self.url, "token_file": str(self.token_path) if self.token_path
+                                            else None, "pid": os.getpid()}, indent=1) + "\n")
+        return self.url
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        self.info.unlink(missing_ok=True)
+        if self._loop is not None and self._stop is not None and self._thread.is_alive():
+            self._loop.call_soon_threadsafe(self._stop.set)
+            self._thread.join(timeout_s)
+        self.sock.close()
+
+    def _run(self) -> None:
+        try:
+            asyncio.run(self._serve())
+        except BaseException as e:  # noqa: BLE001 -- handed to start(), which raises it in its caller
+            self._failed = e
+            self._ready.set()
+
+    async def _serve(self) -> None:
+        self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
+        runner = web.AppRunner(self.app, access_log=None, handle_signals=False)
+        await runner.setup()
+        try:
+            await web.SockSite(runner, self.sock).start()
+            self._ready.set()
+            await self._stop.wait()
+        finally:
+            await runner.cleanup()
+
+
+def run_server(cfg: ServeRewardConfig) -> int:
+    """Load the sources, serve until SIGTERM or Ctrl-C; 0 then."""
+    out = ensure_folder(Path(cfg.output_dir))
+    score, sources = load_scoring(cfg)
+    token, token_path = server_token(cfg, out)
+    app = build_app(score, token, sources, cfg.max_batch, cfg.batch_wait_ms / 1000, cfg.max_request_mb << 20)
+    server = ServerThread(app, listening_socket(cfg.host, cfg.port), out, token_path, sources)
+    stop = threading.Event()
+    handlers = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
-        await stop.wait()
+        url = server.start()
+        log.info(f"serve-reward: serving {', '.join(sources)} on {url} "
+                 + (f"(token in {token_path})" if token_path else "(no token)") + f"; {server.info} says where")
+        while not stop.wait(1.0):
+            pass
     finally:
-        info.unlink(missing_ok=True)
-        await runner.cleanup()
+        server.stop()
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
     log.info("serve-reward: stopped")
     return 0

@@ -131,6 +131,43 @@ def test_a_row_the_rule_cannot_score_fails_the_asking_job_with_the_reason(served
     assert (status, reply) == (400, {"error": "no list 'rows' in the request"})
 
 
+def test_a_server_thread_serves_on_a_given_socket_and_stops_cleanly(tmp_path):
+    """What a job's own reward server runs: the app on a socket bound beforehand (to its node's address,
+    in its port block), in a thread of the calling process."""
+    import socket
+
+    from hpcrlhf.rewards.server import ServerThread, build_app, listening_socket
+
+    sock = listening_socket("127.0.0.1", 0)
+    port = sock.getsockname()[1]
+    def length(responses):
+        if any(r.text == "boom" for r in responses):
+            raise MemoryError("out of memory")  # not a data problem: the server's own fault
+        return [float(len(r.text)) for r in responses]
+
+    app = build_app(length, "tok", ["rule_len"])
+    server = ServerThread(app, sock, tmp_path, tmp_path / "token", ["rule_len"])
+    url = server.start()
+    assert url == f"http://127.0.0.1:{port}/score"
+    info = json.loads((tmp_path / "server.json").read_text())
+    assert info == {"url": url, "token_file": str(tmp_path / "token"), "pid": os.getpid()}
+    assert post(url, rows(3), "tok") == (200, {"scores": [0.0, 1.0, 2.0]}) and post(url, rows(1))[0] == 401
+    boom = {"prompts": ["p"], "responses": ["boom"], "rows": [{}]}
+    assert post(url, boom, "tok") == (500, {"error": "the reward server failed to score: MemoryError: out of memory"})
+    assert post(url, rows(2), "tok") == (200, {"scores": [0.0, 1.0]})  # and it goes on serving
+    server.stop()
+    assert not (tmp_path / "server.json").exists()
+    with pytest.raises(OSError):  # nothing listens there any more
+        socket.create_connection(("127.0.0.1", port), timeout=5).close()
+    assert not any(t.name == "hpcrlhf-reward-server" for t in threading.enumerate())
+    with pytest.raises(ConfigError, match=r"port: cannot listen on 127\.0\.0\.1:\d+ \(.*\); use another port"):
+        busy = listening_socket("127.0.0.1", 0)
+        try:
+            listening_socket("127.0.0.1", busy.getsockname()[1])
+        finally:
+            busy.close()
+
+
 @pytest.mark.parametrize("overrides, message", [
     (["no_token=true", "host=0.0.0.0"], "no_token: true with host '0.0.0.0': every host that reaches this address could"),
     (["port=70000"], "port: 70000 is invalid"),
