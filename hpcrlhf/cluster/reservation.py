@@ -1,7 +1,8 @@
 """The node map made real on a Ray cluster: node i of the map is a named Ray node, and GPU g of
 node i is bundle g of that node's placement group.
 
-One placement group per node, each bundle pinned to its node by the node's `node:<ip>` resource,
+One placement group per node, each bundle pinned to its node by the node's `node:<ip>` resource
+(after the GPU bundles, one bundle of CPUs for each reward server the map puts on the node's cores),
 so Ray can never hand out bundles in an order that splits a TP group or swaps two nodes: the map
 stays the single source of truth. Ray's GPU accounting still reserves the devices (other jobs
 cannot take them), but Ray does not choose device numbers: a worker sees exactly the GPUs the map
@@ -30,6 +31,7 @@ class RayNode:
     gpus: float
     is_head: bool
     hostname: str = ""
+    cpus: float = 0.0
 
     def describe(self, index: int) -> str:
         return f"node {index} ({self.hostname}, {self.ip})" if self.hostname else f"node {index} ({self.ip})"
@@ -39,7 +41,8 @@ def live_nodes() -> list[RayNode]:
     import ray
 
     return [RayNode(n["NodeID"], n["NodeManagerAddress"], n["Resources"].get("GPU", 0.0),
-                    "node:__internal_head__" in n["Resources"], n.get("NodeManagerHostname", ""))
+                    "node:__internal_head__" in n["Resources"], n.get("NodeManagerHostname", ""),
+                    n["Resources"].get("CPU", 0.0))
             for n in ray.nodes() if n.get("Alive")]
 
 
@@ -73,6 +76,11 @@ def check_cluster(node_map: NodeMap, nodes: Sequence[RayNode], node_ips: Sequenc
         if n.gpus < node_map.gpus_per_node:
             problems.append(f"node {i} ({n.ip}) has {n.gpus:g} GPUs but the node map puts {node_map.gpus_per_node} "
                             f"on every node: plan with --gpus-per-node {int(n.gpus)}")
+        on_cores = [s for s in node_map.reward_servers if s.device is None and s.node == i]
+        if sum(s.cpus for s in on_cores) > n.cpus:
+            problems.append(f"node {i} ({n.ip}) has {n.cpus:g} CPUs but the node map runs {len(on_cores)} reward "
+                            f"server(s) of placement.reward_server.cpus={on_cores[0].cpus} there: fewer servers "
+                            f"(reward.sources[].servers) or fewer CPUs each")
     if problems:
         raise PlacementError("the Ray cluster does not match the node map:\n" + "\n".join(f"- {p}" for p in problems))
 
@@ -85,7 +93,7 @@ class Reservation:
     nodes: list[RayNode]
     """Ray node of each map node."""
     groups: list[Any]
-    """One placement group per map node; bundle g is GPU g."""
+    """One placement group per map node; bundle g is GPU g, then one bundle per reward server on its cores."""
 
     def actor_options(self, devices: Sequence[Device], *, env: dict[str, str] | None = None) -> dict[str, Any]:
         """`.options(...)` for a Ray actor on `devices` (one GPU, or a vLLM engine's TP group): it
@@ -105,6 +113,20 @@ class Reservation:
             "runtime_env": {"env_vars": {**(env or {}), "CUDA_VISIBLE_DEVICES": visible,
                                          "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}},
         }
+
+    def cpu_slot_options(self, server: int, *, env: dict[str, str] | None = None) -> dict[str, Any]:
+        """`.options(...)` for reward server `server` of the map on its node's CPU cores: its own bundle
+        of `placement.reward_server.cpus` CPUs, and no GPU."""
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        plan = self.node_map.reward_servers[server]
+        if plan.device is not None:
+            raise PlacementError(f"reward server {server} runs on {plan.device}, not on CPU cores")
+        return {"num_cpus": plan.cpus, "num_gpus": 0,
+                "scheduling_strategy": PlacementGroupSchedulingStrategy(self.groups[plan.node], cpu_bundle(self.node_map,
+                                                                                                           server)),
+                "runtime_env": {"env_vars": {**(env or {}), "CUDA_VISIBLE_DEVICES": "",
+                                             "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}}}
 
     def ip_of(self, device: Device) -> str:
         return self.nodes[device.node].ip
@@ -128,6 +150,13 @@ class Reservation:
         self.groups = []
 
 
+def cpu_bundle(node_map: NodeMap, server: int) -> int:
+    """The bundle of reward server `server` (on CPU cores) in its node's placement group: after the GPUs'."""
+    plan = node_map.reward_servers[server]
+    before = [s for s in node_map.reward_servers[:server] if s.device is None and s.node == plan.node]
+    return node_map.gpus_per_node + len(before)
+
+
 def reserve(node_map: NodeMap, node_ips: Sequence[str] | None = None, timeout_s: float = 60.0) -> Reservation:
     """Hold every GPU of `node_map` on the connected Ray cluster (all nodes or none)."""
     import ray
@@ -136,7 +165,9 @@ def reserve(node_map: NodeMap, node_ips: Sequence[str] | None = None, timeout_s:
     nodes = order_nodes(live_nodes(), node_ips)
     check_cluster(node_map, nodes, node_ips)
     nodes = nodes[:node_map.nodes]
-    groups = [placement_group([{"GPU": 1.0, f"node:{n.ip}": NODE_PIN} for _ in range(node_map.gpus_per_node)],
+    cores = {i: [s.cpus for s in node_map.reward_servers if s.device is None and s.node == i] for i in range(len(nodes))}
+    groups = [placement_group([{"GPU": 1.0, f"node:{n.ip}": NODE_PIN} for _ in range(node_map.gpus_per_node)]
+                              + [{"CPU": float(c), f"node:{n.ip}": NODE_PIN} for c in cores[i]],
                               strategy="STRICT_PACK", name=f"hpcrlhf-node{i}") for i, n in enumerate(nodes)]
     refs = [g.ready() for g in groups]
     _, pending = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
