@@ -86,8 +86,8 @@ def listen(host: str, ports: range | None) -> socket.socket:
         except OSError as e:
             sock.close()
             if ports is None:
-                raise HpcrlhfError(f"cannot listen on {host} for a rendezvous store: {e.strerror or e}") from None
-    raise HpcrlhfError(f"no free port for a rendezvous store on {host}: every port of this node's share of the job's "
+                raise HpcrlhfError(f"cannot listen on {host} for a rendezvous store or reward server: {e.strerror or e}") from None
+    raise HpcrlhfError(f"no free port for a rendezvous store or reward server on {host}: every port of this node's share of the job's "
                        f"block ({ports_text(ports)}, {STORE_PORTS_ENV}) is in use -- by this job's other groups, or "
                        "another program took them; rerun the job")
 
