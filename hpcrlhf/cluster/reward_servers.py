@@ -164,6 +164,10 @@ class RewardServers:
                 out.setdefault(plan.source, ([], self.token))[0].append(url)
         return out
 
+    def call_async(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        """`method` on every server's actor (as `WorkerGroup.call_async`: whereabouts, pop_busy)."""
+        return [getattr(w, method).remote(*args, **kwargs) for w in self.workers]
+
     def owner(self, actor_id: str) -> str | None:
         """The server whose actor has hex id `actor_id` (for `dead_worker_message`), else None."""
         index = next((i for i, w in enumerate(self.workers) if w._actor_id.hex() == actor_id), None)

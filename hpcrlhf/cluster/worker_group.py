@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 
 from hpcrlhf.cluster.reservation import Reservation
 from hpcrlhf.data.batching import shard_rows
+from hpcrlhf.errors import RewardServerError
 from hpcrlhf.placement import Device
 from hpcrlhf.run.signals import StopRequested, stop_requested_here
 
@@ -258,7 +259,8 @@ PROBE_S = 5.0
 def lost_worker_error(error: BaseException, groups: Sequence[WorkerGroup], probe_s: float = PROBE_S):
     """The `RayActorError` of a lost worker behind `error`, or None: `error` itself when it is one;
     when a worker *raised* instead (a peer of a dead rank can fail first, its collective cut off:
-    gloo's 'Connection closed by peer'), the first worker found dead by pinging them all. The probe
+    gloo's 'Connection closed by peer'), or a job's reward server stopped answering (RewardServerError:
+    its actor may have died), the first worker found dead by pinging them all. The probe
     ends at the first dead worker; one that neither answers nor is known dead within `probe_s` (busy,
     or Ray not yet told of its death) counts as alive."""
     import ray
@@ -266,7 +268,7 @@ def lost_worker_error(error: BaseException, groups: Sequence[WorkerGroup], probe
 
     if isinstance(error, RayActorError):
         return error
-    if not isinstance(error, RayTaskError):
+    if not isinstance(error, (RayTaskError, RewardServerError)):
         return None
     pending = [w.node_ip.remote() for g in groups for w in g.workers]
     deadline = time.monotonic() + probe_s

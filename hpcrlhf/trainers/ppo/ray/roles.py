@@ -4,7 +4,9 @@ The driver is `PPOTrainer` itself (same loop, same step, same maths, same checkp
 is its roles interface (`trainers.ppo.roles.PPORoles`) on Ray workers:
 
     rollout         the vLLM engine actors (`EngineFleet`), prompts split over engines
-    rewards         the rules here; reward models on the reward role's workers
+    rewards         the rules here; reward models on the reward role's workers; the sources the
+                    job's own reward servers serve (`cluster.reward_servers`) asked over HTTP by
+                    whichever of the two scores
     score_tokens    actor / reference log-probs and critic values, all roles at once, each
                     role's ranks on equal row shards
     learn           actor and critic updates at once, rank r on the experiences of its prompts
@@ -40,6 +42,7 @@ import torch
 
 from hpcrlhf.cluster.engines import EngineFleet, EngineWorker
 from hpcrlhf.cluster.reservation import Reservation
+from hpcrlhf.cluster.reward_servers import RewardServers
 from hpcrlhf.cluster.worker_group import WorkerGroup, gather, gather_rows
 from hpcrlhf.data.batching import RowList
 from hpcrlhf.engines.rollout.settings import vllm_engine_args
@@ -79,6 +82,8 @@ class RayRoles:
     def __init__(self, ctx: RoleContext, reservation: Reservation):
         cfg, node_map = ctx.cfg, reservation.node_map
         self.reservation, self.run_dir, self.is_main = reservation, ctx.run_dir, ctx.models.env.is_main
+        # the reward servers load while the roles' workers start; healthy before any role loads a model
+        self.servers = RewardServers(cfg, reservation, ctx.run_dir) if node_map.reward_servers else None
         self.plan = ctx.role_plan(len(node_map.role_ranks("actor")))
         self.prompt_ranks = range(self.plan.data_parallel_size)
         self.groups: dict[str, WorkerGroup] = {}
@@ -96,10 +101,17 @@ class RayRoles:
         self.weight_push = WeightPush(self.groups["actor"], tp, cfg.placement.vllm.weight_sync)
         self.rollout = EngineFleet(engines, self.weight_push, max_restarts=cfg.placement.vllm.max_restarts)
         self.hf_rollout = None  # the actor module lives on its workers
-        gather([ref for g in self.groups.values() for ref in g.call_async("setup")])
-        # rules only without a reward role (the plan gives the reward role GPUs whenever there is a reward model)
+        setups = [ref for role, g in self.groups.items() if role != "reward" for ref in g.call_async("setup")]
+        served = None
+        if self.servers is not None:  # while the other roles load their models
+            self.servers.wait_healthy()
+            served = self.servers.served()
+        if "reward" in self.groups:
+            setups += self.groups["reward"].call_async("setup", served)
+        gather(setups)
+        # rules only without a reward role (the plan gives the reward role GPUs whenever the job scores a reward model)
         self.rewards = (RemoteRewards(self.groups["reward"]) if "reward" in self.groups
-                        else reward_set(cfg, ctx.models, ctx.task))
+                        else reward_set(cfg, ctx.models, ctx.task, served))
         self.phases = PhaseSwitch.for_job(cfg, self.trained, self.rollout,
                                           lambda role, verb: self.groups[role].call(verb), lambda: ctx.timed("swap"))
         self.check_placement()
@@ -108,8 +120,8 @@ class RayRoles:
 
     @property
     def all_groups(self) -> list[WorkerGroup]:
-        """Every role's workers and the engines."""
-        return [*self.groups.values(), self.rollout.group]
+        """Every role's workers, the engines and the job's reward servers."""
+        return [*self.groups.values(), self.rollout.group, *([self.servers] if self.servers is not None else [])]
 
     def check_placement(self) -> None:
         """Every worker's node and visible GPUs, read back from the worker, must be the map's."""
@@ -118,6 +130,9 @@ class RayRoles:
         expected = {}
         for g in groups:
             for rank, devices in enumerate(g.placements):
+                if not devices:  # a reward server on its node's CPU cores: no GPU
+                    expected[(g.role, rank)] = (self.reservation.nodes[g.plans[rank].node].ip, "")
+                    continue
                 expected[(g.role, rank)] = (self.reservation.ip_of(devices[0]), ",".join(str(d.gpu) for d in devices))
         rows, wrong = [], []
         for w in found:
@@ -205,7 +220,9 @@ class RayRoles:
         self.groups["actor"].call("save_model")
 
     def close(self) -> None:
-        """Stop the engines and every worker (also after one of them died)."""
+        """Stop the engines, the reward servers and every worker (also after one of them died)."""
         self.rollout.close()
+        if self.servers is not None:
+            self.servers.close()
         for group in self.groups.values():
             group.kill()

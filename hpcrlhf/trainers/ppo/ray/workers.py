@@ -43,8 +43,11 @@ class PPOWorker(RoleWorker):
         super().__init__(role, rank, world_size)
         self.cfg, self.plan = cfg, plan
 
-    def setup(self) -> None:
+    def setup(self, served: dict[int, tuple[list[str], str]] | None = None) -> None:
+        """Build the role's model(s); `served`: the sources the job's own reward servers serve (their
+        URLs and token), for the reward role."""
         self.models = ModelFactory(self.cfg)  # the driver owns the run folder, metrics and progress
+        self.served = served
         self.build()
 
     def build(self) -> None:
@@ -169,7 +172,7 @@ class RewardWorker(PPOWorker):
     """The reward sources (every reward model and rule) on one rank."""
 
     def build(self) -> None:
-        self.rewards = reward_set(self.cfg, self.models, build_task(self.cfg.task, self.cfg.data))
+        self.rewards = reward_set(self.cfg, self.models, build_task(self.cfg.task, self.cfg.data), self.served)
 
     def names(self) -> list[str]:
         return list(self.rewards.names)
