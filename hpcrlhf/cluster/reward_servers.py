@@ -21,6 +21,7 @@ import secrets
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 from hpcrlhf.cluster.reservation import Reservation
 from hpcrlhf.cluster.worker_group import RoleWorker, busy
