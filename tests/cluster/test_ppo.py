@@ -8,6 +8,12 @@ of each node, the critic on GPU 1, two vLLM engines of TP 2 on GPUs 2-3) and is 
 requeued after step 20 and resumed. Both have 2 ranks per role, so they sample and learn alike. A third run, the
 separated layout's first steps inside hpcrlhf's CPU Apptainer image (started by the script
 `hpcrlhf sbatch --container` renders), samples exactly like the colocated run.
+
+Both learning runs start reward servers of their own (`reward.sources[i].servers`): the separated run
+serves the task rule from two servers on CPU cores (one per node) and a reward model (weight 0: it is
+scored and logged, and changes nothing) from a server on the critic's GPU of node 0, new ones with a
+new token after the requeue; the colocated run scores the rule in the job and serves the same reward
+model. So the equal steps of the two runs also show a served rule scoring as the rule in the job.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from hpcrlhf.run.metrics import read_metrics
 from tests.hpc.slurm_jobs import attempts, render, slurm_log, wait_for_step
 from tests.launch_helpers import ROOT, cli_command, cli_env, run_cli
 from tests.slurm_cluster import node_address
+from tests.test_rewards import _make_rm
 
 STEPS = 30
 """Steps of the learning runs: from the half-trained policy (0.53 held out) the colocated run reached 0.74 in
@@ -36,6 +43,8 @@ RUN = ["--set", "log.tensorboard=false", "--set", "eval.every_steps=0", "--set",
        "--set", "task.eval_size=512", "--set", "eval.score_prompts=512", "--set", "rollout.prompts_per_step=32",
        "--set", "rollout.samples_per_prompt=4", "--set", "train.global_batch_size=64", "--set", f"train.max_steps={STEPS}"]
 SEPARATED, COLOCATED = "ppo-tiny-ray", "ppo-tiny-ray-colocated"
+SERVED_COLOCATE = {SEPARATED: "[[actor, ref], [critic, reward_server]]",
+                   COLOCATED: "[[actor, critic, ref, vllm, reward_server]]"}
 PHASES = ("timing/generate", "timing/reward", "timing/make_experience", "timing/train_actor", "timing/train_critic",
           "timing/weight_sync", "timing/step", "throughput/samples_per_sec", "throughput/tokens_per_sec")
 
@@ -46,12 +55,13 @@ def runs(ray_cluster, policy_model, tmp_path_factory, request) -> dict:
     to the local Slurm cluster (2 nodes x 4 GPUs) and interrupted by the time-limit signal after
     step 20 -- or, where Slurm cannot run (no root, outside CI), straight through on the local Ray
     cluster."""
-    args = ["--set", f"model.path={policy_model}", *RUN]
-    out: dict = {}
+    rm = _make_rm(policy_model, tmp_path_factory.mktemp("rm") / "rm", seed=5, mean=0.1, std=2.0)
+    out: dict = {"rm": rm}
     folder = tmp_path_factory.mktemp(COLOCATED) / "run"
-    run_cli(["train", "ppo", "--config", COLOCATED, "-o", str(folder), *args, "--set", f"train.max_steps={REFERENCE_STEPS}"],
-            env={"RAY_ADDRESS": ray_cluster.address}, timeout=1200)
+    run_cli(["train", "ppo", "--config", COLOCATED, "-o", str(folder), *served(COLOCATED, policy_model, rm),
+             "--set", f"train.max_steps={REFERENCE_STEPS}"], env={"RAY_ADDRESS": ray_cluster.address}, timeout=1200)
     out[COLOCATED] = folder
+    args = served(SEPARATED, policy_model, rm)
     folder = tmp_path_factory.mktemp(SEPARATED) / "run"
     out[SEPARATED] = folder
     try:
@@ -62,8 +72,17 @@ def runs(ray_cluster, policy_model, tmp_path_factory, request) -> dict:
         out["node_ips"] = ray_cluster.node_ips
         return out
     out["node_ips"] = [node_address(1), node_address(2)]
-    out["submit"] = submit_interrupted(slurm, folder, ["--set", f"model.path={policy_model}", *RUN])
+    out["submit"] = submit_interrupted(slurm, folder, args)
     return out
+
+
+def served(recipe: str, policy_model: str, rm: str) -> list[str]:
+    """The learning runs' settings: the task rule served by two servers (separated) or scored in the job
+    (colocated), the reward model at weight 0 served in both; the critic from the policy, as without."""
+    rule = "{rule: task, servers: 2}" if recipe == SEPARATED else "{rule: task}"
+    return ["--set", f"model.path={policy_model}", *RUN, "--set", f"critic.path={policy_model}",
+            "--set", f"reward.sources=[{rule}, {{model: {rm}, servers: 1, weight: 0.0}}]",
+            "--set", f"placement.colocate={SERVED_COLOCATE[recipe]}"]
 
 
 def submit_interrupted(slurm, folder, args) -> dict:
@@ -158,15 +177,18 @@ def test_one_step_stale_ray_ppo_generates_the_next_rollout_while_it_trains_and_l
     assert not (folder / "checkpoints" / f"step_{STEPS:06d}" / "ahead_rank0.pt").exists()
 
 
-def placement(folder, policy_model, ips) -> tuple[dict, dict]:
-    """(where `hpcrlhf plan --json` puts each rank and engine, where the workers say they ran):
-    {(role, rank): (node address, visible GPUs)}."""
-    plan = json.loads(run_cli(["plan", SEPARATED, "--json", "--set", f"model.path={policy_model}"]).stdout)
+def placement(folder, ips, args) -> tuple[dict, dict]:
+    """(where `hpcrlhf plan --json` with the run's settings `args` puts each rank, engine and reward
+    server, where the workers say they ran): {(role, rank): (node address, visible GPUs)}."""
+    plan = json.loads(run_cli(["plan", SEPARATED, "--json", *args]).stdout)
     expected = {(role, rank): (ips[d["node"]], str(d["gpu"]))
                 for role, r in plan["roles"].items() for rank, d in enumerate(r["ranks"])}
     for i, engine in enumerate(plan["vllm"]["engines"]):
         (node,) = {d["node"] for d in engine["devices"]}
         expected[("vllm", i)] = (ips[node], ",".join(str(d["gpu"]) for d in engine["devices"]))
+    for server in plan["reward_servers"]:  # on CPU cores: no GPU
+        expected[("reward_server", server["server"])] = (ips[server["node"]], str(server["device"]["gpu"])
+                                                         if server["device"] else "")
     workers = json.loads((folder / "placement.json").read_text())["workers"]
     assert len({w["pid"] for w in workers}) == len(workers)  # one process per rank and engine
     return expected, {(w["role"], w["rank"]): (w["node_ip"], w["visible_devices"]) for w in workers}
@@ -176,9 +198,11 @@ def placement(folder, policy_model, ips) -> tuple[dict, dict]:
 def test_every_worker_runs_where_the_plan_puts_it(runs, policy_model):
     """Placement read back from the workers (node address, visible GPUs) == `hpcrlhf plan --json`:
     on the Slurm nodes n1, n2 when the run was submitted there."""
-    expected, found = placement(runs[SEPARATED], policy_model, runs["node_ips"])
+    expected, found = placement(runs[SEPARATED], runs["node_ips"], served(SEPARATED, policy_model, runs["rm"]))
     assert found == expected
     assert {ip for ip, _ in found.values()} == set(runs["node_ips"])  # both nodes hold ranks of every role
+    servers = {rank: where for (role, rank), where in found.items() if role == "reward_server"}
+    assert servers == {0: (runs["node_ips"][0], ""), 1: (runs["node_ips"][1], ""), 2: (runs["node_ips"][0], "1")}
 
 
 @pytest.mark.slow
@@ -209,6 +233,28 @@ def test_submitted_job_requeued_at_its_time_limit_resumes_without_losing_a_sampl
                                                                                 abs=1e-6)
     assert [r["train/value_loss"] for r in sep[:REFERENCE_STEPS]] == pytest.approx(
         [r["train/value_loss"] for r in col], abs=1e-6)
+
+
+@pytest.mark.slow
+def test_the_jobs_reward_servers_score_as_the_job_does_and_their_token_stays_in_its_file(runs):
+    """The served task rule (two servers, new ones after the requeue) scored every step as the rule in
+    the colocated job; the served reward model gave both runs the same values; each start wrote a new
+    token to its 0600 file, in no other file of the run nor in the job's logs."""
+    sep, col = train_rows(runs[SEPARATED]), train_rows(runs[COLOCATED])
+    assert [r["reward/rule_task"] for r in sep] == pytest.approx([r["reward/rule_task"] for r in col], abs=1e-6)
+    rm = [r["reward/model1_rm"] for r in sep]
+    assert rm == pytest.approx([r["reward/model1_rm"] for r in col], abs=1e-5) and len(set(rm)) > 1
+    assert all(r["timing/busy_reward_server"] > 0 for r in sep)
+    token_file = runs[SEPARATED] / "reward_servers" / "token"
+    assert oct(token_file.stat().st_mode & 0o777) == "0o600"
+    token = token_file.read_text().strip()
+    files = [p for p in runs[SEPARATED].rglob("*") if p.is_file() and p != token_file]
+    assert files and not [p for p in files if token.encode() in p.read_bytes()]
+    if "submit" in runs:
+        sub = runs["submit"]
+        assert token not in sub["console"] and token not in sub["log"]
+        assert sub["log"].count("reward servers healthy: ") == 2  # one start per attempt
+        assert "reward server 2 (model1_rm, node 0 gpu 1) on http://" in sub["log"]
 
 
 IMAGE_STEPS = 8
@@ -244,7 +290,7 @@ def test_ray_ppo_inside_the_image_places_and_samples_like_the_host_run(ppo_in_im
     assert state == "COMPLETED", log[-4000:]
     assert all(a["container"] == cpu_image and a["python"] == "/opt/venv/bin/python" for a in attempts(run))
     ips = [node_address(1), node_address(2)]
-    expected, found = placement(run, policy_model, ips)  # where the last attempt ran
+    expected, found = placement(run, ips, ["--set", f"model.path={policy_model}"])  # where the last attempt ran
     assert found == expected and {ip for ip, _ in found.values()} == set(ips)
     rows, host = train_rows(run), train_rows(runs[COLOCATED])[:IMAGE_STEPS]
     assert [r["step"] for r in rows] == list(range(1, IMAGE_STEPS + 1))
