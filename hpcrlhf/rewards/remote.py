@@ -97,7 +97,8 @@ def scores_in(body: bytes, expected: int) -> list[float]:
 class RemoteSource:
     """A reward server as a reward source (the `hpcrlhf.rewards.response.Scorer` protocol): the
     source's `url`, or the replicas a job started for it (`served`: their URLs and token), each batch
-    sent to the replica with the fewest batches in flight and retried there."""
+    sent to the replica with the fewest batches in flight (the next in turn among equals) and retried
+    there."""
 
     def __init__(self, source: RewardSourceConfig, cfg: RemoteRewardConfig, field: str,
                  served: tuple[Sequence[str], str] | None = None):
@@ -109,6 +110,7 @@ class RemoteSource:
             self.urls, self.token = list(served[0]), served[1]
             self.labels = [f"{field} (the job's reward server {url!r})" for url in self.urls]
         self.in_flight = [0] * len(self.urls)
+        self._turn = 0
         self._pick = threading.Lock()
         self.stopping = threading.Event()
         """Set when a run stops waiting (a stop request): retries wait no longer."""
@@ -133,9 +135,11 @@ class RemoteSource:
     def _ask(self, batch: Sequence[Response]) -> list[float]:
         """The scores of one batch, tried up to 1 + retries times on the replica with the fewest batches
         in flight; RewardServerError after the last."""
-        with self._pick:
-            k = min(range(len(self.urls)), key=self.in_flight.__getitem__)
+        with self._pick:  # ties go round the replicas: batches asked one after another spread too
+            n = len(self.urls)
+            k = min(range(n), key=lambda i: (self.in_flight[i], (i - self._turn) % n))
             self.in_flight[k] += 1
+            self._turn = (k + 1) % n
         try:
             return self._tries(batch, k)
         finally:

@@ -22,11 +22,11 @@ import torch
 from hpcrlhf.cluster.bootstrap import PORTS_PER_NODE, RayPorts
 from hpcrlhf.cluster.reservation import reserve
 from hpcrlhf.cluster.reward_servers import RewardServers
-from hpcrlhf.cluster.worker_group import dead_worker_message
+from hpcrlhf.cluster.worker_group import dead_worker_message, lost_worker_error
 from hpcrlhf.config.jobspec import resolve_recipe
 from hpcrlhf.config.loader import load_config
 from hpcrlhf.config.schema import PPOConfig
-from hpcrlhf.errors import HpcrlhfError
+from hpcrlhf.errors import HpcrlhfError, RewardServerError
 from hpcrlhf.models.loading import load_tokenizer
 from hpcrlhf.placement import build_node_map
 from hpcrlhf.rewards.sources import RewardSet
@@ -93,13 +93,17 @@ def test_servers_start_where_the_map_says_and_score_with_the_jobs_token_only(ray
         seen = ray.get([w.whereabouts.remote() for w in servers.workers])
         assert [(w.node_ip, w.visible_devices) for w in seen] == [
             (ray_cluster.node_ips[0], ""), (ray_cluster.node_ips[1], ""), (ray_cluster.node_ips[0], "1")]
-        # a server that dies is named as such, with where it ran
+        # a server that dies: its source fails after the retries, and the run finds the dead actor behind
+        # it (exit 4, requeued), named with where it ran
         os.kill(seen[1].pid, signal.SIGKILL)
-        with pytest.raises(ray.exceptions.RayActorError) as lost:
-            for _ in range(60):
-                ray.get(servers.workers[1].node_ip.remote())
-                time.sleep(0.5)
-        assert dead_worker_message(lost.value, [servers]).startswith("reward server 1 (rule_task, node 1 CPU cores) died")
+        with pytest.raises(RewardServerError) as failed:
+            for _ in range(20):  # until a batch goes to the dead one
+                rewards.score(responses)
+        deadline, cause = time.monotonic() + 60, None
+        while cause is None and time.monotonic() < deadline:  # Ray learns of the death within seconds
+            cause = lost_worker_error(failed.value, [servers])
+        assert isinstance(cause, ray.exceptions.RayActorError), failed.value
+        assert dead_worker_message(cause, [servers]).startswith("reward server 1 (rule_task, node 1 CPU cores) died")
         folders = [tmp_path / "run" / "reward_servers" / f"server{i}" for i in range(3)]
         assert (folders[0] / "server.json").exists()
     finally:

@@ -142,6 +142,9 @@ def test_a_jobs_replicas_share_the_batches_by_fewest_in_flight_and_a_failing_one
                           served=([first.url, second.url], TOKEN))
     assert served.scores(responses(12)) == [i + 0.5 for i in range(12)]
     assert len(first.requests) == len(second.requests) == 2  # 4 batches of 3, 2 at a time: one on each
+    for _ in range(2):  # batches asked one at a time go round the replicas too
+        served.scores(responses(3))
+    assert len(first.requests) == len(second.requests) == 3
     assert {auth for _, auth in first.requests + second.requests} == {f"Bearer {TOKEN}"}
     served.probe()  # an empty request to each: both answer it
     assert first.requests[-1][0] == second.requests[-1][0] == {"prompts": [], "responses": [], "rows": []}
