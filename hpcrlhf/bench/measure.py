@@ -3,7 +3,8 @@
 Protocol: the first `warmup` steps are dropped (engine start-up, allocator and kernel warm-up),
 every figure is the median over the remaining steps. Phases:
 
-- generate:        rollout engine time (`timing/generate`)
+- generate:        rollout engine time (`timing/generate`, and the scoring done while the engines
+                   still generated, `timing/reward_overlap`: the generation's wall time)
 - make_experience: scoring -- reward models (`timing/reward`) plus the actor, reference and
                    critic forward passes and the advantage maths (`timing/make_experience`)
 - train:           wall time of the PPO updates (`timing/train`; actor and critic may overlap)
@@ -27,7 +28,7 @@ from dataclasses import asdict, dataclass, field
 from hpcrlhf.errors import HpcrlhfError
 
 PHASES = ("generate", "make_experience", "train", "weight_sync", "other")
-_PHASE_KEYS = {"generate": ("timing/generate", "timing/generate_ahead_wait"),
+_PHASE_KEYS = {"generate": ("timing/generate", "timing/generate_ahead_wait", "timing/reward_overlap"),
                "make_experience": ("timing/reward", "timing/make_experience"),
                "train": ("timing/train",), "weight_sync": ("timing/weight_sync",)}
 

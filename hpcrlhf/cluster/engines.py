@@ -12,7 +12,7 @@ import dataclasses
 import os
 import time
 from typing import Any
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 from hpcrlhf.cluster.worker_group import (RoleWorker, WorkerGroup, busy, dead_worker_message, death_verdict, gather,
                                           lost_worker_error)
@@ -216,18 +216,25 @@ class FleetBatch:
     def finished(self) -> float | None:
         return max(self.done_at.values()) if len(self.done_at) == len(self.parts) else None
 
-    def result(self) -> list:
-        """The batch's generations in prompt order (waits for them; again: the same list)."""
+    def as_finished(self) -> Iterator[tuple[int, list]]:
+        """(first prompt index, generations) of each engine's part as it arrives, a dead engine's part
+        redone first (each part once; parts taken before are not given again)."""
         import ray
 
-        done = self.done
         while self.pending:
             (ready,), _ = ray.wait(list(self.pending), num_returns=1)
             rank = self.pending.pop(ready)
             try:
-                done[rank] = ray.get(ready)
+                self.done[rank] = ray.get(ready)
             except ray.exceptions.RayActorError as e:
                 if self.fleet.group.workers[rank] is self.sent_to[rank]:  # not replaced meanwhile
                     self.fleet.restart(rank, e)  # raises when it may not
                 self.pending[self._start(rank)] = rank
-        return [g for rank in sorted(done) for g in done[rank]]
+                continue
+            yield self.parts[rank][0], self.done[rank]
+
+    def result(self) -> list:
+        """The batch's generations in prompt order (waits for them; again: the same list)."""
+        for _ in self.as_finished():
+            pass
+        return [g for rank in sorted(self.done) for g in self.done[rank]]

@@ -12,9 +12,10 @@ backend on several training ranks, rank 0 runs the engine for everyone
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 import torch
 
@@ -49,6 +50,11 @@ def flatten_generations(prompts: Sequence[Prompt], generations: list[list[Genera
     responses = [Response(p.text, t, tuple(p.ids) + tuple(g.response_ids), p.row, p.origin)
                  for p, g, t in zip(flat_prompts, flat, texts)]
     return flat_prompts, flat, responses
+
+
+def _whole(pending) -> Iterator[tuple[int, list[list[Generation]]]]:
+    """A launched batch as one part, once all of it is generated."""
+    yield 0, pending.result()
 
 
 def reward_set(cfg: OnlineJobConfig, models: ModelFactory, task,
@@ -180,17 +186,39 @@ class OnlineTrainer(TrainingLoop):
         """The launched generations (waited for) and their scores. A stop request during either
         abandons the step (`Run.stoppable`): what was cut short is never learned from."""
         with self.run.stoppable():
-            with self.run.timed("generate"):
-                generations = launched.pending.result()
-            with self.run.timed("reward"):
-                rollout = Rollout(*flatten_generations(launched.prompts, generations, self.tokenizer), None, {})
-                total, rollout.parts = self.rewards.score(rollout.responses)
+            rollout, total = self._score_parts(launched)
         rollout.scores = adjust_scores(total, rollout.lengths, rollout.finished, self.cfg.reward,
                                        launched.params.max_new_tokens)
         # before anything learns from them; every rank decides alike
         self.guard.check_inputs({**{f"reward/{name}": v for name, v in rollout.parts.items()}, "rollout/score": rollout.scores},
                                 all_ranks=lambda flag: all_reduce_sum([flag])[0])
         return rollout
+
+    def _score_parts(self, launched: LaunchedRollout) -> tuple[Rollout, torch.Tensor]:
+        """(the rollout in prompt order, its summed scores): each part of the generations scored as it
+        arrives (`reward.overlap`), else all at once. Waiting for a part counts as `timing/generate`;
+        the scoring done before the last part arrived as `timing/reward_overlap`, the rest as
+        `timing/reward`."""
+        pending, prompts, scored, calls = launched.pending, launched.prompts, [], []
+        parts = pending.as_finished() if self.cfg.reward.overlap else _whole(pending)
+        while True:
+            with self.run.timed("generate"):
+                part = next(parts, None)
+            if part is None:
+                break
+            start, generations = part
+            began = time.monotonic()
+            flat = flatten_generations(prompts[start:start + len(generations)], generations, self.tokenizer)
+            scored.append((start, flat, *self.rewards.score(flat[2])))
+            calls.append((began, time.monotonic()))
+        generated = pending.finished() or calls[-1][0]
+        hidden = sum(max(0.0, min(end, generated) - began) for began, end in calls)
+        self.run.add_timing("reward", sum(end - began for began, end in calls) - hidden)
+        self.run.add_timing("reward_overlap", hidden)
+        scored.sort(key=lambda item: item[0])  # contiguous parts: prompt order again
+        rollout = Rollout(*([x for _, flat, _, _ in scored for x in flat[i]] for i in range(3)), None,
+                          {name: torch.cat([values[name] for *_, values in scored]) for name in scored[0][3]})
+        return rollout, torch.cat([total for _, _, total, _ in scored])
 
     def rollout_stats(self, rollout: Rollout) -> Stats:
         n = len(rollout.generations)

@@ -95,6 +95,15 @@ def test_engines_on_tp_groups_follow_weight_syncs(ray_cluster, tiny_llama):
             assert [greedy_tokens(g) for g in engines.call("generate", prompts, params)] == [after, after]
             assert after != before  # the update changed the greedy answers, so equality is evidence
             before = after
+        # a batch over the fleet comes back engine part by engine part (each once, in any order), the
+        # parts joined in prompt order being the batch's result
+        from hpcrlhf.cluster.engines import EngineFleet
+
+        batch = EngineFleet(engines, None).launch(prompts, SamplingParams(n=2, max_new_tokens=8, seed=3))
+        parts = list(batch.as_finished())
+        assert sorted(start for start, _ in parts) == [0, 6] and all(len(gens) == 6 for _, gens in parts)
+        assert batch.finished() is not None and [g for _, gens in sorted(parts) for g in gens] == batch.result()
+        assert list(batch.as_finished()) == []  # taken once
     finally:
         if engines is not None:
             engines.call("close")

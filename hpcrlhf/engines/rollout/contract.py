@@ -6,7 +6,7 @@ when it was `hpcrlhf.engines.rollout.Generation` load through the package's name
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -109,6 +109,11 @@ class Pending(Protocol):
         """time.monotonic() when the last of it was done; None while it is still under way."""
         ...
 
+    def as_finished(self) -> Iterator[tuple[int, list[list[Generation]]]]:
+        """(index of its first prompt, generations) of each contiguous part of the batch, as it finishes
+        (each prompt once); `result()` then waits no more."""
+        ...
+
 
 class Done:
     """A batch generated at launch (engines that generate in the caller: nothing runs meanwhile)."""
@@ -121,6 +126,9 @@ class Done:
 
     def finished(self) -> float:
         return self.launched
+
+    def as_finished(self) -> Iterator[tuple[int, list[list[Generation]]]]:
+        yield 0, self.generations
 
 
 def launch(engine, prompts: Sequence[Sequence[int]], params: SamplingParams) -> Pending:
