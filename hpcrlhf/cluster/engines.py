@@ -195,6 +195,8 @@ class FleetBatch:
         self.current: dict[int, Any] = {}
         self.done_at: dict[int, float] = {}
         self.done: dict[int, list] = {}
+        self.given: set[int] = set()
+        """Parts `as_finished` has handed out."""
         self.pending = {self._start(rank): rank for rank in self.parts}
         self.launched = time.monotonic()
 
@@ -217,24 +219,32 @@ class FleetBatch:
         return max(self.done_at.values()) if len(self.done_at) == len(self.parts) else None
 
     def as_finished(self) -> Iterator[tuple[int, list]]:
-        """(first prompt index, generations) of each engine's part as it arrives, a dead engine's part
-        redone first (each part once; parts taken before are not given again)."""
-        import ray
-
-        while self.pending:
-            (ready,), _ = ray.wait(list(self.pending), num_returns=1)
-            rank = self.pending.pop(ready)
-            try:
-                self.done[rank] = ray.get(ready)
-            except ray.exceptions.RayActorError as e:
-                if self.fleet.group.workers[rank] is self.sent_to[rank]:  # not replaced meanwhile
-                    self.fleet.restart(rank, e)  # raises when it may not
-                self.pending[self._start(rank)] = rank
-                continue
-            yield self.parts[rank][0], self.done[rank]
+        """(first prompt index, generations) of each engine's part as it is done -- at once for parts
+        already collected -- a dead engine's part redone first; each part once over all calls."""
+        while True:
+            for rank in sorted(set(self.done) - self.given):
+                self.given.add(rank)
+                yield self.parts[rank][0], self.done[rank]
+            if not self.pending:
+                return
+            self._wait_one()
 
     def result(self) -> list:
         """The batch's generations in prompt order (waits for them; again: the same list)."""
-        for _ in self.as_finished():
-            pass
+        while self.pending:
+            self._wait_one()
         return [g for rank in sorted(self.done) for g in self.done[rank]]
+
+    def _wait_one(self) -> None:
+        """Wait for the next part to end: collected when done, started again (restarting its engine,
+        or on the one that replaced it) when its engine died."""
+        import ray
+
+        (ready,), _ = ray.wait(list(self.pending), num_returns=1)
+        rank = self.pending.pop(ready)
+        try:
+            self.done[rank] = ray.get(ready)
+        except ray.exceptions.RayActorError as e:
+            if self.fleet.group.workers[rank] is self.sent_to[rank]:  # not replaced meanwhile
+                self.fleet.restart(rank, e)  # raises when it may not
+            self.pending[self._start(rank)] = rank

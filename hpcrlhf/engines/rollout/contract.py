@@ -110,8 +110,8 @@ class Pending(Protocol):
         ...
 
     def as_finished(self) -> Iterator[tuple[int, list[list[Generation]]]]:
-        """(index of its first prompt, generations) of each contiguous part of the batch, as it finishes
-        (each prompt once); `result()` then waits no more."""
+        """(index of its first prompt, generations) of each contiguous part of the batch as it finishes
+        (at once for parts already done), each part once over all calls; `result()` then waits no more."""
         ...
 
 
@@ -119,7 +119,7 @@ class Done:
     """A batch generated at launch (engines that generate in the caller: nothing runs meanwhile)."""
 
     def __init__(self, generations: list[list[Generation]]) -> None:
-        self.generations, self.launched = generations, time.monotonic()
+        self.generations, self.launched, self._given = generations, time.monotonic(), False
 
     def result(self) -> list[list[Generation]]:
         return self.generations
@@ -128,7 +128,9 @@ class Done:
         return self.launched
 
     def as_finished(self) -> Iterator[tuple[int, list[list[Generation]]]]:
-        yield 0, self.generations
+        if not self._given:
+            self._given = True
+            yield 0, self.generations
 
 
 def launch(engine, prompts: Sequence[Sequence[int]], params: SamplingParams) -> Pending:

@@ -191,10 +191,12 @@ class PPOTrainer(OnlineTrainer):
         stale = launched is not None
         if launched is None:
             launched = self.launch_rollout(self.step_prompts(step), self.sampling(step, n))
-        with self.run.timed("generate"):
-            launched.pending.result()
+        ahead_next = generate_ahead(step + 1, self.plan.total_steps, self.cfg.rollout.max_staleness)
+        if ahead_next:  # the engines take the next rollout once this one is out (then scored meanwhile)
+            with self.run.timed("generate"):
+                launched.pending.result()
         try:
-            if generate_ahead(step + 1, self.plan.total_steps, self.cfg.rollout.max_staleness):
+            if ahead_next:
                 self.ahead = (step + 1, self.launch_rollout(self.step_prompts(step + 1), self.sampling(step + 1, n)))
             metrics = {"rollout/staleness": float(stale)} if self.cfg.rollout.max_staleness else {}
             return self.score_rollout(launched), metrics
