@@ -24,6 +24,7 @@ from hpcrlhf.bench.runner import bench_fits
 from hpcrlhf.config.jobspec import BenchJob, job_from_argv
 from hpcrlhf.errors import ConfigError, HpcrlhfError, PlacementError
 from hpcrlhf.placement import build_node_map
+from hpcrlhf.placement.servers import cpu_shortfall
 
 
 @dataclass(frozen=True)
@@ -107,8 +108,10 @@ def node_addresses(hosts: Sequence[str]) -> list[str]:
     return [socket.gethostbyname(h) for h in hosts]
 
 
-def check_fits(args: Sequence[str], nodes: int, gpus_per_node: int, *, launcher: str, where: str) -> None:
-    """Raise unless the job `hpcrlhf <args>` fits `nodes` x `gpus_per_node` under `launcher`.
+def check_fits(args: Sequence[str], nodes: int, gpus_per_node: int, *, launcher: str, where: str,
+               cpus_per_node: int | None = None, cpus_from: str = "the allocation") -> None:
+    """Raise unless the job `hpcrlhf <args>` fits `nodes` x `gpus_per_node` (and, when known,
+    `cpus_per_node` CPU cores, as `cpus_from` says: the job's rule servers take theirs) under `launcher`.
 
     `where` names what is checked against ("the allocation of job 42", "--nodes/--gpus-per-node")."""
     job = job_from_argv(args)
@@ -124,6 +127,13 @@ def check_fits(args: Sequence[str], nodes: int, gpus_per_node: int, *, launcher:
                 f"{gpus_per_node} GPU(s): ask for --nodes {node_map.nodes} --gpus-per-node "
                 f"{node_map.gpus_per_node}, or re-plan the recipe with `hpcrlhf plan RECIPE --nodes {nodes} "
                 f"--gpus-per-node {gpus_per_node}`")
+        short = cpu_shortfall(node_map.reward_servers, cpus_per_node) if cpus_per_node is not None else None
+        if short is not None:
+            node, count, asked = short
+            raise PlacementError(
+                f"node {node} of the node map runs {count} reward server(s) on CPU cores asking {asked} CPU(s) "
+                f"(placement.reward_server.cpus) but a node has {cpus_per_node} ({cpus_from}): ask for more CPUs "
+                "(--cpus-per-gpu), fewer servers (reward.sources[].servers) or fewer CPUs each")
     elif kind == "ppo" and cfg.placement.runtime == "ray":
         raise ConfigError("launcher mpi: this PPO recipe says placement.runtime=ray; use --launcher ray "
                           "(or --set placement.runtime=local for single-process-group PPO)")

@@ -140,7 +140,9 @@ def cluster_job(kind: str, recipe: str | None, overrides: Sequence[str], output_
         notes += missing
     options = SlurmOptions(run_dir=run_dir, **given)  # type: ignore[arg-type]
     check_fits(argv, options.nodes, options.gpus_per_node, launcher=options.launcher,
-               where="the requested --nodes/--gpus-per-node")
+               where="the requested --nodes/--gpus-per-node",
+               cpus_per_node=options.cpus_per_gpu * options.gpus_per_node if options.cpus_per_gpu else None,
+               cpus_from="--cpus-per-gpu x --gpus-per-node")
     if cfg is not None:
         require_generation_fits(cfg, kind)  # a model folder here is checked now
         # last: the user's code runs once everything else is known to be valid

@@ -137,7 +137,8 @@ def prepare_driver(argv: Sequence[str], alloc: Allocation | None = None) -> dict
     import ray
 
     alloc = alloc or Allocation.from_env()
-    check_fits(argv, alloc.nodes, alloc.gpus_per_node, launcher="ray", where=f"the allocation of job {alloc.job_id}")
+    check_fits(argv, alloc.nodes, alloc.gpus_per_node, launcher="ray", where=f"the allocation of job {alloc.job_id}",
+               cpus_per_node=alloc.cpus_per_node)
     address, ips = head_address(alloc), node_addresses(alloc.hosts)
     wait_for_head(address)
     ray.init(address=address, log_to_driver=False)

@@ -69,7 +69,7 @@ class ClusterTask:
         if self.launcher == "ray" and env.global_rank != 0:
             return run_node(alloc)
         check_fits(self.argv, alloc.nodes, alloc.gpus_per_node, launcher=self.launcher,
-                   where=f"the allocation of job {alloc.job_id}")
+                   where=f"the allocation of job {alloc.job_id}", cpus_per_node=alloc.cpus_per_node)
         if self.launcher == "ray":
             head = start_node(alloc, 0)
             try:

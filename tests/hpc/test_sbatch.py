@@ -228,6 +228,16 @@ def test_the_node_map_must_fit_the_requested_shape():
         cluster_job("ppo", "ppo-13b", [], "/shared/runs/x", nodes=2, python="python")
 
 
+def test_rule_servers_must_fit_the_requested_cpus_before_the_job_is_queued():
+    served = ["reward.sources=[{rule: task, servers: 4}]", "placement.reward_server.cpus=3"]
+    with pytest.raises(PlacementError, match=r"node 0 of the node map runs 2 reward server\(s\) on CPU cores asking 6 "
+                                             r"CPU\(s\) \(placement.reward_server.cpus\) but a node has 4 \(--cpus-per-gpu "
+                                             r"x --gpus-per-node\): ask for more CPUs"):
+        cluster_job("ppo", "ppo-tiny-ray", served, "/shared/runs/x", python="python", cpus_per_gpu=1)
+    cluster_job("ppo", "ppo-tiny-ray", served, "/shared/runs/x", python="python", cpus_per_gpu=2)  # 8 a node: fits
+    cluster_job("ppo", "ppo-tiny-ray", served, "/shared/runs/x", python="python")  # unknown: the job checks it
+
+
 def test_ray_ports_differ_between_nodes_and_neighbouring_jobs():
     blocks = [job_ports(job, node).gcs for job in (41, 42) for node in range(2)]
     assert job_ports(42).gcs == job_ports(42 + PORT_SLOTS).gcs  # the check at start-up names a clash
