@@ -6,14 +6,11 @@ closing leaves nothing listening."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import socket
 import stat
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -30,6 +27,7 @@ from hpcrlhf.errors import HpcrlhfError, RewardServerError
 from hpcrlhf.models.loading import load_tokenizer
 from hpcrlhf.placement import build_node_map
 from hpcrlhf.rewards.sources import RewardSet
+from tests.rewards.test_server import post
 from tests.test_rewards import _make_rm, _reference_reward, _responses
 
 COLOCATED = "placement.colocate=[[actor, ref], [critic, reward_server]]"
@@ -37,16 +35,6 @@ COLOCATED = "placement.colocate=[[actor, ref], [critic, reward_server]]"
 
 def job(*overrides: str) -> PPOConfig:
     return load_config(PPOConfig, resolve_recipe("ppo-tiny-ray"), [COLOCATED, *overrides])
-
-
-def post(url: str, body: dict, token: str | None) -> tuple[int, dict]:
-    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {token}"} if token else {})}
-    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers=headers, method="POST")
-    try:
-        with urllib.request.urlopen(request, timeout=60) as reply:
-            return reply.status, json.loads(reply.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
 
 
 @pytest.mark.slow
