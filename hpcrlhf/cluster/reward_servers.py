@@ -169,9 +169,13 @@ class RewardServers:
         """`method` on every server's actor (as `WorkerGroup.call_async`: whereabouts, pop_busy)."""
         return [getattr(w, method).remote(*args, **kwargs) for w in self.workers]
 
+    def rank_of(self, actor_id: str | None) -> int | None:
+        """The server whose actor has hex id `actor_id`, else None (as `WorkerGroup.rank_of`)."""
+        return next((i for i, w in enumerate(self.workers) if w._actor_id.hex() == actor_id), None)
+
     def owner(self, actor_id: str) -> str | None:
         """The server whose actor has hex id `actor_id` (for `dead_worker_message`), else None."""
-        index = next((i for i, w in enumerate(self.workers) if w._actor_id.hex() == actor_id), None)
+        index = self.rank_of(actor_id)
         return None if index is None else self.name(index)
 
     def on_node(self, node: int) -> list[str]:

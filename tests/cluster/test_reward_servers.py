@@ -19,7 +19,7 @@ import torch
 from hpcrlhf.cluster.bootstrap import PORTS_PER_NODE, RayPorts
 from hpcrlhf.cluster.reservation import reserve
 from hpcrlhf.cluster.reward_servers import RewardServers
-from hpcrlhf.cluster.worker_group import dead_worker_message, lost_worker_error
+from hpcrlhf.cluster.worker_group import dead_worker_message, lost_worker_error, worker_with_id
 from hpcrlhf.config.jobspec import resolve_recipe
 from hpcrlhf.config.loader import load_config
 from hpcrlhf.config.schema import PPOConfig
@@ -92,6 +92,7 @@ def test_servers_start_where_the_map_says_and_score_with_the_jobs_token_only(ray
             cause = lost_worker_error(failed.value, [servers])
         assert isinstance(cause, ray.exceptions.RayActorError), failed.value
         assert dead_worker_message(cause, [servers]).startswith("reward server 1 (rule_task, node 1 CPU cores) died")
+        assert worker_with_id(cause.actor_id, [servers]) is servers.workers[1]  # as the run looks it up
         folders = [tmp_path / "run" / "reward_servers" / f"server{i}" for i in range(3)]
         assert (folders[0] / "server.json").exists()
     finally:
