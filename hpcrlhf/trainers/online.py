@@ -207,11 +207,12 @@ class OnlineTrainer(TrainingLoop):
             if part is None:
                 break
             start, generations = part
-            began = time.monotonic()
+            began = arrived = time.monotonic()
             flat = flatten_generations(prompts[start:start + len(generations)], generations, self.tokenizer)
             scored.append((start, flat, *self.rewards.score(flat[2])))
             calls.append((began, time.monotonic()))
-        generated = pending.finished() or calls[-1][0]
+        # generation ended by the time the last part arrived here (a done-callback may note it later)
+        generated = min(pending.finished() or arrived, arrived)
         hidden = sum(max(0.0, min(end, generated) - began) for began, end in calls)
         self.run.add_timing("reward", sum(end - began for began, end in calls) - hidden)
         self.run.add_timing("reward_overlap", hidden)

@@ -108,7 +108,7 @@ def submit_interrupted(slurm, folder, args) -> dict:
     finally:
         proc.kill()
     return {"job": job, "status": status, "console": console.read_text(),
-            "log": (folder / "submitit" / f"{job}_0_log.out").read_text()}
+            "log": "".join((folder / "submitit" / f"{job}_0_log.{kind}").read_text() for kind in ("out", "err"))}
 
 
 def summary(folder) -> dict:
