@@ -96,9 +96,9 @@ def test_parts_scored_as_they_arrive_give_the_rollout_of_the_whole_batch(overlap
     seconds = [end - began for began, end in spans]
     if overlap:  # three calls; the first two while the last part was still being generated
         assert t.rewards.calls == [4, 4, 4] and spans[1][1] < batch.pending.done < spans[2][0]
-        assert timings["timing/reward_overlap"] == pytest.approx(seconds[0] + seconds[1], abs=0.01)
-        assert timings["timing/reward"] == pytest.approx(seconds[2], abs=0.01)
-        assert timings["timing/generate"] == pytest.approx(batch.pending.waited, abs=0.01)  # the waits, not the scoring
+        assert timings["timing/reward_overlap"] == pytest.approx(seconds[0] + seconds[1], abs=0.05)
+        assert timings["timing/reward"] == pytest.approx(seconds[2], abs=0.05)
+        assert timings["timing/generate"] == pytest.approx(batch.pending.waited, abs=0.05)  # the waits, not the scoring
     else:  # one call, after everything was generated
         assert t.rewards.calls == [12] and timings["timing/reward_overlap"] == 0.0
-        assert timings["timing/reward"] == pytest.approx(seconds[0], abs=0.01)
+        assert timings["timing/reward"] == pytest.approx(seconds[0], abs=0.05)
