@@ -236,9 +236,8 @@ class ServerThread:
     returns its URL once it answers and writes `<out>/server.json`; `stop()` removes the file and
     closes the socket. The program around it keeps its main thread (a Ray actor, signal handlers)."""
 
-    def __init__(self, app: web.Application, sock: socket.socket, out: Path, token_path: Path | None,
-                 sources: list[str]):
-        self.app, self.sock, self.info, self.token_path, self.sources = app, sock, out / "server.json", token_path, sources
+    def __init__(self, app: web.Application, sock: socket.socket, out: Path, token_path: Path | None):
+        self.app, self.sock, self.info, self.token_path = app, sock, out / "server.json", token_path
         host, port = sock.getsockname()[:2]
         self.url = f"http://{f'[{host}]' if ':' in host else host}:{port}/score"
         self._ready, self._failed = threading.Event(), None
@@ -288,7 +287,7 @@ def run_server(cfg: ServeRewardConfig) -> int:
     score, sources = load_scoring(cfg)
     token, token_path = server_token(cfg, out)
     app = build_app(score, token, sources, cfg.max_batch, cfg.batch_wait_ms / 1000, cfg.max_request_mb << 20)
-    server = ServerThread(app, listening_socket(cfg.host, cfg.port), out, token_path, sources)
+    server = ServerThread(app, listening_socket(cfg.host, cfg.port), out, token_path)
     stop = threading.Event()
     handlers = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:

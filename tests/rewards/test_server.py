@@ -146,7 +146,7 @@ def test_a_server_thread_serves_on_a_given_socket_and_stops_cleanly(tmp_path):
         return [float(len(r.text)) for r in responses]
 
     app = build_app(length, "tok", ["rule_len"])
-    server = ServerThread(app, sock, tmp_path, tmp_path / "token", ["rule_len"])
+    server = ServerThread(app, sock, tmp_path, tmp_path / "token")
     url = server.start()
     assert url == f"http://127.0.0.1:{port}/score"
     info = json.loads((tmp_path / "server.json").read_text())
