@@ -91,7 +91,7 @@ class RewardServerWorker(RoleWorker):
         app = build_app(lambda responses: timed(self, responses), self.token, sources, self.cfg.max_batch,
                         self.cfg.batch_wait_ms / 1000, self.cfg.max_request_mb << 20)
         out = ensure_folder(self.out / f"server{self.rank}")
-        self.server = ServerThread(app, listen(self.node_ip(), store_ports()), out, None, sources)
+        self.server = ServerThread(app, listen(self.node_ip(), store_ports()), out, None)
         return self.server.start()
 
     def stop(self) -> None:
