@@ -51,6 +51,12 @@ class EngineWorker(RoleWorker):
         return self.engine.generate(prompts, params)
 
     @busy
+    def generate_stream(self, prompts: Sequence[Sequence[int]], params) -> Iterator[list]:
+        """`generate`, the finished prompts' groups as they finish (`VLLMRollout.stream`); called
+        with `.options(num_returns="streaming")`."""
+        yield from self.engine.stream(prompts, params)
+
+    @busy
     def load_weights(self, state: Mapping[str, Any]) -> None:
         self.engine.load_weights(state)
 
@@ -183,9 +189,12 @@ class EngineFleet:
 
 class FleetBatch:
     """A batch under way on an `EngineFleet`: one contiguous part per engine, each part's sampling
-    seeds following its prompts' positions in the batch. `result()` waits for the parts and redoes
-    the part of an engine that died -- restarting it, or on the engine that already replaced it (a
-    weight sync found it dead first)."""
+    seeds following its prompts' positions in the batch. Each engine streams the prompts it has
+    finished (`EngineWorker.generate_stream`), so the batch's finished groups come back while the
+    rest still generate (`as_finished`). The part of an engine that died is redone -- restarting
+    it, or on the engine that already replaced it (a weight sync found it dead first); the groups
+    received before it died are kept (what was scored stays what is trained on) and their copies
+    in the redo dropped."""
 
     def __init__(self, fleet: EngineFleet, prompts: Sequence[Sequence[int]], params) -> None:
         self.fleet, self.prompts, self.params = fleet, prompts, params
@@ -194,57 +203,75 @@ class FleetBatch:
         self.sent_to: dict[int, Any] = {}
         self.current: dict[int, Any] = {}
         self.done_at: dict[int, float] = {}
-        self.done: dict[int, list] = {}
+        self.groups: dict[int, list] = {}
+        """Prompt index -> its generations, as received."""
         self.given: set[int] = set()
-        """Parts `as_finished` has handed out."""
-        self.pending = {self._start(rank): rank for rank in self.parts}
+        """Prompts `as_finished` has handed out."""
+        self.streams: dict[Any, int] = {}
+        """The engines' streams under way -> their part (rank)."""
+        for rank in self.parts:
+            self._start(rank)
         self.launched = time.monotonic()
 
-    def _start(self, rank: int):
+    def _start(self, rank: int) -> None:
         a, b = self.parts[rank]
         worker = self.fleet.group.workers[rank]
         self.sent_to[rank] = worker
         self.done_at.pop(rank, None)
         part = dataclasses.replace(self.params, first_index=self.params.first_index + a)
-        ref = self.current[rank] = worker.generate.remote(self.prompts[a:b], part)
-        ref.future().add_done_callback(lambda _, rank=rank, ref=ref: self._mark_done(rank, ref))
-        return ref
+        stream = self.current[rank] = worker.generate_stream.options(num_returns="streaming").remote(
+            self.prompts[a:b], part)
+        stream.completed().future().add_done_callback(lambda _, rank=rank, s=stream: self._mark_done(rank, s))
+        self.streams[stream] = rank
 
-    def _mark_done(self, rank: int, ref) -> None:
-        """(Ray's callback thread) Part `rank` is done, unless `ref` is a try that was redone."""
-        if self.current.get(rank) is ref:
+    def _mark_done(self, rank: int, stream) -> None:
+        """(Ray's callback thread) Part `rank` is done, unless `stream` is a try that was redone."""
+        if self.current.get(rank) is stream:
             self.done_at[rank] = time.monotonic()
 
     def finished(self) -> float | None:
         return max(self.done_at.values()) if len(self.done_at) == len(self.parts) else None
 
-    def as_finished(self) -> Iterator[tuple[int, list]]:
-        """(first prompt index, generations) of each engine's part as it is done -- at once for parts
-        already collected -- a dead engine's part redone first; each part once over all calls."""
+    def as_finished(self) -> Iterator[list]:
+        """The groups (prompt index, generations) finished since the last item, as they finish -- at
+        once those already received; every prompt once over all calls."""
         while True:
-            for rank in sorted(set(self.done) - self.given):
-                self.given.add(rank)
-                yield self.parts[rank][0], self.done[rank]
-            if not self.pending:
+            new = sorted(set(self.groups) - self.given)
+            if new:
+                self.given.update(new)
+                yield [(i, self.groups[i]) for i in new]
+            if not self.streams:
                 return
-            self._wait_one()
+            self._take()
 
     def result(self) -> list:
         """The batch's generations in prompt order (waits for them; again: the same list)."""
-        while self.pending:
-            self._wait_one()
-        return [g for rank in sorted(self.done) for g in self.done[rank]]
+        while self.streams:
+            self._take()
+        return [self.groups[i] for i in range(len(self.prompts))]
 
-    def _wait_one(self) -> None:
-        """Wait for the next part to end: collected when done, started again (restarting its engine,
-        or on the one that replaced it) when its engine died."""
+    def _take(self) -> None:
+        """Wait until an engine's stream has news, then take one item of every stream that has one: its
+        groups kept, its end noted, or its part started again when its engine died."""
         import ray
 
-        (ready,), _ = ray.wait(list(self.pending), num_returns=1)
-        rank = self.pending.pop(ready)
-        try:
-            self.done[rank] = ray.get(ready)
-        except ray.exceptions.RayActorError as e:
-            if self.fleet.group.workers[rank] is self.sent_to[rank]:  # not replaced meanwhile
-                self.fleet.restart(rank, e)  # raises when it may not
-            self.pending[self._start(rank)] = rank
+        ray.wait(list(self.streams), num_returns=1)
+        ready, _ = ray.wait(list(self.streams), num_returns=len(self.streams), timeout=0)
+        for stream in ready:
+            rank = self.streams[stream]
+            try:
+                ref = next(stream)
+            except StopIteration:
+                del self.streams[stream]
+                continue
+            try:
+                groups = ray.get(ref)
+            except ray.exceptions.RayActorError as e:
+                del self.streams[stream]
+                if self.fleet.group.workers[rank] is self.sent_to[rank]:  # not replaced meanwhile
+                    self.fleet.restart(rank, e)  # raises when it may not
+                self._start(rank)
+                continue
+            first = self.parts[rank][0]
+            for i, generations in groups:
+                self.groups.setdefault(first + i, generations)  # a redo's copy of a kept group: dropped

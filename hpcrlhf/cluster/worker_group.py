@@ -9,6 +9,7 @@ it on each rank's row shard of a batch, and `gather_rows` joins the shards' resu
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 import time
 from dataclasses import dataclass
@@ -41,7 +42,23 @@ class Whereabouts:
 
 
 def busy(method: Callable) -> Callable:
-    """Count the wall time of a RoleWorker method as the worker's busy time (`pop_busy`)."""
+    """Count the wall time of a RoleWorker method as the worker's busy time (`pop_busy`); of a
+    generator method, the time spent making its items (not while its caller holds one)."""
+    if inspect.isgeneratorfunction(method):
+        @functools.wraps(method)
+        def timed_items(self, *args: Any, **kwargs: Any) -> Any:
+            items = method(self, *args, **kwargs)
+            while True:
+                began = time.perf_counter()
+                try:
+                    item = next(items)
+                except StopIteration:
+                    return
+                finally:
+                    self.busy_s += time.perf_counter() - began
+                yield item
+
+        return timed_items
 
     @functools.wraps(method)
     def timed(self, *args: Any, **kwargs: Any) -> Any:

@@ -22,7 +22,7 @@ import torch
 from hpcrlhf.config.schema import OnlineJobConfig
 from hpcrlhf.data.prompts import Prompt, encode_prompt_rows, load_train_prompts
 from hpcrlhf.engines.distributed import all_reduce_sum
-from hpcrlhf.engines.rollout import Generation, Pending, SamplingParams, launch
+from hpcrlhf.engines.rollout import Generation, Groups, Pending, SamplingParams, launch
 from hpcrlhf.engines.rollout.hf import HFRollout
 from hpcrlhf.engines.rollout.settings import sampling_params, vllm_engine_args
 from hpcrlhf.engines.rollout.shared import Rank0Rollout
@@ -52,9 +52,9 @@ def flatten_generations(prompts: Sequence[Prompt], generations: list[list[Genera
     return flat_prompts, flat, responses
 
 
-def _whole(pending) -> Iterator[tuple[int, list[list[Generation]]]]:
-    """A launched batch as one part, once all of it is generated."""
-    yield 0, pending.result()
+def _whole(pending) -> Iterator[Groups]:
+    """A launched batch as one item, once all of it is generated."""
+    yield list(enumerate(pending.result()))
 
 
 def reward_set(cfg: OnlineJobConfig, models: ModelFactory, task,
@@ -195,31 +195,35 @@ class OnlineTrainer(TrainingLoop):
         return rollout
 
     def _score_parts(self, launched: LaunchedRollout) -> tuple[Rollout, torch.Tensor]:
-        """(the rollout in prompt order, its summed scores): each part of the generations scored as it
-        arrives (`reward.overlap`), else all at once. Waiting for a part counts as `timing/generate`;
-        the scoring done before the last part arrived as `timing/reward_overlap`, the rest as
+        """(the rollout in prompt order, its summed scores): the prompts' groups scored as they finish
+        (`reward.overlap`), else all at once. Waiting for groups counts as `timing/generate`; the
+        scoring done before the last group arrived as `timing/reward_overlap`, the rest as
         `timing/reward`."""
         pending, prompts, scored, calls = launched.pending, launched.prompts, [], []
-        parts = pending.as_finished() if self.cfg.reward.overlap else _whole(pending)
+        items = pending.as_finished() if self.cfg.reward.overlap else _whole(pending)
         while True:
             with self.run.timed("generate"):
-                part = next(parts, None)
-            if part is None:
+                groups = next(items, None)
+            if groups is None:
                 break
-            start, generations = part
             began = arrived = time.monotonic()
-            flat = flatten_generations(prompts[start:start + len(generations)], generations, self.tokenizer)
-            scored.append((start, flat, *self.rewards.score(flat[2])))
+            flat = flatten_generations([prompts[i] for i, _ in groups], [g for _, g in groups], self.tokenizer)
+            rows = [i for i, generations in groups for _ in generations]  # each row's prompt
+            scored.append((rows, flat, *self.rewards.score(flat[2])))
             calls.append((began, time.monotonic()))
-        # generation ended by the time the last part arrived here (a done-callback may note it later)
+        # generation ended by the time the last group arrived here (a done-callback may note it later)
         generated = min(pending.finished() or arrived, arrived)
         hidden = sum(max(0.0, min(end, generated) - began) for began, end in calls)
         self.run.add_timing("reward", sum(end - began for began, end in calls) - hidden)
         self.run.add_timing("reward_overlap", hidden)
-        scored.sort(key=lambda item: item[0])  # contiguous parts: prompt order again
-        rollout = Rollout(*([x for _, flat, _, _ in scored for x in flat[i]] for i in range(3)), None,
-                          {name: torch.cat([values[name] for *_, values in scored]) for name in scored[0][3]})
-        return rollout, torch.cat([total for _, _, total, _ in scored])
+        # prompt-major again (a prompt's samples stay in their order: the sort is stable)
+        prompt_of = [i for rows, *_ in scored for i in rows]
+        order = sorted(range(len(prompt_of)), key=prompt_of.__getitem__)
+        lists = [[x for _, flat, _, _ in scored for x in flat[k]] for k in range(3)]
+        index = torch.tensor(order)
+        values = {name: torch.cat([v[name] for *_, v in scored])[index] for name in scored[0][3]}
+        return (Rollout(*([column[r] for r in order] for column in lists), None, values),
+                torch.cat([total for _, _, total, _ in scored])[index])
 
     def rollout_stats(self, rollout: Rollout) -> Stats:
         n = len(rollout.generations)

@@ -3,6 +3,8 @@ and after every weight sync its greedy generations equal those of the trainer's 
 
 from __future__ import annotations
 
+import os
+import sys
 import time
 
 import pytest
@@ -10,8 +12,10 @@ import torch
 
 from hpcrlhf.config.jobspec import resolve_recipe
 from hpcrlhf.config.loader import load_config
+from hpcrlhf.cluster.worker_group import RoleWorker
 from hpcrlhf.config.schema import PPOConfig
 from hpcrlhf.engines import weight_sync
+from hpcrlhf.engines.rollout import Generation, SamplingParams
 from hpcrlhf.placement import build_node_map
 
 pytestmark = pytest.mark.slow
@@ -45,7 +49,6 @@ def test_engines_on_tp_groups_follow_weight_syncs(ray_cluster, tiny_llama):
     from hpcrlhf.cluster.reservation import reserve
     from hpcrlhf.cluster.worker_group import WorkerGroup
     from hpcrlhf.data.tasks import ArithmeticTask
-    from hpcrlhf.engines.rollout import SamplingParams
     from hpcrlhf.engines.rollout.hf import HFRollout
     from hpcrlhf.models.loading import load_tokenizer
 
@@ -95,17 +98,72 @@ def test_engines_on_tp_groups_follow_weight_syncs(ray_cluster, tiny_llama):
             assert [greedy_tokens(g) for g in engines.call("generate", prompts, params)] == [after, after]
             assert after != before  # the update changed the greedy answers, so equality is evidence
             before = after
-        # a batch over the fleet comes back engine part by engine part (each once, in any order), the
-        # parts joined in prompt order being the batch's result
+        # a batch over the fleet comes back group by group as the engines finish them (each once, in any
+        # order), the groups in prompt order being the batch's result
         from hpcrlhf.cluster.engines import EngineFleet
 
+        engines.call("pop_busy")
         batch = EngineFleet(engines, None).launch(prompts, SamplingParams(n=2, max_new_tokens=8, seed=3))
-        parts = list(batch.as_finished())
-        assert sorted(start for start, _ in parts) == [0, 6] and all(len(gens) == 6 for _, gens in parts)
-        assert batch.finished() is not None and [g for _, gens in sorted(parts) for g in gens] == batch.result()
+        items = list(batch.as_finished())
+        assert sorted(i for item in items for i, _ in item) == list(range(len(prompts)))  # each prompt once
+        assert batch.finished() is not None
+        assert [gens for _, gens in sorted(g for item in items for g in item)] == batch.result()
         assert list(batch.as_finished()) == []  # taken once
+        assert all(b > 0 for b in engines.call("pop_busy"))  # streaming counts as the engines' work
     finally:
         if engines is not None:
             engines.call("close")
             engines.kill()
+        reservation.release()
+
+
+class StreamingStandIn(RoleWorker):
+    """An engine stand-in streaming its prompts' groups one by one, each response [first prompt token,
+    try]; engine 0's first try (while `marker` exists) dies after two groups."""
+
+    def __init__(self, role: str, rank: int, world_size: int, marker: str) -> None:
+        super().__init__(role, rank, world_size)
+        self.dies = rank == 0 and os.path.exists(marker)
+        if self.dies:
+            os.unlink(marker)
+        self.attempt = 1 if self.dies else 2
+
+    def generate_stream(self, prompts, params):
+        for i, prompt in enumerate(prompts):
+            time.sleep(0.2)
+            if self.dies and i == 2:
+                os._exit(1)
+            yield [(i, [Generation(list(prompt), [prompt[0], self.attempt], [0.0, 0.0], True)] * params.n)]
+
+
+def test_a_batch_streams_its_groups_and_keeps_those_received_before_an_engine_died(ray_cluster, tmp_path):
+    """Each engine's finished groups come back while it generates the rest; when one dies mid-part its
+    part is redone on a restarted engine, the groups received before stay (what was scored is what
+    is trained on) and their copies in the redo are dropped."""
+    import ray
+
+    from hpcrlhf.cluster.engines import EngineFleet
+    from hpcrlhf.cluster.reservation import reserve
+    from hpcrlhf.cluster.worker_group import WorkerGroup
+
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the class travels with its code
+    marker = tmp_path / "first-try"
+    marker.touch()
+    reservation = reserve(build_node_map(load_config(PPOConfig, resolve_recipe("ppo-tiny-ray"))))
+    try:
+        engines = WorkerGroup.for_engines(StreamingStandIn, reservation, str(marker))
+        pushed = []
+        fleet = EngineFleet(engines, pushed.append, max_restarts=1)
+        prompts = [[p] for p in range(10)]
+        batch = fleet.launch(prompts, SamplingParams(n=2))
+        items = list(batch.as_finished())
+        assert sorted(i for item in items for i, _ in item) == list(range(10))  # each prompt once
+        assert len(items) >= 5 and batch.finished() is not None  # group by group, not part by part
+        attempts = [gens[0].response_ids[1] for gens in batch.result()]
+        assert [gens[0].response_ids[0] for gens in batch.result()] == list(range(10))
+        assert attempts == [1, 1, 2, 2, 2] + [2] * 5, attempts  # engine 0: two groups kept, three redone
+        assert [gens for _, gens in sorted(g for item in items for g in item)] == batch.result()
+        assert len(pushed) == 1 and list(batch.as_finished()) == []  # the new engine got weights; taken once
+        engines.kill()
+    finally:
         reservation.release()

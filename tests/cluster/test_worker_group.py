@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from hpcrlhf.cluster.worker_group import gather
+from hpcrlhf.cluster.worker_group import RoleWorker, busy, gather
 from hpcrlhf.run.signals import STOP_SIGNALS, StopFlag, StopRequested
 
 
@@ -36,3 +36,22 @@ def test_an_interruptible_gather_leaves_work_that_never_returns_on_a_stop_reques
         for sig, handler in saved.items():
             signal.signal(sig, handler)
         ray.cancel(ref, force=True)
+
+
+class Items(RoleWorker):
+    @busy
+    def items(self, n: int, seconds: float):
+        for i in range(n):
+            time.sleep(seconds)
+            yield i
+
+
+def test_a_generator_methods_busy_time_is_the_time_making_its_items():
+    """Not the time its caller held an item (an engine streaming groups while the driver scores them)."""
+    worker = Items("vllm", 0, 1)
+    items = worker.items(3, 0.1)
+    assert worker.busy_s == 0.0  # nothing made until asked
+    assert next(items) == 0
+    time.sleep(0.5)  # the caller holds item 0
+    assert list(items) == [1, 2]
+    assert 0.3 <= worker.pop_busy() < 0.5

@@ -231,6 +231,30 @@ def test_min_new_tokens_gives_fixed_lengths_on_both_backends(hf_model, vllm_roll
         SamplingParams(max_new_tokens=4, min_new_tokens=5)
 
 
+def test_vllm_streams_each_group_in_the_step_it_finishes(hf_model, vllm_rollout, tokenizer, rollout_prompts):
+    """With responses ending at varied steps, a prompt's group comes back once its longest sample ends
+    (the batch fits one step: every sequence started together), each prompt once, the
+    generations equal to the whole batch's; a stream given up half-way leaves nothing queued."""
+    eos = tokenizer.eos_token_id
+    base = {k: v.clone() for k, v in hf_model.state_dict().items()}
+    params = SamplingParams(n=2, max_new_tokens=12, seed=1, first_index=5)
+    try:
+        vllm_rollout.load_weights(eos_prone(hf_model, rollout_prompts, eos, alpha=0.1))
+        items = list(vllm_rollout.stream(rollout_prompts, params))
+        whole = vllm_rollout.generate(rollout_prompts, params)
+        assert sorted(i for item in items for i, _ in item) == list(range(len(rollout_prompts)))
+        assert tokens([gens for _, gens in sorted(g for item in items for g in item)]) == tokens(whole)
+        longest = [sorted({max(len(g.response_ids) for g in gens) for _, gens in item}) for item in items]
+        assert len(items) >= 3 and all(a[-1] <= b[0] for a, b in zip(longest, longest[1:])), longest
+        stream = vllm_rollout.stream(rollout_prompts, params)
+        next(stream)
+        stream.close()  # the rest of the batch aborted: the engine takes the next batch alone
+        assert not vllm_rollout.llm.llm_engine.has_unfinished_requests()
+        assert tokens(vllm_rollout.generate(rollout_prompts, params)) == tokens(whole)
+    finally:
+        vllm_rollout.load_weights(base)  # the engine is shared by the module's tests
+
+
 def test_hf_seed_reproduces_and_leaves_the_global_rng_alone(hf_model, tokenizer, rollout_prompts):
     engine = hf_rollout(hf_model, tokenizer)
     params = SamplingParams(n=2, max_new_tokens=10, seed=7)

@@ -1,4 +1,4 @@
-"""Scoring a rollout's parts as they are generated (`reward.overlap`): the same rollout and scores as
+"""Scoring a rollout's groups as they are generated (`reward.overlap`): the same rollout and scores as
 scoring the whole batch at once, and the scoring time split into what the step still waited for
 (`timing/reward`) and what went on while generation did (`timing/reward_overlap`)."""
 
@@ -45,20 +45,20 @@ class SlowLength:
 
 
 class Staggered:
-    """A batch of 6 prompts x 2 samples on three engines, whose parts arrive out of prompt order
-    GENERATE_S apart (the last one GENERATE_S after the first is scored)."""
+    """A batch of 6 prompts x 2 samples whose groups finish two at a time out of prompt order,
+    GENERATE_S apart (the last two GENERATE_S after the first are scored)."""
 
     def __init__(self, generations):
         self.generations, self.launched, self.done, self.waited = generations, time.monotonic(), None, 0.0
 
     def as_finished(self):
-        for start in (2, 4, 0):
+        for item in ((3, 2), (4, 5), (1, 0)):
             began = time.monotonic()
             time.sleep(GENERATE_S)
             self.waited += time.monotonic() - began
-            if start == 0:
+            if 0 in item:
                 self.done = time.monotonic()
-            yield start, self.generations[start:start + 2]
+            yield [(i, self.generations[i]) for i in item]
 
     def finished(self):
         return self.done
@@ -79,11 +79,11 @@ def trainer(overlap: bool):
 
 
 @pytest.mark.parametrize("overlap", [True, False])
-def test_parts_scored_as_they_arrive_give_the_rollout_of_the_whole_batch(overlap):
+def test_groups_scored_as_they_arrive_give_the_rollout_of_the_whole_batch(overlap):
     t, batch = trainer(overlap), launched()
     t.run.timings = {}
     rollout, total = OnlineTrainer._score_parts(t, batch)
-    # prompt-major, a prompt's samples together, whatever order the parts came in
+    # prompt-major, a prompt's samples together, whatever order the groups came in
     assert [r.prompt for r in rollout.responses] == [f"p{p}" for p in range(6) for _ in range(2)]
     lengths = [float(p + j + 1) for p in range(6) for j in range(2)]
     assert [r.text for r in rollout.responses] == ["".join(chr(97 + p) for _ in range(n))
@@ -91,10 +91,10 @@ def test_parts_scored_as_they_arrive_give_the_rollout_of_the_whole_batch(overlap
     assert rollout.parts["rule_len"].tolist() == lengths and rollout.parts["rule_twice"].tolist() == [2 * x for x in lengths]
     assert total.tolist() == [3 * x for x in lengths]
     assert [g.response_ids for g in rollout.generations] == [[p] * (p + j + 1) for p in range(6) for j in range(2)]
-    # the accounting, against the calls' own clocks: scoring before the last part arrived is hidden
+    # the accounting, against the calls' own clocks: scoring before the last groups arrived is hidden
     timings, spans = t.run.timings, t.rewards.spans
     seconds = [end - began for began, end in spans]
-    if overlap:  # three calls; the first two while the last part was still being generated
+    if overlap:  # three calls; the first two while the last groups were still being generated
         assert t.rewards.calls == [4, 4, 4] and spans[1][1] < batch.pending.done < spans[2][0]
         assert timings["timing/reward_overlap"] == pytest.approx(seconds[0] + seconds[1], abs=0.05)
         assert timings["timing/reward"] == pytest.approx(seconds[2], abs=0.05)

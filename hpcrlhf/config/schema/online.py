@@ -260,8 +260,9 @@ class RewardConfig:
     fails naming the rule (a rule that never returns would hang the job). The built-in rules have
     their own (`rules.math.timeout_s`, ...), past which an answer scores 0."""
     overlap: bool = True
-    """Score each part of a rollout as soon as it is generated, while the rest still generates (ppo on
-    the Ray runtime: each vLLM engine's share as it finishes). `timing/reward` is then the scoring the
+    """Score a prompt's responses as soon as the engine has finished them, while the others still
+    generate (ppo on the Ray runtime: each vLLM engine streams its finished prompts; the groups that
+    finished while a score call ran go together in the next). `timing/reward` is then the scoring the
     step still waits for after the last generation, `timing/reward_overlap` the scoring done while
     generation went on. false: every response is scored once all are generated. The scores are the
     same either way; the local runtime generates in the training process and scores afterwards."""

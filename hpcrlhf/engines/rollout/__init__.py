@@ -29,12 +29,12 @@ from __future__ import annotations
 
 from typing import Literal
 
-from hpcrlhf.engines.rollout.contract import (BACKENDS, ENGINE_MEMORY, Done, Generation, Pending, RolloutEngine,
-                                              SamplingParams, launch)
+from hpcrlhf.engines.rollout.contract import (BACKENDS, ENGINE_MEMORY, Done, Generation, Groups, Pending,
+                                              RolloutEngine, SamplingParams, launch)
 from hpcrlhf.engines.rollout.hf import HFRollout
 from hpcrlhf.engines.rollout.vllm import VLLMRollout
 
-__all__ = ["BACKENDS", "ENGINE_MEMORY", "Done", "Generation", "Pending", "RolloutEngine", "SamplingParams",
+__all__ = ["BACKENDS", "ENGINE_MEMORY", "Done", "Generation", "Groups", "Pending", "RolloutEngine", "SamplingParams",
            "build_rollout", "launch"]
 
 

@@ -79,6 +79,10 @@ class Generation:
     """True if the response ended with EOS, False if it was cut at max_new_tokens."""
 
 
+Groups = list[tuple[int, list[Generation]]]
+"""Finished prompts of a batch: (the prompt's index in the batch, its n generations) each."""
+
+
 class RolloutEngine(Protocol):
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[list[Generation]]:
         """`params.n` generations per prompt: result[i][j] is sample j of prompts[i]."""
@@ -109,9 +113,10 @@ class Pending(Protocol):
         """time.monotonic() when the last of it was done; None while it is still under way."""
         ...
 
-    def as_finished(self) -> Iterator[tuple[int, list[list[Generation]]]]:
-        """(index of its first prompt, generations) of each contiguous part of the batch as it finishes
-        (at once for parts already done), each part once over all calls; `result()` then waits no more."""
+    def as_finished(self) -> Iterator[Groups]:
+        """The prompts' groups as they finish: each item holds those finished since the last one
+        (at once those already done), every prompt once over all calls, in any order; `result()`
+        then waits no more."""
         ...
 
 
@@ -127,10 +132,10 @@ class Done:
     def finished(self) -> float:
         return self.launched
 
-    def as_finished(self) -> Iterator[tuple[int, list[list[Generation]]]]:
+    def as_finished(self) -> Iterator[Groups]:
         if not self._given:
             self._given = True
-            yield 0, self.generations
+            yield list(enumerate(self.generations))
 
 
 def launch(engine, prompts: Sequence[Sequence[int]], params: SamplingParams) -> Pending:

@@ -44,7 +44,8 @@ from typing import Any
 import torch
 
 from hpcrlhf.engines import weight_sync
-from hpcrlhf.engines.rollout.contract import ENGINE_MEMORY, Generation, SamplingParams, check_prompts, greedy_copies
+from hpcrlhf.engines.rollout.contract import (ENGINE_MEMORY, Generation, Groups, SamplingParams, check_prompts,
+                                             greedy_copies)
 from hpcrlhf.engines.rollout.vllm_worker import EXTENSION_CLASS
 from hpcrlhf.engines.vllm_plugin import IDLE_SPIN_ENV
 from hpcrlhf.engines.weight_sync import SyncStats
@@ -197,38 +198,72 @@ class VLLMRollout:
         return self._llm
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[list[Generation]]:
-        from vllm import SamplingParams as VllmSamplingParams
+        done = dict(group for groups in self.stream(prompts, params) for group in groups)
+        return [done[i] for i in range(len(prompts))]
 
+    def stream(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> Iterator[Groups]:
+        """`generate`, a prompt's group (its index in `prompts`, its n generations) given as soon as the
+        engine has finished it: one item per engine step that finished any. The engine keeps
+        generating in its own processes while the caller holds an item."""
         check_prompts(prompts)
         if not prompts:
-            return []
+            return
+        engine = self.llm.llm_engine
+        if engine.has_unfinished_requests():
+            raise RuntimeError("VLLMRollout: a batch is already under way on this engine (one at a time)")
+        requests = [{"prompt_token_ids": [int(t) for t in p]} for p in prompts]
+        ids = self.llm.enqueue(requests, self._sampling(len(prompts), params), use_tqdm=False)
+        # vLLM answers under the id it numbered the request by ("7"); `enqueue` returns its internal id,
+        # which may carry a random suffix ("7-1a2b3c4d")
+        index = {rid.split("-", 1)[0]: i for i, rid in enumerate(ids)}
+        left = set(range(len(prompts)))
+        try:
+            while left and engine.has_unfinished_requests():
+                groups = []
+                for out in engine.step():
+                    if out.finished:
+                        i = index[out.request_id]
+                        left.discard(i)
+                        groups.append((i, self._samples(prompts[i], out, params)))
+                if groups:
+                    yield groups
+            if left:
+                raise RuntimeError(f"VLLMRollout: the engine ended with prompts {sorted(left)[:5]} unanswered")
+        finally:
+            if left:  # the caller gave up (or the engine failed): nothing of this batch may stay queued
+                engine.abort_request([rid.split("-", 1)[0] for i, rid in enumerate(ids) if i in left])
+
+    @staticmethod
+    def _sampling(count: int, params: SamplingParams) -> list:
+        """vLLM's sampling parameters of each of `count` prompts (prompt i seeded by its place in the
+        whole batch, `first_index + i`)."""
+        from vllm import SamplingParams as VllmSamplingParams
+
         # detokenize=False: only token ids are needed (EOS detection works on ids).
         common: dict[str, Any] = dict(max_tokens=params.max_new_tokens, min_tokens=params.min_new_tokens, logprobs=0,
                                       detokenize=False)
         if params.greedy:
             # n identical copies of one greedy response (as HFRollout), so request n=1.
-            per_prompt = [VllmSamplingParams(n=1, temperature=0.0, **common)] * len(prompts)
-        else:
-            def sampling(seed: int | None) -> VllmSamplingParams:
-                # top_k: 0 (or -1) is "off" in vLLM 0.32, the same convention as ours.
-                return VllmSamplingParams(n=params.n, temperature=params.temperature, top_p=params.top_p,
-                                          top_k=params.top_k, seed=seed, **common)
+            return [VllmSamplingParams(n=1, temperature=0.0, **common)] * count
 
-            if params.seed is None:
-                per_prompt = [sampling(None)] * len(prompts)
-            else:
-                per_prompt = [sampling(_prompt_seed(params.seed, params.first_index + i)) for i in range(len(prompts))]
-        requests = [{"prompt_token_ids": [int(t) for t in p]} for p in prompts]
-        outputs = self.llm.generate(requests, per_prompt, use_tqdm=False)
-        result: list[list[Generation]] = []
-        for prompt, out in zip(prompts, outputs):  # LLM.generate returns outputs in request order
-            samples = []
-            for c in sorted(out.outputs, key=lambda c: c.index):
-                response = list(c.token_ids)  # vLLM keeps the EOS that stopped the sequence
-                logprobs = [float(pos[tok].logprob) for pos, tok in zip(c.logprobs, response)]
-                samples.append(Generation(list(prompt), response, logprobs, c.finish_reason == "stop"))
-            result.append(greedy_copies(samples[0], params.n) if params.greedy else samples)
-        return result
+        def sampling(seed: int | None) -> VllmSamplingParams:
+            # top_k: 0 (or -1) is "off" in vLLM 0.32, the same convention as ours.
+            return VllmSamplingParams(n=params.n, temperature=params.temperature, top_p=params.top_p,
+                                      top_k=params.top_k, seed=seed, **common)
+
+        if params.seed is None:
+            return [sampling(None)] * count
+        return [sampling(_prompt_seed(params.seed, params.first_index + i)) for i in range(count)]
+
+    @staticmethod
+    def _samples(prompt: Sequence[int], out, params: SamplingParams) -> list[Generation]:
+        """One prompt's generations from vLLM's finished output for it."""
+        samples = []
+        for c in sorted(out.outputs, key=lambda c: c.index):
+            response = list(c.token_ids)  # vLLM keeps the EOS that stopped the sequence
+            logprobs = [float(pos[tok].logprob) for pos, tok in zip(c.logprobs, response)]
+            samples.append(Generation(list(prompt), response, logprobs, c.finish_reason == "stop"))
+        return greedy_copies(samples[0], params.n) if params.greedy else samples
 
     def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]) -> SyncStats:
         """Stream the weights (checkpoint names; a state dict or (name, tensor) pairs) into the
