@@ -36,6 +36,11 @@ class RuleError(HpcrlhfError):
     real number; the message names the rule, the config field, the prompt's row and the value."""
 
 
+class AgentEnvError(HpcrlhfError):
+    """A user's agent environment (`agent.environment`) raised, or broke its contract (what `reset` or
+    `step` must return); the message names the class, the method, the row and the seed."""
+
+
 class RewardServerError(HpcrlhfError):
     """A reward server (`reward.sources[i].url`) refused a request, or failed it on every try: the
     message names the URL and what came back (hpcrlhf.rewards.remote)."""

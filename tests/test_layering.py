@@ -12,7 +12,8 @@ module or a package holding it; modules of one layer may import each other):
                                                                         needs: plain data the config checks
  4. config                                                           -- typed configs, recipes, jobs as data
  5. algos                                                            -- the maths (pure tensor functions)
- 6. data                                                             -- sources, the bundled task, tokenisation
+ 6. data, agents                                                     -- sources, the bundled task, tokenisation;
+                                                                        agent environments, tools, parsers
  7. models                                                           -- loading, tiny models, LoRA, export
  8. engines                                                          -- DeepSpeed, process groups, rollout engines
  9. models.factory, rewards                                          -- models built in engines; reward models
@@ -59,7 +60,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("hpcrlhf.algos.estimators",),
     ("hpcrlhf.config",),
     ("hpcrlhf.algos",),
-    ("hpcrlhf.data",),
+    ("hpcrlhf.data", "hpcrlhf.agents"),
     ("hpcrlhf.models",),
     ("hpcrlhf.engines",),
     ("hpcrlhf.models.factory", "hpcrlhf.rewards"),

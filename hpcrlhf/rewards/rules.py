@@ -30,10 +30,8 @@ would end the job, it fails with a RuleError naming the rule; a stop request int
 from __future__ import annotations
 
 import copy
-import importlib
 import inspect
 import math
-import numbers
 import traceback
 from dataclasses import dataclass
 from collections.abc import Callable, Mapping, Sequence
@@ -46,7 +44,7 @@ from hpcrlhf.errors import ConfigError, RuleError
 from hpcrlhf.rewards.builtin import build_builtin
 from hpcrlhf.rewards.response import Response, Scorer
 from hpcrlhf.run.signals import Interrupted, StopRequested
-from hpcrlhf.run.usercode import UserCodeTimeout, user_code
+from hpcrlhf.run.usercode import UserCodeTimeout, load_named, real_number, user_code
 
 RuleFn = Callable[[str, str, Mapping[str, Any]], Any]
 DEFAULT_RULES = RulesConfig()
@@ -124,19 +122,6 @@ class Rule:
             return None
 
 
-def real_number(value: Any) -> float | None:
-    """`value` as a float when it is a real number (int, float, bool, Fraction, a numpy scalar, a 0-d
-    array or tensor), else None; an int too large for a float is +-Inf."""
-    if getattr(value, "ndim", None) == 0 and callable(getattr(value, "item", None)):
-        value = value.item()  # numpy scalars (np.bool_ is no numbers.Real) and 0-d arrays or tensors
-    if not isinstance(value, numbers.Real):
-        return None
-    try:
-        return float(value)
-    except OverflowError:
-        return math.inf if value > 0 else -math.inf
-
-
 def _answer(prompt: str, response: str, origin: str) -> str:
     return f"on the response {brief(response)} to prompt {brief(prompt)}" + (f" ({origin})" if origin else "")
 
@@ -170,15 +155,7 @@ def resolve_rule(name: str, task, field: str = "reward.sources", *, finite: bool
     if not sep or not module_name or not fn_name:
         raise ConfigError(f"{field}: rule '{name}' is not a known rule; use {', '.join(KNOWN_RULES)}, or "
                           "package.module:function")
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as e:  # ImportError, or whatever the module raises while it is imported
-        raise ConfigError(f"{field}: rule '{name}' cannot be imported ({type(e).__name__}: {e}); check the module "
-                          "is on PYTHONPATH and imports") from None
-    fn = getattr(module, fn_name, None)
-    if fn is None:
-        raise ConfigError(f"{field}: rule '{name}' cannot be imported (module '{module_name}' has no "
-                          f"'{fn_name}'); check the module defines the function")
+    fn = load_named(name, f"{field}: rule '{name}'", "function")
     if not callable(fn) or not _takes_three_arguments(fn):
         raise ConfigError(f"{field}: rule '{name}' must be a function of (prompt, response, row)")
     return Rule(label, fn, finite, **limits)

@@ -1,5 +1,6 @@
-"""Running the user's functions (reward rules, evaluation metrics) inside a job: a deadline, stop
-requests, and what they may not do.
+"""Running the user's functions (reward rules, evaluation metrics, agent environments and tools)
+inside a job: importing them by name (`load_named`), a deadline, stop requests, what they may not do,
+and reading the numbers they return (`real_number`).
 
 A rule is the user's code, called once per response in the middle of a training step. Three things
 it may do must not take the job with it (`user_code`):
@@ -28,11 +29,16 @@ Ray actors included) the code runs without a deadline.
 
 from __future__ import annotations
 
+import importlib
+import math
+import numbers
 import signal
 import threading
 from contextlib import contextmanager, nullcontext
 from collections.abc import Iterator
+from typing import Any
 
+from hpcrlhf.errors import ConfigError
 from hpcrlhf.run.signals import Interrupted, interruptible
 
 REPEAT_S = 1.0
@@ -101,3 +107,33 @@ def user_code(timeout_s: float):
 def _user_code(timeout_s: float) -> Iterator[None]:
     with interruptible(), _real_ctrl_c(), _deadline(timeout_s):
         yield
+
+
+def load_named(name: str, label: str, kind: str) -> Any:
+    """The object `package.module:attribute` names (`name`, of that form), imported: a ConfigError
+    starting with `label` ("reward.sources[0]: rule 'm:f'") when the module cannot be imported or
+    has no such `kind` ("function", "class")."""
+    module_name, _, attribute = name.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as e:  # ImportError, or whatever the module raises while it is imported
+        raise ConfigError(f"{label} cannot be imported ({type(e).__name__}: {e}); check the module is on PYTHONPATH "
+                          "and imports") from None
+    value = getattr(module, attribute, None)
+    if value is None:
+        raise ConfigError(f"{label} cannot be imported (module '{module_name}' has no '{attribute}'); check the module "
+                          f"defines the {kind}")
+    return value
+
+
+def real_number(value: Any) -> float | None:
+    """`value` as a float when it is a real number (int, float, bool, Fraction, a numpy scalar, a 0-d
+    array or tensor), else None; an int too large for a float is +-Inf."""
+    if getattr(value, "ndim", None) == 0 and callable(getattr(value, "item", None)):
+        value = value.item()  # numpy scalars (np.bool_ is no numbers.Real) and 0-d arrays or tensors
+    if not isinstance(value, numbers.Real):
+        return None
+    try:
+        return float(value)
+    except OverflowError:
+        return math.inf if value > 0 else -math.inf
