@@ -31,23 +31,46 @@ from hpcrlhf.errors import ModelError
 
 # Bump when the tokenizer built from the same corpus would change (settings, template...), so
 # stale cache entries are not reused.
-BUILDER_VERSION = "1"
+BUILDER_VERSION = "2"
 
 PAD, BOS, EOS, UNK = "<|pad|>", "<|bos|>", "<|eos|>", "<|unk|>"
 ROLE_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>")
 SPECIAL_TOKENS = (PAD, BOS, EOS, UNK, *ROLE_TOKENS)
 
 # Each message is "<|role|>\n{content}<|eos|>\n"; the generation prompt opens an assistant turn.
+# Tools (agents): their names and parameters in a first system block ("Tools: multiply(a, b)": the
+# tiny model's context is short); an assistant's structured tool calls as Hermes blocks after its
+# content; a tool's result as a user turn "<tool_response>...</tool_response>". Without tools or
+# tool messages a render is what it always was.
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
-    "{% for message in messages %}"
-    "{% if message['role'] not in ['system', 'user', 'assistant'] %}"
-    "{{ raise_exception('unknown chat role ' + message['role'] + "
-    "': use system, user or assistant') }}"
-    "{% endif %}"
-    "{{ '<|' + message['role'] + '|>\\n' + message['content'] + eos_token + '\\n' }}"
+    "{% if tools %}"
+    "{{ '<|system|>\nTools: ' }}"
+    "{% for t in tools %}"
+    "{% set f = t['function'] if t['function'] is defined else t %}"
+    "{{ f['name'] + '(' + (f['parameters']['properties'] | list | join(', ')) + ')' }}"
+    "{% if not loop.last %}{{ '; ' }}{% endif %}"
     "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
+    "{{ eos_token + '\n' }}"
+    "{% endif %}"
+    "{% for message in messages %}"
+    "{% if message['role'] not in ['system', 'user', 'assistant', 'tool'] %}"
+    "{{ raise_exception('unknown chat role ' + message['role'] + "
+    "': use system, user, assistant or tool') }}"
+    "{% endif %}"
+    "{% if message['role'] == 'tool' %}"
+    "{{ '<|user|>\n<tool_response>' + message['content'] + '</tool_response>' + eos_token + '\n' }}"
+    "{% else %}"
+    "{{ '<|' + message['role'] + '|>\n' + (message['content'] or '') }}"
+    "{% for call in message['tool_calls'] or [] %}"
+    "{% set f = call['function'] if call['function'] is defined else call %}"
+    "{{ '<tool_call>{\"name\":\"' + f['name'] + '\",\"arguments\":' "
+    "+ (f['arguments'] | tojson(separators=(',', ':'))) + '}</tool_call>' }}"
+    "{% endfor %}"
+    "{{ eos_token + '\n' }}"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"
 )
 
 

@@ -99,6 +99,47 @@ def test_chat_template(tokenizer):
     assert tokenizer.convert_tokens_to_ids("<|assistant|>") in ids
 
 
+def test_the_chat_templates_renders_without_tools_are_unchanged(tokenizer):
+    """Pinned from the template before tools were added: recipes and trained tiny models rely on them."""
+    renders = [
+        ([{"role": "user", "content": "12+34="}], True, "<|bos|><|user|>\n12+34=<|eos|>\n<|assistant|>\n"),
+        ([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+          {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "2+2="}], True,
+         "<|bos|><|system|>\nBe brief.<|eos|>\n<|user|>\nHi<|eos|>\n<|assistant|>\nHello!<|eos|>\n<|user|>\n2+2="
+         "<|eos|>\n<|assistant|>\n"),
+        ([{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}], False,
+         "<|bos|><|user|>\na<|eos|>\n<|assistant|>\nb<|eos|>\n"),
+    ]
+    for messages, generation, text in renders:
+        assert tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation) == text
+
+
+def test_the_chat_template_shows_tools_their_calls_and_results(tokenizer):
+    def multiply(a: int, b: int) -> int:
+        """Multiply two integers.
+
+        Args:
+            a: The first factor.
+            b: The second factor.
+        """
+        return a * b
+
+    def now() -> str:
+        """The time."""
+        return "noon"
+
+    messages = [{"role": "user", "content": "37*59="},
+                {"role": "assistant", "content": "",
+                 "tool_calls": [{"type": "function", "function": {"name": "multiply", "arguments": {"a": 37, "b": 59}}}]},
+                {"role": "tool", "name": "multiply", "content": "2183"}]
+    text = tokenizer.apply_chat_template(messages, tools=[multiply, now], tokenize=False, add_generation_prompt=True)
+    assert text == ("<|bos|><|system|>\nTools: multiply(a, b); now()<|eos|>\n<|user|>\n37*59=<|eos|>\n<|assistant|>\n"
+                    '<tool_call>{"name":"multiply","arguments":{"a":37,"b":59}}</tool_call><|eos|>\n'
+                    "<|user|>\n<tool_response>2183</tool_response><|eos|>\n<|assistant|>\n")
+    with pytest.raises(Exception, match="unknown chat role robot: use system, user, assistant or tool"):
+        tokenizer.apply_chat_template([{"role": "robot", "content": "x"}], tokenize=False)
+
+
 @pytest.mark.parametrize("family", TINY_FAMILIES)
 def test_family_builds_and_loads(family, tokenizer):
     path = build_tiny_model_dir(family)
