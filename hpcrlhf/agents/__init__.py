@@ -10,7 +10,8 @@ What a user writes is plain Python, named in the job's `agent` section (`docs/ag
 - optionally a tool-call parser (`agent.tool_parser`); Hermes-style `<tool_call>{json}</tool_call>`
   by default.
 
-This package holds the contract (`contract`), tools (`tools`), parsers (`parsers`) and the pool of
+This package holds the contract (`contract`), tools (`tools`), parsers (`parsers`), the renderer of
+prompts and observations into tokens (`render`) and the pool of
 threads environment and tool calls run on, each with a deadline (`pool`).
 """
 
