@@ -10,9 +10,12 @@ What a user writes is plain Python, named in the job's `agent` section (`docs/ag
 - optionally a tool-call parser (`agent.tool_parser`); Hermes-style `<tool_call>{json}</tool_call>`
   by default.
 
-This package holds the contract (`contract`), tools (`tools`), parsers (`parsers`), the renderer of
-prompts and observations into tokens (`render`) and the pool of
-threads environment and tool calls run on, each with a deadline (`pool`).
+Modules: `contract` (what an environment returns, checked), `tools` (schemas, calls and their
+answers), `parsers` (tool calls in a turn), `render` (prompts and observations as tokens: the chat
+template's difference after the model's EOS), `environments` (loading the class), `episode` (one
+trajectory and the rule after each turn), `record` (what a trajectory was), `pool` (environment and
+tool calls on threads, with deadlines) and `scheduler` (a batch of trajectories, each on its own
+clock, on a request-level engine).
 """
 
 from hpcrlhf.agents.contract import Step, tool

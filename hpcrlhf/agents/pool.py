@@ -110,6 +110,13 @@ class EnvPool:
             self._queue.put((call, fn, args))
         return call
 
+    def run(self, fn: Callable, *args: Any, **kwargs: Any) -> Any:
+        """`fn(*args, **kwargs)` here and now, a coroutine function's call awaited on the pool's event
+        loop: how code on a worker thread calls user methods that may be `async def`."""
+        if inspect.iscoroutinefunction(fn):
+            return asyncio.run_coroutine_threadsafe(fn(*args, **kwargs), self._event_loop()).result()
+        return fn(*args, **kwargs)
+
     def overdue(self, calls: Iterable[Call], now: float | None = None) -> list[Call]:
         """The calls of `calls` past their deadline, given up now: each fails with CallTimeout, and the
         thread of a plain function's call is replaced."""

@@ -100,7 +100,8 @@ def load_tools(names: Sequence[str], field: str = "agent.tools") -> list[Tool]:
 
 
 def environment_tools(environment: Any, label: str) -> list[Tool]:
-    """The methods of `environment` marked `@tool`, bound to it."""
+    """The methods marked `@tool` of `environment`, an instance (bound to it) or a class (unbound:
+    their schemas leave `self` out)."""
     return [make_tool(method, f"{label} tool '{name}'") for name, method in inspect.getmembers(environment, callable)
             if is_tool(method)]
 
@@ -148,9 +149,10 @@ class ToolBox:
     def schemas(self) -> list[dict]:
         return [t.schema for t in self.tools.values()]
 
-    def answer(self, call: ToolCall | BadCall) -> ToolAnswer:
-        """Run `call` (synchronously, here) and say what it answers; errors become answers (see the
-        module docstring)."""
+    def answer(self, call: ToolCall | BadCall, run: Callable[..., Any] | None = None) -> ToolAnswer:
+        """Run `call` here (`run(fn, **arguments)`, e.g. `EnvPool.run` for tools that may be coroutines;
+        by default a plain call) and say what it answers; errors become answers (see the module
+        docstring)."""
         if isinstance(call, BadCall):
             return ToolAnswer("invalid", f"error: malformed: {call.reason}", "malformed")
         tool = self.tools.get(call.name)
@@ -161,7 +163,7 @@ class ToolBox:
         if problem is not None:
             return ToolAnswer(call.name, f"error: bad_arguments: {problem}", "bad_arguments")
         try:
-            value = tool.fn(**call.arguments)
+            value = run(tool.fn, **call.arguments) if run is not None else tool.fn(**call.arguments)
         except Exception as e:
             return ToolAnswer(call.name, f"error: raised: {type(e).__name__}: {e}", "raised")
         return self.text(call.name, value)
