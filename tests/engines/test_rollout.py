@@ -528,3 +528,78 @@ def test_an_engine_shutdown_vllm_gives_up_on_still_ends_every_engine_process():
         assert not alive, alive
     finally:
         core.kill()
+
+
+# --- agents: one model turn at a time (the request-level engines the agent scheduler drives) -----
+
+
+def agent_episodes(tokenizer, pool, n: int) -> list:
+    from hpcrlhf.agents.environments import load_environment
+    from hpcrlhf.agents.episode import Episode, EpisodeLimits, Setup
+    from hpcrlhf.agents.parsers import hermes
+    from hpcrlhf.agents.render import ChatRenderer
+
+    environment = load_environment("tests.agents.envs:Countdown", {"turns": 3})
+    setup = Setup(environment, (), ChatRenderer(tokenizer), hermes, tokenizer, EpisodeLimits(max_tokens=96), pool)
+    return [Episode(str(i), {"id": f"r{i}"}, 10 + i, setup) for i in range(n)]
+
+
+def agent_eos_prone(model, tokenizer) -> dict[str, torch.Tensor]:
+    """The model's weights made to end turns early in the Countdown conversations (several turns fit)."""
+    from hpcrlhf.agents.render import ChatRenderer
+
+    renderer = ChatRenderer(tokenizer)
+    prompts = [renderer.prompt([{"role": "system", "content": "Count."}, {"role": "user", "content": f"start {i}"}])
+               + renderer.observation([{"role": "user", "content": "again"}]) for i in range(10)]
+    return eos_prone(model, prompts, tokenizer.eos_token_id, alpha=0.1)
+
+
+def check_transcripts(model, episodes, tol: float) -> None:
+    """At the model's tokens the engine's log-probs are the trainer's forward pass over the whole
+    transcript (the environment's tokens in it as context); elsewhere they are 0."""
+    for ep in episodes:
+        got = torch.tensor(ep.logprobs)
+        want = forward_logprobs(model, Generation(ep.prompt_ids, ep.ids, ep.logprobs, True))
+        action = torch.tensor(ep.action)
+        assert (want - got)[action].abs().max() < tol and (got[~action] == 0).all()
+
+
+def run_agents(engine, tokenizer, n: int = 6, schedule: str = "trajectory") -> list:
+    from hpcrlhf.agents.pool import EnvPool
+    from hpcrlhf.agents.scheduler import run_episodes
+
+    pool = EnvPool(4)
+    try:
+        episodes = agent_episodes(tokenizer, pool, n)
+        run_episodes(engine, episodes, pool, max_new_tokens=10, seed=3, schedule=schedule)
+    finally:
+        pool.close()
+    assert sum(ep.record.turns for ep in episodes) > n  # some trajectories took several turns
+    return episodes
+
+
+def test_hf_agent_turns_are_reproducible_and_carry_the_trainers_logprobs(hf_model, tokenizer):
+    from hpcrlhf.engines.rollout.requests import HFRequests
+
+    hf_model.load_state_dict(agent_eos_prone(hf_model, tokenizer))
+    params = SamplingParams(max_new_tokens=10)
+    runs = [run_agents(HFRequests(hf_rollout(hf_model, tokenizer), params), tokenizer, schedule="turn") for _ in range(2)]
+    assert [ep.ids for ep in runs[0]] == [ep.ids for ep in runs[1]]
+    check_transcripts(hf_model, runs[0], TOL)
+
+
+def test_vllm_agent_turns_carry_the_trainers_logprobs_whatever_the_schedule(vllm_rollout, hf_model, tokenizer):
+    from hpcrlhf.engines.rollout.requests import VLLMRequests
+
+    base = {k: v.clone() for k, v in hf_model.state_dict().items()}
+    hf_model.load_state_dict(agent_eos_prone(hf_model, tokenizer))
+    params = SamplingParams(max_new_tokens=10)
+    try:
+        vllm_rollout.load_weights(hf_model.state_dict())
+        runs = {s: run_agents(VLLMRequests(vllm_rollout, params), tokenizer, schedule=s) for s in ("trajectory", "turn")}
+        # each turn seeded by its trajectory and number: the same tokens however the turns were batched
+        assert [ep.ids for ep in runs["trajectory"]] == [ep.ids for ep in runs["turn"]]
+        check_transcripts(hf_model, runs["trajectory"], engine_tol())
+        assert not vllm_rollout.llm.llm_engine.has_unfinished_requests()
+    finally:
+        vllm_rollout.load_weights(base)  # the engine is shared by the module's tests

@@ -118,6 +118,29 @@ def _environ_restored() -> Iterator[None]:
                 os.environ[key] = value
 
 
+def vllm_sampling(params: SamplingParams, seed: int | None, *, n: int | None = None, max_tokens: int | None = None):
+    """vLLM's sampling parameters for `params` with this `seed` (n and the token limit overridable: an
+    agent's turn is one sample with what is left of its budget). Greedy asks for one sample (its n
+    copies are made afterwards, as HFRollout's)."""
+    from vllm import SamplingParams as VllmSamplingParams
+
+    most = params.max_new_tokens if max_tokens is None else max_tokens
+    # detokenize=False: only token ids are needed (EOS detection works on ids).
+    common: dict[str, Any] = dict(max_tokens=most, min_tokens=min(params.min_new_tokens, most), logprobs=0,
+                                  detokenize=False)
+    if params.greedy:
+        return VllmSamplingParams(n=1, temperature=0.0, **common)
+    # top_k: 0 (or -1) is "off" in vLLM 0.32, the same convention as ours.
+    return VllmSamplingParams(n=params.n if n is None else n, temperature=params.temperature, top_p=params.top_p,
+                              top_k=params.top_k, seed=seed, **common)
+
+
+def request_number(request_id: str) -> str:
+    """The id vLLM answers a request under ("7"), from the one `LLM.enqueue` returns, which may carry a
+    random suffix ("7-1a2b3c4d"); `abort_request` takes it too."""
+    return request_id.split("-", 1)[0]
+
+
 class VLLMRollout:
     """Rollouts with a vLLM engine on a Hugging Face model folder (config, weights, tokenizer).
 
@@ -213,9 +236,7 @@ class VLLMRollout:
             raise RuntimeError("VLLMRollout: a batch is already under way on this engine (one at a time)")
         requests = [{"prompt_token_ids": [int(t) for t in p]} for p in prompts]
         ids = self.llm.enqueue(requests, self._sampling(len(prompts), params), use_tqdm=False)
-        # vLLM answers under the id it numbered the request by ("7"); `enqueue` returns its internal id,
-        # which may carry a random suffix ("7-1a2b3c4d")
-        index = {rid.split("-", 1)[0]: i for i, rid in enumerate(ids)}
+        index = {request_number(rid): i for i, rid in enumerate(ids)}
         left = set(range(len(prompts)))
         try:
             while left and engine.has_unfinished_requests():
@@ -231,29 +252,15 @@ class VLLMRollout:
                 raise RuntimeError(f"VLLMRollout: the engine ended with prompts {sorted(left)[:5]} unanswered")
         finally:
             if left:  # the caller gave up (or the engine failed): nothing of this batch may stay queued
-                engine.abort_request([rid.split("-", 1)[0] for i, rid in enumerate(ids) if i in left])
+                engine.abort_request([request_number(rid) for i, rid in enumerate(ids) if i in left])
 
     @staticmethod
     def _sampling(count: int, params: SamplingParams) -> list:
         """vLLM's sampling parameters of each of `count` prompts (prompt i seeded by its place in the
         whole batch, `first_index + i`)."""
-        from vllm import SamplingParams as VllmSamplingParams
-
-        # detokenize=False: only token ids are needed (EOS detection works on ids).
-        common: dict[str, Any] = dict(max_tokens=params.max_new_tokens, min_tokens=params.min_new_tokens, logprobs=0,
-                                      detokenize=False)
-        if params.greedy:
-            # n identical copies of one greedy response (as HFRollout), so request n=1.
-            return [VllmSamplingParams(n=1, temperature=0.0, **common)] * count
-
-        def sampling(seed: int | None) -> VllmSamplingParams:
-            # top_k: 0 (or -1) is "off" in vLLM 0.32, the same convention as ours.
-            return VllmSamplingParams(n=params.n, temperature=params.temperature, top_p=params.top_p,
-                                      top_k=params.top_k, seed=seed, **common)
-
-        if params.seed is None:
-            return [sampling(None)] * count
-        return [sampling(_prompt_seed(params.seed, params.first_index + i)) for i in range(count)]
+        if params.greedy or params.seed is None:
+            return [vllm_sampling(params, params.seed)] * count
+        return [vllm_sampling(params, _prompt_seed(params.seed, params.first_index + i)) for i in range(count)]
 
     @staticmethod
     def _samples(prompt: Sequence[int], out, params: SamplingParams) -> list[Generation]:
