@@ -22,6 +22,11 @@ KL_ESTIMATORS = ("k1", "k2", "k3")
 # exp(20) ~ 4.9e8: far beyond any ratio that carries a useful signal, yet finite in fp32/bf16
 # (exp overflows there beyond ~88) and, squared or multiplied by a reward, still finite.
 MAX_LOG_RATIO = 20.0
+# The estimate itself is bounded too, as OpenRLHF's `compute_approx_kl` (every estimator) and verl's
+# low-variance KL (k3) bound theirs: k3 grows as exp(-log_ratio), so one token the policy has made
+# e^11 times less likely than the reference gives ~6e4 (gradient ~-6e4) -- at init_kl_coef 0.05 that
+# takes ~3,000 off its sequence's score, or dominates the loss's gradient with kl_loss_coef.
+MAX_KL = 10.0
 
 
 def kl_estimate(
@@ -33,13 +38,17 @@ def kl_estimate(
     """Per-token estimate of KL(pi || ref) from tokens sampled from pi (Schulman's k1/k2/k3).
 
     log_ratio = logp - ref_logp; k1 = log_ratio, k2 = log_ratio^2 / 2,
-    k3 = exp(-log_ratio) - 1 + log_ratio. For every estimator the log-ratio is first clamped
-    to [-20, 20]: a token the reference (or the policy) gives log-prob -inf makes it +-inf, so
-    k1 and k2 would be inf and k3's exp(-log_ratio) overflows in fp32 already below -88; a single
-    inf poisons the reward or loss of the whole batch. (OpenRLHF bounds its estimates to
-    [-10, 10], verl its k3 likewise.) The bound is far outside what PPO's updates reach (its
-    ratio clip); k2 and k3 stay non-negative. Gradients flow to both inputs inside the bound
-    (GRPO puts k3 in the loss), none outside; 0 where mask is 0.
+    k3 = exp(-log_ratio) - 1 + log_ratio. Two bounds, for every estimator:
+    - the log-ratio is first clamped to [-20, 20]: a token the reference (or the policy) gives
+      log-prob -inf makes it +-inf, so k1 and k2 would be inf and k3's exp(-log_ratio) overflows
+      in fp32 already below -88; a single inf poisons the reward or loss of the whole batch;
+    - the estimate is then clamped to [-10, 10] (MAX_KL), as OpenRLHF and verl bound theirs. PPO's
+      ratio clip bounds pi / pi_old, not pi / pi_ref, so nothing else keeps one token's k3
+      (exp(11) - 12 ~ 6e4 at log-ratio -11) from outweighing the batch; off-policy training makes
+      such tokens likelier. k3 reaches 10 at log-ratio ~ -2.5 (the policy ~12x below the
+      reference on that token) and ~ +11; k2 at |log-ratio| ~ 4.5; k1 at |log-ratio| 10.
+    k2 and k3 stay non-negative. Gradients flow to both inputs inside the bounds (GRPO puts k3 in
+    the loss), none outside them; 0 where mask is 0.
     """
     if estimator not in KL_ESTIMATORS:
         raise ValueError(f"estimator must be one of {KL_ESTIMATORS}, got {estimator!r}")
@@ -52,6 +61,7 @@ def kl_estimate(
     else:
         # expm1 keeps precision for small lr, where exp(-lr) - 1 and lr nearly cancel.
         kl = torch.expm1(-lr) + lr
+    kl = kl.clamp(-MAX_KL, MAX_KL)
     if mask is not None:
         kl = torch.where(mask.bool(), kl, 0)
     return kl.to(out)

@@ -26,10 +26,12 @@ from tests.algos.helpers import DTYPES, close, rows
 def ref_kl(lp, rp, est):
     lr = min(max(lp - rp, -20.0), 20.0)  # every estimator bounded (a -inf log-prob must not give inf)
     if est == "k1":
-        return lr
-    if est == "k2":
-        return 0.5 * lr * lr
-    return math.exp(-lr) - 1 + lr
+        kl = lr
+    elif est == "k2":
+        kl = 0.5 * lr * lr
+    else:
+        kl = math.exp(-lr) - 1 + lr
+    return min(max(kl, -10.0), 10.0)  # and the estimate too (OpenRLHF's and verl's bound)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -52,8 +54,8 @@ def test_k3_is_nonnegative_and_finite_at_extremes():
     lr = torch.tensor([-1e4, -100.0, -20.0, -1e-7, 0.0, 1e-7, 3.0, 100.0, 1e4])
     k3 = kl_estimate(lr, torch.zeros_like(lr), "k3")
     assert torch.all(torch.isfinite(k3)) and torch.all(k3 >= 0)
-    assert k3[0].item() == pytest.approx(math.exp(20) - 21, rel=1e-6)  # clamped at -20
-    assert k3[-1].item() == pytest.approx(math.exp(-20) + 19, rel=1e-6)
+    assert k3[0].item() == k3[-1].item() == 10.0  # bounded at 10, however far apart
+    assert k3[6].item() == pytest.approx(math.exp(-3) + 2, rel=1e-6)  # inside the bound: the formula
     assert k3[4].item() == 0.0
     # Near 0, k3 = lr^2 / 2 - lr^3 / 6 + ...; in fp32 the naive exp(-lr) - 1 + lr is off by ~10%
     # at lr = 1e-3 (one ulp of exp(-lr) is 6e-8 against a result of 5e-7); expm1 gets ~1e-4.
@@ -71,14 +73,27 @@ def test_k3_is_nonnegative_and_finite_at_extremes():
 @pytest.mark.parametrize("est", KL_ESTIMATORS)
 def test_every_kl_estimator_is_bounded_where_a_log_prob_is_minus_inf(est):
     """A token the reference cannot produce (log-prob -inf), or the policy cannot, or a huge
-    finite gap: each estimate is the float64 formula at the clamped log-ratio (+-20), never inf."""
+    finite gap: each estimate is the float64 formula at the clamped log-ratio (+-20), itself bounded
+    to +-10, never inf."""
     logp = torch.tensor([-1.0, float("-inf"), -1.0, -3.0, -1e4, 0.0])
     ref = torch.tensor([float("-inf"), -1.0, -1e4, -1.0, 0.0, -30.0])
     out = kl_estimate(logp, ref, est)
     assert torch.isfinite(out).all(), out
     want = [ref_kl(a, b, est) for a, b in zip(logp.tolist(), ref.tolist())]
     assert out.tolist() == pytest.approx(want, rel=1e-6)
-    assert out[0].item() == pytest.approx({"k1": 20.0, "k2": 200.0, "k3": math.exp(-20) + 19}[est], rel=1e-6)
+    assert out[0].item() == 10.0 and out[1].item() == {"k1": -10.0, "k2": 10.0, "k3": 10.0}[est]
+
+
+def test_one_far_token_cannot_outweigh_the_batch():
+    """The case an outside check found (issue 40): the policy made a token e^11 times less likely than the
+    reference. Unbounded, k3 was 59,862 with gradient -59,873; OpenRLHF and verl give 10 and no gradient."""
+    logp = torch.tensor([[-12.0, -1.1]], dtype=torch.float64, requires_grad=True)
+    ref = torch.tensor([[-1.0, -1.0]], dtype=torch.float64)
+    k3 = kl_estimate(logp, ref, "k3")
+    k3.sum().backward()
+    assert k3[0, 0].item() == 10.0 and logp.grad[0, 0].item() == 0.0
+    assert k3[0, 1].item() == pytest.approx(math.exp(0.1) - 1.1, rel=1e-9)  # an ordinary token: the formula
+    assert logp.grad[0, 1].item() == pytest.approx(1 - math.exp(0.1), rel=1e-9)
 
 
 def test_kl_estimate_gradient_flows_to_policy():

@@ -60,7 +60,9 @@ class PPOSectionConfig:
     token mean, or sum over each sequence's tokens divided by the number of sequences."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k1"
     """Per-token KL(actor || reference) estimate: k1 log-ratio, k2 half squared log-ratio, k3
-    exp(-r) - 1 + r (non-negative, unbiased)."""
+    exp(-r) - 1 + r (non-negative, unbiased). Each token's estimate is bounded to [-10, 10] (the log-
+    ratio first to [-20, 20]), as OpenRLHF and verl bound theirs: one token the actor made far less
+    likely than the reference cannot outweigh the batch."""
     init_kl_coef: float = 0.05
     """Coefficient of the KL penalty subtracted from the per-token rewards (0: none)."""
     kl_target: float | None = None
