@@ -57,7 +57,12 @@ class PPOSectionConfig:
     """Bonus on the policy's token entropy (0: none)."""
     loss_aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "token-mean"
     """How token losses become the batch loss: mean over all tokens, mean over sequences of their
-    token mean, or sum over each sequence's tokens divided by the number of sequences."""
+    token mean, or sum over each sequence's tokens divided by the number of sequences. The last is
+    Dr. GRPO's constant normaliser (Liu et al. 2025); TRL's `loss_type="dr_grpo"` (1.16) also divides
+    by `max_completion_length`, so its loss and gradients are ours / rollout.max_new_tokens: Adam's
+    steps are the same, but gradient clipping is not -- TRL's max_grad_norm g matches
+    optim.max_grad_norm = g x rollout.max_new_tokens here (and its logged grad norm is ours /
+    rollout.max_new_tokens)."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k1"
     """Per-token KL(actor || reference) estimate: k1 log-ratio, k2 half squared log-ratio, k3
     exp(-r) - 1 + r (non-negative, unbiased). Each token's estimate is bounded to [-10, 10] (the log-
