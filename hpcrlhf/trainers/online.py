@@ -107,6 +107,8 @@ class Rollout:
     """Combined score after penalties (B,)."""
     parts: dict[str, torch.Tensor]
     """Each reward source's values (B,)."""
+    sources: torch.Tensor | None = None
+    """The weighted sum of the reward sources, before the penalties (B,)."""
 
     @property
     def lengths(self) -> torch.Tensor:
@@ -187,6 +189,7 @@ class OnlineTrainer(TrainingLoop):
         abandons the step (`Run.stoppable`): what was cut short is never learned from."""
         with self.run.stoppable():
             rollout, total = self._score_parts(launched)
+        rollout.sources = total
         rollout.scores = adjust_scores(total, rollout.lengths, rollout.finished, self.cfg.reward,
                                        launched.params.max_new_tokens)
         # before anything learns from them; every rank decides alike

@@ -8,7 +8,7 @@ from typing import ClassVar, Literal
 
 from hpcrlhf.algos.estimators import ADVANTAGE_ESTIMATORS, ESTIMATORS, Estimator
 from hpcrlhf.config.schema.checks import PathText, fill_derived, largest_divisor, require, require_finite, shown
-from hpcrlhf.config.schema.online import OnlineJobConfig
+from hpcrlhf.config.schema.online import OnlineJobConfig, source_name
 from hpcrlhf.config.schema.placement import PlacementConfig
 from hpcrlhf.config.schema.sections import MICRO_BATCH_CAP, EvalConfig, LogConfig, OptimConfig, TrainConfig
 from hpcrlhf.errors import ConfigError
@@ -93,6 +93,12 @@ class PPOSectionConfig:
     further prompts, generated in more rounds, until the step has rollout.prompts_per_step
     informative prompts. Needs rollout.samples_per_prompt >= 2. Logged: rollout/generation_rounds,
     rollout/dropped_groups, rollout/extra_samples, rollout/uninformative_kept."""
+    dynamic_sampling_filter: str = "score"
+    """What must differ within a group for dynamic sampling to keep it: "score" (the reward sources'
+    weighted sum before the penalties -- length, missing EOS, overlong --: DAPO's accuracy when the
+    source is a correctness rule), "shaped" (the score after the penalties), or one source's metric
+    name (`rule_task`, `model1_rm`, as in reward/<name>: its own values, weight aside). To filter on a
+    check that is no part of the reward, add it as a source with weight 0."""
     dynamic_sampling_max_rounds: int = 4
     """Generation rounds per step at most (the first included); a step still short of informative
     prompts after them is filled with dropped ones (counted in rollout/uninformative_kept) rather
@@ -174,6 +180,10 @@ class PPOConfig(OnlineJobConfig):
         if self.ppo.estimator.needs_groups and n < 2:
             raise ConfigError(f"rollout.samples_per_prompt: {n} gives {est} no group to compare within: "
                               f"use at least 2 (e.g. 4), or ppo.advantage_estimator=gae")
+        names = [source_name(i, src) for i, src in enumerate(self.reward.sources)]
+        require(self.ppo.dynamic_sampling_filter in ("score", "shaped", *names), "ppo.dynamic_sampling_filter",
+                self.ppo.dynamic_sampling_filter,
+                f"use score, shaped or a reward source's name ({', '.join(names)})")
         if self.ppo.dynamic_sampling and n < 2:
             raise ConfigError(f"ppo.dynamic_sampling: true drops prompts whose samples all scored the same, but "
                               f"rollout.samples_per_prompt is {n}: use at least 2 samples per prompt (e.g. 4), or "

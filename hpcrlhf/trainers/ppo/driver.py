@@ -184,7 +184,8 @@ class PPOTrainer(OnlineTrainer):
         if self.cfg.ppo.dynamic_sampling:
             filled = fill_step(lambda r: self.rollout_step(self.step_prompts(step, r), self.sampling(step, n, r)),
                                n=n, max_rounds=self.cfg.ppo.dynamic_sampling_max_rounds,
-                               missing_anywhere=lambda missing: int(all_reduce_sum([missing])[0]))
+                               missing_anywhere=lambda missing: int(all_reduce_sum([missing])[0]),
+                               what=self.cfg.ppo.dynamic_sampling_filter)
             return filled.rollout, filled.metrics(reduce=all_reduce_sum)
         ahead, self.ahead = self.ahead, None
         launched = ahead[1] if ahead is not None and ahead[0] == step else None

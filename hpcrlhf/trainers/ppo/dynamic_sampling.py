@@ -1,5 +1,8 @@
 """DAPO's dynamic sampling (Yu et al. 2025, "DAPO", sec. 3.2): a group whose samples all got the
-same score has zero group-relative advantage everywhere, so it only dilutes the step. With
+same score has zero group-relative advantage everywhere, so it only dilutes the step. (DAPO
+compares accuracy, not the shaped reward: a group of wrong answers whose overlong penalties differ
+teaches nothing about the task, so the comparison is the reward sources' sum before the penalties by
+default, `ppo.dynamic_sampling_filter`.) With
 `ppo.dynamic_sampling` such groups are dropped and the step is refilled with the groups of
 further prompts, generated in further rounds, until it holds rollout.prompts_per_step informative
 groups -- or `ppo.dynamic_sampling_max_rounds` rounds ran, after which dropped groups fill the rest
@@ -30,21 +33,34 @@ def informative_groups(scores: torch.Tensor, n: int, tol: float = SAME_SCORE_TOL
     return ((groups.max(dim=1).values - groups.min(dim=1).values) > tol).tolist()
 
 
+def filtered_values(rollout: Rollout, what: str) -> torch.Tensor:
+    """What `ppo.dynamic_sampling_filter` compares within each group: "score" (the reward sources'
+    weighted sum before the penalties), "shaped" (after them) or one source's values (its metric name)."""
+    if what == "score":
+        return rollout.sources if rollout.sources is not None else rollout.scores
+    if what == "shaped":
+        return rollout.scores
+    return rollout.parts[what]
+
+
 def take_groups(rollout: Rollout, groups: Sequence[int], n: int) -> Rollout:
     """The samples of `groups` (group indices, in the order given) of a prompt-major rollout."""
     rows = [g * n + i for g in groups for i in range(n)]
     index = torch.tensor(rows, dtype=torch.long)
     return Rollout([rollout.prompts[r] for r in rows], [rollout.generations[r] for r in rows],
                    [rollout.responses[r] for r in rows], rollout.scores[index],
-                   {name: values[index] for name, values in rollout.parts.items()})
+                   {name: values[index] for name, values in rollout.parts.items()},
+                   None if rollout.sources is None else rollout.sources[index])
 
 
 def join_rollouts(parts: Sequence[Rollout]) -> Rollout:
     """One rollout of `parts` in order (each prompt-major, so the result is too)."""
     names = list(parts[0].parts)
+    sources = [r.sources for r in parts]
     return Rollout([p for r in parts for p in r.prompts], [g for r in parts for g in r.generations],
                    [x for r in parts for x in r.responses], torch.cat([r.scores for r in parts]),
-                   {name: torch.cat([r.parts[name] for r in parts]) for name in names})
+                   {name: torch.cat([r.parts[name] for r in parts]) for name in names},
+                   None if any(s is None for s in sources) else torch.cat(sources))
 
 
 @dataclass
@@ -73,17 +89,18 @@ class FilledStep:
 
 
 def fill_step(generate: Callable[[int], Rollout], n: int, max_rounds: int,
-              missing_anywhere: Callable[[int], int] = lambda missing: missing) -> FilledStep:
+              missing_anywhere: Callable[[int], int] = lambda missing: missing, what: str = "score") -> FilledStep:
     """Generate rounds (`generate(round)` -> a scored, prompt-major rollout of groups of `n`, every
-    round as many as the first: the step's quota) until the quota of informative groups is in hand
-    on every rank (`missing_anywhere(missing)`: this rank's missing count summed over the ranks) or
-    `max_rounds` ran; returns the step's quota of groups."""
+    round as many as the first: the step's quota) until the quota of informative groups (their
+    `filtered_values(rollout, what)` differ) is in hand on every rank (`missing_anywhere(missing)`:
+    this rank's missing count summed over the ranks) or `max_rounds` ran; returns the step's quota of
+    groups."""
     rounds: list[Rollout] = []
     good: list[tuple[int, int]] = []  # (round, group) of each informative group, in generation order
     bad: list[tuple[int, int]] = []
     while True:
         rollout = generate(len(rounds))
-        mask = informative_groups(rollout.scores, n)
+        mask = informative_groups(filtered_values(rollout, what), n)
         good += [(len(rounds), g) for g, m in enumerate(mask) if m]
         bad += [(len(rounds), g) for g, m in enumerate(mask) if not m]
         rounds.append(rollout)

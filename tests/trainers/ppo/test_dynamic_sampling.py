@@ -110,3 +110,33 @@ def test_dynamic_sampling_needs_groups_and_at_least_one_round():
         build_config("ppo", None, ["ppo.dynamic_sampling=true", "ppo.dynamic_sampling_max_rounds=0"], None)
     cfg = build_config("ppo", None, ["ppo.dynamic_sampling=true", "ppo.advantage_estimator=grpo"], None)
     assert cfg.ppo.dynamic_sampling and cfg.ppo.dynamic_sampling_max_rounds == 4
+
+
+def test_groups_are_compared_on_the_sources_before_the_penalties_by_default():
+    """DAPO compares accuracy: two wrong answers whose overlong penalties differ teach nothing about the
+    task. Round a: group a01 is wrong twice (sources 0, 0) with different penalties (shaped -0.3,
+    -0.1), group a23 has one right answer. Scripted by hand."""
+    def generate(r: int) -> Rollout:
+        rollout = scripted("ab"[r], [-0.3, -0.1, 0.0, 1.0] if r == 0 else [1.0, 0.0, 1.0, 1.0])
+        rollout.sources = torch.tensor([0.0, 0.0, 0.0, 1.0] if r == 0 else [1.0, 0.0, 1.0, 1.0])
+        rollout.parts["rule"] = rollout.sources.clone()
+        return rollout
+
+    by_score = fill_step(generate, n=2, max_rounds=4)
+    assert by_score.rollout.prompts == ["a2", "a3", "b0", "b1"] and by_score.rounds == 2
+    assert by_score.rollout.sources.tolist() == [0.0, 1.0, 1.0, 0.0]
+    shaped = fill_step(generate, n=2, max_rounds=4, what="shaped")
+    assert shaped.rollout.prompts == ["a0", "a1", "a2", "a3"] and shaped.rounds == 1  # today's choice, kept as a setting
+    by_rule = fill_step(generate, n=2, max_rounds=4, what="rule")
+    assert by_rule.rollout.prompts == by_score.rollout.prompts
+
+
+def test_the_filter_is_score_shaped_or_a_reward_source():
+    assert build_config("ppo", None, ["ppo.dynamic_sampling=true"], None).ppo.dynamic_sampling_filter == "score"
+    cfg = build_config("ppo", None, ["ppo.dynamic_sampling=true", "task.name=arithmetic", "ppo.advantage_estimator=grpo",
+                                     "reward.sources=[{rule: task}]", "ppo.dynamic_sampling_filter=rule_task"], None)
+    assert cfg.ppo.dynamic_sampling_filter == "rule_task"
+    with pytest.raises(ConfigError, match=r"ppo.dynamic_sampling_filter: 'accuracy' .*use score, shaped or a reward "
+                                          r"source's name \(rule_task\)"):
+        build_config("ppo", None, ["ppo.dynamic_sampling=true", "task.name=arithmetic", "reward.sources=[{rule: task}]",
+                                   "ppo.dynamic_sampling_filter=accuracy"], None)
