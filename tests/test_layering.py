@@ -12,20 +12,21 @@ module or a package holding it; modules of one layer may import each other):
                                                                         needs: plain data the config checks
  4. config                                                           -- typed configs, recipes, jobs as data
  5. algos                                                            -- the maths (pure tensor functions)
- 6. data, agents                                                     -- sources, the bundled task, tokenisation;
-                                                                        agent environments, tools, parsers
+ 6. data                                                             -- sources, the bundled task, tokenisation
  7. models                                                           -- loading, tiny models, LoRA, export
  8. engines                                                          -- DeepSpeed, process groups, rollout engines
- 9. models.factory, rewards                                          -- models built in engines; reward models
+ 9. agents                                                           -- multi-turn rollouts on the engines:
+                                                                        environments, tools, the scheduler
+10. models.factory, rewards                                          -- models built in engines; reward models
                                                                         and rules scoring with them
-10. run                                                              -- the run folder: Run, its checkpoints,
+11. run                                                              -- the run folder: Run, its checkpoints,
                                                                         metrics, stats, the NaN/Inf guard
-11. placement                                                        -- the static node map (`hpcrlhf plan`)
-12. cluster                                                          -- the Ray runtime: no trainer code
-13. trainers                                                         -- one per job kind, PPO's roles
-14. inference, demo, plots, bench                                    -- programs built on the trainers
-15. hpc                                                              -- Slurm, submitit, MPI, containers
-16. cli, __main__                                                    -- the `hpcrlhf` command
+12. placement                                                        -- the static node map (`hpcrlhf plan`)
+13. cluster                                                          -- the Ray runtime: no trainer code
+14. trainers                                                         -- one per job kind, PPO's roles
+15. inference, demo, plots, bench                                    -- programs built on the trainers
+16. hpc                                                              -- Slurm, submitit, MPI, containers
+17. cli, __main__                                                    -- the `hpcrlhf` command
 
 So the CLI sits on top: no library module imports `hpcrlhf.cli` -- a job travels as a typed
 `hpcrlhf.config.jobspec` record, and launchers run the `hpcrlhf` program by module name. (Issue 27:
@@ -60,9 +61,10 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("hpcrlhf.algos.estimators",),
     ("hpcrlhf.config",),
     ("hpcrlhf.algos",),
-    ("hpcrlhf.data", "hpcrlhf.agents"),
+    ("hpcrlhf.data",),
     ("hpcrlhf.models",),
     ("hpcrlhf.engines",),
+    ("hpcrlhf.agents",),
     ("hpcrlhf.models.factory", "hpcrlhf.rewards"),
     ("hpcrlhf.run",),
     ("hpcrlhf.placement",),

@@ -14,8 +14,9 @@ Modules: `contract` (what an environment returns, checked), `tools` (schemas, ca
 answers), `parsers` (tool calls in a turn), `render` (prompts and observations as tokens: the chat
 template's difference after the model's EOS), `environments` (loading the class), `episode` (one
 trajectory and the rule after each turn), `record` (what a trajectory was), `pool` (environment and
-tool calls on threads, with deadlines) and `scheduler` (a batch of trajectories, each on its own
-clock, on a request-level engine).
+tool calls on threads, with deadlines), `scheduler` (a batch of trajectories, each on its own clock,
+on a request-level engine) and `requests` (that engine on vLLM and on Hugging Face generate).
+The package sits above the rollout engines (`hpcrlhf.engines`) and below the trainers.
 """
 
 from hpcrlhf.agents.contract import Step, tool

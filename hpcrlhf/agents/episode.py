@@ -32,6 +32,7 @@ from hpcrlhf.agents.pool import EnvPool
 from hpcrlhf.agents.record import EpisodeRecord
 from hpcrlhf.agents.render import ChatRenderer
 from hpcrlhf.agents.tools import Tool, ToolBox
+from hpcrlhf.engines.rollout.contract import Generation
 from hpcrlhf.errors import AgentEnvError
 
 
@@ -212,6 +213,12 @@ class Episode:
             self.ids += outcome.ids
             self.action += [False] * len(outcome.ids)
             self.logprobs += [0.0] * len(outcome.ids)
+
+    def generation(self) -> Generation:
+        """The trajectory as a rollout's generation: everything after the prompt, the model's tokens
+        marked (`action_mask`), finished when its environment ended it (status done)."""
+        return Generation(list(self.prompt_ids), list(self.ids), list(self.logprobs), self.record.status == "done",
+                          list(self.action), self.record)
 
     def end(self, status: str, error: str | None = None) -> None:
         self.record.status, self.record.error = status, error

@@ -579,7 +579,7 @@ def run_agents(engine, tokenizer, n: int = 6, schedule: str = "trajectory") -> l
 
 
 def test_hf_agent_turns_are_reproducible_and_carry_the_trainers_logprobs(hf_model, tokenizer):
-    from hpcrlhf.engines.rollout.requests import HFRequests
+    from hpcrlhf.agents.requests import HFRequests
 
     hf_model.load_state_dict(agent_eos_prone(hf_model, tokenizer))
     params = SamplingParams(max_new_tokens=10)
@@ -589,7 +589,7 @@ def test_hf_agent_turns_are_reproducible_and_carry_the_trainers_logprobs(hf_mode
 
 
 def test_vllm_agent_turns_carry_the_trainers_logprobs_whatever_the_schedule(vllm_rollout, hf_model, tokenizer):
-    from hpcrlhf.engines.rollout.requests import VLLMRequests
+    from hpcrlhf.agents.requests import VLLMRequests
 
     base = {k: v.clone() for k, v in hf_model.state_dict().items()}
     hf_model.load_state_dict(agent_eos_prone(hf_model, tokenizer))

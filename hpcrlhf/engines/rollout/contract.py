@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -77,6 +77,13 @@ class Generation:
     (softmax of the raw logits: temperature 1, no top-p/top-k), fp32; len == len(response_ids)."""
     finished: bool
     """True if the response ended with EOS, False if it was cut at max_new_tokens."""
+    action_mask: list[bool] | None = None
+    """A multi-turn trajectory's: True at the model's tokens, False at the environment's (which
+    the loss, the values and the advantages leave out; their log-probs are 0.0). None: every
+    response token is the model's."""
+    episode: Any = None
+    """A multi-turn trajectory's `hpcrlhf.agents.record.EpisodeRecord`: how it ended, its turns,
+    rewards and tool calls. (Both default at class level: generations pickled before load.)"""
 
 
 Groups = list[tuple[int, list[Generation]]]

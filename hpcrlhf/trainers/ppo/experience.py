@@ -91,9 +91,11 @@ class ExperienceBatch:
 
 def rollout_batch(rollout: Rollout, pad_id: int) -> ExperienceBatch:
     """The rollout's prompt + response sequences as one right-padded CPU batch of forward inputs
-    (`input_ids`, `attention_mask`, `labels`: the response tokens only)."""
+    (`input_ids`, `attention_mask`, `labels`: the model's response tokens only -- not a multi-turn
+    trajectory's environment tokens, `Generation.action_mask`)."""
     samples = [TokenizedSample(r.sequence_ids, (False,) * (len(r.sequence_ids) - len(g.response_ids))
-                               + (True,) * len(g.response_ids), "rollout")
+                               + (tuple(g.action_mask) if g.action_mask is not None else (True,) * len(g.response_ids)),
+                               "rollout")
                for r, g in zip(rollout.responses, rollout.generations)]
     batch = model_batch(samples, pad_id, torch.device("cpu"))
     return ExperienceBatch({k: batch[k] for k in ("input_ids", "attention_mask", "labels")},

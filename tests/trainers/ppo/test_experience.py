@@ -56,3 +56,21 @@ def test_scores_join_the_batch_they_were_computed_for():
     both = b.with_tensors(**scores.tensors)
     assert torch.equal(both.tensors["ref_logps"], torch.ones(2, 7)) and both.tensors["input_ids"] is b.tensors["input_ids"]
     assert torch.equal(ExperienceBatch.concat(scores.split(2)).tensors["score"], scores.tensors["score"])
+
+
+def test_a_trajectorys_environment_tokens_are_no_training_targets():
+    """Prompt [1, 2], then the model's [3, 4], the environment's [5, 6], the model's [7]: the targets
+    (labels[t] = the token at t + 1) are the model's tokens only, written out by hand; a one-turn
+    response beside it keeps every response token."""
+    from hpcrlhf.engines.rollout import Generation
+    from hpcrlhf.rewards.response import Response
+    from hpcrlhf.trainers.online import Rollout
+    from hpcrlhf.trainers.ppo.experience import rollout_batch
+
+    agent = Generation([1, 2], [3, 4, 5, 6, 7], [-0.1, -0.2, 0.0, 0.0, -0.3], True, [True, True, False, False, True])
+    plain = Generation([1, 2], [8, 9], [-0.5, -0.6], True)
+    responses = [Response("p", "t", tuple(g.prompt_ids + g.response_ids), {}) for g in (agent, plain)]
+    batch = rollout_batch(Rollout(["p", "p"], [agent, plain], responses, torch.zeros(2), {}), pad_id=0)
+    assert batch.tensors["labels"].tolist() == [[-100, 3, 4, -100, -100, 7, -100],
+                                             [-100, 8, 9, -100, -100, -100, -100]]
+    assert batch.tensors["input_ids"].tolist() == [[1, 2, 3, 4, 5, 6, 7], [1, 2, 8, 9, 0, 0, 0]]

@@ -1,5 +1,5 @@
 """Rollout engines one model turn at a time: the request-level protocol the agent scheduler drives
-(`hpcrlhf.agents.scheduler.RequestEngine`), on each backend.
+(`hpcrlhf.agents.scheduler.RequestEngine`), on each rollout backend.
 
 - `VLLMRequests`: each turn is a vLLM request (`LLM.enqueue`), and `step` is one iteration of the
   engine (`llm_engine.step()`): continuous batching admits a trajectory's next turn at the next
