@@ -16,6 +16,8 @@ This package is where the configs are imported from; its modules hold them by wh
 - `placement`: where a ppo job's roles run on the allocation (the node map's settings)
 - `rules`: the built-in rules' settings (math, code, format) and the names rules and metrics take
 - `serve`: `hpcrlhf serve-reward`: reward sources served over HTTP
+- `agent`: multi-turn rollouts with environments and tools (attached to the online jobs with the
+  trainers' wiring, issue 39)
 """
 
 from hpcrlhf.config.schema.checks import PathText, largest_divisor
