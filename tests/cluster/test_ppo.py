@@ -245,8 +245,8 @@ def test_the_jobs_reward_servers_score_as_the_job_does_and_their_token_stays_in_
     rm = [r["reward/model1_rm"] for r in sep]
     assert rm == pytest.approx([r["reward/model1_rm"] for r in col], abs=1e-5) and len(set(rm)) > 1
     assert all(r["timing/busy_reward_server"] > 0 for r in sep)
-    # each engine's part scored as it came (reward.overlap): some scoring went on while the other engine
-    # still generated, and the step waited for the rest only
+    # the prompts' groups scored as the engines finished them (reward.overlap): some scoring went on while
+    # the engines still generated, and the step waited for the rest only
     assert all(r["timing/reward_overlap"] >= 0 and r["timing/reward"] >= 0 for r in sep)
     assert sum(r["timing/reward_overlap"] for r in sep) > 0, [r["timing/reward_overlap"] for r in sep]
     token_file = runs[SEPARATED] / "reward_servers" / "token"
