@@ -86,28 +86,54 @@ class ChatRenderer:
                               f"{full[at:at + 40]!r}); it rewrites history, which multi-turn rollouts cannot follow")
         return full[len(cut):]
 
+    def conversation(self, messages: list[dict]) -> tuple[list[int], list[bool]]:
+        """A whole conversation's tokens as a trajectory holds them, and which are the assistant's
+        (True: what SFT on conversations trains on, as a rollout trains on the model's tokens). The
+        assistant turns are the template's text of each, up to and with its EOS, tokenized as the
+        model would write it; everything else is the prompt (before the first assistant turn) and the
+        observations after each. The conversation must start with a non-assistant message; a final
+        non-assistant message is left out (nothing would be learned from it)."""
+        if not messages or messages[0]["role"] == "assistant":
+            raise ValueError("a conversation starts with a user (or system) message")
+        first = next((i for i, m in enumerate(messages) if m["role"] == "assistant"), len(messages))
+        ids = self.prompt(messages[:first])
+        mask = [False] * len(ids)
+        i = first
+        while i < len(messages):
+            if messages[i]["role"] == "assistant":
+                said = self._assistant_ids(messages[:i + 1])
+                ids, mask = ids + said, mask + [True] * len(said)
+                i += 1
+            else:
+                end = next((j for j in range(i, len(messages)) if messages[j]["role"] == "assistant"), len(messages))
+                if end == len(messages):
+                    break
+                added = self.observation(messages[i:end])
+                ids, mask = ids + added, mask + [False] * len(added)
+                i = end
+        return ids, mask
+
+    def _assistant_ids(self, messages: list[dict]) -> list[int]:
+        """The last message's (an assistant's) tokens with its EOS: canonically tokenized, as sampled."""
+        if not self.chat:
+            return self._ids(messages[-1]["content"]) + [self.tokenizer.eos_token_id]
+        whole = self._render(messages, False)
+        opened = self._render(messages[:-1], True)
+        return self._ids(whole[len(opened):whole.rindex(self.eos) + len(self.eos)])
+
     def check(self) -> None:
         """Refuse a template whose turn-by-turn pieces differ from its render of the whole conversation
         (the model's text tokenized canonically), and one that shows no tools when there are some."""
         if not self.chat:
             return
         call = {"type": "function", "function": {"name": "probe", "arguments": {"a": 1}}}
-        turns = [[{"role": "user", "content": "Hello there."}],
-                 {"role": "assistant", "content": "Let me look.", "tool_calls": [call]},
-                 [{"role": "tool", "name": "probe", "content": "42"}],
-                 {"role": "assistant", "content": "It is 42."},
-                 [{"role": "user", "content": "Thanks."}]]
-        messages, ids = list(turns[0]), self.prompt(turns[0])
-        for i in range(1, len(turns)):
-            if i % 2:  # the model's turn: its canonical tokens and EOS
-                reply = turns[i]
-                messages.append(reply)
-                whole = self._render(messages, False)
-                opened = self._render(messages[:-1], True)
-                ids += self._ids(whole[len(opened):whole.rindex(self.eos) + len(self.eos)])
-            else:
-                messages += turns[i]
-                ids += self.observation(turns[i])
+        messages = [{"role": "user", "content": "Hello there."},
+                    {"role": "assistant", "content": "Let me look.", "tool_calls": [call]},
+                    {"role": "tool", "name": "probe", "content": "42"},
+                    {"role": "assistant", "content": "It is 42."},
+                    {"role": "user", "content": "Thanks."}]
+        ids, _ = self.conversation(messages)
+        ids += self.observation(messages[-1:])
         expected = self._ids(self._render(messages, True))
         if ids != expected:
             at = next((i for i, (a, b) in enumerate(zip(ids, expected)) if a != b), min(len(ids), len(expected)))
@@ -117,7 +143,7 @@ class ChatRenderer:
                               "whose turns add up to the whole")
         if self.tools:
             names = [t["function"]["name"] for t in self.tools]
-            shown = self._render(turns[0], True)
+            shown = self._render(messages[:1], True)
             if not all(n in shown for n in names):
                 raise ConfigError(f"the chat template of {self._name()} does not show the tools ({', '.join(names)}) "
                                   "to the model: it ignores tools=; use a model whose template supports tools")

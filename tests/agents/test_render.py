@@ -110,3 +110,33 @@ def test_without_a_template_prompts_are_encoded_as_every_job_does_and_observatio
     assert r.prompt([{"role": "user", "content": "12+34="}]) == encode_prompts(bundled, ["12+34="])[0]
     assert r.observation([{"role": "user", "content": " Try again: "}]) == bundled(" Try again: ",
                                                                                     add_special_tokens=False)["input_ids"]
+
+
+def test_a_conversation_tokenizes_as_a_trajectory_with_the_assistants_turns_marked(bundled):
+    """What SFT on conversations trains on: the assistant turns (their text and EOS), in the tokens a
+    rollout of the same conversation would hold."""
+    r = ChatRenderer(bundled, [schema()])
+    call = {"type": "function", "function": {"name": "multiply", "arguments": {"a": 37, "b": 59}}}
+    messages = [{"role": "user", "content": "37*59="}, {"role": "assistant", "content": "", "tool_calls": [call]},
+                {"role": "tool", "name": "multiply", "content": "2183"}, {"role": "assistant", "content": "= 2183"},
+                {"role": "user", "content": "left out: nothing follows it"}]
+    ids, mask = r.conversation(messages)
+    whole = bundled.apply_chat_template(messages[:4], tools=[schema()], tokenize=False)
+    assert bundled.decode(ids) + "\n" == whole
+    spans, current = [], []  # the runs of marked tokens
+    for t, m in zip(ids, mask):
+        if m:
+            current.append(t)
+        elif current:
+            spans.append(current)
+            current = []
+    spans.append(current)
+    assert [bundled.decode(s) for s in spans] == [
+        '<tool_call>{"name":"multiply","arguments":{"a":37,"b":59}}</tool_call><|eos|>', "= 2183<|eos|>"]
+    raw_ids, raw_mask = ChatRenderer(bundled, chat=False).conversation(
+        [{"role": "user", "content": "12+34="}, {"role": "assistant", "content": "46"}])
+    assert raw_ids == encode_prompts(bundled, ["12+34="])[0] + bundled("46", add_special_tokens=False)["input_ids"] + [
+        bundled.eos_token_id]
+    assert raw_mask == [False] * (len(raw_ids) - 3) + [True] * 3
+    with pytest.raises(ValueError, match="starts with a user"):
+        r.conversation([{"role": "assistant", "content": "hi"}])
