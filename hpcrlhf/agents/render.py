@@ -24,6 +24,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from hpcrlhf.data.sft import TokenizedSample, Truncation
 from hpcrlhf.errors import ConfigError
 
 _DUMMY = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
@@ -150,3 +151,41 @@ class ChatRenderer:
 
     def _name(self) -> str:
         return getattr(self.tokenizer, "name_or_path", "") or "the model"
+
+
+def conversation_problem(messages: Any) -> str | None:
+    """Why `messages` is no conversation to learn from (None when it is one): a list of dicts with a
+    role (system, user, assistant, tool) and string content, starting with no assistant turn and
+    holding at least one."""
+    if not isinstance(messages, list) or not messages:
+        return "it is no non-empty list of messages"
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "tool"):
+            return f"message {i} has no role of system, user, assistant or tool"
+        if not isinstance(m.get("content", ""), str) or ("content" not in m and not m.get("tool_calls")):
+            return f"message {i} has no string content"
+    if messages[0]["role"] == "assistant":
+        return "it starts with an assistant turn (there is nothing it answers)"
+    if not any(m["role"] == "assistant" for m in messages):
+        return "it has no assistant turn to learn"
+    return None
+
+
+def tokenize_conversations(rows: Sequence[Any], tokenizer: Any, *, messages_key: str, tools_key: str | None,
+                           max_length: int) -> tuple[list[TokenizedSample], Truncation]:
+    """SFT samples of conversation rows (`data.messages_key`), each cut to `max_length` tokens: the
+    assistant turns are the targets (`ChatRenderer.conversation`). Returns the samples and what the
+    cut did (`hpcrlhf.data.sft.Truncation`: the "prompt" is what precedes the first assistant turn)."""
+    renderers: dict[str, ChatRenderer] = {}
+    samples, prompts, totals = [], [], []
+    for row in rows:
+        tools = (row.data.get(tools_key) or []) if tools_key else []
+        key = repr(tools)
+        if key not in renderers:
+            renderers[key] = ChatRenderer(tokenizer, tools)
+        messages = [dict(m, content=m.get("content") or "") for m in row.data[messages_key]]
+        ids, mask = renderers[key].conversation(messages)
+        samples.append(TokenizedSample(tuple(ids[:max_length]), tuple(mask[:max_length]), row.origin))
+        prompts.append(mask.index(True))
+        totals.append(len(ids))
+    return samples, Truncation(max_length, tuple(prompts), tuple(totals), tuple(any(s.loss_mask) for s in samples))

@@ -86,7 +86,8 @@ class TrainingLoop:
         check_rules(cfg)
         self.task = build_task(cfg.task, cfg.data)
         self.metrics = EvalMetrics(cfg.eval.metrics, self.task, timeout_s=cfg.eval.metric_timeout_s, rules=cfg.rules)
-        self.held_out = (([], cfg.data.prompt_key) if self.value_head
+        # no prompts to answer: a reward model's job, or SFT on conversations (eval/loss is their evaluation)
+        self.held_out = (([], cfg.data.prompt_key) if self.value_head or getattr(cfg.data, "messages_key", None)
                          else held_out_prompt_rows(cfg.data, cfg.task, cfg.eval.score_prompts))
 
     def setup_process(self, cfg: TrainJobConfig) -> None:

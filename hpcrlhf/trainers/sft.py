@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from hpcrlhf.agents.render import conversation_problem, tokenize_conversations
 from hpcrlhf.algos.logprobs import nll_sum
 from hpcrlhf.config.schema import SFTConfig
 from hpcrlhf.data.batching import collate, pack_rows
@@ -18,6 +19,7 @@ from hpcrlhf.data.loading import load_rows
 from hpcrlhf.data.sft import TokenizedSample, keep_usable, tokenize_sft
 from hpcrlhf.data.sources import Row, require_text
 from hpcrlhf.engines.distributed import all_reduce_sum
+from hpcrlhf.errors import DataError
 from hpcrlhf.models.moe import router_kwargs
 from hpcrlhf.trainers.loop import merge_evaluation
 from hpcrlhf.trainers.sequences import model_batch
@@ -35,6 +37,15 @@ def load_sft_rows(cfg: SFTConfig) -> tuple[list[Row], list[Row]]:
     """Checked train and eval rows from the configured files, or from the bundled task."""
     data = cfg.data
     train, evals = load_rows(data, cfg.task, lambda task, split, n: task.sft_rows(split, n))
+    if data.messages_key is not None:
+        for rows in (train, evals):
+            for row in rows:
+                problem = conversation_problem(row.data.get(data.messages_key))
+                if problem is not None:
+                    raise DataError(f"{row.origin}: the row's '{data.messages_key}' (data.messages_key) is no "
+                                    f"conversation: {problem}; give a list of {{'role', 'content'}} messages with "
+                                    "at least one assistant turn")
+        return train, evals
     options = {data.prompt_key: "data.prompt_key", data.response_key: "data.response_key"}
     for rows in (train, evals):
         require_text(rows, (data.prompt_key, data.response_key), key_option=options)
@@ -42,10 +53,16 @@ def load_sft_rows(cfg: SFTConfig) -> tuple[list[Row], list[Row]]:
 
 
 def build_sft_data(cfg: SFTConfig, tokenizer, train_rows: list[Row], eval_rows: list[Row]) -> SFTData:
-    kw = dict(prompt_key=cfg.data.prompt_key, response_key=cfg.data.response_key,
-              max_length=cfg.data.max_length, apply_chat_template=cfg.data.apply_chat_template)
-    train = keep_usable(*tokenize_sft(train_rows, tokenizer, **kw), split="training", path=cfg.data.train_path)
-    evals = keep_usable(*tokenize_sft(eval_rows, tokenizer, **kw), split="eval", path=cfg.data.eval_path)
+    if cfg.data.messages_key is not None:
+        def tokenize(rows):
+            return tokenize_conversations(rows, tokenizer, messages_key=cfg.data.messages_key,
+                                          tools_key=cfg.data.tools_key, max_length=cfg.data.max_length)
+    else:
+        def tokenize(rows):
+            return tokenize_sft(rows, tokenizer, prompt_key=cfg.data.prompt_key, response_key=cfg.data.response_key,
+                                max_length=cfg.data.max_length, apply_chat_template=cfg.data.apply_chat_template)
+    train = keep_usable(*tokenize(train_rows), split="training", path=cfg.data.train_path)
+    evals = keep_usable(*tokenize(eval_rows), split="eval", path=cfg.data.eval_path)
     if cfg.data.packing:
         # Shuffle once before packing so each packed row mixes samples; rows are then reshuffled
         # per epoch like unpacked samples.

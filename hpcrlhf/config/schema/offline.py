@@ -51,6 +51,13 @@ class SFTConfig(TrainJobConfig):
     output_dir: PathText = "runs/sft"
     """Run folder: config.yaml, metrics.jsonl, TensorBoard files, checkpoints/, model/."""
 
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.data.messages_key is not None and self.eval.metrics:
+            raise ConfigError(f"eval.metrics: {list(self.eval.metrics)} score greedy answers to held-out prompts, but "
+                              "conversation rows (data.messages_key) have no prompt field to answer; drop eval.metrics "
+                              "(eval/loss is the held-out conversations' loss on their assistant turns)")
+
 
 @dataclass(frozen=True)
 class RMConfig(TrainJobConfig):
@@ -207,3 +214,10 @@ class CSFTConfig(TrainJobConfig):
     """How rewards become conditions."""
     output_dir: PathText = "runs/csft"
     """Run folder; `model/csft.json` records the template and buckets for generation."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.data.messages_key is not None:
+            raise ConfigError("data.messages_key: conditional SFT writes each response's reward bucket into its "
+                              "prompt, so it trains on (prompt, response, reward) rows, not conversations; use "
+                              "`train sft` for conversations")

@@ -139,9 +139,26 @@ class DataConfig(DataSourceConfig):
 
     response_key: str = "response"
     """Field of each row holding the target response."""
+    messages_key: str | None = None
+    """SFT on conversations instead of (prompt, response) rows: the field of each row holding its chat
+    messages (`role` and `content`; an assistant's `tool_calls`; tool results with role `tool`),
+    rendered by the tokenizer's chat template (data.apply_chat_template: true). Every assistant turn
+    (its text and EOS) is learned, the rest is context -- the tokens a multi-turn rollout of the same
+    conversation holds."""
+    tools_key: str | None = None
+    """With messages_key: the field holding each row's tools (a list of JSON schemas, as transformers'
+    get_json_schema writes them), which the chat template shows the model."""
     packing: bool = False
     """Pack several samples into each row of `max_length` tokens, with attention and positions
     restarting at every sample boundary."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.messages_key is not None:
+            require(self.apply_chat_template, "data.apply_chat_template", self.apply_chat_template,
+                    "conversations (data.messages_key) are rendered by the chat template: set it to true")
+        require(self.tools_key is None or self.messages_key is not None, "data.tools_key", self.tools_key,
+                "tools belong to conversations: set data.messages_key too, or drop data.tools_key")
 
 
 @dataclass(frozen=True)
