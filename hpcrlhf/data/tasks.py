@@ -88,9 +88,10 @@ class ArithmeticTask:
     """Seeds the train/eval partition and every row stream; same seed, same rows."""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.max_operand, int) or self.max_operand < 1:
+        if not isinstance(self.max_operand, int) or self.max_operand < max(1, self.min_operand):
             raise ConfigError(
-                f"ArithmeticTask.max_operand={self.max_operand!r} is invalid: use an integer >= 1"
+                f"{type(self).__name__}.max_operand={self.max_operand!r} is invalid: use an integer >= "
+                f"{max(1, self.min_operand)}"
             )
         if not isinstance(self.num_operands, int) or self.num_operands < 2:
             raise ConfigError(
@@ -114,8 +115,11 @@ class ArithmeticTask:
 
     # ----- problem space -------------------------------------------------------------------
 
+    min_operand: ClassVar[int] = 0
+    """Smallest operand."""
+
     def _space_size(self) -> int:
-        return (self.max_operand + 1) ** self.num_operands
+        return (self.max_operand + 1 - self.min_operand) ** self.num_operands
 
     def split_of(self, operands: tuple[int, ...]) -> str:
         """The split ("train" or "eval") a problem belongs to; fixed by operands and seed."""
@@ -127,7 +131,7 @@ class ArithmeticTask:
         # problems is cheap but row methods are called often.
         cache: dict[str, list[tuple[int, ...]]] = self.__dict__.setdefault("_problem_cache", {})
         if split not in cache:
-            space = itertools.product(range(self.max_operand + 1), repeat=self.num_operands)
+            space = itertools.product(range(self.min_operand, self.max_operand + 1), repeat=self.num_operands)
             cache[split] = [p for p in space if self.split_of(p) == split]
         return cache[split]
 
@@ -140,7 +144,7 @@ class ArithmeticTask:
                 rng.shuffle(problems)
                 yield from problems
         while True:
-            problem = tuple(rng.randint(0, self.max_operand) for _ in range(self.num_operands))
+            problem = tuple(rng.randint(self.min_operand, self.max_operand) for _ in range(self.num_operands))
             if self.split_of(problem) == split:
                 yield problem
 
@@ -293,12 +297,94 @@ def _offset_miss(answer: int, rng: random.Random) -> int:
     return rng.choice([answer + k for k in (-10, -3, -2, -1, 1, 2, 3, 10) if answer + k >= 0])
 
 
+MULTIPLY_TOOL = {"type": "function", "function": {
+    "name": "multiply", "description": "Multiply two integers.",
+    "parameters": {"type": "object", "properties": {"a": {"type": "integer", "description": "The first factor."},
+                                                    "b": {"type": "integer", "description": "The second factor."}},
+                   "required": ["a", "b"]},
+    "return": {"type": "integer"}}}
+"""The calculator's tool as the chat template shows it: the schema of
+`hpcrlhf.agents.calculator.Calculator.multiply` (tests/agents/test_calculator.py checks they agree)."""
+
+
+@dataclass(frozen=True)
+class CalculatorTask(ArithmeticTask):
+    """Two-digit products with a calculator tool (agents, issue 39): prompt "37*59=", answer "= 2183".
+    Its SFT rows are conversations (`data.messages_key`): a share `tool_share` of them (per row index,
+    so no problem is learned as "tool" or "direct") answer through a `multiply` call and its result,
+    the rest directly. Its environment is `hpcrlhf.agents.calculator:Calculator`. Only SFT and the
+    online jobs use it (it has no preference rows)."""
+
+    name: ClassVar[str] = "calculator"
+    min_operand: ClassVar[int] = 10
+    tool_share: float = 0.3
+    """Share of the SFT demonstrations that call the tool."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not 0.0 <= float(self.tool_share) <= 1.0:
+            raise ConfigError(f"CalculatorTask.tool_share={self.tool_share!r} is invalid: use a share in [0, 1], e.g. 0.3")
+
+    @staticmethod
+    def format_prompt(operands: tuple[int, ...]) -> str:
+        return "*".join(str(x) for x in operands) + "="
+
+    def sft_rows(self, split: str, n: int) -> list[dict[str, Any]]:
+        """`n` conversations {"messages", "tools"} answering each problem right, a `tool_share` of them
+        through the `multiply` tool."""
+        tools = [MULTIPLY_TOOL]
+        rows = []
+        for i, p in enumerate(self._problems(split, n)):
+            product, question = p[0] * p[1], self.format_prompt(p)
+            answer = {"role": "assistant", "content": f"= {product}"}
+            if _unit_hash("tool", self.seed, split, i) < self.tool_share:
+                call = {"type": "function", "function": {"name": "multiply", "arguments": {"a": p[0], "b": p[1]}}}
+                messages = [{"role": "user", "content": question}, {"role": "assistant", "content": "", "tool_calls": [call]},
+                            {"role": "tool", "name": "multiply", "content": str(product)}, answer]
+            else:
+                messages = [{"role": "user", "content": question}, answer]
+            rows.append({"messages": messages, "tools": tools})
+        return rows
+
+    def prompt_rows(self, split: str, n: int) -> list[dict[str, str]]:
+        return [{"prompt": self.format_prompt(p), "answer": str(p[0] * p[1])} for p in self._problems(split, n)]
+
+    def preference_rows(self, *args: Any, **kwargs: Any) -> list[dict[str, str]]:
+        raise ConfigError("task.name: calculator has no preference rows; use it with sft, ppo, rs or generate")
+
+    mixed_preference_rows = unpaired_rows = preference_rows
+
+    def parse_prompt(self, prompt: str) -> tuple[int, ...]:
+        matches = _PRODUCT_RE.findall(prompt)
+        if not matches:
+            raise DataError(f"cannot parse calculator prompt {prompt!r}: expected two numbers joined by '*' and "
+                            "ending with '=', e.g. '37*59='")
+        return tuple(int(x) for x in matches[-1])
+
+    def answer(self, prompt: str) -> int:
+        a, b = self.parse_prompt(prompt)
+        return a * b
+
+    def score(self, prompt: str, response: str) -> float:
+        """1.0 if the integer the response starts with (after an optional "=") is the product."""
+        match = _RESULT_RE.match(response)
+        return 1.0 if match is not None and int(match.group(1)) == self.answer(prompt) else 0.0
+
+    def partial_score(self, prompt: str, response: str) -> float:
+        match = _RESULT_RE.match(response)
+        return super().partial_score(prompt, match.group(1) if match else "")
+
+
+_PRODUCT_RE = re.compile(r"(\d+)\*(\d+)=")
+_RESULT_RE = re.compile(r"\s*=?\s*(\d+)")
+
+
 NEAR_MISSES: dict[str, Callable[[int, random.Random], int]] = {"digit": _near_miss, "offset": _offset_miss}
 """Kinds of hard rejected answers: `digit` (off by 1 or 10, or two adjacent digits swapped) and
 `offset` (off by 1 to 3 or by 10: what a partly trained policy gets wrong, so what a reward model
 for PPO on this task must tell apart)."""
 
-TASKS: dict[str, type] = {ArithmeticTask.name: ArithmeticTask}
+TASKS: dict[str, type] = {ArithmeticTask.name: ArithmeticTask, CalculatorTask.name: CalculatorTask}
 """The bundled tasks by `task.name`: the names the config declares (`hpcrlhf.config.schema.BUNDLED_TASKS`,
 which the config checks `task.name` against and takes default lengths from)."""
 

@@ -685,7 +685,7 @@ def test_huge_integers_are_shown_by_their_size(kind, recipe, expected):
     # Loaded, then failed in data loading naming no config field ("unknown task 'foo'", "n=-1 is invalid",
     # "ArithmeticTask.max_operand=0 is invalid"), or mid-training (ZeroDivisionError for log.every_steps=0
     # and eval.batch_size=0).
-    ("task.name=foo", "task.name: 'foo' is invalid: use auto (the default), a bundled task (arithmetic), or null to train "
+    ("task.name=foo", "task.name: 'foo' is invalid: use auto (the default), a bundled task (arithmetic, calculator), or null to train "
                       "on data.train_path"),
     ("task.max_operand=0", "task.max_operand: 0 is invalid: use at least 1, e.g. 99"),
     ("task.train_size=-1", "task.train_size: -1 is invalid: use at least 1 row"),

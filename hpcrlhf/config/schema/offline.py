@@ -7,9 +7,9 @@ import string
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
-from hpcrlhf.config.schema.checks import PathText, require, require_finite
+from hpcrlhf.config.schema.checks import PathText, fill_derived, require, require_finite
 from hpcrlhf.config.schema.sections import (DataConfig, DataSourceConfig, OptimConfig, ReferenceConfig, TrainConfig,
-                                            TrainJobConfig)
+                                            TrainJobConfig, require_task_rows)
 from hpcrlhf.errors import ConfigError
 
 @dataclass(frozen=True)
@@ -53,6 +53,12 @@ class SFTConfig(TrainJobConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.task.resolve(self.data) == "calculator" and self.data.train_path is None:
+            # its rows are conversations: read them so (derived defaults, never a user's setting)
+            require(self.data.apply_chat_template, "data.apply_chat_template", self.data.apply_chat_template,
+                    "the calculator task's SFT rows are conversations, rendered by the chat template: set it to true")
+            fill_derived(self, "data", messages_key=self.data.messages_key or "messages",
+                         tools_key=self.data.tools_key or "tools")
         if self.data.messages_key is not None and self.eval.metrics:
             raise ConfigError(f"eval.metrics: {list(self.eval.metrics)} score greedy answers to held-out prompts, but "
                               "conversation rows (data.messages_key) have no prompt field to answer; drop eval.metrics "
@@ -75,6 +81,7 @@ class RMConfig(TrainJobConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        require_task_rows(self.task, self.data, "rm")
         if self.eval.metrics:
             raise ConfigError(f"eval.metrics: {list(self.eval.metrics)} score generated answers, and a reward model "
                               "generates none (it is evaluated on pairs): remove eval.metrics, or report them from the "
@@ -94,6 +101,7 @@ class PolicyJobConfig(TrainJobConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        require_task_rows(self.task, self.data, "dpo or kto")
         if self.reference.offload and self.engine.zero_stage != 3:
             raise ConfigError("reference.offload: true keeps reference weights in CPU memory through ZeRO-3: "
                               "set engine.zero_stage=3, or reference.precompute=true to drop the reference model "
@@ -217,6 +225,7 @@ class CSFTConfig(TrainJobConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        require_task_rows(self.task, self.data, "csft")
         if self.data.messages_key is not None:
             raise ConfigError("data.messages_key: conditional SFT writes each response's reward bucket into its "
                               "prompt, so it trains on (prompt, response, reward) rows, not conversations; use "

@@ -51,12 +51,16 @@ class BundledTask:
     """Tokens per sample (`data.max_length` when left null)."""
     answer_tokens: int
     """Generation budget for an answer (`rollout/eval.max_new_tokens` when left null)."""
+    jobs: tuple[str, ...] = ()
+    """The job kinds it has rows for (empty: every kind)."""
 
 
 BUNDLED_TASKS: dict[str, BundledTask] = {
     # arithmetic: prompt, answer and EOS in 64 tokens, with room; up to 3 digits plus EOS in 8, with room
     # for a wrong longer answer
     "arithmetic": BundledTask(sample_tokens=64, answer_tokens=8),
+    # calculator: a whole conversation with a tool call (~110 tokens) in 160; a call (~50 tokens) in 64
+    "calculator": BundledTask(sample_tokens=160, answer_tokens=64, jobs=("sft", "ppo", "rs", "generate")),
 }
 """The bundled tasks by name (`task.name`), as the config sees them."""
 
@@ -68,7 +72,10 @@ class TaskConfig:
     unset, and the task score (`eval/task_score`, the `task` reward rules). `auto`: the arithmetic
     task when `data.train_path` is unset, none when it is set (your data is not scored as
     arithmetic; the run logs which applies). `arithmetic` applies it to your data too (its prompts
-    must then be arithmetic questions); null: no task (then `data.train_path` is required)."""
+    must then be arithmetic questions); `calculator`: products of two-digit numbers with a `multiply`
+    tool, for agents (sft on its conversations, 30 % of them calling the tool, with
+    data.apply_chat_template true; ppo, rs and generate on its prompts); null: no task (then
+    `data.train_path` is required)."""
     max_operand: int = 99
     """Largest operand of the arithmetic task: the task's difficulty."""
     seed: int = 0
@@ -103,6 +110,15 @@ class TaskConfig:
         if self.name != "auto":
             return self.name
         return None if data.train_path else DEFAULT_TASK
+
+
+def require_task_rows(task: TaskConfig, data: DataSourceConfig, job: str) -> None:
+    """The bundled task that applies to a `job` (its kind: "rm", "dpo", ...) has rows for it."""
+    name = task.resolve(data)
+    bundled = BUNDLED_TASKS.get(name) if name else None
+    if bundled is not None and bundled.jobs and job not in bundled.jobs:
+        require(False, "task.name", name, f"the {name} task has rows for {', '.join(bundled.jobs)}, not {job}: use "
+                "task.name=arithmetic, or your own data (data.train_path)")
 
 
 @dataclass(frozen=True)
