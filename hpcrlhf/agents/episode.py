@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import copy
 import time
-import traceback
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -34,6 +33,7 @@ from hpcrlhf.agents.render import ChatRenderer
 from hpcrlhf.agents.tools import Tool, ToolBox
 from hpcrlhf.engines.rollout.contract import Generation
 from hpcrlhf.errors import AgentEnvError
+from hpcrlhf.run.usercode import raised_at
 
 
 @dataclass(frozen=True)
@@ -76,11 +76,6 @@ class Setup:
     pool: EnvPool
 
 
-def _raised_at(e: BaseException) -> str:
-    frames = traceback.extract_tb(e.__traceback__)
-    return f" at {frames[-1].filename}:{frames[-1].lineno} in {frames[-1].name}" if frames else ""
-
-
 class Episode:
     def __init__(self, key: str, row: Mapping[str, Any], seed: int, setup: Setup, origin: str = "") -> None:
         self.key, self.row, self.seed, self.setup, self.origin = key, row, seed, setup, origin
@@ -106,7 +101,7 @@ class Episode:
             raise
         except Exception as e:
             turn = f" on turn {self.record.turns}" if self.record.turns else ""
-            raise AgentEnvError(f"{self.label}.{method} raised {type(e).__name__}: {e}{_raised_at(e)}{turn}; fix the "
+            raise AgentEnvError(f"{self.label}.{method} raised {type(e).__name__}: {e}{raised_at(e)}{turn}; fix the "
                                 "class") from e
 
     # -- on the pool's threads ------------------------------------------------------------------

@@ -123,9 +123,9 @@ class EnvPool:
         now = time.monotonic() if now is None else now
         late = [c for c in calls if not c.done() and c.started is not None and now - c.started > c.timeout_s]
         for c in late:
-            c.abandoned = True
             if not _settle(c.future, error=CallTimeout(f"{c.label} took longer than {c.timeout_s:g} s")):
-                continue  # it finished meanwhile
+                continue  # it finished meanwhile: its thread goes on serving
+            c.abandoned = True  # its thread ends once the call returns, if ever
             if c.cancel is not None:
                 c.cancel()
             else:

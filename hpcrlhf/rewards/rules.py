@@ -32,7 +32,6 @@ from __future__ import annotations
 import copy
 import inspect
 import math
-import traceback
 from dataclasses import dataclass
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -44,7 +43,7 @@ from hpcrlhf.errors import ConfigError, RuleError
 from hpcrlhf.rewards.builtin import build_builtin
 from hpcrlhf.rewards.response import Response, Scorer
 from hpcrlhf.run.signals import Interrupted, StopRequested
-from hpcrlhf.run.usercode import UserCodeTimeout, load_named, real_number, user_code
+from hpcrlhf.run.usercode import UserCodeTimeout, load_named, raised_at, real_number, user_code
 
 RuleFn = Callable[[str, str, Mapping[str, Any]], Any]
 DEFAULT_RULES = RulesConfig()
@@ -79,10 +78,10 @@ class Rule:
                             f"{_answer(prompt, response, origin)}: does it loop forever, or wait on something that "
                             f"never comes? Fix the function, or raise {self.timeout_key} if it needs longer") from None
         except Exception as e:  # the user's code: anything can happen in it
-            raise RuleError(f"{self.label} raised {self._described(e)}{_raised_at(e)}, "
+            raise RuleError(f"{self.label} raised {self._described(e)}{raised_at(e)}, "
                             f"{_answer(prompt, response, origin)}; fix the function") from e
         except BaseException as e:  # sys.exit(), a KeyboardInterrupt of its own, GeneratorExit...
-            raise RuleError(f"{self.label} raised {self._described(e)}{_raised_at(e)}, which would end the job: a "
+            raise RuleError(f"{self.label} raised {self._described(e)}{raised_at(e)}, which would end the job: a "
                             f"rule returns a number (or raises an Exception), {_answer(prompt, response, origin)}; "
                             "fix the function") from None
         if number is None:
@@ -124,13 +123,6 @@ class Rule:
 
 def _answer(prompt: str, response: str, origin: str) -> str:
     return f"on the response {brief(response)} to prompt {brief(prompt)}" + (f" ({origin})" if origin else "")
-
-
-def _raised_at(e: BaseException) -> str:
-    """` at file:line in function` of the innermost frame the exception passed through (in the rule
-    or in what it called); empty when it came from C code called directly by `Rule.__call__`."""
-    frames = traceback.extract_tb(e.__traceback__)[1:]
-    return f" at {frames[-1].filename}:{frames[-1].lineno} in {frames[-1].name}" if frames else ""
 
 
 def resolve_rule(name: str, task, field: str = "reward.sources", *, finite: bool = False,

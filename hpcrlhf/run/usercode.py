@@ -34,6 +34,7 @@ import math
 import numbers
 import signal
 import threading
+import traceback
 from contextlib import contextmanager, nullcontext
 from collections.abc import Iterator
 from typing import Any
@@ -137,3 +138,11 @@ def real_number(value: Any) -> float | None:
         return float(value)
     except OverflowError:
         return math.inf if value > 0 else -math.inf
+
+
+def raised_at(e: BaseException) -> str:
+    """` at file:line in function` of the innermost frame the exception passed through (in the user's
+    code or in what it called), the caller's own frame left out; empty when it came from C code the
+    caller called directly."""
+    frames = traceback.extract_tb(e.__traceback__)[1:]
+    return f" at {frames[-1].filename}:{frames[-1].lineno} in {frames[-1].name}" if frames else ""
