@@ -90,13 +90,17 @@ def test_a_world_of_one_listens_on_nothing_but_loopback():
     """A single process's group (the driver, a one-process run): its store in memory, gloo's devices on
     loopback, DeepSpeed's clone of the world group's too. (torch's env:// store listened on every
     interface.) Gloo's default is the host name's address, loopback on some hosts (as here): the
-    interface it is told to use is checked too."""
+    interface it is told to use is checked too. (DeepSpeed's comm is attached as the trainers attach it: a plain
+    `deepspeed.init_distributed` JIT-builds a shared-memory op under torch's lock file, which hung a CI run for
+    300 s.)"""
     code = textwrap.dedent("""
-        import os, psutil, deepspeed
+        import faulthandler, os, psutil
+        faulthandler.dump_traceback_later(240, exit=True)  # a hang shows where, before the timeout below
         from deepspeed.utils import groups
+        from hpcrlhf.engines.deepspeed_engine import ensure_deepspeed_comm
         from hpcrlhf.engines.distributed import init_distributed
         init_distributed()
-        deepspeed.init_distributed(dist_backend="gloo")  # as hpcrlhf.engines.deepspeed_engine does
+        ensure_deepspeed_comm()  # DeepSpeed's comm on the group, as every hpcrlhf rank attaches it
         groups._clone_world_group()
         print(os.environ["GLOO_SOCKET_IFNAME"],
               sorted({c.laddr.ip for c in psutil.Process().net_connections("tcp") if c.status == psutil.CONN_LISTEN}))
