@@ -122,7 +122,8 @@ def run_episodes(engine: RequestEngine, episodes: Sequence[Episode], pool: EnvPo
         for ep in episodes:
             call(ep, "reset")
         while calls or ready or in_engine:
-            if calls and not ready and not in_engine:  # nothing to generate: wait for an answer or a deadline
+            held = schedule == "turn" and calls  # the round's ready turns wait for its other trajectories
+            if calls and not in_engine and (held or not ready):  # nothing to generate: wait for an answer or a deadline
                 waited = time.monotonic()
                 wait()
                 stats.engine_idle_s += time.monotonic() - waited

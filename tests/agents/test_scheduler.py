@@ -26,6 +26,7 @@ class ScriptedEngine:
         self.queue: dict[str, list] = {}
         self.turns: dict[str, int] = {}
         self.submitted: list[tuple[str, int, float, int | None, int]] = []  # key, turn, when, seed, max tokens
+        self.polls = 0  # calls of running(): how often the scheduler looked
 
     def submit(self, request) -> None:
         turn = self.turns.get(request.key, 0)
@@ -47,6 +48,7 @@ class ScriptedEngine:
         return out
 
     def running(self) -> int:
+        self.polls += 1
         return len(self.queue)
 
     def abort(self, keys) -> None:
@@ -75,7 +77,7 @@ def episodes(tok, pool, env, args=None, rows=None, tools=(), **limits):
 
 def test_each_trajectory_runs_on_its_own_clock_and_the_turn_schedule_waits_for_all(tok, pool):
     """Trajectory 0's environment takes 0.4 s a turn, trajectory 1's none: on its own clock 1 runs all
-    three turns before 0's first answer; turn by turn it waits for 0 every round."""
+    three turns before 0's first answer; turn by turn it waits for 0 every round, blocked, not polling."""
     for schedule in ("trajectory", "turn"):
         rows = [{"id": "slow"}, {"id": "fast"}]
         eps = episodes(tok, pool, "tests.agents.envs:Countdown", {"latency": {"slow": 0.4}}, rows)
@@ -87,6 +89,8 @@ def test_each_trajectory_runs_on_its_own_clock_and_the_turn_schedule_waits_for_a
         else:
             assert when[("1", 1)] > when[("0", 0)] + 0.35 and when[("1", 2)] > when[("0", 1)] + 0.35
         assert stats.engine_idle_s > 0.3 and stats.env_calls == 2 * (1 + 3 + 1)
+        # waiting for an environment blocks: the turn schedule's barrier spun (314,523 polls for this batch)
+        assert engine.polls < 100, (schedule, engine.polls)
         for ep in eps:
             r = ep.record
             assert (r.status, r.turns, r.turn_rewards, r.final_reward, r.success, r.info) == \
