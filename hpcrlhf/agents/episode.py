@@ -48,6 +48,8 @@ class EpisodeLimits:
     """Longest a reset, or the environment's answer to one turn (its tool calls and step together), may take."""
     on_env_error: str = "fail"
     """"fail": an environment that raises ends the run; "end": it ends its trajectory (env_error)."""
+    max_prompt_tokens: int | None = None
+    """Longest first render (the prompt: `reset`'s messages): `data.max_length`. None: no limit."""
 
 
 @dataclass(frozen=True)
@@ -116,6 +118,10 @@ class Episode:
         self.record.messages = list(first)
         ids = s.renderer.prompt(first)
         self.record.env_seconds += time.monotonic() - began
+        if s.limits.max_prompt_tokens is not None and len(ids) > s.limits.max_prompt_tokens:
+            raise AgentEnvError(f"{self.label}.reset: its first messages render to {len(ids)} tokens, more than "
+                                f"data.max_length ({s.limits.max_prompt_tokens}); shorten the row's prompt or raise "
+                                "data.max_length")
         return ids
 
     def after_turn(self) -> Continue | End:

@@ -1,0 +1,79 @@
+"""A job's agent: the `agent` section's environment, tools, parser and chat renderer, loaded and
+checked once, and a batch of prompt rows run as trajectories on a rollout engine.
+
+`AgentRunner.run` is what an online trainer calls where it would call `engine.generate`: each row
+(a dataset row as the environment's `reset` reads it) becomes `params.n` trajectories, and the
+result has `generate`'s shape -- one list of `n` Generations per row, in row order -- with each
+generation's `action_mask` (the model's tokens) and `episode` (its record) set.
+
+Seeds. Turn t of sample j of row i is sampled with `mixed_seed(params.seed, i * n + j, t)`
+(`hpcrlhf.agents.scheduler`), so a batch samples the same tokens whatever order its environments
+answer in. The environment's `reset(row, seed)` gets one seed per row (`mixed_seed(env_seed, i)`):
+the n samples of a group meet the same instance of the task, as a group-relative advantage compares
+the model's choices on one problem.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from hpcrlhf.agents.environments import load_environment
+from hpcrlhf.agents.episode import Episode, EpisodeLimits, Setup
+from hpcrlhf.agents.parsers import load_parser
+from hpcrlhf.agents.pool import EnvPool
+from hpcrlhf.agents.render import ChatRenderer
+from hpcrlhf.agents.requests import HFRequests, VLLMRequests
+from hpcrlhf.agents.scheduler import BatchStats, mixed_seed, run_episodes
+from hpcrlhf.agents.tools import load_tools
+from hpcrlhf.config.schema.agent import AgentConfig
+from hpcrlhf.engines.rollout.contract import Generation, SamplingParams
+from hpcrlhf.engines.rollout.vllm import VLLMRollout
+
+
+def request_engine(engine: Any, params: SamplingParams):
+    """The request-level face of a rollout engine: vLLM's continuous batching, else a batch `generate`."""
+    return VLLMRequests(engine, params) if isinstance(engine, VLLMRollout) else HFRequests(engine, params)
+
+
+class AgentRunner:
+    def __init__(self, cfg: AgentConfig, tokenizer: Any, *, chat: bool, prompt_key: str = "prompt",
+                 max_prompt_tokens: int | None = None) -> None:
+        """Load and check what `cfg` names (a ConfigError names the field): before any model is
+        loaded, so a mistake costs seconds. `max_prompt_tokens`: the longest first render of a
+        trajectory (`data.max_length`); a longer one fails the batch naming its row."""
+        self.cfg = cfg
+        environment = load_environment(cfg.environment, cfg.environment_args, prompt_key)
+        tools = load_tools(cfg.tools)
+        parser = load_parser(cfg.tool_parser)
+        renderer = ChatRenderer(tokenizer, [t.schema for t in (*tools, *environment.tools)], chat=chat)
+        renderer.check()
+        limits = EpisodeLimits(max_turns=cfg.max_turns, max_tokens=cfg.max_tokens,
+                               max_tool_calls_per_turn=cfg.max_tool_calls_per_turn,
+                               max_observation_chars=cfg.max_observation_chars, step_timeout_s=cfg.step_timeout_s,
+                               on_env_error=cfg.on_env_error, max_prompt_tokens=max_prompt_tokens)
+        self.pool = EnvPool(cfg.env_workers)
+        self.setup = Setup(environment, tools, renderer, parser, tokenizer, limits, self.pool)
+
+    def schedule(self, synchronous: bool) -> str:
+        """`agent.schedule`, or its default: each trajectory on its own clock where the engine allows."""
+        return self.cfg.schedule or ("turn" if synchronous else "trajectory")
+
+    def run(self, engine: Any, rows: Sequence[Mapping[str, Any]], params: SamplingParams, env_seed: int,
+            origins: Sequence[str] | None = None) -> tuple[list[list[Generation]], BatchStats]:
+        """`rows` as `params.n` trajectories each on `engine` (an HF or vLLM rollout, or a request-level
+        engine): their generations, row-major, and the batch's figures. `origins`: where each row came
+        from (`file:line`), for error messages."""
+        n = params.n
+        requests = engine if hasattr(engine, "submit") else request_engine(engine, params)
+        episodes = [Episode(f"{i:06d}-{j:04d}", row, mixed_seed(env_seed, i), self.setup,
+                            origins[i] if origins else f"prompt {i}")
+                    for i, row in enumerate(rows) for j in range(n)]
+        stats = run_episodes(requests, episodes, self.pool, max_new_tokens=params.max_new_tokens, seed=params.seed,
+                             schedule=self.schedule(requests.synchronous), max_failed_share=self.cfg.max_failed_share)
+        generations = [ep.generation() for ep in episodes]
+        return [generations[i * n:(i + 1) * n] for i in range(len(rows))], stats
+
+    def close(self) -> None:
+        self.pool.close()
+
