@@ -8,6 +8,11 @@ combine exactly (`hpcrlhf.run.stats`), averaged per trajectory unless said other
   agent/truncated/max_turns, agent/truncated/max_tokens);
 - agent/success over the trajectories whose environment reported it; agent/info/<key> likewise.
 Tool names and error kinds come from what happened, so a key appears once something used it.
+
+A batch's scheduling (`batch_stats`): agent/engine_idle_share (the seconds the engine had nothing to
+generate while environments worked, over the batch's seconds: its pair adds up over ranks and steps
+as seconds), agent/env_calls and agent/abandoned_calls (hung calls whose threads were given up) per
+trajectory.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from hpcrlhf.agents.record import EpisodeRecord
+from hpcrlhf.agents.scheduler import BatchStats
 from hpcrlhf.agents.tools import ERROR_KINDS
 
 
@@ -48,6 +54,15 @@ def episode_stats(records: Sequence[EpisodeRecord], model_tokens: Sequence[int],
         values = [r.info[key] for r in records if key in r.info]
         out[f"agent/info/{key}"] = (float(sum(values)), len(values))
     return out
+
+
+def batch_stats(stats: BatchStats, trajectories: int) -> dict[str, tuple[float, float]]:
+    """The scheduling figures of one batch of `trajectories` (see the module docstring)."""
+    if not trajectories:
+        return {}
+    return {"agent/engine_idle_share": (stats.engine_idle_s, stats.wall_s),
+            "agent/env_calls": (float(stats.env_calls), trajectories),
+            "agent/abandoned_calls": (float(stats.abandoned_calls), trajectories)}
 
 
 def _errors(record: EpisodeRecord) -> int:

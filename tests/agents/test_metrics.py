@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from hpcrlhf.agents.metrics import episode_stats
+from hpcrlhf.agents.metrics import batch_stats, episode_stats
 from hpcrlhf.agents.record import EpisodeRecord
+from hpcrlhf.agents.scheduler import BatchStats
+from hpcrlhf.run.stats import add_stats, new_stats, reduce_means
 
 
 def test_figures_by_hand():
@@ -22,3 +24,14 @@ def test_figures_by_hand():
         "agent/tool_errors/raised": (1.0, 3),
         "agent/success": (1.0, 1), "agent/info/score": (2.0, 1)}
     assert episode_stats([], [], []) == {}
+
+
+def test_batch_figures_add_up_over_batches_as_seconds_and_calls():
+    """Two batches (two ranks, or two steps): the idle share is the idle seconds over the wall seconds of
+    both, not the mean of the two shares."""
+    one = BatchStats(wall_s=10.0, engine_idle_s=1.0, env_calls=12, abandoned_calls=1)
+    two = BatchStats(wall_s=30.0, engine_idle_s=15.0, env_calls=8)
+    sums = add_stats(add_stats(new_stats(), batch_stats(one, 4)), batch_stats(two, 4))
+    assert reduce_means(sums) == {"agent/engine_idle_share": 16.0 / 40.0, "agent/env_calls": 20 / 8,
+                                  "agent/abandoned_calls": 1 / 8}
+    assert batch_stats(one, 0) == {}
