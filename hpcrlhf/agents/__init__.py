@@ -15,8 +15,9 @@ answers), `parsers` (tool calls in a turn), `render` (prompts and observations a
 template's difference after the model's EOS), `environments` (loading the class), `episode` (one
 trajectory and the rule after each turn), `record` (what a trajectory was), `pool` (environment and
 tool calls on threads, with deadlines), `scheduler` (a batch of trajectories, each on its own clock,
-on a request-level engine), `requests` (that engine on vLLM and on Hugging Face generate) and
-`metrics` (a rollout's agent/* figures).
+on a request-level engine), `requests` (that engine on vLLM and on Hugging Face generate), `runner`
+(a job's agent section loaded once; prompt rows run as groups of trajectories) and `metrics` (a
+rollout's agent/* figures).
 The package sits above the rollout engines (`hpcrlhf.engines`) and below the trainers.
 """
 
