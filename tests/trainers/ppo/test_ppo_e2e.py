@@ -135,7 +135,8 @@ def task_reward_model(full_sft_run, tmp_path_factory) -> str:
     base = tmp_path_factory.mktemp("rm_for_ppo")
     run_cli(["train", "rm", "-o", str(base / "rm"), "--set", f"model.path={full_sft_run / 'model'}", *QUIET,
              "--set", "task.near_miss=offset", "--set", "task.hard_pair_fraction=1.0", "--set", "task.train_size=160000",
-             "--set", "train.global_batch_size=128", "--set", "optim.lr=6e-4", "--set", "train.max_steps=1200"])
+             "--set", "train.global_batch_size=128", "--set", "optim.lr=6e-4", "--set", "train.max_steps=1200"],
+            timeout=1800)  # 266 s alone; past run_cli's 600 s beside a Ray run on a 2-core host (stopped at step 491)
     # The same 153,600 pairs as 4800 steps of 32 at lr 3e-4 (0.80 at step 400, 0.90 by 4800), in batches of 128
     # at lr 6e-4: 0.887, at three times the pairs per second (266 s here, measured 2026-11-26). With it, PPO (the
     # test below) raised its reward by 0.16 in both of two seeds and kept the task (0.53 -> 0.58 and 0.63,
