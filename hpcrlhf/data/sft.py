@@ -42,8 +42,23 @@ def encode_prompts(tokenizer, prompts: Sequence[str], apply_chat_template: bool 
         _require_chat_template(tokenizer)
         prompts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
                                                  add_generation_prompt=True) for p in prompts]
-        return tokenizer(list(prompts), add_special_tokens=False)["input_ids"]
-    return tokenizer(list(prompts), add_special_tokens=True)["input_ids"]
+        return token_ids(tokenizer, prompts, add_special_tokens=False)
+    return token_ids(tokenizer, prompts, add_special_tokens=True)
+
+
+def token_ids(tokenizer, texts: Sequence[str], *, add_special_tokens: bool) -> list[list[int]]:
+    """The token ids of each text, as `tokenizer(texts, add_special_tokens=...)["input_ids"]` gives them.
+    A fast tokenizer in its plain state (no truncation or padding set, special tokens handled as its
+    `split_special_tokens` says) is asked directly through its Rust backend: the same ids without
+    transformers' per-row conversion of every encoding (offsets, masks, type ids) to Python lists,
+    which took half the time of tokenising a dataset (3.6 s of 80,000 rows, 1.7 s directly)."""
+    texts = list(texts)
+    backend = getattr(tokenizer, "backend_tokenizer", None) if getattr(tokenizer, "is_fast", False) else None
+    plain = (backend is not None and backend.truncation is None and backend.padding is None
+             and backend.encode_special_tokens == bool(getattr(tokenizer, "split_special_tokens", False)))
+    if not plain or not texts:
+        return tokenizer(texts, add_special_tokens=add_special_tokens)["input_ids"] if texts else []
+    return [e.ids for e in backend.encode_batch(texts, add_special_tokens=add_special_tokens)]
 
 
 def _require_chat_template(tokenizer) -> None:
@@ -101,10 +116,10 @@ def tokenize_sft(
     if not rows:
         return [], Truncation(max_length, (), (), ())
     prompts = encode_prompts(tokenizer, [r.data[prompt_key] for r in rows], apply_chat_template)
-    responses = tokenizer([r.data[response_key] for r in rows], add_special_tokens=False)["input_ids"]
-    samples = []
+    responses = token_ids(tokenizer, [r.data[response_key] for r in rows], add_special_tokens=False)
+    samples, eos = [], [tokenizer.eos_token_id]  # an attribute lookup through transformers' __getattr__: once
     for row, prompt, response in zip(rows, prompts, responses):
-        ids = prompt + response + [tokenizer.eos_token_id]
+        ids = prompt + response + eos
         mask = [False] * len(prompt) + [True] * (len(response) + 1)
         samples.append(TokenizedSample(tuple(ids[:max_length]), tuple(mask[:max_length]), row.origin))
     lengths = [(len(p), len(p) + len(r) + 1) for p, r in zip(prompts, responses)]
