@@ -31,6 +31,7 @@ dense variant (fraction of digits right), both usable as reward functions.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import itertools
 import random
@@ -65,6 +66,23 @@ def _unit_hash(*parts: object) -> float:
 def _rng(*parts: object) -> random.Random:
     """A private random stream named by `parts` (string seeds are hashed stably by Python)."""
     return random.Random("|".join(str(p) for p in parts))
+
+
+def _split_of(operands: tuple[int, ...], eval_fraction: float, seed: int) -> str:
+    key = "+".join(str(x) for x in operands)
+    return "eval" if _unit_hash("split", seed, key) < eval_fraction else "train"
+
+
+@functools.lru_cache(maxsize=8)
+def _partition(min_operand: int, max_operand: int, num_operands: int, eval_fraction: float,
+               seed: int) -> dict[str, tuple[tuple[int, ...], ...]]:
+    """An enumerable problem space split into train and eval (`_split_of`), in enumeration order:
+    once per process for every task of these settings (a job builds several task objects and asks
+    each for both splits; hashing the problems every time was ~2 s of each job's start)."""
+    out: dict[str, list[tuple[int, ...]]] = {split: [] for split in SPLITS}
+    for p in itertools.product(range(min_operand, max_operand + 1), repeat=num_operands):
+        out[_split_of(p, eval_fraction, seed)].append(p)
+    return {split: tuple(problems) for split, problems in out.items()}
 
 
 @dataclass(frozen=True)
@@ -123,17 +141,10 @@ class ArithmeticTask:
 
     def split_of(self, operands: tuple[int, ...]) -> str:
         """The split ("train" or "eval") a problem belongs to; fixed by operands and seed."""
-        key = "+".join(str(x) for x in operands)
-        return "eval" if _unit_hash("split", self.seed, key) < self.eval_fraction else "train"
+        return _split_of(operands, self.eval_fraction, self.seed)
 
-    def _problems_of(self, split: str) -> list[tuple[int, ...]]:
-        # Cached on the instance (frozen, so via object.__setattr__): enumerating 10^4..10^5
-        # problems is cheap but row methods are called often.
-        cache: dict[str, list[tuple[int, ...]]] = self.__dict__.setdefault("_problem_cache", {})
-        if split not in cache:
-            space = itertools.product(range(self.min_operand, self.max_operand + 1), repeat=self.num_operands)
-            cache[split] = [p for p in space if self.split_of(p) == split]
-        return cache[split]
+    def _problems_of(self, split: str) -> tuple[tuple[int, ...], ...]:
+        return _partition(self.min_operand, self.max_operand, self.num_operands, self.eval_fraction, self.seed)[split]
 
     def _problem_stream(self, split: str) -> Iterator[tuple[int, ...]]:
         """An endless, deterministic stream of the split's problems."""
