@@ -17,12 +17,20 @@ from hpcrlhf.errors import ConfigError
 from tests.launch_helpers import ROOT, cli_command, cli_env, run_cli
 
 
+RUN = ("hpcrlhf-colocated-grpo", "dschat-style", "trl-grpo", "hpcrlhf-local")
+"""The cpu-tiny systems the harness test runs: one of each kind of job (Ray with a vLLM engine, the
+DSChat-style baseline, TRL under torchrun, hpcrlhf's ranks under torchrun). The other three are the
+same kinds in another layout (tests/cluster runs those layouts); their designs are checked from the
+configs the harness builds for them. All seven took 13 minutes of CI's time."""
+
+
 @pytest.fixture(scope="module")
 def cpu_tiny(tmp_path_factory):
-    """The cpu-tiny suite run whole: (folder, finished process, results, the system names results.json
-    listed each time it changed while the suite ran)."""
+    """The cpu-tiny suite run on the systems of RUN: (folder, finished process, results, the system
+    names results.json listed each time it changed while the suite ran)."""
     out = tmp_path_factory.mktemp("bench") / "cpu-tiny"
-    proc = subprocess.Popen(cli_command(["bench", "--suite", "cpu-tiny", "--output", str(out)]), cwd=ROOT,
+    proc = subprocess.Popen(cli_command(["bench", "--suite", "cpu-tiny", "--systems", ",".join(RUN), "--output", str(out)]),
+                            cwd=ROOT,
                             env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     seen, deadline = [], time.monotonic() + 900
     with ThreadPoolExecutor(1) as pool:  # drains the output meanwhile
@@ -46,7 +54,7 @@ def cpu_tiny(tmp_path_factory):
 def test_every_system_runs_and_reports_consistent_figures(cpu_tiny):
     out, proc, doc, seen = cpu_tiny
     suite = get_suite("cpu-tiny")
-    names = [s.name for s in suite.systems]
+    names = list(RUN)
     assert [s["name"] for s in doc["systems"]] == names
     # results.json is rewritten after each system: a suite cut short keeps the systems it finished
     assert len(seen) > 1 and all(got == names[:len(got)] for got in seen) and seen[-1] == names, seen
@@ -73,9 +81,18 @@ def test_every_system_runs_and_reports_consistent_figures(cpu_tiny):
 def test_each_system_ran_as_designed(cpu_tiny):
     import yaml
 
+    from hpcrlhf.config.jobspec import build_config
+    from hpcrlhf.config.loader import to_dict
+
     out, _, doc, _ = cpu_tiny
-    cfg = {s["name"]: yaml.safe_load((out / s["name"] / "config.yaml").read_text()) for s in doc["systems"]
-           if s["kind"] != "trl"}
+    suite = get_suite("cpu-tiny")
+    prompts = str(out / "prompts.jsonl")
+    cfg = {s.name: to_dict(build_config("ppo", s.recipe, suite.overrides_for(s, prompts), None)) for s in suite.systems
+           if s.kind != "trl"}  # every system as the harness builds it
+    for s in doc["systems"]:  # and those that ran, as they ran
+        if s["kind"] != "trl":
+            ran = yaml.safe_load((out / s["name"] / "config.yaml").read_text())
+            assert ran == {**cfg[s["name"]], "output_dir": ran["output_dir"]}, s["name"]
     base = cfg["dschat-style"]
     assert base["placement"]["runtime"] == "local" and base["rollout"]["backend"] == "hf"
     assert base["engine"]["zero_stage"] == 3 and base["rollout"]["hf_batch_size"] == 16
@@ -83,8 +100,8 @@ def test_each_system_ran_as_designed(cpu_tiny):
     for name in ("hpcrlhf-local", "hpcrlhf-local-grpo"):  # every role in each of the 2 ranks, HF generate
         assert cfg[name]["placement"]["runtime"] == "local" and cfg[name]["rollout"]["backend"] == "hf"
         assert cfg[name]["engine"]["zero_stage"] == 0
-        assert "--nproc_per_node=2" in (out / name / "command.txt").read_text()
-    placement = json.loads((out / "hpcrlhf-distributed" / "placement.json").read_text())
+    assert "--nproc_per_node=2" in (out / "hpcrlhf-local" / "command.txt").read_text()
+    placement = json.loads((out / "hpcrlhf-colocated-grpo" / "placement.json").read_text())
     assert placement  # the node map and the workers' read-back were recorded
     for name in ("hpcrlhf-distributed", "hpcrlhf-colocated"):
         assert cfg[name]["placement"]["runtime"] == "ray" and cfg[name]["rollout"]["backend"] == "vllm"
