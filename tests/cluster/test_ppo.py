@@ -413,13 +413,16 @@ def test_zero3_actor_syncs_its_engine_alike_by_either_path(ray_cluster, policy_m
     1 MB so the 1.7 MB model goes in several) and an engine of TP 2: the collective path and the
     object-store fallback give the same steps, and the engine's log-probs are the actor's after
     every sync (a large lr, so that an engine left with stale weights could not pass). The
-    fallback run also sleeps between phases (engines, actor and critic taking turns, through their
-    workers): a no-op for the memory on CPU, so its steps stay the same."""
+    fallback run also sleeps between phases (engines and actor taking turns, through their
+    workers): a no-op for the memory on CPU, so its steps stay the same. GRPO without a KL term:
+    the actor and the engine are the only workers (a critic and a reference cost two of each
+    run's ~3 minutes of CPU starting, and take no part in the sync)."""
     args = ["--set", f"model.path={policy_model}", *RUN, "--set", "train.max_steps=3", "--set", "engine.zero_stage=3",
-            "--set", "optim.lr=1e-3", "--set", "placement.vllm.sync_bucket_mb=1"]
+            "--set", "optim.lr=1e-3", "--set", "placement.vllm.sync_bucket_mb=1",
+            "--set", "ppo.advantage_estimator=grpo", "--set", "ppo.init_kl_coef=0", "--set", "placement.critic.gpus_per_node=0",
+            "--set", "placement.ref.gpus_per_node=0", "--set", "placement.colocate=[[actor, vllm]]"]
     rows = {}
-    sleep = ["--set", "placement.vllm.sleep=true", "--set", "placement.actor.sleep=true",
-             "--set", "placement.critic.sleep=true"]
+    sleep = ["--set", "placement.vllm.sleep=true", "--set", "placement.actor.sleep=true"]
     for path in ("collective", "object_store"):
         folder = tmp_path / path
         run_cli(["train", "ppo", "--config", COLOCATED, "-o", str(folder), *args, *(sleep if path == "object_store" else []),
@@ -430,5 +433,6 @@ def test_zero3_actor_syncs_its_engine_alike_by_either_path(ray_cluster, policy_m
         assert max(abs(r["train/approx_kl"]) for r in rows[path]) > 1e-4  # the updates were not negligible
     assert all(r["weight_sync/buckets"] >= 2 and r["weight_sync/bytes"] > 1.6e6 for r in rows["collective"])
     assert all("weight_sync/bytes" not in r for r in rows["object_store"])
-    for key in ("rollout/score", "train/policy_loss", "train/value_loss"):
+    assert all("train/value_loss" not in r for r in rows["collective"])  # no critic ran
+    for key in ("rollout/score", "train/policy_loss", "train/entropy"):
         assert [r[key] for r in rows["collective"]] == pytest.approx([r[key] for r in rows["object_store"]], abs=1e-6)
