@@ -53,11 +53,13 @@ def token_ids(tokenizer, texts: Sequence[str], *, add_special_tokens: bool) -> l
     transformers' per-row conversion of every encoding (offsets, masks, type ids) to Python lists,
     which took half the time of tokenising a dataset (3.6 s of 80,000 rows, 1.7 s directly)."""
     texts = list(texts)
+    if not texts:  # a fast tokenizer fails on an empty batch
+        return []
     backend = getattr(tokenizer, "backend_tokenizer", None) if getattr(tokenizer, "is_fast", False) else None
     plain = (backend is not None and backend.truncation is None and backend.padding is None
              and backend.encode_special_tokens == bool(getattr(tokenizer, "split_special_tokens", False)))
-    if not plain or not texts:
-        return tokenizer(texts, add_special_tokens=add_special_tokens)["input_ids"] if texts else []
+    if not plain:
+        return tokenizer(texts, add_special_tokens=add_special_tokens)["input_ids"]
     return [e.ids for e in backend.encode_batch(texts, add_special_tokens=add_special_tokens)]
 
 
