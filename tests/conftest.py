@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import signal
 import warnings
+from pathlib import Path
 
 import pytest
 
@@ -52,8 +53,6 @@ def full_sft_run(tmp_path_factory):
     ends anywhere between 0.86 and 0.96 depending on the CPU (measured), and a reward model
     started from a weaker adder stays near chance for thousands of steps.
     tests/trainers/test_sft_e2e.py checks it learns; the reward model for PPO starts from its model."""
-    from pathlib import Path
-
     from tests.launch_helpers import run_cli
 
     def build(folder):
@@ -110,7 +109,6 @@ def slurm_cluster():
     Slurm packages the tests asking for it skip and say why; under CI (CI=true) they fail instead,
     so the Slurm tests can never silently stop running there."""
     import tempfile
-    from pathlib import Path
 
     from tests.slurm_cluster import start_slurm_cluster, unavailable_reason
 
@@ -154,8 +152,6 @@ def pytest_collection_modifyitems(config, items) -> None:
     """In a pytest-xdist worker: the tests in LONG_FIRST's order (a stable sort: each module's own
     order is kept), which the scheduler below hands out in."""
     if hasattr(config, "workerinput"):
-        from pathlib import Path
-
         root = Path(config.rootpath)
         items.sort(key=lambda item: _rank(Path(str(item.fspath)).relative_to(root).as_posix()))
 
@@ -187,11 +183,32 @@ _seconds: dict[tuple[str, str], float] = {}
 """(worker, unit) -> seconds its tests' setup, call and teardown took, for the summary below."""
 
 
+_config: pytest.Config | None = None
+
+
+def pytest_configure(config) -> None:
+    global _config
+    _config = config
+
+
 def pytest_runtest_logreport(report) -> None:
     node = getattr(report, "node", None)  # under pytest-xdist: the worker that ran it
     worker = node.gateway.id if node is not None else os.environ.get("PYTEST_XDIST_WORKER", "main")
     key = (worker, unit_of(report.nodeid))
     _seconds[key] = _seconds.get(key, 0.0) + report.duration
+    if report.failed and _config is not None and not hasattr(_config, "workerinput"):
+        _name_at_once(report)
+
+
+def _name_at_once(report) -> None:
+    """A failure is named the moment it happens (`-q` prints only its letter until the end): a run
+    cut short by CI's time limit still says what failed, in which phase, after how long."""
+    reporter = _config.pluginmanager.get_plugin("terminalreporter") if _config is not None else None
+    if reporter is None:
+        return
+    crash = getattr(getattr(report, "longrepr", None), "reprcrash", None)
+    why = crash.message.splitlines()[0][:300] if crash is not None and crash.message else ""
+    reporter.write_line(f"\nfailed: {report.nodeid} ({report.when}, {report.duration:.0f} s) {why}")
 
 
 def pytest_terminal_summary(terminalreporter, config) -> None:
@@ -262,9 +279,9 @@ def pytest_sessionfinish(session, exitstatus) -> None:
 @pytest.fixture(scope="session")
 def cpu_image() -> str:
     """hpcrlhf's CPU Apptainer image, built from apptainer/hpcrlhf-cpu.def by apptainer/build.sh
-    (~5 min) and kept, keyed by the digest of everything that goes into it, in
-    ~/.cache/hpcrlhf-tests/ (a rerun with the same sources reuses it). Without apptainer the
-    tests asking for it skip; under CI they fail."""
+    and kept, keyed by the digest of its stack (tests/images.py), in ~/.cache/hpcrlhf-tests/ (a
+    rerun with the same stack reuses it). Without apptainer the tests asking for it skip; under CI
+    they fail."""
     from tests.images import build_cpu_image, unavailable_reason
 
     reason = unavailable_reason()
@@ -273,3 +290,12 @@ def cpu_image() -> str:
             pytest.fail(f"CI must run the container tests, but {reason}")
         pytest.skip(reason)
     return str(build_cpu_image())
+
+
+@pytest.fixture(scope="session")
+def in_image(cpu_image) -> list[str]:
+    """The options that run a job inside the CPU image with the checkout's hpcrlhf (bound over the
+    image's copy: tests/images.py)."""
+    from tests.images import checkout_bind
+
+    return ["--container", cpu_image, "--bind", checkout_bind(Path(cpu_image))]

@@ -1,5 +1,12 @@
-"""Apptainer images for the container tests: hpcrlhf's CPU image (built once per source digest)
-and an image without hpcrlhf (busybox only, seconds to build)."""
+"""Apptainer images for the container tests: hpcrlhf's CPU image (built once per digest of its
+stack) and an image without hpcrlhf (busybox only, seconds to build).
+
+The CPU image is keyed by what its *stack* is made of (the definition, the install step, the pinned
+versions, hpcrlhf's requirements, and the selftest `apptainer test` runs), not by hpcrlhf's code: a
+build is ~30 min of CPU (debootstrap, pip install of torch/vLLM/DeepSpeed/Ray, mksquashfs), which
+a change to a trainer must not cost every test run. The tests run the checkout's hpcrlhf inside it
+(`checkout_bind`: the checkout's package bound over the copy the image installed), so what they
+test is this code on the image's stack; the image's own copy is what `image check` runs."""
 
 from __future__ import annotations
 
@@ -13,7 +20,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 IMAGE_INPUTS = ["apptainer/hpcrlhf-cpu.def", "apptainer/build.sh", "apptainer/install-python-stack.sh",
-                "apptainer/pip_settings.py", "constraints.txt", "setup.cfg", "pyproject.toml", "README.md"]
+                "apptainer/pip_settings.py", "constraints.txt", "setup.cfg", "pyproject.toml",
+                "hpcrlhf/hpc/image.py"]
 CACHE = Path(os.environ.get("HPCRLHF_TEST_IMAGES", Path.home() / ".cache" / "hpcrlhf-tests"))
 
 
@@ -23,11 +31,9 @@ def unavailable_reason() -> str | None:
     return None
 
 
-def source_digest() -> str:
+def stack_digest() -> str:
     h = hashlib.sha256()
-    files = [ROOT / f for f in IMAGE_INPUTS]
-    files += sorted(p for p in (ROOT / "hpcrlhf").rglob("*") if p.is_file() and "__pycache__" not in p.parts)
-    for path in files:
+    for path in (ROOT / f for f in IMAGE_INPUTS):
         h.update(str(path.relative_to(ROOT)).encode() + b"\0" + path.read_bytes())
     return h.hexdigest()[:16]
 
@@ -37,8 +43,8 @@ BUSY = 75
 
 
 class ImageBuild:
-    """A build of the CPU image of the current sources running in the background (apptainer/build.sh,
-    ~5 min): started as soon as the session knows a test will need the image, so that the build
+    """A build of the CPU image of the current stack running in the background (apptainer/build.sh,
+    ~30 min of CPU, on a loaded machine most of an hour): started as soon as the session knows a test will need the image, so that the build
     overlaps the tests that run before it; `wait()` gives the image.
 
     Several test processes (pytest-xdist workers) may each start one: the build holds a lock on
@@ -50,7 +56,7 @@ class ImageBuild:
         self.image, self.log, self.lock = image, CACHE / "build.log", CACHE / "build.lock"
         partial = image.with_suffix(".partial.sif")
         self.started = time.monotonic()
-        # fast compression: the test image is read a few times, then rebuilt for the next sources.
+        # fast compression: the test image is read a few times, then rebuilt when the stack changes.
         # One image kept (they are 1.3 GB each); the log is written only by the holder of the lock.
         script = (f'exec > "{self.log}" 2>&1; [ -e "{image}" ] && exit 0; '
                   f'find "{CACHE}" -maxdepth 1 -name "hpcrlhf-cpu-*.sif" -delete; '
@@ -90,10 +96,10 @@ _build: ImageBuild | None = None
 
 
 def start_cpu_image_build() -> None:
-    """Start building the CPU image of the current sources in the background, unless it is cached
+    """Start building the CPU image of the current stack in the background, unless it is cached
     or already being built."""
     global _build
-    image = CACHE / f"hpcrlhf-cpu-{source_digest()}.sif"
+    image = CACHE / f"hpcrlhf-cpu-{stack_digest()}.sif"
     if _build is None and not image.exists():
         _build = ImageBuild(image)
 
@@ -113,14 +119,24 @@ def stop_cpu_image_build(*, needed_elsewhere: bool = False) -> None:
 
 
 def build_cpu_image() -> Path:
-    """The CPU image of the current sources (built by apptainer/build.sh unless already cached; a
+    """The CPU image of the current stack (built by apptainer/build.sh unless already cached; a
     background build started by `start_cpu_image_build` is waited for)."""
-    image = CACHE / f"hpcrlhf-cpu-{source_digest()}.sif"
+    image = CACHE / f"hpcrlhf-cpu-{stack_digest()}.sif"
     if image.exists():
         return image
     start_cpu_image_build()
     assert _build is not None
     return _build.wait()
+
+
+def checkout_bind(image: Path) -> str:
+    """`SRC:DST` that binds the checkout's hpcrlhf package over the copy installed in `image` (where
+    the image's Python imports it from, asked once)."""
+    proc = subprocess.run(["apptainer", "exec", str(image), "python", "-c",
+                           "import hpcrlhf, os; print(os.path.dirname(hpcrlhf.__file__))"],
+                          capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=120)
+    assert proc.returncode == 0, f"{image} cannot import hpcrlhf: {proc.stderr[-2000:]}"
+    return f"{ROOT / 'hpcrlhf'}:{proc.stdout.strip().splitlines()[-1]}"
 
 
 def busybox_image(folder: Path) -> Path:

@@ -313,9 +313,14 @@ def load_jit_op(builder, extensions_dir: Path):
     during start-up) would hang every later run. hpcrlhf's processes therefore build under an
     `flock` — released by the kernel when its holder dies — and, holding it, know that any torch
     lock file left in hpcrlhf's own cache belongs to a dead process and remove it. Later loads in
-    this process reuse the op (DeepSpeed caches loaded ops by name)."""
+    this process reuse the op (DeepSpeed caches loaded ops by name). torch builds into
+    TORCH_EXTENSIONS_DIR, which therefore must name `extensions_dir` (else the build would go to,
+    and wait on a lock in, torch's own default folder)."""
     import fcntl
 
+    if Path(os.environ.get("TORCH_EXTENSIONS_DIR", "")).resolve() != extensions_dir.resolve():
+        raise ValueError(f"load_jit_op({builder.name}): TORCH_EXTENSIONS_DIR is "
+                         f"{os.environ.get('TORCH_EXTENSIONS_DIR')!r}, not {str(extensions_dir)!r}: torch builds there")
     extensions_dir.mkdir(parents=True, exist_ok=True)
     with os.fdopen(open_in_place(extensions_dir / ".hpcrlhf-build.flock", os.O_RDWR | os.O_CREAT), "r+b") as guard:
         fcntl.flock(guard, fcntl.LOCK_EX)

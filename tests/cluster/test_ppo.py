@@ -269,13 +269,13 @@ FAILED_AFTER_STEP = 4  # node n2 fails then; the run checkpoints every 3 steps: 
 
 
 @pytest.fixture(scope="module")
-def ppo_in_image(slurm_cluster, cpu_image, policy_model, tmp_path_factory):
+def ppo_in_image(slurm_cluster, in_image, policy_model, tmp_path_factory):
     """The separated layout's first steps inside hpcrlhf's CPU image: the script `hpcrlhf sbatch
     --container` renders (Ray head and workers, vLLM engines and every role inside the image).
     After step 4 node n2 fails (every process on it, slurmd included, killed at once) and reboots:
     the run must end (exit 4), the script requeue the job, and the job resume from step 3."""
     run = tmp_path_factory.mktemp("ppo-in-image") / "run"
-    script = render(run, SEPARATED, "--container", cpu_image, "--set", f"model.path={policy_model}", *RUN,
+    script = render(run, SEPARATED, *in_image, "--set", f"model.path={policy_model}", *RUN,
                     "--set", f"train.max_steps={IMAGE_STEPS}", "--set", "checkpoint.every_steps=3")
     job = slurm_cluster.sbatch(script)
     wait_for_step(run, FAILED_AFTER_STEP)

@@ -30,7 +30,8 @@ def test_a_build_killed_midway_neither_hangs_nor_races_the_next_load():
     try:
         assert holder.stdout.readline().strip() == "building"
         loader = subprocess.Popen([sys.executable, "-c", LOAD, str(extensions)], stdout=subprocess.PIPE,
-                                  stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": os.getcwd()})
+                                  stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": os.getcwd(),
+                                                                 "TORCH_EXTENSIONS_DIR": str(extensions)})
         time.sleep(15)  # long enough to import deepspeed and reach the build lock
         assert loader.poll() is None, f"a live build must be waited for: {loader.communicate()}"
         assert lock.exists(), "a live build's lock file must not be removed"

@@ -63,9 +63,8 @@ def test_a_job_whose_image_is_gone_from_the_node_fails_before_any_step(slurm_clu
 
 
 @pytest.fixture(scope="module")
-def sft_in_image(slurm_cluster, cpu_image, tmp_path_factory):
-    return run_rendered(slurm_cluster, tmp_path_factory.mktemp("sft-in-image") / "run", *MPI_SFT,
-                        "--container", cpu_image, *SFT)
+def sft_in_image(slurm_cluster, in_image, tmp_path_factory):
+    return run_rendered(slurm_cluster, tmp_path_factory.mktemp("sft-in-image") / "run", *MPI_SFT, *in_image, *SFT)
 
 
 @pytest.mark.distributed
@@ -85,11 +84,11 @@ def test_mpi_sft_inside_the_image_learns_exactly_like_the_host_run(sft_in_image,
 
 
 @pytest.fixture(scope="module")
-def sft_submitted_in_image(slurm_cluster, cpu_image, tmp_path_factory):
+def sft_submitted_in_image(slurm_cluster, in_image, tmp_path_factory):
     """The same SFT job through `hpcrlhf submit --container` (submitit's tasks inside the image, one
     rank each with torchrun's variables from submitit's job environment)."""
     run = tmp_path_factory.mktemp("sft-submitted-in-image") / "run"
-    proc = run_cli(["submit", *MPI_SFT, "--container", cpu_image, "-o", str(run), "--time", "30", "--poll-s", "2",
+    proc = run_cli(["submit", *MPI_SFT, *in_image, "-o", str(run), "--time", "30", "--poll-s", "2",
                     *SFT], env={"SLURM_CONF": str(slurm_cluster.conf)}, timeout=900, check=False)
     return run, proc
 
