@@ -8,10 +8,12 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 from hpcrlhf.engines.distributed import free_port
+from tests.cli_forks import warm_process
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -39,8 +41,17 @@ def cli_env(**extra: str) -> dict[str, str]:
 
 def run_cli(args: list[str], *, nproc: int = 1, timeout: float = 600, check: bool = True,
             env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    proc = subprocess.run(cli_command(args, nproc), cwd=ROOT, env=cli_env(**(env or {})), capture_output=True, text=True,
-                          timeout=timeout)
+    """`hpcrlhf ARGS` (under torchrun with `nproc` ranks), as a finished process. A single process
+    is forked from a warm one where it can behave exactly like a fresh one (tests/cli_forks.py)."""
+    full_env = cli_env(**(env or {}))
+    warm = warm_process(cli_env()) if nproc == 1 else None
+    if warm is not None and warm.accepts(full_env):
+        with tempfile.TemporaryDirectory(prefix="hpcrlhf-cli-") as folder:
+            status, out, err = warm.run(args, full_env, Path(folder), timeout)
+        proc = subprocess.CompletedProcess(cli_command(args), status, out, err)
+    else:
+        proc = subprocess.run(cli_command(args, nproc), cwd=ROOT, env=full_env, capture_output=True, text=True,
+                              timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"hpcrlhf {' '.join(args)} exited {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
     return proc
