@@ -2,12 +2,13 @@
 ~9 s of CPU importing torch and transformers before doing anything (docs/tests.md, "Where CI's
 time goes"); forked from a process that has imported them already, a job starts at once.
 
-The warm process (`python -m tests.cli_forks`, one per test process, started at the first run) has
-imported torch, transformers and hpcrlhf's CLI, and has run nothing: no thread besides its main one
-(checked: a fork copies only the forking thread), no torch op (no OpenMP pool), no DeepSpeed (its
-import-time accelerator warning belongs in each job's own run log). For each job it forks a child
-that takes the job's environment, umask, working folder and argv, writes stdout and stderr to files the
-test reads, runs `hpcrlhf.cli.main` as `python -m hpcrlhf` would, and exits with its status.
+The warm process (`python -m tests.cli_forks`, one per test process, started at the first run and
+again when the test process's environment changed) has imported torch, transformers and hpcrlhf's
+CLI, and has run nothing: no thread besides its main one (checked: a fork copies only the forking
+thread), no torch op (no OpenMP pool), no DeepSpeed (its import-time accelerator warning belongs in
+each job's own run log). For each job it forks a child that takes the job's environment, umask,
+working folder and argv, writes stdout and stderr to files the test reads, runs `hpcrlhf.cli.main`
+as `python -m hpcrlhf` would, and exits with its status.
 
 `run_cli` falls back to a fresh process where a fork cannot behave like one: several ranks
 (torchrun), an environment that differs from the warm process's in a variable some library reads
@@ -180,11 +181,14 @@ _warm: WarmProcess | None = None
 
 
 def warm_process(env: dict[str, str]) -> WarmProcess | None:
-    """This test process's warm process (started with `env` at the first call), or None where jobs
-    must start fresh (HPCRLHF_TEST_FORKS=0, or it could not start cleanly)."""
+    """This test process's warm process with environment `env` (started at the first call, and again
+    when `env` changed -- a test left a variable set), or None where jobs must start fresh
+    (HPCRLHF_TEST_FORKS=0, or it could not start cleanly)."""
     global _warm
-    if os.environ.get("HPCRLHF_TEST_FORKS", "1") == "0":
-        return None
+    if os.environ.get("HPCRLHF_TEST_FORKS", "1") == "0" or (_warm is not None and not _warm.ready):
+        return None  # (one that found threads after its imports: every later one would too)
+    if _warm is not None and not _warm.accepts(env):
+        _warm.close()
     if _warm is None or _warm.proc.poll() is not None or _warm.answers < 0:
         try:
             _warm = WarmProcess(env)
