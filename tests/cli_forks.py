@@ -45,10 +45,11 @@ def _child(request: dict) -> int:
     """In the forked child: become the job, run it, return its exit status."""
     os.setpgid(0, 0)  # (signal dispositions: the warm process's, which set none: a fresh Python's)
     os.umask(request["umask"])
-    null = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(null, 0)
-    for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
-        os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), fd)
+    for fd, path, flags in ((0, os.devnull, os.O_RDONLY), (1, request["stdout"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC),
+                            (2, request["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)):
+        opened = os.open(path, flags, 0o644)
+        os.dup2(opened, fd)
+        os.close(opened)
     os.environ.clear()
     os.environ.update(request["env"])
     extra = [p for p in request["env"].get("PYTHONPATH", "").split(os.pathsep) if p]
@@ -64,16 +65,17 @@ def _child(request: dict) -> int:
     try:
         status = main()  # argv from sys.argv, as `python -m hpcrlhf` calls it (its routing of the libraries'
         # output then lasts until the process ends: their lines at exit go to the run log too)
-    except SystemExit as stop:
-        status = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
-        if not isinstance(stop.code, int) and stop.code is not None:
-            print(stop.code, file=sys.stderr)
-    except BaseException:  # what the interpreter does with an uncaught exception
+    except SystemExit as stop:  # what the interpreter makes of it: None 0, a number itself, else printed and 1
+        status = stop.code
+        if status is not None and not isinstance(status, int):
+            print(status, file=sys.stderr)
+            status = 1
+    except BaseException:  # an uncaught exception
         import traceback
 
         traceback.print_exc()
         status = 1
-    return 0 if status is None else status
+    return status or 0
 
 
 def serve(answer_fd: int) -> None:

@@ -3,8 +3,8 @@ stack) and an image without hpcrlhf (busybox only, seconds to build).
 
 The CPU image is keyed by what its *stack* is made of (the definition, the install step, the pinned
 versions, hpcrlhf's requirements, and the selftest `apptainer test` runs), not by hpcrlhf's code: a
-build is ~30 min of CPU (debootstrap, pip install of torch/vLLM/DeepSpeed/Ray, mksquashfs), which
-a change to a trainer must not cost every test run. The tests run the checkout's hpcrlhf inside it
+build is ~16 min alone (debootstrap, pip install of torch/vLLM/DeepSpeed/Ray, mksquashfs), which a
+change to a trainer must not cost every test run. The tests run the checkout's hpcrlhf inside it
 (`checkout_bind`: the checkout's package bound over the copy the image installed), so what they
 test is this code on the image's stack; the image's own copy is what `image check` runs."""
 
@@ -44,8 +44,9 @@ BUSY = 75
 
 class ImageBuild:
     """A build of the CPU image of the current stack running in the background (apptainer/build.sh,
-    ~30 min of CPU, on a loaded machine most of an hour): started as soon as the session knows a test will need the image, so that the build
-    overlaps the tests that run before it; `wait()` gives the image.
+    ~16 min alone, most of an hour beside the tests): started as soon as the session knows a test
+    will need the image, so that the build overlaps the tests that run before it; `wait()` gives
+    the image.
 
     Several test processes (pytest-xdist workers) may each start one: the build holds a lock on
     the cache for its whole run and moves the finished image into place itself, so one of them

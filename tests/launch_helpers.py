@@ -13,9 +13,7 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 from hpcrlhf.engines.distributed import free_port
-from tests.cli_forks import warm_process
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.cli_forks import ROOT, warm_process
 
 
 def cli_command(args: list[str], nproc: int = 1) -> list[str]:

@@ -25,7 +25,6 @@ import runpy
 import sys
 import time
 
-from hpcrlhf.cache import cache_dir
 
 WALL = "hpcrlhf-bench wall"
 
@@ -54,15 +53,12 @@ def prepare_cpu_ops() -> None:
     """DeepSpeed's JIT ops as hpcrlhf's own runs take them: FusedAdam's CPU kernel (what DSChat's
     optimizer loads) built once into hpcrlhf's cache under its crash-safe lock, the shared-memory
     inference all-reduce op not built (training never uses it; see `skip_shm_comm_build`)."""
-    from pathlib import Path
-
     from deepspeed.ops.op_builder import FusedAdamBuilder
 
     from hpcrlhf.engines.deepspeed_engine import load_jit_op, skip_shm_comm_build  # torch
 
-    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(cache_dir("torch_extensions")))
     skip_shm_comm_build()
-    load_jit_op(FusedAdamBuilder(), Path(os.environ["TORCH_EXTENSIONS_DIR"]))
+    load_jit_op(FusedAdamBuilder())
 
 
 def run_step3(argv: list[str]) -> None:

@@ -298,14 +298,19 @@ def _step_disabled(optimizer: torch.optim.Optimizer):
 def prepare_extensions(ds_config: dict[str, Any]) -> None:
     """DeepSpeed's JIT ops (CPU Adam) build once per machine into hpcrlhf's cache; load the ones
     `ds_config` needs now, safely (see `load_jit_op`)."""
-    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(cache_dir("torch_extensions")))
+    extensions_folder()
     if "offload_optimizer" in ds_config["zero_optimization"]:
         from deepspeed.ops.op_builder import CPUAdamBuilder
 
-        load_jit_op(CPUAdamBuilder(), Path(os.environ["TORCH_EXTENSIONS_DIR"]))
+        load_jit_op(CPUAdamBuilder())
 
 
-def load_jit_op(builder, extensions_dir: Path):
+def extensions_folder() -> Path:
+    """Where torch builds JIT ops: TORCH_EXTENSIONS_DIR, set to hpcrlhf's cache unless already set."""
+    return Path(os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(cache_dir("torch_extensions"))))
+
+
+def load_jit_op(builder):
     """Load (building at most once per machine) a DeepSpeed JIT op, immune to stale build locks.
 
     torch marks a build in progress with a plain `lock` file in the op's build folder and waits,
@@ -313,14 +318,11 @@ def load_jit_op(builder, extensions_dir: Path):
     during start-up) would hang every later run. hpcrlhf's processes therefore build under an
     `flock` — released by the kernel when its holder dies — and, holding it, know that any torch
     lock file left in hpcrlhf's own cache belongs to a dead process and remove it. Later loads in
-    this process reuse the op (DeepSpeed caches loaded ops by name). torch builds into
-    TORCH_EXTENSIONS_DIR, which therefore must name `extensions_dir` (else the build would go to,
-    and wait on a lock in, torch's own default folder)."""
+    this process reuse the op (DeepSpeed caches loaded ops by name). The folder is the one torch
+    builds into (`extensions_folder`), so the lock cleared is the lock torch would wait on."""
     import fcntl
 
-    if Path(os.environ.get("TORCH_EXTENSIONS_DIR", "")).resolve() != extensions_dir.resolve():
-        raise ValueError(f"load_jit_op({builder.name}): TORCH_EXTENSIONS_DIR is "
-                         f"{os.environ.get('TORCH_EXTENSIONS_DIR')!r}, not {str(extensions_dir)!r}: torch builds there")
+    extensions_dir = extensions_folder()
     extensions_dir.mkdir(parents=True, exist_ok=True)
     with os.fdopen(open_in_place(extensions_dir / ".hpcrlhf-build.flock", os.O_RDWR | os.O_CREAT), "r+b") as guard:
         fcntl.flock(guard, fcntl.LOCK_EX)
