@@ -111,17 +111,9 @@ class SlurmCluster:
     def fail_node(self, node: str) -> int:
         """Power `node` off: SIGKILL its slurmd and every process of every job on it at once (what a
         crashed host leaves: no goodbye to the controller, Ray or the peers). Returns how many died."""
-        uts, killed = os.readlink(f"/proc/{self.slurmds[node]}/ns/uts"), set()
-        while pids := [p for p in _in_namespace(uts) if p not in killed]:  # until none is left (or forked)
-            for pid in pids:
-                try:
-                    os.kill(pid, 9)
-                except ProcessLookupError:
-                    pass
-            killed.update(pids)
-            time.sleep(0.1)
+        killed = _kill_namespace(os.readlink(f"/proc/{self.slurmds[node]}/ns/uts"))
         self.pids.remove(self.slurmds.pop(node))
-        return len(killed)
+        return killed
 
     def boot_node(self, node: str) -> None:
         """Start `node` again (a fresh slurmd in fresh namespaces); the controller returns it to service
@@ -138,6 +130,14 @@ class SlurmCluster:
         _wait_for(idle, f"nodes {', '.join(nodes)} to be idle (see {self.base}/log)", timeout=timeout)
 
     def stop(self) -> None:
+        """Every node powered off first -- its slurmd and whatever its jobs still run (a job that a
+        failed test never cancelled would otherwise go on beside the next tests, holding its ports) --
+        then the controller's daemons."""
+        for node in list(self.slurmds):
+            try:
+                self.fail_node(node)
+            except OSError:  # its slurmd is gone already
+                pass
         stop_process_groups(self.pids, timeout_s=10)
         self.pids = []
         self.slurmds = {}
@@ -153,6 +153,21 @@ def _in_namespace(uts: str) -> list[int]:
         except OSError:  # gone meanwhile
             pass
     return found
+
+
+def _kill_namespace(uts: str) -> int:
+    """SIGKILL every process in UTS namespace `uts`, until none is left (or forked meanwhile); returns
+    how many died."""
+    killed: set[int] = set()
+    while pids := [p for p in _in_namespace(uts) if p not in killed]:
+        for pid in pids:
+            try:
+                os.kill(pid, 9)
+            except ProcessLookupError:
+                pass
+        killed.update(pids)
+        time.sleep(0.1)
+    return len(killed)
 
 
 def _spawn(args: list[str], log: Path, env: dict[str, str]) -> int:

@@ -28,6 +28,7 @@ import time
 import pytest
 
 from hpcrlhf.run.metrics import read_metrics
+from tests.cluster.stores import assert_stores_sealed_in_the_block, survey
 from tests.hpc.slurm_jobs import attempts, render, slurm_log, wait_for_step
 from tests.launch_helpers import ROOT, cli_command, cli_env, run_cli
 from tests.slurm_cluster import node_address
@@ -264,8 +265,11 @@ def test_the_jobs_reward_servers_score_as_the_job_does_and_their_token_stays_in_
         assert "reward server 2 (model1_rm, node 0 gpu 1) on http://" in sub["log"]
 
 
-IMAGE_STEPS = 8
+IMAGE_STEPS = 20
 FAILED_AFTER_STEP = 4  # node n2 fails then; the run checkpoints every 3 steps: it resumes from step 3
+SURVEYED_AT_STEP = 8
+"""What the second attempt's processes listen on is surveyed after this step: with the steps left for the
+survey (a few seconds) to finish before the job ends."""
 
 
 @pytest.fixture(scope="module")
@@ -273,21 +277,30 @@ def ppo_in_image(slurm_cluster, in_image, policy_model, tmp_path_factory):
     """The separated layout's first steps inside hpcrlhf's CPU image: the script `hpcrlhf sbatch
     --container` renders (Ray head and workers, vLLM engines and every role inside the image).
     After step 4 node n2 fails (every process on it, slurmd included, killed at once) and reboots:
-    the run must end (exit 4), the script requeue the job, and the job resume from step 3."""
+    the run must end (exit 4), the script requeue the job, and the job resume from step 3. After step 8
+    what the job's processes listen on is surveyed (its stores, for issue 36)."""
     run = tmp_path_factory.mktemp("ppo-in-image") / "run"
     script = render(run, SEPARATED, *in_image, "--set", f"model.path={policy_model}", *RUN,
                     "--set", f"train.max_steps={IMAGE_STEPS}", "--set", "checkpoint.every_steps=3")
     job = slurm_cluster.sbatch(script)
-    wait_for_step(run, FAILED_AFTER_STEP)
-    killed = slurm_cluster.fail_node("n2")
-    failed = time.monotonic()
-    while "requeueing job" not in slurm_log(run, job):
-        assert time.monotonic() - failed < 300, slurm_log(run, job)[-4000:]
-        time.sleep(0.5)
-    requeued_s = time.monotonic() - failed
-    slurm_cluster.boot_node("n2")  # the node reboots; the requeued job waits for it (this cluster has 2 nodes)
-    slurm_cluster.start_now(job, timeout=180)
-    return run, slurm_cluster.wait(job, 900), job, {"killed": killed, "requeued_s": requeued_s}
+    try:
+        wait_for_step(run, FAILED_AFTER_STEP)
+        killed = slurm_cluster.fail_node("n2")
+        failed = time.monotonic()
+        while "requeueing job" not in slurm_log(run, job):
+            assert time.monotonic() - failed < 300, slurm_log(run, job)[-4000:]
+            time.sleep(0.5)
+        requeued_s = time.monotonic() - failed
+        slurm_cluster.boot_node("n2")  # the node reboots; the requeued job waits for it (this cluster has 2 nodes)
+        slurm_cluster.start_now(job, timeout=180)
+        wait_for_step(run, SURVEYED_AT_STEP)  # the second attempt's (the first ended before step 6)
+        started = time.monotonic()
+        listeners = survey([pid for node in slurm_cluster.nodes for pid in slurm_cluster.node_processes(node)])
+        surveyed = {"listeners": listeners, "survey_s": time.monotonic() - started, "steps_then": logged_steps(run)}
+        return run, slurm_cluster.wait(job, 900), job, {"killed": killed, "requeued_s": requeued_s, **surveyed}
+    except BaseException:
+        slurm_cluster.run("scancel", str(job))  # not left running beside the next tests
+        raise
 
 
 @pytest.mark.slow
@@ -322,6 +335,17 @@ def test_a_failed_node_ends_the_attempt_promptly_and_the_job_requeues_and_resume
     assert [a["slurm_restart_count"] for a in attempts(run)] == [0, 1]
     assert "resumed from" in log and "Traceback" not in log, log[-4000:]
     assert state == "COMPLETED", log[-4000:]
+
+
+@pytest.mark.slow
+def test_a_slurm_jobs_stores_listen_in_its_block_sealed(ppo_in_image):
+    """Issue 36 on Slurm nodes (tests/cluster/stores.py): the three roles' groups and the weight-sync group
+    of the job inside the image listen on its nodes' blocks, sealed."""
+    surveyed = ppo_in_image[3]
+    listeners = surveyed["listeners"]
+    assert surveyed["steps_then"] < IMAGE_STEPS, surveyed  # surveyed while the job ran
+    assert len(listeners.blocks) == 2, surveyed  # one per node
+    assert_stores_sealed_in_the_block(listeners, stores=4)
 
 
 # -- fault injection: a worker killed mid-run ends the run promptly and clearly; the rerun resumes
