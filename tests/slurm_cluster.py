@@ -39,6 +39,10 @@ def node_address(i: int) -> str:
     return f"127.0.2.{i}"
 
 
+UNDER_WAY = ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "REQUEUED", "RESIZING", "SUSPENDED")
+"""Job states before the job has ended (a job being requeued passes through COMPLETING and REQUEUED)."""
+
+
 @dataclass
 class SlurmCluster:
     base: Path
@@ -79,7 +83,7 @@ class SlurmCluster:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             state = self.state(job_id)
-            if state not in ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "REQUEUED", "RESIZING", "SUSPENDED"):
+            if state not in UNDER_WAY:
                 return state
             time.sleep(1)
         self.run("scancel", str(job_id))

@@ -13,7 +13,7 @@ import pytest
 from hpcrlhf.run.metrics import read_metrics
 from tests.hpc.slurm_jobs import SFT, kill_task, losses, render, slurm_log, wait_for_step
 from tests.launch_helpers import run_cli
-from tests.slurm_cluster import node_address
+from tests.slurm_cluster import UNDER_WAY, node_address
 
 
 def test_two_nodes_with_their_own_names_addresses_and_gpus(slurm_cluster, tmp_path):
@@ -136,7 +136,7 @@ def test_a_submitted_job_that_lost_a_worker_requeues_itself_and_resumes(slurm_cl
     log = run / "submitit" / f"{job}_0_log.out"
     deadline = time.monotonic() + 300
     while not (log.exists() and "requeueing" in log.read_text()):
-        assert time.monotonic() < deadline and slurm_cluster.state(job) in ("PENDING", "RUNNING"), \
+        assert time.monotonic() < deadline and slurm_cluster.state(job) in UNDER_WAY, \
             log.read_text()[-3000:] if log.exists() else slurm_cluster.state(job)
         time.sleep(0.5)
     slurm_cluster.start_now(job)
