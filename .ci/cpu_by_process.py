@@ -20,15 +20,16 @@ from pathlib import Path
 
 TICK = os.sysconf("SC_CLK_TCK")
 KINDS = [  # (pattern searched in the command line, kind); first match wins
-    (r"^ray::(\w+)", None), (r"default_worker\.py", "ray: worker starting"),  # Ray actors and tasks: the class or function name
-    (r"^\S*raylet ", "ray: raylet"), (r"^\S*gcs_server ", "ray: gcs_server"), (r"dashboard/agent", "ray: dashboard agent"),
+    (r"^ray::(\w+)", None),  # Ray actors and tasks: the class or function name
+    (r"^\S*raylet ", "ray: raylet"), (r"^\S*gcs_server ", "ray: gcs_server"),  # before: the raylet's names the worker's
+    (r"default_worker\.py", "ray: worker starting"), (r"dashboard/agent", "ray: dashboard agent"),
     (r"log_monitor", "ray: log_monitor"), (r"monitor\.py", "ray: autoscaler monitor"),
     (r"runtime_env/agent", "ray: runtime_env agent"),
     (r"hpcrlhf\.cluster\.reaper|cluster/reaper", "hpcrlhf: reaper"),
     (r"slurmctld", "slurm: slurmctld"), (r"slurmd\b", "slurm: slurmd"), (r"slurmstepd", "slurm: slurmstepd"),
     (r"slurmdbd", "slurm: slurmdbd"), (r"munged", "munge"), (r"mariadbd|mysqld", "mariadb"),
     (r"apptainer|squashfs|mksquashfs|unsquashfs|starter", "apptainer"),
-    (r"\bpip\b|pip install", "pip"), (r"orted|prterun|mpirun|prted", "openmpi"),
+    (r"\bpip\b|pip install", "pip"), (r"\b(orted|prterun|mpirun|prted)\b", "openmpi"),
     (r"torchrun|torch\.distributed\.run", "torchrun agent"), (r"deepspeed", "deepspeed launcher"),
     (r"-m hpcrlhf|bin/hpcrlhf |hpcrlhf\.cli", "hpcrlhf CLI (fresh)"),
     (r"tests\.cli_forks|cli_forks", "hpcrlhf CLI (forked) + warm process"),
@@ -53,8 +54,10 @@ def kind_of(cmdline: str, comm: str) -> str:
     return f"other: {' '.join(cmdline.split()[:3])[:80]}"
 
 
-def sample(last: dict[int, int], kinds: dict[int, str], totals: dict[str, float]) -> None:
-    seen = set()
+def sample(last: dict[int, int], totals: dict[str, float]) -> None:
+    """Add each process's CPU time since the last sample (`last`: pid -> ticks then) to its kind's total.
+    The kind is read anew each time: Ray workers and vLLM's processes retitle themselves."""
+    seen: dict[int, int] = {}
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit():
             continue
@@ -64,27 +67,22 @@ def sample(last: dict[int, int], kinds: dict[int, str], totals: dict[str, float]
             comm = stat[stat.index("(") + 1:stat.rindex(")")]
             fields = stat[stat.rindex(")") + 2:].split()
             ticks = int(fields[11]) + int(fields[12])  # utime + stime
-            if pid not in last or last[pid] > ticks:  # new (or a reused pid)
-                last[pid] = 0
             raw = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            kinds[pid] = kind_of(raw or comm, comm)  # each time: Ray workers and vLLM retitle themselves
         except (OSError, ValueError, IndexError):
             continue
-        seen.add(pid)
-        totals[kinds[pid]] += (ticks - last[pid]) / TICK
-        last[pid] = ticks
-    for pid in set(last) - seen:
-        last.pop(pid, None)
-        kinds.pop(pid, None)
+        before = last.get(pid, 0)
+        totals[kind_of(raw or comm, comm)] += (ticks - (before if before <= ticks else 0)) / TICK  # else a reused pid
+        seen[pid] = ticks
+    last.clear()
+    last.update(seen)
 
 
 def main() -> None:
     interval = float(sys.argv[1]) if len(sys.argv) > 1 else 1.0
     last: dict[int, int] = {}
-    kinds: dict[int, str] = {}
     totals: dict[str, float] = defaultdict(float)
     start = time.monotonic()
-    sample(last, kinds, totals)
+    sample(last, totals)
     totals.clear()  # what ran before the first sample is not this run's
 
     stop = []
@@ -92,7 +90,7 @@ def main() -> None:
     signal.signal(signal.SIGINT, lambda *_: stop.append(1))
     while not stop:
         time.sleep(interval)
-        sample(last, kinds, totals)
+        sample(last, totals)
     wall = time.monotonic() - start
     total = sum(totals.values())
     print(f"cpu by process kind over {wall:.0f} s: {total:.0f} core-seconds ({total / wall:.2f} cores busy)")
