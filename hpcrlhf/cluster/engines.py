@@ -2,7 +2,9 @@
 
 An engine actor runs on its group's node and sees exactly the group's GPUs; vLLM starts its TP
 workers itself with multiprocessing (never Ray: that would escape the map, and vLLM's CPU build
-does not support it). Weights arrive after every actor update, broadcast in a weight-sync group
+does not support it). The actor holds nothing but its engine, so on vLLM's CPU platform the engine
+core runs inside it (`VLLMRollout(in_process=None)`): one vLLM process fewer to spawn and import per
+engine, two at TP 1. Weights arrive after every actor update, broadcast in a weight-sync group
 (`receive_weights`) or as a full state dict (`load_weights`).
 """
 
@@ -44,7 +46,7 @@ class EngineWorker(RoleWorker):
             if not torch.cuda.is_available():  # CPU build: one OpenMP core set per TP rank
                 os.environ["VLLM_CPU_OMP_THREADS_BIND"] = omp_binding(tensor_parallel_size, os.cpu_count() or 1)
         self.engine = VLLMRollout(model_dir, seed=seed + rank, tensor_parallel_size=tensor_parallel_size,
-                                  distributed_executor_backend="mp", **engine_kwargs)
+                                  distributed_executor_backend="mp", in_process=None, **engine_kwargs)
 
     @busy
     def generate(self, prompts: Sequence[Sequence[int]], params) -> list:

