@@ -54,6 +54,26 @@ def test_nodes_join_a_cluster_without_authentication_even_with_a_stray_ray_token
     assert in_a_fresh_process(_start_two_nodes_and_stop, root) == {"RAY_AUTH_MODE": "disabled"}
 
 
+def test_a_nodes_daemons_leave_out_the_log_monitor(ray_cluster):
+    """hpcrlhf's drivers never print the workers' output (`log_to_driver=False`), so no node runs Ray's
+    log monitor, which tails every log file of the node to publish it (~2.5 % of CI's CPU)."""
+    import psutil
+
+    daemons = [" ".join(p.info["cmdline"] or []) for p in psutil.process_iter(["cmdline"])
+               if _group_of(p.pid) in ray_cluster.groups]
+    assert sum("/raylet " in c for c in daemons) == len(ray_cluster.node_ips), daemons  # the survey sees each node
+    assert not [c for c in daemons if "log_monitor" in c], daemons
+
+
+def _group_of(pid: int) -> int | None:
+    import os
+
+    try:
+        return os.getpgid(pid)
+    except ProcessLookupError:
+        return None
+
+
 def test_a_process_with_a_ray_driver_is_refused_before_any_node_starts(ray_cluster):
     """Ray allows one driver per process and the join check needs one: said plainly, nothing started."""
     root = Path(tempfile.mkdtemp(prefix="hpcrlhf-2nd-", dir="/tmp"))

@@ -158,6 +158,7 @@ def test_ray_start_commands_use_explicit_ports():
                             num_cpus=8, num_gpus=4)
     assert "--head" in head and "--port=30000" in head and "--include-dashboard=false" in head
     assert "--address=10.0.0.1:30000" in worker and "--head" not in worker
+    assert "--include-log-monitor=false" in head and "--include-log-monitor=false" in worker
     # dead-node detection is chosen, not left to Ray's defaults: the head's GCS runs the checks
     (config,) = [json.loads(a.split("=", 1)[1]) for a in head if a.startswith("--system-config=")]
     assert config == {"health_check_period_ms": 2000, "health_check_timeout_ms": 6000, "health_check_failure_threshold": 5}

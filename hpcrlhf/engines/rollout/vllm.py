@@ -200,7 +200,6 @@ class VLLMRollout:
                          "sleep mode: the engine keeps its memory between rollouts (a no-op here)")
             if in_process is None:
                 in_process = current_platform.is_cpu()
-            self.in_process = in_process
             if in_process:
                 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # read as the engine starts
                 if tensor_parallel_size == 1:
