@@ -160,11 +160,12 @@ class VLLMRollout:
       otherwise pick Ray, which its CPU build does not support, and which would escape the node map).
     - `max_num_seqs`, `max_num_batched_tokens`, `chunked_prefill`: the engine's batching limits
       (None: see `vllm_batching`).
-    - `in_process`: run vLLM's engine core (and at TP 1 its worker) in this process; None: on vLLM's
-      CPU platform only. Only for a process that holds nothing but this engine (module docstring).
+    - `in_process`: run vLLM's engine core in this process, and at TP 1 its model too (vLLM's "uni"
+      executor, whatever `distributed_executor_backend` says); None: on vLLM's CPU platform only.
+      Only for a process that holds nothing but this engine (module docstring).
 
-    The engine runs in separate (spawned) processes; see the module docstring for why that is
-    the right mode inside a trainer, and for the weight-sync path. Call `close()` when done.
+    By default the engine runs in separate (spawned) processes; see the module docstring for why
+    that is the right mode inside a trainer, and for the weight-sync path. Call `close()` when done.
     """
 
     def __init__(self, model_dir: str, *, seed: int = 0, max_model_len: int = 256, kv_cache_bytes: int | None = 1 << 30,
