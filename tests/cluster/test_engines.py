@@ -17,6 +17,7 @@ from hpcrlhf.config.schema import PPOConfig
 from hpcrlhf.engines import weight_sync
 from hpcrlhf.engines.rollout import Generation, SamplingParams
 from hpcrlhf.placement import build_node_map
+from tests.engines.test_rollout import perturbed
 
 pytestmark = pytest.mark.slow
 
@@ -154,10 +155,7 @@ def test_an_engine_of_tp_1_runs_in_its_actor_and_follows_weight_syncs(ray_cluste
         assert greedy_tokens(ray.get(engine.generate.remote(prompts, params))) == before
         group = weight_group([engine], tp=1)
         for update, path in enumerate(["collective", "object_store"]):
-            with torch.no_grad():
-                gen = torch.Generator().manual_seed(update)
-                for p in model.parameters():
-                    p.add_(torch.randn(p.shape, generator=gen) * 0.05)
+            model.load_state_dict(perturbed(model.state_dict(), std=0.05, seed=update))
             if path == "object_store":
                 ray.get(engine.load_weights.remote({k: v.clone() for k, v in model.state_dict().items()}))
             else:
