@@ -463,3 +463,21 @@ def test_a_stop_signal_is_honoured_while_a_rule_never_returns(tmp_path):
             proc.kill()
     assert proc.returncode == EXIT_REQUEUE and "Traceback" not in log, log[-3000:]
     assert "stop requested during the evaluation before training: no step done, nothing to checkpoint" in log, log[-3000:]
+
+
+def test_the_environment_source_gives_each_trajectory_its_rewards_beside_a_rule():
+    """`{env: true}`: a trajectory's turn rewards plus its end reward, weighted like any source; the
+    rule beside it scores the trajectory's text."""
+    from hpcrlhf.agents.record import EpisodeRecord
+
+    cfg = RewardConfig(sources=(RewardSourceConfig(env=True, weight=0.5), RewardSourceConfig(rule="task", weight=2.0)))
+    rewards = RewardSet(cfg, _load, None, ArithmeticTask(), CPU)
+    episodes = [EpisodeRecord("done", 2, [0.25, 0.5], 1.0), EpisodeRecord("max_turns", 1, [], 0.0)]
+    responses = [Response("2+3=", "5", (1, 2), {"prompt": "2+3="}, episode=episodes[0]),
+                 Response("2+3=", "7", (1, 2), {"prompt": "2+3="}, episode=episodes[1])]
+    total, parts = rewards.score(responses)
+    assert list(parts) == ["env", "rule_task"]
+    assert parts["env"].tolist() == [1.75, 0.0] and parts["rule_task"].tolist() == [1.0, 0.0]
+    assert total.tolist() == [0.5 * 1.75 + 2.0, 0.0]
+    with pytest.raises(ValueError, match=r"reward.sources\[0\].env: responses \[0\] are not multi-turn trajectories"):
+        rewards.score([Response("2+3=", "5", (1, 2), {"prompt": "2+3="})])

@@ -35,7 +35,15 @@ def load_train_prompts(cfg: PPOConfig | RSConfig, tokenizer) -> list[Prompt]:
     rows = load_train_rows(cfg.data, cfg.task, lambda task, split, n: task.prompt_rows(split, n))
     if cfg.data.train_path:  # a task named on purpose scores these too (rollout/task_score, `task` rules)
         require_task_prompts(rows, cfg.data.prompt_key, cfg.task, cfg.data)
+    if cfg.multi_turn() is not None:
+        return episode_rows(rows, cfg.data.prompt_key)
     return encode_prompt_rows(rows, cfg.data, tokenizer)
+
+
+def episode_rows(rows: list[Row], key: str) -> list[Prompt]:
+    """Dataset rows as the prompts of multi-turn trajectories: not tokenised here (the environment's
+    `reset` gives the first message, which the agent renders), the text their field `key` holds if any."""
+    return [Prompt((), str(r.data.get(key, "")), r.data, r.origin) for r in rows]
 
 
 def encode_prompt_rows(rows: list[Row], data: PromptDataConfig, tokenizer, key: str | None = None) -> list[Prompt]:

@@ -422,7 +422,8 @@ def build_task(task_cfg: Any, data: Any) -> Any | None:
     if name is None:
         return None
     try:
-        return get_task(name, max_operand=task_cfg.max_operand, seed=task_cfg.seed)
+        extra = {"tool_share": task_cfg.tool_share} if name == "calculator" else {}
+        return get_task(name, max_operand=task_cfg.max_operand, seed=task_cfg.seed, **extra)
     except ConfigError as e:  # the task names its own fields; the user wrote the config's
         raise ConfigError(f"task.max_operand: {task_cfg.max_operand} is too small for task {name!r} with "
                           f"task.seed {task_cfg.seed} ({e}); raise task.max_operand, e.g. to 99") from None

@@ -27,6 +27,10 @@ class Response:
     """The prompt's dataset row."""
     origin: str = ""
     """Where that row came from (`prompts.jsonl:17`, `task:arithmetic[eval]: row 3`); empty if unknown."""
+    episode: Any = None
+    """A multi-turn trajectory's record (`hpcrlhf.agents.record.EpisodeRecord`: its environment's
+    rewards, status, turns); None for a single response. `text` is then the whole transcript after
+    the prompt, the environment's answers included."""
 
 
 class Scorer(Protocol):

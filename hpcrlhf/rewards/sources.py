@@ -88,6 +88,7 @@ class RewardSet:
         if missing:  # the runtime starts them first (hpcrlhf.cluster.reward_servers)
             raise ValueError(f"reward.sources{missing} are served by the job's reward servers, but none were given")
         resolved = {i: RuleScorer(RemoteSource(s, cfg.remote, f"reward.sources[{i}]", served[i]) if i in served
+                                  else EnvReward(f"reward.sources[{i}].env") if s.env
                                   else resolve_rule(s.rule, task, f"reward.sources[{i}].rule",
                                                     timeout_s=cfg.rule_timeout_s, rules=rules) if s.rule is not None
                                   else RemoteSource(s, cfg.remote, f"reward.sources[{i}]"))
@@ -115,6 +116,20 @@ class RewardSet:
         for weight, values in zip(self.weights, parts.values()):
             total += weight * values
         return total, parts
+
+
+@dataclass(frozen=True)
+class EnvReward:
+    """`reward.sources: [{env: true}]`: each trajectory's reward from its environment (the rewards of
+    its turns plus the one at its end)."""
+
+    label: str
+
+    def scores(self, responses: Sequence[Response]) -> list[float]:
+        missing = [i for i, r in enumerate(responses) if r.episode is None]
+        if missing:
+            raise ValueError(f"{self.label}: responses {missing[:5]} are not multi-turn trajectories (no agent ran them)")
+        return [float(r.episode.reward) for r in responses]
 
 
 @dataclass(frozen=True)

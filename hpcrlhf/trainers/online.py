@@ -13,16 +13,18 @@ backend on several training ranks, rank 0 runs the engine for everyone
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 from collections.abc import Iterator, Mapping, Sequence
 
 import torch
 
+from hpcrlhf.agents.metrics import batch_stats, episode_stats
+from hpcrlhf.agents.runner import AgentRunner
 from hpcrlhf.config.schema import OnlineJobConfig
-from hpcrlhf.data.prompts import Prompt, encode_prompt_rows, load_train_prompts
+from hpcrlhf.data.prompts import Prompt, encode_prompt_rows, episode_rows, load_train_prompts
 from hpcrlhf.engines.distributed import all_reduce_sum
-from hpcrlhf.engines.rollout import Generation, Groups, Pending, SamplingParams, launch
+from hpcrlhf.engines.rollout import Done, Generation, Groups, Pending, SamplingParams, launch
 from hpcrlhf.engines.rollout.hf import HFRollout
 from hpcrlhf.engines.rollout.settings import sampling_params, vllm_engine_args
 from hpcrlhf.engines.rollout.shared import Rank0Rollout
@@ -43,13 +45,30 @@ log = get_logger()
 def flatten_generations(prompts: Sequence[Prompt], generations: list[list[Generation]], tokenizer
                         ) -> tuple[list[Prompt], list[Generation], list[Response]]:
     """Prompt-major flat lists (a prompt's samples consecutive) of prompts, generations and the
-    decoded responses the reward sources score."""
+    decoded responses the reward sources score (a multi-turn trajectory's: its whole transcript after
+    the prompt, with its record)."""
     flat_prompts = [p for p, gens in zip(prompts, generations) for _ in gens]
     flat = [g for gens in generations for g in gens]
     texts = tokenizer.batch_decode([g.response_ids for g in flat], skip_special_tokens=True)
-    responses = [Response(p.text, t, tuple(p.ids) + tuple(g.response_ids), p.row, p.origin)
+    # a multi-turn trajectory's prompt is the first render of its environment's reset (not a row's tokens)
+    responses = [Response(p.text, t, tuple(p.ids or g.prompt_ids) + tuple(g.response_ids), p.row, p.origin, g.episode)
                  for p, g, t in zip(flat_prompts, flat, texts)]
     return flat_prompts, flat, responses
+
+
+EVAL_AGENT_STATS = ("agent/success", "agent/turns", "agent/tool_calls", "agent/episode_reward", "agent/truncated")
+"""What evaluation reports of greedy trajectories (as eval/success, eval/turns, ...)."""
+
+
+def answer(response: Response) -> str:
+    """What a task or metric judges: a multi-turn trajectory's last model turn, else the response."""
+    return response.episode.final_text if response.episode is not None else response.text
+
+
+def agent_stats(generations: Sequence[Generation]) -> Stats:
+    """The agent/* figures of multi-turn generations (`agents.metrics.episode_stats`)."""
+    model = [sum(g.action_mask) for g in generations]
+    return episode_stats([g.episode for g in generations], model, [len(g.response_ids) - m for g, m in zip(generations, model)])
 
 
 def _whole(pending) -> Iterator[Groups]:
@@ -109,6 +128,8 @@ class Rollout:
     """Each reward source's values (B,)."""
     sources: torch.Tensor | None = None
     """The weighted sum of the reward sources, before the penalties (B,)."""
+    agent_batch: Stats | None = None
+    """Multi-turn rollouts: the scheduling figures of the batch (`agents.metrics.batch_stats`)."""
 
     @property
     def lengths(self) -> torch.Tensor:
@@ -141,13 +162,25 @@ class OnlineTrainer(TrainingLoop):
         cfg = self.cfg
         self.prompts = load_train_prompts(cfg, self.tokenizer)
         rows, key = self.held_out
-        self.eval_prompts = encode_prompt_rows(rows, cfg.data, self.tokenizer, key)
+        self.eval_prompts = (encode_prompt_rows(rows, cfg.data, self.tokenizer, key) if cfg.multi_turn() is None
+                             else episode_rows(rows, key))
         for prompts, field, tokens in ((self.prompts, "rollout.max_new_tokens", cfg.rollout.max_new_tokens),
                                        (self.eval_prompts, "eval.max_new_tokens", cfg.eval.max_new_tokens)):
             self.window.require_prompts_fit(((len(p.ids), p.origin) for p in prompts), field, tokens)
         if cfg.rollout.backend == "vllm" and cfg.lora.rank:
             raise ConfigError("rollout.backend: vllm with lora.rank > 0 is not supported yet (the engine needs merged "
                               "weights after every update); use rollout.backend=hf with LoRA")
+        self.agent = self._agent_runner() if cfg.multi_turn() is not None else None
+
+    def _agent_runner(self) -> AgentRunner:
+        """The agent section's environment, tools and parser, loaded and checked before any step."""
+        cfg = self.cfg
+        if self.env.world_size > 1:
+            raise ConfigError(f"agent: multi-turn rollouts run on one training rank so far, this job has "
+                              f"{self.env.world_size}: launch one rank (ZeRO-3 across ranks generates in lockstep, "
+                              "which trajectories of different lengths cannot keep)")
+        return AgentRunner(cfg.multi_turn(), self.tokenizer, chat=cfg.data.apply_chat_template, prompt_key=cfg.data.prompt_key,
+                           max_prompt_tokens=cfg.data.max_length)
 
     def evaluated_models(self) -> dict[str, str]:
         return {**super().evaluated_models(), **{f"reward.sources[{i}].model": s.model
@@ -178,8 +211,20 @@ class OnlineTrainer(TrainingLoop):
             self.sync_rollout()
         self.ready_to_generate()
         with self.run.timed("generate"):
-            pending = launch(self.rollout, [list(p.ids) for p in prompts], params)
+            if self.agent is not None:
+                pending = self._run_episodes(self.rollout, prompts, params)
+            else:
+                pending = launch(self.rollout, [list(p.ids) for p in prompts], params)
         return LaunchedRollout(list(prompts), params, pending)
+
+    def _run_episodes(self, engine, prompts: Sequence[Prompt], params: SamplingParams) -> Done:
+        """`params.n` trajectories of each prompt's row on `engine`, run to their ends; the
+        environments seeded by the step's sampling seed and the row's place in the batch."""
+        generations, stats = self.agent.run(engine, [p.row for p in prompts], params, env_seed=params.seed,
+                                            origins=[p.origin for p in prompts])
+        done = Done(generations)
+        done.agent_batch = batch_stats(stats, len(prompts) * params.n)
+        return done
 
     def ready_to_generate(self) -> None:
         """Make the rollout engine ready to generate (PPO: the roles' generate phase)."""
@@ -190,6 +235,7 @@ class OnlineTrainer(TrainingLoop):
         with self.run.stoppable():
             rollout, total = self._score_parts(launched)
         rollout.sources = total
+        rollout.agent_batch = getattr(launched.pending, "agent_batch", None)
         rollout.scores = adjust_scores(total, rollout.lengths, rollout.finished, self.cfg.reward,
                                        launched.params.max_new_tokens)
         # before anything learns from them; every rank decides alike
@@ -236,7 +282,10 @@ class OnlineTrainer(TrainingLoop):
         for name, values in rollout.parts.items():
             stats[f"reward/{name}"] = (float(values.sum()), n)
         if self.task is not None:
-            stats["rollout/task_score"] = (sum(self.task.score(r.prompt, r.text) for r in rollout.responses), n)
+            stats["rollout/task_score"] = (sum(self.task.score(r.prompt, answer(r)) for r in rollout.responses), n)
+        if self.agent is not None:
+            stats.update(agent_stats(rollout.generations))
+            stats.update(rollout.agent_batch or {})
         return stats
 
     def greedy_rollout(self):
@@ -249,15 +298,22 @@ class OnlineTrainer(TrainingLoop):
         params = SamplingParams(n=1, greedy=True, max_new_tokens=self.cfg.eval.max_new_tokens)
         engine = self.greedy_rollout()
 
+        if self.agent is not None:  # a model turn is as long as in the rollouts; the environments seeded alike
+            params = SamplingParams(n=1, greedy=True, max_new_tokens=self.cfg.rollout.max_new_tokens, seed=self.cfg.seed)
+
         def stats(batch: list[Prompt]) -> Stats:
             with self.run.stoppable():
-                gens = engine.generate([list(p.ids) for p in batch], params)
+                gens = (self._run_episodes(engine, batch, params).result() if self.agent is not None
+                        else engine.generate([list(p.ids) for p in batch], params))
                 _, flat, responses = flatten_generations(batch, gens, self.tokenizer)
                 total, _ = self.rewards.score(responses)
-                metrics = self.metrics.stats(responses)
+                metrics = self.metrics.stats([replace(r, text=answer(r)) for r in responses])
             n = len(batch)
-            return merge_evaluation({"eval/reward": (float(total.sum()), n),
-                                     "eval/response_length": (float(sum(len(g.response_ids) for g in flat)), n)},
-                                    metrics)
+            out = {"eval/reward": (float(total.sum()), n),
+                   "eval/response_length": (float(sum(len(g.response_ids) for g in flat)), n)}
+            if self.agent is not None:
+                out.update({"eval/" + k.removeprefix("agent/"): v for k, v in agent_stats(flat).items()
+                            if k in EVAL_AGENT_STATS})
+            return merge_evaluation(out, metrics)
 
         return self.eval_means(self.eval_prompts, stats) if self.eval_prompts else {}

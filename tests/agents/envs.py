@@ -88,3 +88,14 @@ class Broken:
         if self.turn == 2:
             raise RuntimeError("the simulator crashed")
         return Step("more", 0.0)
+
+
+def by_length(text: str) -> list:
+    """A tool-call parser that reads no call from the text: it picks one by the turn's length, so an
+    untrained model makes every kind of mistake -- malformed calls, unknown tools, arguments of the
+    wrong type, a tool that raises (`multiply` of a negative), one that hangs (`multiply` of 0) --
+    and answers without a call on the sixth kind of length."""
+    from hpcrlhf.agents.parsers import BadCall, ToolCall
+
+    return [[BadCall(text[:20], "no closing tag")], [ToolCall("nosuch", {"x": 1})], [ToolCall("add", {"a": 1, "b": "two"})],
+            [ToolCall("multiply", {"a": -1, "b": 2})], [ToolCall("multiply", {"a": 0, "b": 2})], []][len(text) % 6]

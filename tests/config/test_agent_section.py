@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import pytest
 
+from hpcrlhf.config.loader import load_config
+from hpcrlhf.config.schema import GenerateConfig, PPOConfig, RSConfig
 from hpcrlhf.config.schema.agent import AgentConfig
+from hpcrlhf.config.schema.online import source_name
+from hpcrlhf.engines.rollout.settings import vllm_engine_args
 from hpcrlhf.errors import ConfigError
 
 
@@ -31,3 +35,38 @@ def test_defaults_and_names_of_user_code():
 def test_bad_values_name_key_value_and_fix(kwargs, message):
     with pytest.raises(ConfigError, match=message):
         AgentConfig(**kwargs)
+
+
+CALC = ["task.name=calculator", "data.apply_chat_template=true", "agent.environment=hpcrlhf.agents.calculator:Calculator"]
+
+
+def test_the_section_attaches_to_online_jobs_and_the_environment_is_a_reward_source():
+    cfg = load_config(PPOConfig, overrides=[*CALC, "reward.sources=[{env: true}, {rule: task, weight: 0.5}]",
+                                            "rollout.max_new_tokens=48", "agent.max_tokens=128"])
+    assert cfg.agent.environment == "hpcrlhf.agents.calculator:Calculator" and cfg.agent.max_tokens == 128
+    assert [source_name(i, s) for i, s in enumerate(cfg.reward.sources)] == ["env", "rule_task"]
+    # a trajectory's tokens after its prompt fit the vLLM engine
+    assert vllm_engine_args(cfg)["max_model_len"] == cfg.data.max_length + 128
+    assert load_config(PPOConfig).agent is None
+
+
+@pytest.mark.parametrize("cls, overrides, message", [
+    (PPOConfig, ["reward.sources=[{env: true}]"],
+     r"reward.sources\[0\].env: True is invalid: the environment's reward needs the agent section"),
+    (PPOConfig, [*CALC, "reward.sources=[{env: true, rule: task}]"], r"each source sets exactly one of .*env=True"),
+    (PPOConfig, [*CALC, "reward.sources=[{env: true, servers: 1}]"], r"servers: 1 is invalid: the environment's reward"),
+    (PPOConfig, [*CALC, "rollout.max_new_tokens=64", "agent.max_tokens=32"],
+     r"agent.max_tokens: 32 is invalid: a model turn may use rollout.max_new_tokens \(64\) tokens"),
+    (PPOConfig, [*CALC, "rollout.backend=hf", "agent.schedule=trajectory"],
+     r"agent.schedule: 'trajectory' is invalid: HF generate runs every trajectory turn by turn"),
+    (PPOConfig, [*CALC, "placement.runtime=ray", "rollout.backend=vllm", "placement.vllm={engines: 1}"],
+     r"placement.runtime: 'ray' is invalid: multi-turn rollouts \(the agent section\) run on the local runtime"),
+    (RSConfig, ["rs.iterations=1", "reward.sources=[{env: true}]"],
+     r"reward.sources\[0\].env: True is invalid: .* which ppo runs, not rs"),
+    (RSConfig, [*CALC, "rs.iterations=1"], r"unknown key 'agent'"),
+    (GenerateConfig, ["reward={sources: [{env: true}]}"],
+     r"reward.sources\[0\].env: True is invalid: .* which ppo runs, not generate"),
+])
+def test_what_the_section_cannot_work_with_is_refused_at_load(cls, overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(cls, overrides=overrides)

@@ -62,7 +62,7 @@ def test_a_page_has_section_headings_types_defaults_and_list_entries(capsys):
     assert table["train.micro_batch_size"][:2] == ["int or null", "`null`"]
     assert table["optim.betas"][:2] == ["[float, float]", "`[0.9, 0.95]`"]
     # the entries of a list of sections get their own rows, so `{rule: ..., weight: ...}` is documented
-    assert table["reward.sources"][1] == ("`[{model: null, rule: task, url: null, token_file: null, token_env: null, "
+    assert table["reward.sources"][1] == ("`[{model: null, rule: task, env: false, url: null, token_file: null, token_env: null, "
                                           "weight: 1.0, normalize: true, servers: 0}]`")
     assert table["reward.sources[].rule"][:2] == ["str or null", "`null`"]
     assert "weighted sum" in table["reward.sources[].weight"][2]

@@ -10,6 +10,7 @@ from pathlib import PurePath
 from typing import Literal
 from urllib.parse import urlsplit
 
+from hpcrlhf.config.schema.agent import AgentConfig
 from hpcrlhf.config.schema.checks import (PathText, fill_derived, require, require_finite,
                                           require_timeout, shown)
 from hpcrlhf.config.schema.sections import (DEFAULT_USER_CODE_TIMEOUT_S, MAX_STEPS, DataSourceConfig, ModelConfig,
@@ -113,6 +114,9 @@ class RewardSourceConfig:
     section, see docs/rewards.md), `task` (the bundled task's exact score, 1 or 0), `task_partial`
     (share of digits right), or `package.module:function` taking (prompt, response, row) and
     returning a float."""
+    env: bool = False
+    """true: the agent's environment is this source: each trajectory's reward (the rewards its `step`
+    gave plus what `get_reward()` gave at the end; needs the `agent` section)."""
     url: str | None = None
     """A reward server instead (http:// or https://): the responses are POSTed there in batches and
     it answers one score each (the protocol: docs/rewards.md#reward-servers; `reward.remote` sets
@@ -136,11 +140,14 @@ class RewardSourceConfig:
         require(self.servers >= 0, "servers", self.servers, "use 0 (scored in the job) or more servers")
         require(not (self.servers and self.url is not None), "servers", self.servers,
                 "a url source is a server already: drop servers, or give the model or rule the server would serve")
-        kinds = [key for key in ("model", "rule", "url") if getattr(self, key) is not None]
+        kinds = [key for key in ("model", "rule", "url") if getattr(self, key) is not None] + ["env"] * self.env
         if len(kinds) != 1:
             raise ConfigError(f"reward.sources: each source sets exactly one of `model` (a reward model folder), "
-                              f"`rule` ({', '.join(KNOWN_RULES)} or module:function) or `url` (a reward server); got "
-                              f"model={self.model!r}, rule={self.rule!r}, url={self.url!r}")
+                              f"`rule` ({', '.join(KNOWN_RULES)} or module:function), `url` (a reward server) or "
+                              f"`env: true` (the agent's environment); got model={self.model!r}, rule={self.rule!r}, "
+                              f"url={self.url!r}, env={self.env!r}")
+        require(not (self.env and self.servers), "servers", self.servers,
+                "the environment's reward comes with its trajectories: use servers=0 with env: true")
         token_key = "token_file" if self.token_file is not None else "token_env"
         if self.url is None:
             require(self.token_file is None and self.token_env is None, token_key, getattr(self, token_key),
@@ -153,8 +160,10 @@ class RewardSourceConfig:
 
 
 def source_name(index: int, source: RewardSourceConfig) -> str:
-    """Metric name of reward.sources[index] (`reward/<name>`): `rule_<name>`, `model<i>_<folder name>` or
-    `server<i>_<host>`."""
+    """Metric name of reward.sources[index] (`reward/<name>`): `rule_<name>`, `model<i>_<folder name>`,
+    `server<i>_<host>` or `env`."""
+    if source.env:
+        return "env"
     if source.rule is not None:
         return "rule_" + source.rule.replace(":", ".").replace("/", ".")
     if source.url is not None:
@@ -163,12 +172,14 @@ def source_name(index: int, source: RewardSourceConfig) -> str:
 
 
 def require_in_job(reward: RewardConfig | None, job: str) -> None:
-    """Only ppo on Ray starts reward servers of its own (`reward.sources[i].servers`): other jobs
-    refuse them before anything loads."""
+    """Sources only ppo has, refused by other jobs before anything loads: reward servers of its own
+    (`reward.sources[i].servers`, on Ray) and the environment's reward of multi-turn rollouts (`env`)."""
     for i, source in enumerate(reward.sources if reward is not None else ()):
         require(not source.servers, f"reward.sources[{i}].servers", source.servers,
                 f"only ppo on the Ray runtime starts reward servers, not {job}: use servers=0 to score in the job, "
                 "or start `hpcrlhf serve-reward` yourself and give the source its url")
+        require(not source.env, f"reward.sources[{i}].env", source.env,
+                f"the environment's reward comes with multi-turn rollouts, which ppo runs, not {job}: drop this source")
 
 
 def require_url(url: str, key: str) -> None:
@@ -309,6 +320,10 @@ class OnlineJobConfig(TrainJobConfig):
         """(index, source) of each source the job's own reward servers score (`servers` > 0)."""
         return [(i, src) for i, src in enumerate(self.reward.sources) if src.servers]
 
+    def multi_turn(self) -> AgentConfig | None:
+        """The agent section of a job that runs multi-turn rollouts (ppo's `agent`), else None."""
+        return None
+
     def reference_source(self) -> tuple[str, str]:
         """(config field, path) of the frozen reference: `reference.path`, else `model.path`."""
         return ("reference.path", self.reference.path) if self.reference.path else ("model.path", self.model.path)
@@ -326,6 +341,23 @@ class OnlineJobConfig(TrainJobConfig):
         require(self.reward.overlong_buffer < self.rollout.max_new_tokens, "reward.overlong_buffer",
                 self.reward.overlong_buffer,
                 f"use fewer tokens than rollout.max_new_tokens ({shown(self.rollout.max_new_tokens)}), e.g. a fifth")
+
+
+def require_agent_settings(cfg: OnlineJobConfig) -> None:
+    """The `agent` section against the rest of an online job: a model turn fits the trajectory's
+    tokens, the hf backend runs turn by turn, the environment's reward needs an environment."""
+    agent = cfg.multi_turn()
+    for i, source in enumerate(cfg.reward.sources):
+        require(not source.env or agent is not None, f"reward.sources[{i}].env", source.env,
+                "the environment's reward needs the agent section: set agent.environment, or drop this source")
+    if agent is None:
+        return
+    require(agent.max_tokens >= cfg.rollout.max_new_tokens, "agent.max_tokens", agent.max_tokens,
+            f"a model turn may use rollout.max_new_tokens ({shown(cfg.rollout.max_new_tokens)}) tokens: use at "
+            "least that many, e.g. a few turns' worth")
+    require(not (agent.schedule == "trajectory" and cfg.rollout.backend == "hf"), "agent.schedule", agent.schedule,
+            "HF generate runs every trajectory turn by turn: leave agent.schedule null or set turn, or use "
+            "rollout.backend=vllm")
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,8 @@ from typing import ClassVar, Literal
 
 from hpcrlhf.algos.estimators import ADVANTAGE_ESTIMATORS, ESTIMATORS, Estimator
 from hpcrlhf.config.schema.checks import PathText, fill_derived, largest_divisor, require, require_finite, shown
-from hpcrlhf.config.schema.online import OnlineJobConfig, source_name
+from hpcrlhf.config.schema.agent import AgentConfig
+from hpcrlhf.config.schema.online import OnlineJobConfig, require_agent_settings, source_name
 from hpcrlhf.config.schema.placement import PlacementConfig
 from hpcrlhf.config.schema.sections import MICRO_BATCH_CAP, EvalConfig, LogConfig, OptimConfig, TrainConfig
 from hpcrlhf.errors import ConfigError
@@ -159,12 +160,18 @@ class PPOConfig(OnlineJobConfig):
     """The value model (advantage_estimator gae)."""
     placement: PlacementConfig = field(default_factory=PlacementConfig)
     """Roles on the nodes and GPUs of a cluster allocation (`hpcrlhf plan` checks and prints it)."""
+    agent: AgentConfig | None = None
+    """Multi-turn rollouts: the model calls tools and an environment answers (docs/design/agents.md).
+    null: one response per prompt."""
     eval: EvalConfig = field(default_factory=lambda: EvalConfig(every_steps=20))
     """Evaluation during and after training."""
     log: LogConfig = field(default_factory=lambda: LogConfig(every_steps=1))
     """Metrics, TensorBoard and progress output."""
     output_dir: PathText = "runs/ppo"
     """Run folder: config.yaml, metrics.jsonl, TensorBoard files, checkpoints/, model/ (the actor)."""
+
+    def multi_turn(self) -> AgentConfig | None:
+        return self.agent
 
     def critic_source(self) -> tuple[str, str]:
         """(config field, path) of the model the critic starts from: `critic.path`, else the first
@@ -202,6 +209,7 @@ class PPOConfig(OnlineJobConfig):
                 f"{shown(self.rollout.prompts_per_step)} x samples_per_prompt {shown(n)}); "
                 f"use a divisor of {shown(sequences)}")
         _require_sleep_settings(self)
+        require_agent_settings(self)
         for i, source in self.served_sources():
             require(self.placement.runtime == "ray", f"reward.sources[{i}].servers", source.servers,
                     "the job starts reward servers where the Ray runtime's node map places them: set "
@@ -214,6 +222,9 @@ class PPOConfig(OnlineJobConfig):
             require(not self.lora.rank, "lora.rank", self.lora.rank,
                     "the Ray runtime pushes full weights into vLLM after each update: use lora.rank=0, or "
                     "placement.runtime=local")
+            require(self.agent is None, "placement.runtime", self.placement.runtime,
+                    "multi-turn rollouts (the agent section) run on the local runtime so far: use "
+                    "placement.runtime=local, or drop the agent section")
 
 
 def _require_sleep_settings(cfg: PPOConfig) -> None:

@@ -93,6 +93,10 @@ class TaskConfig:
     `offset` (off by 1 to 3 or by 10: the mistakes a half-trained policy makes, which a reward
     model for PPO on this task must tell apart)."""
 
+    tool_share: float = 0.3
+    """calculator: the share of its SFT conversations that answer through the `multiply` tool (the
+    rest answer directly)."""
+
     def __post_init__(self) -> None:
         require_finite(self, "task")
         require(self.name is None or self.name == "auto" or self.name in BUNDLED_TASKS, "task.name", self.name,
@@ -103,6 +107,7 @@ class TaskConfig:
         require(self.eval_size >= 0, "task.eval_size", self.eval_size, "use 0 (no held-out rows) or more")
         require(0 <= self.hard_pair_fraction <= 1, "task.hard_pair_fraction", self.hard_pair_fraction,
                 "use a value in [0, 1]")
+        require(0 <= self.tool_share <= 1, "task.tool_share", self.tool_share, "use a share in [0, 1], e.g. 0.3")
 
     def resolve(self, data: DataSourceConfig) -> str | None:
         """The task that applies to a job with `data`: `name`, with `auto` decided by

@@ -18,11 +18,13 @@ def sampling_params(r: RolloutConfig, *, n: int, seed: int | None, greedy: bool 
 
 
 def vllm_engine_args(cfg: PPOConfig) -> dict[str, Any]:
-    """`VLLMRollout`'s settings for a job: model folder, seed, longest sequence (prompt + rollout
-    or evaluation response), precision and the rollout section's engine settings."""
+    """`VLLMRollout`'s settings for a job: model folder, seed, longest sequence (prompt + rollout or
+    evaluation response, or a multi-turn trajectory's `agent.max_tokens`), precision and the rollout
+    section's engine settings."""
     r = cfg.rollout
     return dict(model_dir=resolve_model_path(cfg.model.path), seed=cfg.seed,
-                max_model_len=cfg.data.max_length + max(r.max_new_tokens, cfg.eval.max_new_tokens),
+                max_model_len=cfg.data.max_length + max(r.max_new_tokens, cfg.eval.max_new_tokens,
+                                                         cfg.agent.max_tokens if cfg.agent else 0),
                 dtype="bfloat16" if cfg.engine.precision == "bf16" else "float32",
                 bucket_bytes=cfg.placement.vllm.sync_bucket_mb << 20, sleep=cfg.placement.vllm.sleep,
                 **vllm_rollout_args(r))
