@@ -34,6 +34,14 @@ class Countdown:
         self.closed = True
 
 
+class Wordy(Countdown):
+    """Countdown whose turn rewards depend on what the model wrote: its turn's length mod 4, over 4."""
+
+    def step(self, action):
+        answer = super().step(action)
+        return Step(answer.observation, (len(action) % 4) / 4, answer.done, answer.info)
+
+
 class Calculator:
     """A tools-and-step environment: `multiply` as a tool (it hangs for a = 0, raises for a < 0);
     `step` checks the answer against the row's."""

@@ -9,8 +9,8 @@ import json
 import pytest
 
 from hpcrlhf.run.metrics import read_metrics
-from tests.engines.test_rollout import eos_prone
-from tests.launch_helpers import run_cli
+from tests.engines.test_rollout import agent_eos_prone, eos_prone
+from tests.launch_helpers import run_cli, stop_after
 
 QUIET = ["--set", "log.tensorboard=false", "--set", "eval.every_steps=0", "--set", "log.every_steps=1"]
 
@@ -19,18 +19,22 @@ def train_rows(out) -> list[dict]:
     return [m for m in read_metrics(out) if "rollout/score" in m]
 
 
-def short_turned(family: str, prompts: list[str], folder) -> str:
+def short_turned(family: str, prompts: list[str] | None, folder) -> str:
     """The untrained tiny model of `family` made to end its turns early (EOS likely after these user
-    prompts), saved with its tokenizer: several turns fit in a trajectory."""
+    prompts; None: in tests.agents.envs:Countdown's conversations), saved with its tokenizer: several
+    turns fit in a trajectory."""
     from hpcrlhf.agents.render import ChatRenderer
     from hpcrlhf.models.loading import load_causal_lm, load_tokenizer
     from hpcrlhf.models.tiny import build_tiny_model_dir
 
     base = str(build_tiny_model_dir(family))
     tokenizer, model = load_tokenizer(base), load_causal_lm(base, attn_implementation="sdpa")
-    renderer = ChatRenderer(tokenizer)
-    rendered = [renderer.prompt([{"role": "user", "content": p}]) for p in prompts]
-    model.load_state_dict(eos_prone(model, rendered, tokenizer.eos_token_id, alpha=0.1))
+    if prompts is None:
+        state = agent_eos_prone(model, tokenizer)
+    else:
+        rendered = [ChatRenderer(tokenizer).prompt([{"role": "user", "content": p}]) for p in prompts]
+        state = eos_prone(model, rendered, tokenizer.eos_token_id, alpha=0.1)
+    model.load_state_dict(state)
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return str(folder)
@@ -67,3 +71,40 @@ def test_a_second_family_trains_through_tools_that_fail_in_every_way(tmp_path):
     # the environment's answers sit between the model's turns, masked: the model's tokens line up
     assert max(r["rollout/logprob_max_diff"] for r in rows) < 1e-4
     assert rows[-1]["train/value_loss"] > 0 and "timing/train_critic" in rows[-1]
+
+
+@pytest.mark.slow
+def test_resumed_agent_runs_equal_uninterrupted_ones(tmp_path):
+    """Multi-turn rollouts resume exactly: with dynamic sampling's refill rounds (stopped after step 2,
+    resumed to 4), and with the rollout generated one update ahead (stopped by the time-limit signal
+    after step 2: the trajectories generated ahead are in the checkpoint). The environments are seeded
+    by step, round and row, each trajectory's turns by its sample and turn (tests.agents.envs:Wordy:
+    rewards by what each turn wrote and at the end, on the tiny llama made to end its turns early)."""
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"prompt": f"count {i}", "id": f"row{i}"}) + "\n" for i in range(48)))
+    model = short_turned("llama", None, tmp_path / "model")
+    common = ["train", "ppo", "--set", f"model.path={model}", "--set", f"data.train_path={rows}",
+              "--set", "data.apply_chat_template=true", "--set", "task.name=null", "--set", "ppo.advantage_estimator=grpo",
+              "--set", "rollout.prompts_per_step=4", "--set", "rollout.samples_per_prompt=4", "--set",
+              "rollout.max_new_tokens=8", "--set", "optim.lr=1e-4", "--set", "checkpoint.every_steps=2",
+              "--set", "agent={environment: 'tests.agents.envs:Wordy', environment_args: {turns: 2}, max_turns: 3, "
+                       "max_tokens: 48}", "--set", "reward.sources=[{env: true}]", *QUIET]
+    keys = ("rollout/score", "train/policy_loss", "agent/turns", "agent/env_tokens", "agent/truncated")
+    for name, extra in (("refill", ["--set", "ppo.dynamic_sampling=true", "--set", "ppo.dynamic_sampling_max_rounds=3"]),
+                        ("ahead", ["--set", "rollout.max_staleness=1"])):
+        args = [*common, *extra]
+        whole, parts = tmp_path / f"{name}-whole", tmp_path / f"{name}-parts"
+        run_cli([*args, "-o", str(whole), "--set", "train.max_steps=4"])
+        if name == "ahead":
+            stopped = stop_after([*args, "-o", str(parts), "--set", "train.max_steps=4"], parts, 2, key="rollout/score")
+            assert 2 <= stopped < 4 and (parts / "checkpoints" / f"step_{stopped:06d}" / "ahead_rank0.pt").exists()
+        else:
+            run_cli([*args, "-o", str(parts), "--set", "train.max_steps=2"])
+        run_cli([*args, "-o", str(parts), "--set", "train.max_steps=4"])
+        a, b = train_rows(whole), train_rows(parts)
+        assert [r["step"] for r in b] == [1, 2, 3, 4], name
+        for key in keys:
+            assert [r[key] for r in b] == pytest.approx([r[key] for r in a], rel=1e-5, abs=1e-6), (name, key)
+        assert len({r["rollout/score"] for r in a}) > 1 and max(r["agent/turns"] for r in a) > 1, a
+        if name == "refill":
+            assert max(r["rollout/generation_rounds"] for r in a) > 1  # a refill round was resumed
