@@ -9,9 +9,8 @@ import json
 
 import pytest
 
-from hpcrlhf.logs import THIRD_PARTY_LOG
 from hpcrlhf.run.metrics import read_metrics
-from tests.launch_helpers import foreign_lines, run_cli, stop_after
+from tests.launch_helpers import run_cli, stop_after
 
 QUIET = ["--set", "log.tensorboard=false", "--set", "eval.every_steps=0", "--set", "log.every_steps=1"]
 RL = [*QUIET, "--set", "task.eval_size=512", "--set", "eval.score_prompts=512", "--set", "rollout.prompts_per_step=32", "--set", "train.global_batch_size=64",
@@ -238,35 +237,27 @@ SLEEP = ["--set", "placement.vllm.sleep=true", "--set", "placement.actor.sleep=t
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("nproc, extra", [(1, []), (2, ["--set", "engine.zero_stage=3", "--set", "placement.vllm.sync_bucket_mb=1",
-                                                     *SLEEP])])
-def test_vllm_rollouts_stay_in_sync_with_the_actor(nproc, extra, policy_model, tmp_path):
-    """After every update the actor's weights are streamed into the vLLM engine (2 ranks: under
-    ZeRO-3, gathered chunk by chunk, in 1 MB buckets): if a sync were missed or garbled, the
-    engine's log-probs (old weights) would differ from the trainer's (new weights). The 2-rank run
-    also sleeps between phases (engines, actor and critic take turns: on CPU the moves are no-ops,
-    the switching is not) and evaluates with the engine, since the actor sleeps while it generates.
-    vLLM's own lines -- its engine's start and shutdown in this process and in the engine's processes
-    -- are in the run's third_party.log, not on the terminal (one rank: torchrun prints its own)."""
+def test_vllm_rollouts_stay_in_sync_with_a_zero3_actor_on_two_ranks(policy_model, tmp_path):
+    """After every update the actor's weights are gathered under ZeRO-3, chunk by chunk, and streamed
+    into rank 0's vLLM engine in 1 MB buckets: if a sync were missed or garbled, the engine's log-probs
+    (old weights) would differ from the trainer's (new weights). The run also sleeps between phases
+    (engines, actor and critic take turns: on CPU the moves are no-ops, the switching is not) and
+    evaluates with the engine, since the actor sleeps while it generates. (One rank's sync, and vLLM's
+    own lines kept off the terminal: tests/trainers/ppo/test_agent_e2e.py's vLLM run.)"""
     out = tmp_path / "run"
     proc = run_cli(["train", "ppo", "-o", str(out), "--set", f"model.path={policy_model}", "--set", "train.max_steps=3",
                     "--set", "rollout.backend=vllm", "--set", "rollout.vllm_kv_cache_gb=0.25", "--set", "optim.lr=1e-3",
                     "--set", "rollout.prompts_per_step=8", "--set", "train.global_batch_size=16",
-                    "--set", "train.micro_batch_size=8", "--set", "eval.score_prompts=16", *QUIET, *extra],
-                   nproc=nproc, timeout=900)
+                    "--set", "train.micro_batch_size=8", "--set", "eval.score_prompts=16", *QUIET,
+                    "--set", "engine.zero_stage=3", "--set", "placement.vllm.sync_bucket_mb=1", *SLEEP],
+                   nproc=2, timeout=900)
     rows = train_rows(out)
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert rows[-1]["train/approx_kl"] > 0 or rows[-1]["rollout/kl"] > 1e-3  # the weights really changed
     assert max(r["rollout/logprob_max_diff"] for r in rows) < 1e-4
-    assert all(r["weight_sync/bytes"] > 1.6e6 and r["weight_sync/buckets"] >= (2 if extra else 1) for r in rows)
-    assert all(("timing/swap" in r) == bool(extra) for r in rows)
-    if extra:
-        assert "placement.vllm.sleep: vLLM on cpu has no sleep mode" in proc.stdout + proc.stderr
-    else:
-        assert foreign_lines(proc) == [], proc.stdout + proc.stderr
-        log = (out / THIRD_PARTY_LOG).read_text()
-        for line in ("INFO vllm.", "(EngineCore pid=", "[shutdown] Process manager", "Loading safetensors checkpoint shards"):
-            assert line in log, (line, log[-3000:])
+    assert all(r["weight_sync/bytes"] > 1.6e6 and r["weight_sync/buckets"] >= 2 for r in rows)
+    assert all("timing/swap" in r for r in rows)
+    assert "placement.vllm.sleep: vLLM on cpu has no sleep mode" in proc.stdout + proc.stderr
 
 
 @pytest.mark.slow
