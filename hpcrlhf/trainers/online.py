@@ -112,6 +112,8 @@ class LaunchedRollout:
     prompts: list[Prompt]
     params: SamplingParams
     pending: Pending
+    agent_batch: Stats | None = None
+    """Multi-turn rollouts: the scheduling figures of the batch (`agents.metrics.batch_stats`)."""
 
 
 @dataclass
@@ -156,6 +158,8 @@ class OnlineTrainer(TrainingLoop):
     """Whether the rollout engine holds the trained policy's current weights."""
     sync_metrics: dict[str, float] = {}
     """What the last weight sync moved (`weight_sync/bytes`, ...), where the sync path measures it."""
+    agent: AgentRunner | None = None
+    """Multi-turn rollouts: the agent section's environment, tools and parser (`setup_online`)."""
 
     def setup_online(self) -> None:
         """Training prompts and the held-out prompts `setup` read, as token ids; call after `setup`."""
@@ -211,20 +215,19 @@ class OnlineTrainer(TrainingLoop):
             self.sync_rollout()
         self.ready_to_generate()
         with self.run.timed("generate"):
-            if self.agent is not None:
-                pending = self._run_episodes(self.rollout, prompts, params)
-            else:
-                pending = launch(self.rollout, [list(p.ids) for p in prompts], params)
-        return LaunchedRollout(list(prompts), params, pending)
+            if self.agent is None:
+                return LaunchedRollout(list(prompts), params, launch(self.rollout, [list(p.ids) for p in prompts], params))
+            generations, batch = self._run_episodes(self.rollout, prompts, params)
+        return LaunchedRollout(list(prompts), params, Done(generations), batch)
 
-    def _run_episodes(self, engine, prompts: Sequence[Prompt], params: SamplingParams) -> Done:
-        """`params.n` trajectories of each prompt's row on `engine`, run to their ends; the
-        environments seeded by the step's sampling seed and the row's place in the batch."""
+    def _run_episodes(self, engine, prompts: Sequence[Prompt], params: SamplingParams
+                      ) -> tuple[list[list[Generation]], Stats]:
+        """`params.n` trajectories of each prompt's row on `engine`, run to their ends (the
+        environments seeded by the step's sampling seed and the row's place in the batch), and the
+        batch's scheduling figures."""
         generations, stats = self.agent.run(engine, [p.row for p in prompts], params, env_seed=params.seed,
                                             origins=[p.origin for p in prompts])
-        done = Done(generations)
-        done.agent_batch = batch_stats(stats, len(prompts) * params.n)
-        return done
+        return generations, batch_stats(stats, len(prompts) * params.n)
 
     def ready_to_generate(self) -> None:
         """Make the rollout engine ready to generate (PPO: the roles' generate phase)."""
@@ -235,7 +238,7 @@ class OnlineTrainer(TrainingLoop):
         with self.run.stoppable():
             rollout, total = self._score_parts(launched)
         rollout.sources = total
-        rollout.agent_batch = getattr(launched.pending, "agent_batch", None)
+        rollout.agent_batch = launched.agent_batch
         rollout.scores = adjust_scores(total, rollout.lengths, rollout.finished, self.cfg.reward,
                                        launched.params.max_new_tokens)
         # before anything learns from them; every rank decides alike
@@ -303,7 +306,7 @@ class OnlineTrainer(TrainingLoop):
 
         def stats(batch: list[Prompt]) -> Stats:
             with self.run.stoppable():
-                gens = (self._run_episodes(engine, batch, params).result() if self.agent is not None
+                gens = (self._run_episodes(engine, batch, params)[0] if self.agent is not None
                         else engine.generate([list(p.ids) for p in batch], params))
                 _, flat, responses = flatten_generations(batch, gens, self.tokenizer)
                 total, _ = self.rewards.score(responses)

@@ -140,6 +140,8 @@ class PPOTrainer(OnlineTrainer):
 
     def close(self) -> None:
         self.roles.close()
+        if self.agent is not None:
+            self.agent.close()
 
     def send_policy_weights(self) -> dict[str, float] | None:
         return self.roles.push_weights()
@@ -210,10 +212,10 @@ class PPOTrainer(OnlineTrainer):
         saved = load_ahead(folder, rank)
         self.ahead = None
         if saved is not None:
-            step, generations = saved
+            step, generations, agent_batch = saved
             self.ahead = (step, LaunchedRollout(self.step_prompts(step),
                                                 self.sampling(step, self.cfg.rollout.samples_per_prompt),
-                                                Done(generations)))
+                                                Done(generations), agent_batch))
 
     def await_ahead(self) -> None:
         """Wait for the rollout generated ahead (before new weights go into its engines) and log

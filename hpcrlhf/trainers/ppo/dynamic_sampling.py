@@ -14,11 +14,13 @@ checks are collective on several ranks), and each round's prompts and sampling s
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from collections.abc import Callable, Sequence
 
 import torch
 
+from hpcrlhf.run.stats import add_stats, new_stats
 from hpcrlhf.trainers.online import Rollout
 
 SAME_SCORE_TOL = 1e-6
@@ -113,6 +115,8 @@ def fill_step(generate: Callable[[int], Rollout], n: int, max_rounds: int,
         return [take_groups(rounds[r], [g for rr, g in picks if rr == r], n) for r in sorted({rr for rr, _ in picks})]
 
     step = join_rollouts(groups(good[:quota]) + groups(bad[:filler]))
+    if rounds[0].agent_batch is not None:  # multi-turn: every round's batch ran, whatever groups it gave
+        step.agent_batch = dict(functools.reduce(add_stats, (r.agent_batch for r in rounds), new_stats()))
     first_share = sum(1 for r, _ in good if r == 0) / max(quota, 1)
     generated = len(rounds) * quota
     return FilledStep(step, len(rounds), first_share, generated - quota, (generated - quota) * n, filler)

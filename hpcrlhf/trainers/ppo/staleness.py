@@ -36,13 +36,15 @@ def save_ahead(ahead: tuple[int, LaunchedRollout] | None, folder: Path, rank: in
     step's sync waited for it), so that a run resumed there scores the samples an uninterrupted one does."""
     if ahead is not None:
         step, launched = ahead
-        torch.save({"step": step, "generations": launched.pending.result()}, ahead_file(folder, rank))
+        torch.save({"step": step, "generations": launched.pending.result(), "agent_batch": launched.agent_batch},
+                   ahead_file(folder, rank))
 
 
-def load_ahead(folder: Path, rank: int) -> tuple[int, list[list[Generation]]] | None:
-    """(step, its generations) that `save_ahead` kept in a checkpoint folder, else None."""
+def load_ahead(folder: Path, rank: int) -> tuple[int, list[list[Generation]], dict | None] | None:
+    """(step, its generations, a multi-turn batch's scheduling figures) that `save_ahead` kept in a
+    checkpoint folder, else None."""
     path = ahead_file(folder, rank)
     if not path.exists():
         return None
     state = torch.load(path, weights_only=False)
-    return state["step"], state["generations"]
+    return state["step"], state["generations"], state.get("agent_batch")

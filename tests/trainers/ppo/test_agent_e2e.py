@@ -138,7 +138,7 @@ def test_resumed_agent_runs_equal_uninterrupted_ones(tmp_path):
               "rollout.max_new_tokens=8", "--set", "optim.lr=1e-4", "--set", "checkpoint.every_steps=2",
               "--set", "agent={environment: 'tests.agents.envs:Wordy', environment_args: {turns: 2}, max_turns: 3, "
                        "max_tokens: 48}", "--set", "reward.sources=[{env: true}]", *QUIET]
-    keys = ("rollout/score", "train/policy_loss", "agent/turns", "agent/env_tokens", "agent/truncated")
+    keys = ("rollout/score", "train/policy_loss", "agent/turns", "agent/env_tokens", "agent/truncated", "agent/env_calls")
     for name, extra in (("refill", ["--set", "ppo.dynamic_sampling=true", "--set", "ppo.dynamic_sampling_max_rounds=3"]),
                         ("ahead", ["--set", "rollout.max_staleness=1"])):
         args = [*common, *extra]
@@ -155,5 +155,6 @@ def test_resumed_agent_runs_equal_uninterrupted_ones(tmp_path):
         for key in keys:
             assert [r[key] for r in b] == pytest.approx([r[key] for r in a], rel=1e-5, abs=1e-6), (name, key)
         assert len({r["rollout/score"] for r in a}) > 1 and max(r["agent/turns"] for r in a) > 1, a
+        assert all("agent/engine_idle_share" in r for r in b)  # the batch's figures: kept with a rollout ahead too
         if name == "refill":
             assert max(r["rollout/generation_rounds"] for r in a) > 1  # a refill round was resumed
