@@ -265,6 +265,8 @@ class FleetBatch:
                 ref = next(stream)
             except StopIteration:
                 del self.streams[stream]
+                if self.current.get(rank) is stream:  # ended: Ray's done-callback may not have run yet
+                    self.done_at.setdefault(rank, time.monotonic())
                 continue
             try:
                 groups = ray.get(ref)
