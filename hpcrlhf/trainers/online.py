@@ -22,6 +22,7 @@ import torch
 from hpcrlhf.agents.metrics import batch_stats, episode_stats
 from hpcrlhf.agents.runner import AgentRunner
 from hpcrlhf.config.schema import OnlineJobConfig
+from hpcrlhf.config.schema.agent import AgentConfig
 from hpcrlhf.data.prompts import Prompt, encode_prompt_rows, episode_rows, load_train_prompts
 from hpcrlhf.engines.distributed import all_reduce_sum
 from hpcrlhf.engines.rollout import Done, Generation, Groups, Pending, SamplingParams, launch
@@ -166,7 +167,8 @@ class OnlineTrainer(TrainingLoop):
         cfg = self.cfg
         self.prompts = load_train_prompts(cfg, self.tokenizer)
         rows, key = self.held_out
-        self.eval_prompts = (encode_prompt_rows(rows, cfg.data, self.tokenizer, key) if cfg.multi_turn() is None
+        agent = cfg.multi_turn()
+        self.eval_prompts = (encode_prompt_rows(rows, cfg.data, self.tokenizer, key) if agent is None
                              else episode_rows(rows, key))
         for prompts, field, tokens in ((self.prompts, "rollout.max_new_tokens", cfg.rollout.max_new_tokens),
                                        (self.eval_prompts, "eval.max_new_tokens", cfg.eval.max_new_tokens)):
@@ -174,16 +176,16 @@ class OnlineTrainer(TrainingLoop):
         if cfg.rollout.backend == "vllm" and cfg.lora.rank:
             raise ConfigError("rollout.backend: vllm with lora.rank > 0 is not supported yet (the engine needs merged "
                               "weights after every update); use rollout.backend=hf with LoRA")
-        self.agent = self._agent_runner() if cfg.multi_turn() is not None else None
+        self.agent = self._agent_runner(agent) if agent is not None else None
 
-    def _agent_runner(self) -> AgentRunner:
+    def _agent_runner(self, agent: AgentConfig) -> AgentRunner:
         """The agent section's environment, tools and parser, loaded and checked before any step."""
         cfg = self.cfg
         if self.env.world_size > 1:
             raise ConfigError(f"agent: multi-turn rollouts run on one training rank so far, this job has "
                               f"{self.env.world_size}: launch one rank (ZeRO-3 across ranks generates in lockstep, "
                               "which trajectories of different lengths cannot keep)")
-        return AgentRunner(cfg.multi_turn(), self.tokenizer, chat=cfg.data.apply_chat_template, prompt_key=cfg.data.prompt_key,
+        return AgentRunner(agent, self.tokenizer, chat=cfg.data.apply_chat_template, prompt_key=cfg.data.prompt_key,
                            max_prompt_tokens=cfg.data.max_length)
 
     def evaluated_models(self) -> dict[str, str]:
@@ -310,7 +312,8 @@ class OnlineTrainer(TrainingLoop):
                         else engine.generate([list(p.ids) for p in batch], params))
                 _, flat, responses = flatten_generations(batch, gens, self.tokenizer)
                 total, _ = self.rewards.score(responses)
-                metrics = self.metrics.stats([replace(r, text=answer(r)) for r in responses])
+                metrics = self.metrics.stats(responses if self.agent is None
+                                             else [replace(r, text=answer(r)) for r in responses])
             n = len(batch)
             out = {"eval/reward": (float(total.sum()), n),
                    "eval/response_length": (float(sum(len(g.response_ids) for g in flat)), n)}
