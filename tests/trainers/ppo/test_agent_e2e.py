@@ -11,6 +11,7 @@ import pytest
 
 from hpcrlhf.logs import THIRD_PARTY_LOG
 from hpcrlhf.run.metrics import read_metrics
+from tests.budget import long_only
 from tests.engines.test_rollout import agent_eos_prone, eos_prone
 from tests.launch_helpers import foreign_lines, run_cli, stop_after
 
@@ -37,14 +38,14 @@ def agent_policy(tmp_path_factory) -> str:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("backend", ["vllm"])
+@pytest.mark.parametrize("backend", ["vllm", pytest.param("hf", marks=long_only(
+    60, "the vllm case; the hf backend's trajectories by the misbehaving-tools and resume tests below"))])
 def test_grpo_teaches_the_tiny_model_to_call_its_calculator(backend, agent_policy, tmp_path):
     """The agent-tiny recipe (GRPO, the environment's reward alone; vLLM: each trajectory on its own
     clock): held-out greedy success from ~0 (the model guesses products) to most problems, by calling
     `multiply` (measured, 20 steps: 0.016 -> 0.99 at step 5 on both backends; sampled success 0.42 ->
     0.93 on vLLM, 0.38 -> 0.95 on HF, 2026-11-28). The same 8 steps on hf (0.008 -> 0.89, 2026-11-28)
-    are left out of CI for its minutes: the hf backend's trajectories are exercised by the
-    misbehaving-tools and resume tests below."""
+    are left out of CI for its minutes (tests/budget.py)."""
     out = tmp_path / "run"
     proc = run_cli(["train", "ppo", "--config", "agent-tiny", "-o", str(out), "--set", f"model.path={agent_policy}",
                     "--set", f"rollout.backend={backend}", "--set", "train.max_steps=8", "--set", "eval.every_steps=0",

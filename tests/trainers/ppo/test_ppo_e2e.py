@@ -1,7 +1,8 @@
 """PPO and its critic-free relatives end to end through the real CLI, from a half-trained SFT
 model: each estimator raises the held-out task score with the exact rule, and PPO does with a
-learned reward model alone; a resumed run equals an uninterrupted one; 2 ranks under ZeRO-3 run
-the same loop; the vLLM engine's log-probs equal the trainer's after every weight sync."""
+learned reward model alone (outside CI: tests/budget.py); a resumed run equals an uninterrupted
+one; 2 ranks under ZeRO-3 run the same loop; the vLLM engine's log-probs equal the trainer's after
+every weight sync."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import json
 import pytest
 
 from hpcrlhf.run.metrics import read_metrics
+from tests.budget import long_only
 from tests.launch_helpers import run_cli, stop_after
 
 QUIET = ["--set", "log.tensorboard=false", "--set", "eval.every_steps=0", "--set", "log.every_steps=1"]
@@ -147,6 +149,7 @@ def task_reward_model(full_sft_run, tmp_path_factory) -> str:
 
 
 @pytest.mark.slow
+@long_only(950, "tests/test_demo.py: PPO rewarded by the demo's learned reward model plus the rule improves on SFT")
 def test_ppo_with_the_learned_reward_model_alone_raises_its_reward_and_keeps_the_task(task_reward_model, policy_model, tmp_path):
     out = tmp_path / "run"
     run_cli(["train", "ppo", "-o", str(out), "--set", f"model.path={policy_model}", "--set", "train.max_steps=60",
