@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
-from collections.abc import Mapping, Sequence
+from typing import Any
 
 from hpcrlhf.run.metrics import read_metrics
 
@@ -41,3 +43,22 @@ def plot_runs(runs: Mapping[str, Path | str], keys: Sequence[str], out: Path | s
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out
+
+
+@contextmanager
+def figure(path: Path | str, ncols: int = 1, figsize: tuple[float, float] = (5, 3.2),
+           dpi: int = 120) -> Iterator[tuple[Any, list[Any]]]:
+    """A figure of `ncols` panels side by side (matplotlib, no display): (figure, axes), laid out and
+    saved to `path` when the block ends, closed whatever happens."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, ncols, figsize=figsize, squeeze=False)
+    try:
+        yield fig, list(axes[0])
+        fig.tight_layout()
+        fig.savefig(path, dpi=dpi)
+    finally:
+        plt.close(fig)

@@ -36,6 +36,7 @@ from hpcrlhf.engines.rollout.hf import HFRollout
 from hpcrlhf.logs import get_logger
 from hpcrlhf.models.loading import load_causal_lm
 from hpcrlhf.models.tiny import build_sized_llama_dir
+from hpcrlhf.plots import figure
 
 log = get_logger()
 
@@ -108,24 +109,16 @@ def run(out: Path, params_m: float, engines: int, repeats: int, bucket_mb: int) 
 
 
 def plot(result: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     names = ["object_store", "collective"]
-    fig, ax = plt.subplots(figsize=(5, 3.2))
-    ax.bar(names, [result[n]["median_s"] for n in names], color=["#999999", "#1f77b4"])
-    for i, n in enumerate(names):
-        ax.text(i, result[n]["median_s"], f"{result[n]['median_s']:.2f} s\n{result[n]['gb_per_s']:.2f} GB/s",
-                ha="center", va="bottom", fontsize=8)
-    ax.set_ylabel("seconds per sync (median)")
-    ax.set_title(f"weight sync, {result['params'] / 1e6:.0f}M params into {result['engines']} vLLM engine(s)",
-                 fontsize=9)
-    ax.margins(y=0.25)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    with figure(path) as (_, (ax,)):
+        ax.bar(names, [result[n]["median_s"] for n in names], color=["#999999", "#1f77b4"])
+        for i, n in enumerate(names):
+            ax.text(i, result[n]["median_s"], f"{result[n]['median_s']:.2f} s\n{result[n]['gb_per_s']:.2f} GB/s",
+                    ha="center", va="bottom", fontsize=8)
+        ax.set_ylabel("seconds per sync (median)")
+        ax.set_title(f"weight sync, {result['params'] / 1e6:.0f}M params into {result['engines']} vLLM engine(s)",
+                     fontsize=9)
+        ax.margins(y=0.25)
 
 
 def main(argv: list[str] | None = None) -> None:
