@@ -6,20 +6,25 @@ rollout engine of PPO (HF generate or vLLM), optionally scores each response wit
 and rules (the same `reward` section as PPO) and with the user's `metrics` (the contract of
 `eval.metrics`), and writes one JSON line per response. It prints a summary: the mean of the
 combined score, of each reward source, of each metric, and the task score on the bundled task.
+With an `agent` section each prompt row runs as a multi-turn trajectory (`AgentRunner`, as ppo's
+rollouts do): its line holds the transcript and what happened in it, the summary the agent's means.
 """
 
 from __future__ import annotations
 
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, BinaryIO, TextIO
 
 import torch
 
+from hpcrlhf.agents.runner import AgentRunner
+from hpcrlhf.agents.scheduler import mixed_seed
 from hpcrlhf.config.schema import GenerateConfig, RolloutConfig
 from hpcrlhf.data.loading import held_out_prompt_rows, load_train_rows, require_task_prompts, task_note
-from hpcrlhf.data.prompts import encode_prompt_rows
+from hpcrlhf.data.prompts import encode_prompt_rows, episode_rows
 from hpcrlhf.data.sft import encode_prompt
 from hpcrlhf.data.sources import require_text
 from hpcrlhf.data.tasks import build_task
@@ -38,7 +43,7 @@ from hpcrlhf.rewards.rules import EvalMetrics, check_rules
 from hpcrlhf.rewards.sources import RewardSet
 from hpcrlhf.run.diskspace import out_of_space_is_an_error
 from hpcrlhf.run.files import make_folders, replacing, require_safe
-from hpcrlhf.trainers.online import flatten_generations
+from hpcrlhf.trainers.online import answer, flatten_generations
 
 log = get_logger()
 
@@ -74,15 +79,19 @@ def run_generate(cfg: GenerateConfig) -> dict:
     # never its training prompts).
     if cfg.data.train_path:
         rows, key = load_train_rows(cfg.data, cfg.task, lambda t, split, n: t.prompt_rows(split, n)), cfg.data.prompt_key
-        require_text(rows, (key,), key_option={key: "data.prompt_key"})
+        if cfg.agent is None:  # a trajectory's first message is the environment's (its reset reads the row)
+            require_text(rows, (key,), key_option={key: "data.prompt_key"})
         require_task_prompts(rows, key, cfg.task, cfg.data)
     else:
         rows, key = held_out_prompt_rows(cfg.data, cfg.task)
     r = cfg.rollout
     tokenizer = load_tokenizer(cfg.model.path, trust_remote_code=cfg.model.trust_remote_code)
-    prompts = encode_prompt_rows(rows, cfg.data, tokenizer, key)
+    agent = None if cfg.agent is None else AgentRunner(cfg.agent, tokenizer, chat=cfg.data.apply_chat_template,
+                                                       prompt_key=key, max_prompt_tokens=cfg.data.max_length)
+    prompts = encode_prompt_rows(rows, cfg.data, tokenizer, key) if agent is None else episode_rows(rows, key)
     window.require_prompts_fit(((len(p.ids), p.origin) for p in prompts), "rollout.max_new_tokens", r.max_new_tokens)
-    engine, tokenizer = load_generator(cfg.model.path, r.backend, max_model_len=cfg.data.max_length + r.max_new_tokens,
+    longest = max(r.max_new_tokens, cfg.agent.max_tokens if cfg.agent else 0)
+    engine, tokenizer = load_generator(cfg.model.path, r.backend, max_model_len=cfg.data.max_length + longest,
                                        rollout=r, seed=cfg.seed, tokenizer=tokenizer,
                                        trust_remote_code=cfg.model.trust_remote_code,
                                        attn_implementation=cfg.model.attn_implementation)
@@ -96,29 +105,39 @@ def run_generate(cfg: GenerateConfig) -> dict:
         rewards = RewardSet(cfg.reward, load_rm, tokenizer, task, device, cfg.model.trust_remote_code, cfg.rules)
     params = sampling_params(r, n=r.samples_per_prompt, greedy=cfg.greedy, seed=None if cfg.greedy else cfg.seed)
     totals: dict[str, Any] = {}
-    count = 0
+    count = reported = 0
     progress = Progress(len(prompts), desc="generate")
     # written beside `out` and renamed over it when complete: never half a file, never through a link
     with out_of_space_is_an_error(out.parent, out.name), replacing(out) as f:
         for start in range(0, len(prompts), cfg.batch_size):
             batch = prompts[start : start + cfg.batch_size]
-            gens = engine.generate([list(p.ids) for p in batch], params)
+            if agent is None:
+                gens = engine.generate([list(p.ids) for p in batch], params)
+            else:  # each row's environment seeded by the seed and the row's place in the file
+                gens, _ = agent.run(engine, [p.row for p in batch], params, env_seed=mixed_seed(cfg.seed, start),
+                                    origins=[p.origin for p in batch])
             records = _records(batch, gens, tokenizer, metrics, rewards)
             for rec in records:
                 f.write((json.dumps(rec) + "\n").encode())
                 _add(totals, {k: v for k, v in rec.items() if k in MEANS})
+                reported += "success" in rec
             count += len(records)
             progress.update(len(batch))
     progress.close()
     engine.close()
-    summary = {"responses": count, "output": str(out), **{f"mean_{k}": _divided(v, max(count, 1)) for k, v in totals.items()}}
+    if agent is not None:
+        agent.close()
+    summary = {"responses": count, "output": str(out),
+               **{f"mean_{k}": _divided(v, max(reported if k == "success" else count, 1)) for k, v in totals.items()}}
     log.info("generate: " + ", ".join(_shown(k, v) for k, v in summary.items()))
     return summary
 
 
-MEANS = ("score", "task_score", "scores", "metrics")
+MEANS = ("score", "task_score", "scores", "metrics", "turns", "tool_calls", "episode_reward", "success", "truncated")
 """The fields of a response's record whose means `generate` reports (`mean_<field>`): the combined
-score, the task score, each reward source's score and each of `metrics`."""
+score, the task score, each reward source's score and each of `metrics`; of a trajectory, its turns,
+tool calls, the environment's reward, whether it was cut at agent.max_turns or max_tokens, and its
+success (over the trajectories whose environment reported it, as agent/success in training)."""
 
 
 def _add(totals: dict[str, Any], values: dict[str, Any]) -> None:
@@ -143,10 +162,10 @@ def _shown(key: str, value: Any) -> str:
 def _records(batch, gens, tokenizer, metrics, rewards) -> list[dict]:
     _, flat, responses = flatten_generations(batch, gens, tokenizer)
     samples = [j for g in gens for j in range(len(g))]
-    records = [{"prompt": r.prompt, "response": r.text, "sample": j, "finished": g.finished,
-                "num_tokens": len(g.response_ids), "logprob": float(sum(g.logprobs))}
+    records = [{"prompt": r.prompt, "response": answer(r), "sample": j, "finished": g.finished,
+                "num_tokens": len(g.response_ids), "logprob": float(sum(g.logprobs)), **_trajectory(g)}
                for r, g, j in zip(responses, flat, samples)]
-    values = metrics.values(responses)
+    values = metrics.values([r if r.episode is None else replace(r, text=answer(r)) for r in responses])
     task_scores = values.pop("task_score", None)
     for i, rec in enumerate(records):
         if task_scores is not None:
@@ -159,6 +178,22 @@ def _records(batch, gens, tokenizer, metrics, rewards) -> list[dict]:
             rec["score"] = float(total[i])
             rec["scores"] = {name: float(v[i]) for name, v in parts.items()}
     return records
+
+
+def _trajectory(g) -> dict[str, Any]:
+    """What a multi-turn generation's line adds: its transcript and what happened in it (empty for a
+    single-turn response). `num_tokens` and `logprob` then count the model's tokens alone."""
+    e = g.episode
+    if e is None:
+        return {}
+    out = {"messages": e.messages, "status": e.status, "turns": e.turns, "tool_calls": sum(e.tool_calls.values()),
+           "tool_calls_by_tool": dict(e.tool_calls), "tool_errors": dict(e.tool_errors), "episode_reward": e.reward,
+           "truncated": float(e.status in ("max_turns", "max_tokens")), "num_tokens": sum(g.action_mask)}
+    if e.success is not None:
+        out["success"] = float(e.success)
+    if e.error:
+        out["error"] = e.error
+    return out
 
 
 BLOCK = '"""'

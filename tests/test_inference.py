@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 from pathlib import Path
 
 import pytest
 
+from hpcrlhf.config.loader import load_config
+from hpcrlhf.config.schema import GenerateConfig
 from hpcrlhf.data.tasks import ArithmeticTask
+from hpcrlhf.errors import ConfigError
 from tests.launch_helpers import ROOT, cli_command, cli_env, run_cli
 
 
@@ -51,6 +55,49 @@ def test_generate_with_vllm_gives_the_same_greedy_answers(policy_model, tmp_path
     a, b = _rows(hf), _rows(vllm)
     assert [r["response"] for r in a] == [r["response"] for r in b]
     assert [r["logprob"] for r in a] == pytest.approx([r["logprob"] for r in b], abs=1e-4)
+
+
+@pytest.mark.slow
+def test_generate_runs_each_row_as_a_trajectory_with_the_agent_section(tmp_path):
+    """An agent evaluated without training: each row runs as a trajectory of tests.agents.envs:Countdown
+    (2 judged turns at 0.1 each, 1.0 at the end) on the tiny llama made to end its turns early; its line
+    holds the transcript and counts, and the `env` source scores the environment's rewards."""
+    from tests.trainers.ppo.test_agent_e2e import short_turned
+
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"prompt": f"count {i}", "id": f"row{i}"}) + "\n" for i in range(8)))
+    model, out = short_turned("llama", None, tmp_path / "model"), tmp_path / "out.jsonl"
+    proc = run_cli(["generate", "-m", model, "-o", str(out), "--set", f"data.train_path={rows}", "--set",
+                    "data.apply_chat_template=true", "--set", "task.name=null", "--set", "rollout.max_new_tokens=8",
+                    "--set", "agent={environment: 'tests.agents.envs:Countdown', environment_args: {turns: 2}, "
+                    "max_turns: 3, max_tokens: 48}", "--set", "reward.sources=[{env: true}]", "--set", "batch_size=3"])
+    lines = _rows(out)
+    assert [line["prompt"] for line in lines] == [f"count {i}" for i in range(8)]
+    done = [line for line in lines if line["status"] == "done"]
+    assert len(done) >= 4, [line["status"] for line in lines]
+    for line in done:  # by hand: two judged turns and the final reward
+        assert line["turns"] == 2 and line["episode_reward"] == pytest.approx(1.2) and line["truncated"] == 0
+        assert line["score"] == pytest.approx(1.2) and line["scores"] == {"env": pytest.approx(1.2)}
+        assert [m["role"] for m in line["messages"]] == ["system", "user", "assistant", "user", "assistant"]
+        assert line["messages"][3]["content"] == "again" and line["response"] == line["messages"][4]["content"]
+        assert line["tool_calls"] == 0 and line["success"] in (0.0, 1.0)
+    for line in lines:
+        if line["status"] != "done":  # cut at the turn's token limit: the judged turns before it, and the end
+            assert line["status"] == "max_tokens" and line["truncated"] == 1
+            assert line["episode_reward"] == pytest.approx(0.1 * (line["turns"] - 1) + 1.0)
+    mean_turns = sum(line["turns"] for line in lines) / len(lines)
+    assert f"mean_turns={mean_turns:.4f}" in proc.stdout + proc.stderr, proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("sets, field", [
+    (["reward.sources=[{env: true}]"], "reward.sources[0].env"),
+    (["agent={environment: 'tests.agents.envs:Countdown', schedule: trajectory}"], "agent.schedule"),
+    (["agent={environment: 'tests.agents.envs:Countdown', max_tokens: 16}", "rollout.max_new_tokens=32"],
+     "agent.max_tokens"),
+])
+def test_generate_checks_its_agent_settings_before_loading(sets, field):
+    with pytest.raises(ConfigError, match=re.escape(field)):
+        load_config(GenerateConfig, overrides=sets)
 
 
 def test_generate_reads_a_prompt_file_and_names_a_missing_field(tiny_llama, tmp_path):

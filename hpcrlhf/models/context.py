@@ -135,6 +135,9 @@ def generation_lengths(cfg: JobConfig) -> list[tuple[str, int]]:
     evaluation = getattr(cfg, "eval", None)
     if evaluation is not None:
         lengths.append(("eval.max_new_tokens", evaluation.max_new_tokens))
+    agent = getattr(cfg, "agent", None)
+    if agent is not None:  # a trajectory's tokens after its first prompt: the model's turns and the answers
+        lengths.append(("agent.max_tokens", agent.max_tokens))
     return lengths
 
 

@@ -62,10 +62,10 @@ def test_the_section_attaches_to_online_jobs_and_the_environment_is_a_reward_sou
     (PPOConfig, [*CALC, "placement.runtime=ray", "rollout.backend=vllm", "placement.vllm={engines: 1}"],
      r"placement.runtime: 'ray' is invalid: multi-turn rollouts \(the agent section\) run on the local runtime"),
     (RSConfig, ["rs.iterations=1", "reward.sources=[{env: true}]"],
-     r"reward.sources\[0\].env: True is invalid: .* which ppo runs, not rs"),
+     r"reward.sources\[0\].env: True is invalid: .* which ppo and generate \(with an agent section\) run, not rs"),
     (RSConfig, [*CALC, "rs.iterations=1"], r"unknown key 'agent'"),
     (GenerateConfig, ["reward={sources: [{env: true}]}"],
-     r"reward.sources\[0\].env: True is invalid: .* which ppo runs, not generate"),
+     r"reward.sources\[0\].env: True is invalid: the environment's reward needs the agent section"),
 ])
 def test_what_the_section_cannot_work_with_is_refused_at_load(cls, overrides, message):
     with pytest.raises(ConfigError, match=message):

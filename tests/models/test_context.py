@@ -44,6 +44,9 @@ def test_the_window_names_both_numbers_and_the_fix():
     (["train", "ppo", "--set", f"rollout.max_new_tokens={HUGE}"], "rollout.max_new_tokens"),
     (["train", "sft", "--set", f"eval.max_new_tokens={HUGE}"], "eval.max_new_tokens"),
     (["generate", "--set", f"rollout.max_new_tokens={HUGE}"], "rollout.max_new_tokens"),
+    # a trajectory's tokens after its first prompt (the model's turns and the answers)
+    (["generate", "--set", f"agent={{environment: 'tests.agents.envs:Countdown', max_tokens: {HUGE}}}"],
+     "agent.max_tokens"),
 ])
 def test_a_response_longer_than_the_model_is_refused_before_anything_loads(tmp_path, args, field):
     out = tmp_path / "out"

@@ -171,15 +171,17 @@ def source_name(index: int, source: RewardSourceConfig) -> str:
     return f"model{index}_{PurePath(source.model).name or 'rm'}"
 
 
-def require_in_job(reward: RewardConfig | None, job: str) -> None:
+def require_in_job(reward: RewardConfig | None, job: str, allow_env: bool = False) -> None:
     """Sources only ppo has, refused by other jobs before anything loads: reward servers of its own
-    (`reward.sources[i].servers`, on Ray) and the environment's reward of multi-turn rollouts (`env`)."""
+    (`reward.sources[i].servers`, on Ray) and, unless `allow_env` (generate: its agent section
+    decides), the environment's reward of multi-turn rollouts (`env`)."""
     for i, source in enumerate(reward.sources if reward is not None else ()):
         require(not source.servers, f"reward.sources[{i}].servers", source.servers,
                 f"only ppo on the Ray runtime starts reward servers, not {job}: use servers=0 to score in the job, "
                 "or start `hpcrlhf serve-reward` yourself and give the source its url")
-        require(not source.env, f"reward.sources[{i}].env", source.env,
-                f"the environment's reward comes with multi-turn rollouts, which ppo runs, not {job}: drop this source")
+        require(allow_env or not source.env, f"reward.sources[{i}].env", source.env,
+                f"the environment's reward comes with multi-turn rollouts, which ppo and generate (with an agent "
+                f"section) run, not {job}: drop this source")
 
 
 def require_url(url: str, key: str) -> None:
@@ -343,19 +345,18 @@ class OnlineJobConfig(TrainJobConfig):
                 f"use fewer tokens than rollout.max_new_tokens ({shown(self.rollout.max_new_tokens)}), e.g. a fifth")
 
 
-def require_agent_settings(cfg: OnlineJobConfig) -> None:
-    """The `agent` section against the rest of an online job: a model turn fits the trajectory's
-    tokens, the hf backend runs turn by turn, the environment's reward needs an environment."""
-    agent = cfg.multi_turn()
-    for i, source in enumerate(cfg.reward.sources):
+def require_agent_settings(agent: AgentConfig | None, reward: RewardConfig | None, rollout: RolloutConfig) -> None:
+    """The `agent` section against the rest of a ppo or generate config: a model turn fits the
+    trajectory's tokens, the hf backend runs turn by turn, the environment's reward needs an environment."""
+    for i, source in enumerate(reward.sources if reward is not None else ()):
         require(not source.env or agent is not None, f"reward.sources[{i}].env", source.env,
                 "the environment's reward needs the agent section: set agent.environment, or drop this source")
     if agent is None:
         return
-    require(agent.max_tokens >= cfg.rollout.max_new_tokens, "agent.max_tokens", agent.max_tokens,
-            f"a model turn may use rollout.max_new_tokens ({shown(cfg.rollout.max_new_tokens)}) tokens: use at "
+    require(agent.max_tokens >= rollout.max_new_tokens, "agent.max_tokens", agent.max_tokens,
+            f"a model turn may use rollout.max_new_tokens ({shown(rollout.max_new_tokens)}) tokens: use at "
             "least that many, e.g. a few turns' worth")
-    require(not (agent.schedule == "trajectory" and cfg.rollout.backend == "hf"), "agent.schedule", agent.schedule,
+    require(not (agent.schedule == "trajectory" and rollout.backend == "hf"), "agent.schedule", agent.schedule,
             "HF generate runs every trajectory turn by turn: leave agent.schedule null or set turn, or use "
             "rollout.backend=vllm")
 
@@ -450,6 +451,10 @@ class GenerateConfig:
     """Seed for sampling."""
     output: PathText = "generations.jsonl"
     """JSONL file written: one line per response with prompt, response, sample index, finished, scores."""
+    agent: AgentConfig | None = None
+    """Multi-turn: each prompt row runs as a trajectory with this environment and tools (ppo's `agent`
+    section; docs/agents.md), to evaluate an agent without training it. Each line then holds the
+    trajectory's messages, turns, tool calls, status and rewards; `response` is its last model turn."""
 
     def __post_init__(self) -> None:
         require(self.batch_size >= 1, "batch_size", self.batch_size, "use at least 1")
@@ -457,5 +462,6 @@ class GenerateConfig:
         fill_derived(self, "data", max_length=resolved_max_length(self.data.max_length, self.task, self.data))
         fill_derived(self, "rollout", max_new_tokens=resolved_new_tokens(self.rollout.max_new_tokens, self.task, self.data))
         require_metrics(self.metrics, "metrics")
-        require_in_job(self.reward, "generate")
+        require_in_job(self.reward, "generate", allow_env=True)
+        require_agent_settings(self.agent, self.reward, self.rollout)
         _require_task_for_rules(self.reward, self.task, self.data)

@@ -209,7 +209,7 @@ class PPOConfig(OnlineJobConfig):
                 f"{shown(self.rollout.prompts_per_step)} x samples_per_prompt {shown(n)}); "
                 f"use a divisor of {shown(sequences)}")
         _require_sleep_settings(self)
-        require_agent_settings(self)
+        require_agent_settings(self.agent, self.reward, self.rollout)
         for i, source in self.served_sources():
             require(self.placement.runtime == "ray", f"reward.sources[{i}].servers", source.servers,
                     "the job starts reward servers where the Ray runtime's node map places them: set "
