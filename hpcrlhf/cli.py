@@ -69,7 +69,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
     return chat(args.model, backend=args.backend, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                 greedy=args.greedy, system=args.system, history=not args.no_history, raw=args.raw, seed=args.seed,
-                stdin=Utf8Lines(sys.stdin.buffer))
+                tools=args.tool, tool_parser=args.tool_parser, max_tool_rounds=args.max_tool_rounds,
+                tool_timeout_s=args.tool_timeout, stdin=Utf8Lines(sys.stdin.buffer))
 
 
 def _number(text: str, kind: type, what: str, fix: str) -> int | float:
@@ -92,6 +93,10 @@ def _new_tokens(text: str) -> int:
 def _temperature(text: str) -> float:
     return _number(text, float, "a sampling temperature", "use a finite number above 0, e.g. 0.7 (lower: more "
                                                            "predictable; --greedy for the most likely token each time)")
+
+
+def _rounds(text: str) -> int:
+    return _number(text, int, "a number of tool rounds", "use 1 or more, e.g. 4")
 
 
 def _seconds(text: str) -> float:
@@ -302,6 +307,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="send each message as a plain prompt, without the chat template (models fine-tuned "
                         "without one, such as those trained on the bundled task)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
+    p.add_argument("--tool", action="append", default=[], metavar="MODULE:FUNCTION",
+                   help="a typed Python function with a docstring the model may call (repeat for several; as "
+                        "agent.tools: docs/agents.md); its calls are run and answered, shown as tool lines")
+    p.add_argument("--tool-parser", default="hermes", metavar="NAME",
+                   help="how tool calls are read from the model's turn: hermes (<tool_call>{json}</tool_call>, "
+                        "default) or package.module:function")
+    p.add_argument("--max-tool-rounds", type=_rounds, default=4, metavar="N",
+                   help="tool rounds per message before the model's turn is shown as it is (default: 4)")
+    p.add_argument("--tool-timeout", type=_seconds, default=30.0, metavar="S",
+                   help="seconds one tool call may take; a slower one is answered with a timeout error (default: 30)")
     p.set_defaults(func=cmd_chat)
 
     p = sub.add_parser("plan", help="print the node map of a PPO recipe on a cluster allocation (no GPUs needed)",

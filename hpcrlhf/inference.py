@@ -16,11 +16,16 @@ import json
 import sys
 from dataclasses import replace
 from pathlib import Path
+from collections.abc import Sequence
 from typing import Any, BinaryIO, TextIO
 
 import torch
 
+from hpcrlhf.agents.parsers import load_parser
+from hpcrlhf.agents.pool import EnvPool
+from hpcrlhf.agents.render import ChatRenderer
 from hpcrlhf.agents.runner import AgentRunner
+from hpcrlhf.agents.tools import ToolAnswer, ToolBox, load_tools
 from hpcrlhf.agents.scheduler import mixed_seed
 from hpcrlhf.config.schema import GenerateConfig, RolloutConfig
 from hpcrlhf.data.loading import held_out_prompt_rows, load_train_rows, require_task_prompts, task_note
@@ -34,7 +39,7 @@ from hpcrlhf.engines.rollout import SamplingParams
 from hpcrlhf.engines.rollout.hf import HFRollout
 from hpcrlhf.engines.rollout.settings import sampling_params, vllm_rollout_args
 from hpcrlhf.engines.rollout.vllm import VLLMRollout
-from hpcrlhf.errors import DataError
+from hpcrlhf.errors import ConfigError, DataError
 from hpcrlhf.logs import Progress, get_logger
 from hpcrlhf.models.context import ContextWindow, require_generation_fits
 from hpcrlhf.models.loading import load_causal_lm, load_tokenizer, resolve_model_path
@@ -273,19 +278,36 @@ def read_message(stdin: TextIO, stdout: TextIO, interactive: bool) -> str | None
 
 def chat(model_path: str, *, backend: str = "hf", max_new_tokens: int = 128, temperature: float = 0.7,
          greedy: bool = False, system: str | None = None, history: bool = True, raw: bool = False, seed: int = 0,
-         stdin: TextIO = sys.stdin, stdout: TextIO = sys.stdout) -> int:
+         tools: Sequence[str] = (), tool_parser: str = "hermes", max_tool_rounds: int = 4, tool_timeout_s: float = 30.0,
+         stdin: TextIO = sys.stdin, stdout: TextIO = sys.stdout, engine: Any = None) -> int:
     """Read user messages from `stdin` (`read_message`: one line, or several joined by trailing
     backslashes or inside a `BLOCK`), answer each with the model. `/reset` forgets the
     conversation, `/quit` (or end of input) leaves. Models with a chat template see the whole
     conversation through it; others (or with `raw`) see the latest message as a plain prompt.
 
+    `tools` (`package.module:function` each, as `agent.tools`) reach the model through its chat
+    template: a turn that calls them (`tool_parser`) is answered by running them (each within
+    `tool_timeout_s`; a failed call is answered with its error, as in training), shown as `tool>`
+    lines, and the model goes on from its own tokens, up to `max_tool_rounds` times per message.
+
     A message that does not fit the model's positions with `max_new_tokens` (`ContextWindow`) is
     refused: at a terminal with a message on stderr, and the chat goes on; piped input is a script,
-    which ends there (DataError: exit 2), since what follows was written to follow that answer."""
+    which ends there (DataError: exit 2), since what follows was written to follow that answer.
+    `engine`: a rollout engine to answer with instead of loading one (tests)."""
     window = ContextWindow.of(model_path, "--model", say_unlimited=True)
     window.require_response_fits("--max-new-tokens", max_new_tokens)  # before the model loads
-    engine, tokenizer = load_generator(model_path, backend, max_model_len=4096, seed=seed)
+    box = ToolBox(load_tools(tools, "--tool")) if tools else None  # the user's code: before the model too
+    parser = load_parser(tool_parser, "--tool-parser") if tools else None
+    if engine is None:
+        engine, tokenizer = load_generator(model_path, backend, max_model_len=4096, seed=seed)
+    else:
+        tokenizer = load_tokenizer(model_path)
     templated = tokenizer.chat_template is not None and not raw
+    if box is not None and not templated:
+        engine.close()
+        raise ConfigError("--tool: tools reach the model through its chat template: "
+                          + ("drop --raw" if raw else f"{model_path} has none; use a chat model"))
+    caller = None if box is None else ToolCaller(box, parser, ChatRenderer(tokenizer, box.schemas), tool_timeout_s)
     messages: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
     interactive = stdin.isatty()
     turn = sent = 0
@@ -302,7 +324,9 @@ def chat(model_path: str, *, backend: str = "hf", max_new_tokens: int = 128, tem
                 continue
             messages.append({"role": "user", "content": text})
             sent += 1
-            if templated:
+            if caller is not None:  # the template with the tools' schemas
+                ids = caller.renderer.prompt(messages if history else messages[-1:])
+            elif templated:
                 text_in = tokenizer.apply_chat_template(messages if history else messages[-1:], tokenize=False,
                                                         add_generation_prompt=True)
                 ids = tokenizer(text_in, add_special_tokens=False)["input_ids"]  # the template has the specials
@@ -319,11 +343,58 @@ def chat(model_path: str, *, backend: str = "hf", max_new_tokens: int = 128, tem
                 continue
             params = SamplingParams(n=1, temperature=temperature, max_new_tokens=max_new_tokens, greedy=greedy,
                                     seed=None if greedy else seed + turn)
-            gen = engine.generate([ids], params)[0][0]
-            reply = tokenizer.decode(gen.response_ids, skip_special_tokens=True).strip()
-            messages.append({"role": "assistant", "content": reply})
+            for rounds in range(max_tool_rounds + 1):
+                gen = engine.generate([ids], params)[0][0]
+                reply = tokenizer.decode(gen.response_ids, skip_special_tokens=True).strip()
+                messages.append({"role": "assistant", "content": reply})
+                answers = caller.answers(gen, rounds < max_tool_rounds) if caller is not None else []
+                if not answers:
+                    break
+                for a in answers:
+                    stdout.write(("tool> " if interactive else "tool: ") + f"{a.name}: {a.content}\n")
+                messages += [a.message() for a in answers]
+                ids = ids + list(gen.response_ids) + caller.renderer.observation([a.message() for a in answers])
+                params = replace(params, seed=None if greedy else seed + turn + 1000 * (rounds + 1))
+                try:
+                    window.require_prompt_fits(len(ids), "--max-new-tokens", max_new_tokens,
+                                               f"message {sent} with its tool answers")
+                except DataError as e:
+                    if not interactive:
+                        raise
+                    print(f"hpcrlhf: {e}; the model's answer stops here", file=sys.stderr, flush=True)
+                    break
             stdout.write(("model> " if interactive else "") + reply + "\n")
             stdout.flush()
             turn += 1
     finally:
         engine.close()
+        if caller is not None:
+            caller.close()
+
+
+class ToolCaller:
+    """`chat`'s tools: a model turn's calls parsed, run (each within `timeout_s`) and answered."""
+
+    def __init__(self, box: ToolBox, parser, renderer: ChatRenderer, timeout_s: float) -> None:
+        self.box, self.parser, self.renderer, self.timeout_s = box, parser, renderer, timeout_s
+        self.pool = EnvPool(1, name="hpcrlhf-chat-tools")
+
+    def answers(self, gen, allowed: bool) -> list[ToolAnswer]:
+        """The answers to the calls of model turn `gen` (none when it was cut at its length, made no
+        call, or `allowed` is False: the message's rounds are used up)."""
+        tokenizer = self.renderer.tokenizer
+        calls = self.parser(tokenizer.decode(gen.response_ids, skip_special_tokens=False)) if gen.finished else []
+        return [self._answer(c) for c in calls] if allowed else []
+
+    def _answer(self, call) -> ToolAnswer:
+        started = self.pool.call(self.box.answer, call, self.pool.run, timeout_s=self.timeout_s,
+                                 label=f"tool {getattr(call, 'name', 'call')}")
+        while not started.done():
+            self.pool.wait([started], 0.1)
+            if self.pool.overdue([started]):
+                return ToolAnswer(getattr(call, "name", "invalid"), f"error: timeout: no answer within "
+                                  f"{self.timeout_s:g} s (--tool-timeout)", "timeout")
+        return started.future.result()
+
+    def close(self) -> None:
+        self.pool.close()

@@ -2,17 +2,24 @@
 
 from __future__ import annotations
 
+import io
 import json
 import re
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
 
+from hpcrlhf.agents.render import ChatRenderer
+from hpcrlhf.agents.tools import load_tools
 from hpcrlhf.config.loader import load_config
 from hpcrlhf.config.schema import GenerateConfig
 from hpcrlhf.data.tasks import ArithmeticTask
+from hpcrlhf.engines.rollout.contract import Generation
 from hpcrlhf.errors import ConfigError
+from hpcrlhf.inference import chat
+from hpcrlhf.models.loading import load_tokenizer
 from tests.launch_helpers import ROOT, cli_command, cli_env, run_cli
 
 
@@ -155,6 +162,59 @@ def test_chat_reads_a_message_of_several_lines(tiny_llama):
     assert len(answers) == 2 and answers[0] == answers[1], proc.stdout
 
 
+class ScriptedChat:
+    """A rollout engine whose turns say `replies` in order, each ending with EOS; it keeps the prompts
+    it was given."""
+
+    def __init__(self, tokenizer, replies: list[str]) -> None:
+        self.tok, self.replies, self.prompts, self.closed = tokenizer, list(replies), [], False
+
+    def reply_ids(self, text: str) -> list[int]:
+        return self.tok(text, add_special_tokens=False)["input_ids"] + [self.tok.eos_token_id]
+
+    def generate(self, prompts, params):
+        self.prompts.append(list(prompts[0]))
+        ids = self.reply_ids(self.replies.pop(0))
+        return [[Generation(list(prompts[0]), ids, [0.0] * len(ids), True)]]
+
+    def close(self) -> None:
+        self.closed = True
+
+
+CALL = '<tool_call>{"name": "multiply", "arguments": {"a": 6, "b": 7}}</tool_call>'
+
+
+def test_chat_runs_the_models_tool_calls_and_goes_on_from_its_own_tokens(tiny_llama):
+    tok = load_tokenizer(tiny_llama)
+    engine = ScriptedChat(tok, [CALL, "= 42", "hello"])
+    out = io.StringIO()
+    chat(tiny_llama, tools=["tests.agents.envs:multiply"], greedy=True, stdin=io.StringIO("what is 6*7?\nhi\n"),
+         stdout=out, engine=engine)
+    assert out.getvalue().splitlines() == ["tool: multiply: 42", "= 42", "hello"] and engine.closed
+    renderer = ChatRenderer(tok, [t.schema for t in load_tools(["tests.agents.envs:multiply"])])
+    first = renderer.prompt([{"role": "user", "content": "what is 6*7?"}])
+    # token in, token out: the second turn reads the first turn's own tokens, then the tool's answer
+    assert engine.prompts[:2] == [first, first + engine.reply_ids(CALL) + renderer.observation(
+        [{"role": "tool", "name": "multiply", "content": "42"}])]
+    assert engine.prompts[2][:len(first) - 1] == first[:-1] and len(engine.prompts[2]) > len(engine.prompts[1])
+
+
+def test_chat_answers_a_hung_tool_with_a_timeout_and_refuses_tools_without_a_template(tiny_llama):
+    tok = load_tokenizer(tiny_llama)
+    engine = ScriptedChat(tok, ['<tool_call>{"name": "sleepy", "arguments": {"seconds": 30}}</tool_call>', "late"])
+    out, began = io.StringIO(), time.monotonic()
+    chat(tiny_llama, tools=["tests.agents.envs:sleepy"], tool_timeout_s=0.5, greedy=True, stdin=io.StringIO("wait\n"),
+         stdout=out, engine=engine)
+    assert out.getvalue().splitlines() == ["tool: sleepy: error: timeout: no answer within 0.5 s (--tool-timeout)",
+                                           "late"]
+    assert time.monotonic() - began < 10
+    with pytest.raises(ConfigError, match="--tool: tools reach the model through its chat template: drop --raw"):
+        chat(tiny_llama, tools=["tests.agents.envs:multiply"], raw=True, stdin=io.StringIO(""),
+             engine=ScriptedChat(tok, []))
+    with pytest.raises(ConfigError, match="--tool"):
+        chat(tiny_llama, tools=["tests.agents.envs:nosuch"], stdin=io.StringIO(""), engine=ScriptedChat(tok, []))
+
+
 @pytest.mark.parametrize("option, value, expected", [
     ("--max-new-tokens", "0", "argument --max-new-tokens: 0 is not a number of tokens to generate: use 1 or more"),
     ("--max-new-tokens", "-5", "argument --max-new-tokens: -5 is not a number of tokens to generate: use 1 or more"),
@@ -162,6 +222,8 @@ def test_chat_reads_a_message_of_several_lines(tiny_llama):
     ("--temperature", "-1", "argument --temperature: -1 is not a sampling temperature: use a finite number above 0"),
     ("--temperature", "nan", "argument --temperature: nan is not a sampling temperature: use a finite number above 0"),
     ("--temperature", "inf", "argument --temperature: inf is not a sampling temperature: use a finite number above 0"),
+    ("--max-tool-rounds", "0", "argument --max-tool-rounds: 0 is not a number of tool rounds: use 1 or more"),
+    ("--tool-timeout", "-1", "argument --tool-timeout: -1 is not a number of seconds: use a finite number above 0"),
 ])
 def test_chat_arguments_out_of_range_are_refused_before_a_model_loads(option, value, expected, tmp_path, capsys):
     """Each was a ValueError traceback from SamplingParams once the model had loaded (rc 1); inf sampled noise."""

@@ -107,3 +107,23 @@ def by_length(text: str) -> list:
 
     return [[BadCall(text[:20], "no closing tag")], [ToolCall("nosuch", {"x": 1})], [ToolCall("add", {"a": 1, "b": "two"})],
             [ToolCall("multiply", {"a": -1, "b": 2})], [ToolCall("multiply", {"a": 0, "b": 2})], []][len(text) % 6]
+
+
+def multiply(a: int, b: int) -> int:
+    """Multiply two integers.
+
+    Args:
+        a: The first factor.
+        b: The second factor.
+    """
+    return a * b
+
+
+def sleepy(seconds: float) -> str:
+    """Wait, then say so.
+
+    Args:
+        seconds: How long to wait.
+    """
+    time.sleep(seconds)
+    return "awake"
