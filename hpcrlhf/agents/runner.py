@@ -10,12 +10,14 @@ Seeds. Turn t of sample j of row i is sampled with `mixed_seed(params.seed, i * 
 (`hpcrlhf.agents.scheduler`), so a batch samples the same tokens whatever order its environments
 answer in. The environment's `reset(row, seed)` gets one seed per row (`mixed_seed(env_seed, i)`):
 the n samples of a group meet the same instance of the task, as a group-relative advantage compares
-the model's choices on one problem.
+the model's choices on one problem. `i` counts from `params.first_index`, the rows' place in the
+whole batch: a batch split over several engines (Ray) runs the trajectories one engine would.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from hpcrlhf.agents.environments import load_environment
@@ -29,6 +31,7 @@ from hpcrlhf.agents.tools import load_tools
 from hpcrlhf.config.schema.agent import AgentConfig
 from hpcrlhf.engines.rollout.contract import Generation, SamplingParams
 from hpcrlhf.engines.rollout.vllm import VLLMRollout
+from hpcrlhf.models.loading import load_tokenizer
 
 
 def request_engine(engine: Any, params: SamplingParams):
@@ -64,16 +67,36 @@ class AgentRunner:
         """`rows` as `params.n` trajectories each on `engine` (an HF or vLLM rollout, or a request-level
         engine): their generations, row-major, and the batch's figures. `origins`: where each row came
         from (`file:line`), for error messages."""
-        n = params.n
+        n, first = params.n, params.first_index
         requests = engine if hasattr(engine, "submit") else request_engine(engine, params)
-        episodes = [Episode(f"{i:06d}-{j:04d}", row, mixed_seed(env_seed, i), self.setup,
-                            origins[i] if origins else f"prompt {i}")
+        episodes = [Episode(f"{first + i:06d}-{j:04d}", row, mixed_seed(env_seed, first + i), self.setup,
+                            origins[i] if origins else f"prompt {first + i}")
                     for i, row in enumerate(rows) for j in range(n)]
         stats = run_episodes(requests, episodes, self.pool, max_new_tokens=params.max_new_tokens, seed=params.seed,
-                             schedule=self.schedule(requests.synchronous), max_failed_share=self.cfg.max_failed_share)
+                             schedule=self.schedule(requests.synchronous), max_failed_share=self.cfg.max_failed_share,
+                             first=first * n)
         generations = [ep.generation() for ep in episodes]
         return [generations[i * n:(i + 1) * n] for i in range(len(rows))], stats
 
     def close(self) -> None:
         self.pool.close()
+
+
+@dataclass(frozen=True)
+class AgentSpec:
+    """What builds a job's `AgentRunner` in another process (a Ray engine actor, whose environments
+    and tools then run beside its engine): the agent section and how the job renders prompts."""
+
+    agent: AgentConfig
+    tokenizer: str
+    """The tokenizer's folder or name (`model.path`)."""
+    chat: bool
+    prompt_key: str = "prompt"
+    max_prompt_tokens: int | None = None
+    trust_remote_code: bool = False
+
+    def runner(self) -> AgentRunner:
+        tokenizer = load_tokenizer(self.tokenizer, trust_remote_code=self.trust_remote_code)
+        return AgentRunner(self.agent, tokenizer, chat=self.chat, prompt_key=self.prompt_key,
+                           max_prompt_tokens=self.max_prompt_tokens)
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import hashlib
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Protocol
 
 from hpcrlhf.agents.episode import Episode
@@ -82,10 +82,18 @@ class BatchStats:
     abandoned_calls: int = 0
 
 
+def added(parts: Sequence[BatchStats]) -> BatchStats:
+    """The figures of a batch run in parts (one per engine): every count and every second added up, so
+    an idle share over them is the engines' mean."""
+    return BatchStats(**{f.name: sum(getattr(p, f.name) for p in parts) for f in fields(BatchStats)})
+
+
 def run_episodes(engine: RequestEngine, episodes: Sequence[Episode], pool: EnvPool, *, max_new_tokens: int,
-                 seed: int | None, schedule: str = "trajectory", max_failed_share: float = 1.0) -> BatchStats:
+                 seed: int | None, schedule: str = "trajectory", max_failed_share: float = 1.0,
+                 first: int = 0) -> BatchStats:
     """Run `episodes` to their ends on `engine`; their records and tokens hold the results. Turn t of
-    episode i is sampled with `mixed_seed(seed, i, t)` (None: the engine's own stream)."""
+    episode i is sampled with `mixed_seed(seed, first + i, t)` (None: the engine's own stream; `first`:
+    the first episode's place in a batch split over engines)."""
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
     if engine.synchronous and schedule != "turn":
@@ -132,7 +140,7 @@ def run_episodes(engine: RequestEngine, episodes: Sequence[Episode], pool: EnvPo
                 for ep in ready:
                     turn = ep.record.turns
                     engine.submit(TurnRequest(ep.key, ep.context, min(max_new_tokens, ep.room),
-                                              None if seed is None else mixed_seed(seed, index[ep.key], turn)))
+                                              None if seed is None else mixed_seed(seed, first + index[ep.key], turn)))
                     in_engine[ep.key] = ep
                 ready = []
             if engine.running():

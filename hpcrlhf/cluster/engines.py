@@ -5,7 +5,9 @@ workers itself with multiprocessing (never Ray: that would escape the map, and v
 does not support it). The actor holds nothing but its engine, so on vLLM's CPU platform the engine
 core runs inside it (`VLLMRollout(in_process=None)`): one vLLM process fewer to spawn and import per
 engine, two at TP 1. Weights arrive after every actor update, broadcast in a weight-sync group
-(`receive_weights`) or as a full state dict (`load_weights`).
+(`receive_weights`) or as a full state dict (`load_weights`). With an agent section the actor also
+runs its part of a batch's multi-turn trajectories (`run_episodes_stream`): their environments and
+tools run in its process, on its node's CPU cores.
 """
 
 from __future__ import annotations
@@ -14,8 +16,10 @@ import dataclasses
 import os
 import time
 from typing import Any
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 
+from hpcrlhf.agents.runner import AgentRunner, AgentSpec
+from hpcrlhf.agents.scheduler import BatchStats, added
 from hpcrlhf.cluster.worker_group import (RoleWorker, WorkerGroup, busy, dead_worker_message, death_verdict, gather,
                                           lost_worker_error)
 from hpcrlhf.data.batching import shard_rows
@@ -47,6 +51,8 @@ class EngineWorker(RoleWorker):
                 os.environ["VLLM_CPU_OMP_THREADS_BIND"] = omp_binding(tensor_parallel_size, os.cpu_count() or 1)
         self.engine = VLLMRollout(model_dir, seed=seed + rank, tensor_parallel_size=tensor_parallel_size,
                                   distributed_executor_backend="mp", in_process=None, **engine_kwargs)
+        self.agent: tuple[AgentSpec, AgentRunner] | None = None
+        """The job's agent (multi-turn rollouts), built at its first batch."""
 
     @busy
     def generate(self, prompts: Sequence[Sequence[int]], params) -> list:
@@ -57,6 +63,19 @@ class EngineWorker(RoleWorker):
         """`generate`, the finished prompts' groups as they finish (`VLLMRollout.stream`); called
         with `.options(num_returns="streaming")`."""
         yield from self.engine.stream(prompts, params)
+
+    @busy
+    def run_episodes_stream(self, rows: Sequence[Mapping[str, Any]], params, origins: Sequence[str], env_seed: int,
+                            spec: AgentSpec) -> Iterator[list]:
+        """`params.n` multi-turn trajectories of each row (`AgentRunner.run`) on this engine, the
+        environments and tools of the job's agent section (`spec`) in this process: one item, the part's
+        groups with the batch's scheduling figures (`EpisodeGroups`)."""
+        if self.agent is None or self.agent[0] != spec:
+            if self.agent is not None:
+                self.agent[1].close()
+            self.agent = (spec, spec.runner())
+        generations, stats = self.agent[1].run(self.engine, rows, params, env_seed, origins)
+        yield EpisodeGroups(enumerate(generations), stats)
 
     @busy
     def load_weights(self, state: Mapping[str, Any]) -> None:
@@ -117,6 +136,12 @@ class EngineFleet:
     def launch(self, prompts: Sequence[Sequence[int]], params) -> FleetBatch:
         """Start generating `prompts` on the engines (each its part); `result()` collects them."""
         return FleetBatch(self, prompts, params)
+
+    def launch_episodes(self, rows: Sequence[Mapping[str, Any]], params, origins: Sequence[str], env_seed: int,
+                        spec: AgentSpec) -> FleetBatch:
+        """Start the multi-turn trajectories of `rows` on the engines, each its part beside its engine
+        (`EngineWorker.run_episodes_stream`); `result()` collects them, `episode_stats()` their figures."""
+        return FleetBatch(self, rows, params, method="run_episodes_stream", sliced=(origins,), extra=(env_seed, spec))
 
     def sleep(self) -> None:
         """Every engine releases its GPU memory (`VLLMRollout.sleep`)."""
@@ -189,6 +214,15 @@ class EngineFleet:
             self.group.kill()
 
 
+class EpisodeGroups(list):
+    """An engine's finished groups of multi-turn trajectories, (prompt index, generations) each, with
+    the scheduling figures of its part of the batch (`stats`)."""
+
+    def __init__(self, groups: Iterable[tuple[int, list]], stats: BatchStats) -> None:
+        super().__init__(groups)
+        self.stats = stats
+
+
 class FleetBatch:
     """A batch under way on an `EngineFleet`: one contiguous part per engine, each part's sampling
     seeds following its prompts' positions in the batch. Each engine streams the prompts it has
@@ -198,8 +232,14 @@ class FleetBatch:
     received before it died are kept (what was scored stays what is trained on) and their copies
     in the redo dropped."""
 
-    def __init__(self, fleet: EngineFleet, prompts: Sequence[Sequence[int]], params) -> None:
+    def __init__(self, fleet: EngineFleet, prompts: Sequence[Any], params, *, method: str = "generate_stream",
+                 sliced: Sequence[Sequence[Any]] = (), extra: Sequence[Any] = ()) -> None:
+        """`prompts` (token ids, or rows for `run_episodes_stream`) by the workers' streaming `method`,
+        each given its part of `prompts` and of each of `sliced`, its params, then `extra`."""
         self.fleet, self.prompts, self.params = fleet, prompts, params
+        self.method, self.sliced, self.extra = method, sliced, extra
+        self.stats: dict[int, BatchStats] = {}
+        """A multi-turn batch's figures, per part."""
         self.parts = {rank: (rows[0], rows[-1] + 1) for rank, rows in enumerate(shard_rows(len(prompts), len(fleet.group)))
                       if rows}
         self.sent_to: dict[int, Any] = {}
@@ -221,8 +261,8 @@ class FleetBatch:
         self.sent_to[rank] = worker
         self.done_at.pop(rank, None)
         part = dataclasses.replace(self.params, first_index=self.params.first_index + a)
-        stream = self.current[rank] = worker.generate_stream.options(num_returns="streaming").remote(
-            self.prompts[a:b], part)
+        stream = self.current[rank] = getattr(worker, self.method).options(num_returns="streaming").remote(
+            self.prompts[a:b], part, *(s[a:b] for s in self.sliced), *self.extra)
         stream.completed().future().add_done_callback(lambda _, rank=rank, s=stream: self._mark_done(rank, s))
         self.streams[stream] = rank
 
@@ -252,6 +292,10 @@ class FleetBatch:
             self._take()
         return [self.groups[i] for i in range(len(self.prompts))]
 
+    def episode_stats(self) -> BatchStats:
+        """A multi-turn batch's scheduling figures, its parts' added up (after `result`)."""
+        return added([self.stats[rank] for rank in sorted(self.stats)])
+
     def _take(self) -> None:
         """Wait until an engine's stream has news, then take one item of every stream that has one: its
         groups kept, its end noted, or its part started again when its engine died."""
@@ -277,5 +321,7 @@ class FleetBatch:
                 self._start(rank)
                 continue
             first = self.parts[rank][0]
+            if isinstance(groups, EpisodeGroups):
+                self.stats[rank] = groups.stats
             for i, generations in groups:
                 self.groups.setdefault(first + i, generations)  # a redo's copy of a kept group: dropped

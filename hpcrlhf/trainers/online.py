@@ -20,7 +20,7 @@ from collections.abc import Iterator, Mapping, Sequence
 import torch
 
 from hpcrlhf.agents.metrics import batch_stats, episode_stats
-from hpcrlhf.agents.runner import AgentRunner
+from hpcrlhf.agents.runner import AgentRunner, AgentSpec
 from hpcrlhf.config.schema import OnlineJobConfig
 from hpcrlhf.config.schema.agent import AgentConfig
 from hpcrlhf.data.prompts import Prompt, encode_prompt_rows, episode_rows, load_train_prompts
@@ -161,6 +161,8 @@ class OnlineTrainer(TrainingLoop):
     """What the last weight sync moved (`weight_sync/bytes`, ...), where the sync path measures it."""
     agent: AgentRunner | None = None
     """Multi-turn rollouts: the agent section's environment, tools and parser (`setup_online`)."""
+    agent_spec: AgentSpec | None = None
+    """What builds the same agent in a Ray engine actor (`EngineFleet.launch_episodes`)."""
 
     def setup_online(self) -> None:
         """Training prompts and the held-out prompts `setup` read, as token ids; call after `setup`."""
@@ -185,6 +187,8 @@ class OnlineTrainer(TrainingLoop):
             raise ConfigError(f"agent: multi-turn rollouts run on one training rank so far, this job has "
                               f"{self.env.world_size}: launch one rank (ZeRO-3 across ranks generates in lockstep, "
                               "which trajectories of different lengths cannot keep)")
+        self.agent_spec = AgentSpec(agent, cfg.model.path, cfg.data.apply_chat_template, cfg.data.prompt_key,
+                                    cfg.data.max_length, cfg.model.trust_remote_code)
         return AgentRunner(agent, self.tokenizer, chat=cfg.data.apply_chat_template, prompt_key=cfg.data.prompt_key,
                            max_prompt_tokens=cfg.data.max_length)
 
@@ -227,8 +231,12 @@ class OnlineTrainer(TrainingLoop):
         """`params.n` trajectories of each prompt's row on `engine`, run to their ends (the
         environments seeded by the step's sampling seed and the row's place in the batch), and the
         batch's scheduling figures."""
-        generations, stats = self.agent.run(engine, [p.row for p in prompts], params, env_seed=params.seed,
-                                            origins=[p.origin for p in prompts])
+        rows, origins = [p.row for p in prompts], [p.origin for p in prompts]
+        if hasattr(engine, "launch_episodes"):  # Ray engine actors: each runs its part beside its engine
+            batch = engine.launch_episodes(rows, params, origins, params.seed, self.agent_spec)
+            generations, stats = batch.result(), batch.episode_stats()
+        else:
+            generations, stats = self.agent.run(engine, rows, params, env_seed=params.seed, origins=origins)
         return generations, batch_stats(stats, len(prompts) * params.n)
 
     def ready_to_generate(self) -> None:

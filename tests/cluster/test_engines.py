@@ -1,5 +1,6 @@
 """vLLM engines as Ray actors on the node map's TP groups: each engine runs where the map says,
-and after every weight sync its greedy generations equal those of the trainer's weights."""
+and after every weight sync its greedy generations equal those of the trainer's weights; a batch of
+multi-turn trajectories split over them is the batch one engine runs."""
 
 from __future__ import annotations
 
@@ -125,11 +126,46 @@ def test_engines_on_tp_groups_follow_weight_syncs(ray_cluster, tiny_llama):
         assert [gens for _, gens in sorted(g for item in items for g in item)] == batch.result()
         assert list(batch.as_finished()) == []  # taken once
         assert all(b > 0 for b in engines.call("pop_busy"))  # streaming counts as the engines' work
+        check_episodes_over_the_fleet(engines, EngineFleet(engines, None), model, tokenizer, tiny_llama)
     finally:
         if engines is not None:
             engines.call("close")
             engines.kill()
         reservation.release()
+
+
+def check_episodes_over_the_fleet(engines, fleet, model, tokenizer, tiny_llama) -> None:
+    """Multi-turn trajectories (issue 39) split over the fleet's engines, each part beside its engine
+    (its environments in the engine's actor), are the trajectories one engine runs for the whole
+    batch: turn and environment seeds follow the rows' places in the batch. tests.agents.envs:Countdown
+    judges 2 turns (0.1 each) and gives 1.0 at the end, on the model made to end its turns early."""
+    import ray
+
+    from hpcrlhf.agents.runner import AgentSpec
+    from hpcrlhf.config.schema.agent import AgentConfig
+    from tests.engines.test_rollout import agent_eos_prone
+
+    engines.call("load_weights", agent_eos_prone(model, tokenizer))
+    spec = AgentSpec(AgentConfig(environment="tests.agents.envs:Countdown", environment_args={"turns": 2}, max_turns=3,
+                                 max_tokens=48), tiny_llama, True)
+    rows = [{"prompt": f"count {i}", "id": f"row{i}"} for i in range(6)]
+    origins = [f"rows.jsonl:{i + 1}" for i in range(6)]
+    params = SamplingParams(n=2, max_new_tokens=8, seed=5)
+    batch = fleet.launch_episodes(rows, params, origins, 11, spec)
+    split, stats = batch.result(), batch.episode_stats()
+    stream = engines.workers[0].run_episodes_stream.options(num_returns="streaming").remote(rows, params, origins, 11,
+                                                                                           spec)
+    whole = ray.get(next(stream))
+    assert [i for i, _ in whole] == list(range(6)) and sorted(batch.stats) == [0, 1]  # both engines ran a part
+
+    def seen(groups) -> list:
+        return [[(g.response_ids, g.action_mask, g.logprobs, g.episode.status, g.episode.reward) for g in group]
+                for group in groups]
+
+    assert seen(split) == seen([g for _, g in whole])
+    records = [g.episode for group in split for g in group]
+    assert any(r.turns == 2 and r.status == "done" and r.reward == pytest.approx(1.2) for r in records), records
+    assert stats.env_calls == whole.stats.env_calls and stats.wall_s > 0  # the parts' figures added up
 
 
 def test_an_engine_of_tp_1_runs_in_its_actor_and_follows_weight_syncs(ray_cluster, tiny_llama):

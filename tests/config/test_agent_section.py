@@ -59,8 +59,6 @@ def test_the_section_attaches_to_online_jobs_and_the_environment_is_a_reward_sou
      r"agent.max_tokens: 32 is invalid: a model turn may use rollout.max_new_tokens \(64\) tokens"),
     (PPOConfig, [*CALC, "rollout.backend=hf", "agent.schedule=trajectory"],
      r"agent.schedule: 'trajectory' is invalid: HF generate runs every trajectory turn by turn"),
-    (PPOConfig, [*CALC, "placement.runtime=ray", "rollout.backend=vllm", "placement.vllm={engines: 1}"],
-     r"placement.runtime: 'ray' is invalid: multi-turn rollouts \(the agent section\) run on the local runtime"),
     (RSConfig, ["rs.iterations=1", "reward.sources=[{env: true}]"],
      r"reward.sources\[0\].env: True is invalid: .* which ppo and generate \(with an agent section\) run, not rs"),
     (RSConfig, [*CALC, "rs.iterations=1"], r"unknown key 'agent'"),

@@ -222,9 +222,6 @@ class PPOConfig(OnlineJobConfig):
             require(not self.lora.rank, "lora.rank", self.lora.rank,
                     "the Ray runtime pushes full weights into vLLM after each update: use lora.rank=0, or "
                     "placement.runtime=local")
-            require(self.agent is None, "placement.runtime", self.placement.runtime,
-                    "multi-turn rollouts (the agent section) run on the local runtime so far: use "
-                    "placement.runtime=local, or drop the agent section")
 
 
 def _require_sleep_settings(cfg: PPOConfig) -> None:
