@@ -101,6 +101,8 @@ class EngineWorker(RoleWorker):
 
     def close(self) -> None:
         self.engine.close()
+        if self.agent is not None:  # its environment threads: a hung call's stays, as a daemon
+            self.agent[1].close()
 
 
 DEATH_NOTICE_S = 30.0
