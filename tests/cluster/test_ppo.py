@@ -266,9 +266,10 @@ def test_the_jobs_reward_servers_score_as_the_job_does_and_their_token_stays_in_
         assert "reward server 2 (model1_rm, node 0 gpu 1) on http://" in sub["log"]
 
 
-IMAGE_STEPS = 20
+IMAGE_STEPS = 30
 """Steps of the run inside the image: its first STEPS are compared with the colocated run's; the steps after
-SURVEYED_AT_STEP leave the survey (~7 s) time to finish while the job runs (14 steps were too few once: 2026-11-28)."""
+SURVEYED_AT_STEP leave the survey (7-10 s) time to finish while the job runs: on a fast host (2026-11-28) a step
+took under a second, and 12 steps after the survey's were too few."""
 FAILED_AFTER_STEP = 4  # node n2 fails then; the run checkpoints every 3 steps: it resumes from step 3
 SURVEYED_AT_STEP = 8
 """What the second attempt's processes listen on is surveyed after this step: with the steps left for the

@@ -129,7 +129,7 @@ def test_a_second_family_trains_through_tools_that_fail_in_every_way(tmp_path):
 def test_resumed_agent_runs_equal_uninterrupted_ones(tmp_path):
     """Multi-turn rollouts resume exactly: with dynamic sampling's refill rounds (stopped after step 2,
     resumed to 4), and with the rollout generated one update ahead (stopped by the time-limit signal
-    after step 2: the trajectories generated ahead are in the checkpoint). The environments are seeded
+    after step 2 of 6: the trajectories generated ahead are in the checkpoint). The environments are seeded
     by step, round and row, each trajectory's turns by its sample and turn (tests.agents.envs:Wordy:
     rewards by what each turn wrote and at the end, on the tiny llama made to end its turns early)."""
     rows = tmp_path / "rows.jsonl"
@@ -142,19 +142,22 @@ def test_resumed_agent_runs_equal_uninterrupted_ones(tmp_path):
               "--set", "agent={environment: 'tests.agents.envs:Wordy', environment_args: {turns: 2}, max_turns: 3, "
                        "max_tokens: 48}", "--set", "reward.sources=[{env: true}]", *QUIET]
     keys = ("rollout/score", "train/policy_loss", "agent/turns", "agent/env_tokens", "agent/truncated", "agent/env_calls")
-    for name, extra in (("refill", ["--set", "ppo.dynamic_sampling=true", "--set", "ppo.dynamic_sampling_max_rounds=3"]),
-                        ("ahead", ["--set", "rollout.max_staleness=1"])):
-        args = [*common, *extra]
+    # the signalled run has 6 steps: its steps take a fraction of a second on a fast host, and the
+    # signal sent after step 2 once came as step 4 of 4 ended (nothing left to resume)
+    for name, steps, extra in (("refill", 4, ["--set", "ppo.dynamic_sampling=true", "--set",
+                                              "ppo.dynamic_sampling_max_rounds=3"]),
+                               ("ahead", 6, ["--set", "rollout.max_staleness=1"])):
+        args = [*common, *extra, "--set", f"train.max_steps={steps}"]
         whole, parts = tmp_path / f"{name}-whole", tmp_path / f"{name}-parts"
-        run_cli([*args, "-o", str(whole), "--set", "train.max_steps=4"])
+        run_cli([*args, "-o", str(whole)])
         if name == "ahead":
-            stopped = stop_after([*args, "-o", str(parts), "--set", "train.max_steps=4"], parts, 2, key="rollout/score")
-            assert 2 <= stopped < 4 and (parts / "checkpoints" / f"step_{stopped:06d}" / "ahead_rank0.pt").exists()
+            stopped = stop_after([*args, "-o", str(parts)], parts, 2, key="rollout/score")
+            assert 2 <= stopped < steps and (parts / "checkpoints" / f"step_{stopped:06d}" / "ahead_rank0.pt").exists()
         else:
             run_cli([*args, "-o", str(parts), "--set", "train.max_steps=2"])
-        run_cli([*args, "-o", str(parts), "--set", "train.max_steps=4"])
+        run_cli([*args, "-o", str(parts)])
         a, b = train_rows(whole), train_rows(parts)
-        assert [r["step"] for r in b] == [1, 2, 3, 4], name
+        assert [r["step"] for r in b] == list(range(1, steps + 1)), name
         for key in keys:
             assert [r[key] for r in b] == pytest.approx([r[key] for r in a], rel=1e-5, abs=1e-6), (name, key)
         assert len({r["rollout/score"] for r in a}) > 1 and max(r["agent/turns"] for r in a) > 1, a
