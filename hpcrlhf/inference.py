@@ -48,7 +48,7 @@ from hpcrlhf.rewards.rules import EvalMetrics, check_rules
 from hpcrlhf.rewards.sources import RewardSet
 from hpcrlhf.run.diskspace import out_of_space_is_an_error
 from hpcrlhf.run.files import make_folders, replacing, require_safe
-from hpcrlhf.trainers.online import answer, flatten_generations
+from hpcrlhf.trainers.online import answer, flatten_generations, judged
 
 log = get_logger()
 
@@ -170,7 +170,7 @@ def _records(batch, gens, tokenizer, metrics, rewards) -> list[dict]:
     records = [{"prompt": r.prompt, "response": answer(r), "sample": j, "finished": g.finished,
                 "num_tokens": len(g.response_ids), "logprob": float(sum(g.logprobs)), **_trajectory(g)}
                for r, g, j in zip(responses, flat, samples)]
-    values = metrics.values([r if r.episode is None else replace(r, text=answer(r)) for r in responses])
+    values = metrics.values(judged(responses))
     task_scores = values.pop("task_score", None)
     for i, rec in enumerate(records):
         if task_scores is not None:
@@ -193,7 +193,7 @@ def _trajectory(g) -> dict[str, Any]:
         return {}
     out = {"messages": e.messages, "status": e.status, "turns": e.turns, "tool_calls": sum(e.tool_calls.values()),
            "tool_calls_by_tool": dict(e.tool_calls), "tool_errors": dict(e.tool_errors), "episode_reward": e.reward,
-           "truncated": float(e.status in ("max_turns", "max_tokens")), "num_tokens": sum(g.action_mask)}
+           "truncated": float(e.truncated), "num_tokens": sum(g.action_mask)}
     if e.success is not None:
         out["success"] = float(e.success)
     if e.error:

@@ -40,7 +40,7 @@ def episode_stats(records: Sequence[EpisodeRecord], model_tokens: Sequence[int],
         "agent/tool_errors": (float(sum(_errors(r) for r in records)), n),
         "agent/timeouts": (float(sum(r.status == "timeout" for r in records)), n),
         "agent/env_errors": (float(sum(r.status == "env_error" for r in records)), n),
-        "agent/truncated": (float(sum(r.status in ("max_turns", "max_tokens") for r in records)), n),
+        "agent/truncated": (float(sum(r.truncated for r in records)), n),
         "agent/truncated/max_turns": (float(sum(r.status == "max_turns" for r in records)), n),
         "agent/truncated/max_tokens": (float(sum(r.status == "max_tokens" for r in records)), n),
     }

@@ -49,5 +49,10 @@ class EpisodeRecord:
     def ended(self) -> bool:
         return self.status != "running"
 
+    @property
+    def truncated(self) -> bool:
+        """Cut at agent.max_turns or agent.max_tokens."""
+        return self.status in ("max_turns", "max_tokens")
+
     def count(self, table: dict[str, int], key: str) -> None:
         table[key] = table.get(key, 0) + 1

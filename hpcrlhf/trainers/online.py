@@ -66,6 +66,11 @@ def answer(response: Response) -> str:
     return response.episode.final_text if response.episode is not None else response.text
 
 
+def judged(responses: Sequence[Response]) -> list[Response]:
+    """`responses` as tasks and metrics judge them: a multi-turn trajectory's as its last model turn."""
+    return [r if r.episode is None else replace(r, text=answer(r)) for r in responses]
+
+
 def agent_stats(generations: Sequence[Generation]) -> Stats:
     """The agent/* figures of multi-turn generations (`agents.metrics.episode_stats`)."""
     model = [sum(g.action_mask) for g in generations]
@@ -320,8 +325,7 @@ class OnlineTrainer(TrainingLoop):
                         else engine.generate([list(p.ids) for p in batch], params))
                 _, flat, responses = flatten_generations(batch, gens, self.tokenizer)
                 total, _ = self.rewards.score(responses)
-                metrics = self.metrics.stats(responses if self.agent is None
-                                             else [replace(r, text=answer(r)) for r in responses])
+                metrics = self.metrics.stats(judged(responses))
             n = len(batch)
             out = {"eval/reward": (float(total.sum()), n),
                    "eval/response_length": (float(sum(len(g.response_ids) for g in flat)), n)}
