@@ -15,12 +15,13 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, replace
 from typing import Any
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import torch
 
 from hpcrlhf.agents.metrics import batch_stats, episode_stats
 from hpcrlhf.agents.runner import AgentRunner, AgentSpec
+from hpcrlhf.agents.scheduler import BatchStats
 from hpcrlhf.config.schema import OnlineJobConfig
 from hpcrlhf.config.schema.agent import AgentConfig
 from hpcrlhf.data.prompts import Prompt, encode_prompt_rows, episode_rows, load_train_prompts
@@ -118,8 +119,16 @@ class LaunchedRollout:
     prompts: list[Prompt]
     params: SamplingParams
     pending: Pending
-    agent_batch: Stats | None = None
-    """Multi-turn rollouts: the scheduling figures of the batch (`agents.metrics.batch_stats`)."""
+    figures: Callable[[], Stats] | None = None
+    """Multi-turn rollouts: what gives the scheduling figures of the batch (`agents.metrics.batch_stats`)
+    once `pending` is done."""
+
+    def agent_batch(self) -> Stats | None:
+        """Multi-turn rollouts: the batch's scheduling figures (waits for its generations); else None."""
+        if self.figures is None:
+            return None
+        self.pending.result()
+        return self.figures()
 
 
 @dataclass
@@ -188,10 +197,11 @@ class OnlineTrainer(TrainingLoop):
     def _agent_runner(self, agent: AgentConfig) -> AgentRunner:
         """The agent section's environment, tools and parser, loaded and checked before any step."""
         cfg = self.cfg
-        if self.env.world_size > 1:
-            raise ConfigError(f"agent: multi-turn rollouts run on one training rank so far, this job has "
-                              f"{self.env.world_size}: launch one rank (ZeRO-3 across ranks generates in lockstep, "
-                              "which trajectories of different lengths cannot keep)")
+        if self.env.world_size > 1 and cfg.engine.zero_stage == 3 and cfg.rollout.backend == "hf":
+            raise ConfigError(f"agent: with rollout.backend hf and engine.zero_stage 3 over {self.env.world_size} "
+                              "ranks every rank generates in lockstep (ZeRO-3 gathers each layer from all of them), "
+                              "which trajectories of different lengths cannot keep: use rollout.backend=vllm (one "
+                              "engine runs every rank's trajectories), engine.zero_stage=2, or one rank")
         self.agent_spec = AgentSpec(agent, cfg.model.path, cfg.data.apply_chat_template, cfg.data.prompt_key,
                                     cfg.data.max_length, cfg.model.trust_remote_code)
         return AgentRunner(agent, self.tokenizer, chat=cfg.data.apply_chat_template, prompt_key=cfg.data.prompt_key,
@@ -228,21 +238,26 @@ class OnlineTrainer(TrainingLoop):
         with self.run.timed("generate"):
             if self.agent is None:
                 return LaunchedRollout(list(prompts), params, launch(self.rollout, [list(p.ids) for p in prompts], params))
-            generations, batch = self._run_episodes(self.rollout, prompts, params)
-        return LaunchedRollout(list(prompts), params, Done(generations), batch)
+            return LaunchedRollout(list(prompts), params, *self._launch_episodes(self.rollout, prompts, params))
 
-    def _run_episodes(self, engine, prompts: Sequence[Prompt], params: SamplingParams
-                      ) -> tuple[list[list[Generation]], Stats]:
-        """`params.n` trajectories of each prompt's row on `engine`, run to their ends (the
-        environments seeded by the step's sampling seed and the row's place in the batch), and the
-        batch's scheduling figures."""
+    def _launch_episodes(self, engine, prompts: Sequence[Prompt], params: SamplingParams
+                         ) -> tuple[Pending, Callable[[], Stats]]:
+        """Start `params.n` trajectories of each prompt's row on `engine` (the environments seeded by
+        the step's sampling seed and the row's place in the batch): (the batch, under way on engines
+        that run elsewhere -- Ray engine actors, each running its part beside its engine -- else run
+        to its end here; what gives its scheduling figures once it is done)."""
         rows, origins = [p.row for p in prompts], [p.origin for p in prompts]
-        if hasattr(engine, "launch_episodes"):  # Ray engine actors: each runs its part beside its engine
+        trajectories = len(prompts) * params.n
+        if hasattr(engine, "launch_episodes"):
             batch = engine.launch_episodes(rows, params, origins, params.seed, self.agent_spec)
-            generations, stats = batch.result(), batch.episode_stats()
+            return batch, lambda: batch_stats(batch.episode_stats(), trajectories)
+        if hasattr(engine, "run_episodes"):  # one engine on rank 0 for every rank: its environments run there
+            generations, stats = engine.run_episodes(self.agent, rows, params, params.seed, origins)
+            stats = stats or BatchStats()  # the batch's figures are rank 0's
         else:
             generations, stats = self.agent.run(engine, rows, params, env_seed=params.seed, origins=origins)
-        return generations, batch_stats(stats, len(prompts) * params.n)
+        figures = batch_stats(stats, trajectories)
+        return Done(generations), lambda: figures
 
     def ready_to_generate(self) -> None:
         """Make the rollout engine ready to generate (PPO: the roles' generate phase)."""
@@ -253,7 +268,7 @@ class OnlineTrainer(TrainingLoop):
         with self.run.stoppable():
             rollout, total = self._score_parts(launched)
         rollout.sources = total
-        rollout.agent_batch = launched.agent_batch
+        rollout.agent_batch = launched.agent_batch()
         rollout.scores = adjust_scores(total, rollout.lengths, rollout.finished, self.cfg.reward,
                                        launched.params.max_new_tokens)
         # before anything learns from them; every rank decides alike
@@ -321,7 +336,7 @@ class OnlineTrainer(TrainingLoop):
 
         def stats(batch: list[Prompt]) -> Stats:
             with self.run.stoppable():
-                gens = (self._run_episodes(engine, batch, params)[0] if self.agent is not None
+                gens = (self._launch_episodes(engine, batch, params)[0].result() if self.agent is not None
                         else engine.generate([list(p.ids) for p in batch], params))
                 _, flat, responses = flatten_generations(batch, gens, self.tokenizer)
                 total, _ = self.rewards.score(responses)

@@ -1,8 +1,9 @@
 """PPO with multi-turn rollouts (the agent section, issue 39) on the Ray runtime: each engine actor
 runs its part of a batch's trajectories beside its TP-2 vLLM engine (their environments in its
 process), and the trainer learns from them as on the local runtime -- the engine's log-probs of the
-model's tokens equal the actor's after every weight push. That a batch split over engines is the
-batch one engine runs: tests/cluster/test_engines.py."""
+model's tokens equal the actor's. With rollout.max_staleness 1 the engine actor runs the next step's
+trajectories while the roles score and train. That a batch split over engines is the batch one engine
+runs: tests/cluster/test_engines.py."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from tests.trainers.ppo.test_agent_e2e import short_turned
 pytestmark = pytest.mark.slow
 
 
-def test_ray_ppo_runs_its_trajectories_beside_the_tp_2_engine_and_learns_from_them(ray_cluster, tmp_path):
+def test_ray_ppo_runs_its_trajectories_beside_the_tp_2_engine_while_it_trains_and_learns_from_them(ray_cluster, tmp_path):
     rows = tmp_path / "rows.jsonl"
     rows.write_text("".join(json.dumps({"prompt": f"count {i}", "id": f"row{i}"}) + "\n" for i in range(16)))
     model, out = short_turned("llama", None, tmp_path / "model"), tmp_path / "run"
@@ -25,19 +26,22 @@ def test_ray_ppo_runs_its_trajectories_beside_the_tp_2_engine_and_learns_from_th
              "--set", f"data.train_path={rows}", "--set", "data.apply_chat_template=true", "--set", "task.name=null",
              "--set", "ppo.advantage_estimator=grpo", "--set", "placement.critic.gpus_per_node=0",
              "--set", "placement.colocate=[[actor, ref, vllm]]", "--set", "rollout.prompts_per_step=4", "--set",
-             "rollout.samples_per_prompt=4", "--set", "rollout.max_new_tokens=8", "--set", "train.max_steps=2",
+             "rollout.samples_per_prompt=4", "--set", "rollout.max_new_tokens=8", "--set", "train.max_steps=3", "--set", "rollout.max_staleness=1",
              "--set", "train.global_batch_size=16", "--set", "train.micro_batch_size=8", "--set", "optim.lr=1e-4",
              "--set", "agent={environment: 'tests.agents.envs:Wordy', environment_args: {turns: 2}, max_turns: 3, "
                       "max_tokens: 48}", "--set", "reward.sources=[{env: true}]",
              "--set", "log.tensorboard=false", "--set", "eval.every_steps=0", "--set", "log.every_steps=1"],
             env={"RAY_ADDRESS": ray_cluster.address}, timeout=900)
     steps = [m for m in read_metrics(out) if "rollout/score" in m]
-    assert [r["step"] for r in steps] == [1, 2]
+    assert [r["step"] for r in steps] == [1, 2, 3]
     for r in steps:
         assert r["reward/env"] == pytest.approx(r["agent/episode_reward"]) and r["agent/env_tokens"] > 0, r
         assert 0 <= r["agent/engine_idle_share"] < 1 and r["agent/env_calls"] > 1
-        # the TP-2 engine's log-probs of the model's tokens are the actor's: after the weight push too
-        assert r["rollout/logprob_max_diff"] < 1e-4, r
+    # step 1's trajectories came from the actor's weights (the TP-2 engine's log-probs of the model's tokens are
+    # the actor's); steps 2 and 3's ran in the engine actor during the step before, one update behind
+    assert [r["rollout/staleness"] for r in steps] == [0, 1, 1]
+    assert steps[0]["rollout/logprob_max_diff"] < 1e-4 < min(r["rollout/logprob_max_diff"] for r in steps[1:]), steps
+    assert all(r["timing/overlap"] > 0 for r in steps[:-1]) and steps[-1]["timing/overlap"] == 0, steps
     assert max(r["agent/turns"] for r in steps) > 1 and steps[1]["train/policy_loss"] != 0
     workers = json.loads((out / "placement.json").read_text())["workers"]
     assert [w["visible_devices"] for w in workers if w["role"] == "vllm"] == ["0,1"]  # the colocated TP-2 engine

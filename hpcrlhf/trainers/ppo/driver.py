@@ -148,8 +148,11 @@ class PPOTrainer(OnlineTrainer):
 
     def greedy_rollout(self):
         """Evaluation generates with the trained module where this process holds it (and keeps it
-        on the GPU), else with the rollout engine once it has the actor's weights."""
-        if self.hf_rollout is not None and "actor" not in self.roles.phases.sleepers:
+        on the GPU), else with the rollout engine once it has the actor's weights -- so too for
+        multi-turn evaluation where the ranks' trained modules generate in lockstep (ZeRO-3 over
+        several ranks), which trajectories of different lengths cannot keep."""
+        lockstep = self.agent is not None and getattr(self.hf_rollout, "synced_gpus", False)
+        if self.hf_rollout is not None and "actor" not in self.roles.phases.sleepers and not lockstep:
             return self.hf_rollout
         if not self.rollout_synced:
             self.sync_rollout()
@@ -215,7 +218,7 @@ class PPOTrainer(OnlineTrainer):
             step, generations, agent_batch = saved
             self.ahead = (step, LaunchedRollout(self.step_prompts(step),
                                                 self.sampling(step, self.cfg.rollout.samples_per_prompt),
-                                                Done(generations), agent_batch))
+                                                Done(generations), None if agent_batch is None else lambda: agent_batch))
 
     def await_ahead(self) -> None:
         """Wait for the rollout generated ahead (before new weights go into its engines) and log

@@ -36,7 +36,7 @@ def save_ahead(ahead: tuple[int, LaunchedRollout] | None, folder: Path, rank: in
     step's sync waited for it), so that a run resumed there scores the samples an uninterrupted one does."""
     if ahead is not None:
         step, launched = ahead
-        torch.save({"step": step, "generations": launched.pending.result(), "agent_batch": launched.agent_batch},
+        torch.save({"step": step, "generations": launched.pending.result(), "agent_batch": launched.agent_batch()},
                    ahead_file(folder, rank))
 
 

@@ -164,3 +164,33 @@ def test_resumed_agent_runs_equal_uninterrupted_ones(tmp_path):
         assert all("agent/engine_idle_share" in r for r in b)  # the batch's figures: kept with a rollout ahead too
         if name == "refill":
             assert max(r["rollout/generation_rounds"] for r in a) > 1  # a refill round was resumed
+
+
+@pytest.mark.slow
+def test_two_ranks_run_their_trajectories_on_rank_0s_engine(tmp_path):
+    """Two training ranks under ZeRO-3 with the vLLM backend: rank 0 runs both ranks' trajectories as one
+    batch on its engine (their environments in its process) and each rank learns from its own; the batch's
+    figures count each trajectory once (an environment call per reset, per turn and at the end, over the
+    trajectories of both ranks). Evaluation runs its episodes on the engine too: the ranks' ZeRO-3
+    modules generate in lockstep, which trajectories of different lengths cannot keep."""
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"prompt": f"count {i}", "id": f"row{i}"}) + "\n" for i in range(32)))
+    model, out = short_turned("llama", None, tmp_path / "model"), tmp_path / "run"
+    run_cli(["train", "ppo", "-o", str(out), "--set", f"model.path={model}", "--set", f"data.train_path={rows}",
+             "--set", "data.apply_chat_template=true", "--set", "task.name=null", "--set", "ppo.advantage_estimator=grpo",
+             "--set", "rollout.backend=vllm", "--set", "rollout.vllm_kv_cache_gb=0.25", "--set", "engine.zero_stage=3",
+             "--set", "rollout.prompts_per_step=4", "--set", "rollout.samples_per_prompt=4", "--set",
+             "rollout.max_new_tokens=8", "--set", "train.global_batch_size=16", "--set", "train.micro_batch_size=4",
+             "--set", "optim.lr=1e-4", "--set", "train.max_steps=2", "--set", f"data.eval_path={rows}",
+             "--set", "eval.score_prompts=5",
+             "--set", "agent={environment: 'tests.agents.envs:Wordy', environment_args: {turns: 2}, max_turns: 3, "
+                      "max_tokens: 48}", "--set", "reward.sources=[{env: true}]", *QUIET], nproc=2, timeout=900)
+    steps = train_rows(out)
+    assert [r["step"] for r in steps] == [1, 2]
+    for r in steps:
+        assert r["agent/env_calls"] == pytest.approx(r["agent/turns"] + 2), r  # reset, turns, end: counted once
+        assert r["reward/env"] == pytest.approx(r["agent/episode_reward"]) and 0 <= r["agent/engine_idle_share"] < 1
+        assert r["rollout/logprob_max_diff"] < 1e-4, r  # the engine's log-probs of the model's tokens: the ZeRO-3 actor's
+    assert max(r["agent/turns"] for r in steps) > 1 and steps[1]["train/policy_loss"] != 0
+    s = summary(out)
+    assert s["status"] == "done" and s["before"]["eval/turns"] >= 1 and "eval/reward" in s["after"], s
