@@ -106,7 +106,8 @@ def _seconds(text: str) -> float:
 def cmd_plan(args: argparse.Namespace) -> int:
     from hpcrlhf.placement import build_node_map, render_text  # start-up: +40 ms
 
-    node_map = build_node_map(build_config("ppo", args.recipe, args.set, None), args.nodes, args.gpus_per_node)
+    node_map = build_node_map(build_config("ppo", args.recipe, args.set, None), args.nodes, args.gpus_per_node,
+                              args.cpus_per_node)
     print(node_map.to_json() if args.json else render_text(node_map), end="")
     return 0
 
@@ -329,6 +330,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nodes", type=int, metavar="N", help="nodes of the allocation (default: placement.nodes)")
     p.add_argument("--gpus-per-node", type=int, metavar="G",
                    help="GPUs per node (default: placement.gpus_per_node)")
+    p.add_argument("--cpus-per-node", type=int, metavar="C",
+                   help="CPU cores per node, checked against the CPU work the map puts on each node: rule servers "
+                        "and agent environment threads (default: placement.cpus_per_node; unset: not checked)")
     p.add_argument("--set", "-s", action="append", default=[], metavar="KEY=VALUE",
                    help="override one setting, e.g. --set placement.vllm.engines=8 (repeatable)")
     p.add_argument("--json", action="store_true", help="print the node map as JSON")

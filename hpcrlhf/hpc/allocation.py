@@ -24,7 +24,7 @@ from hpcrlhf.bench.runner import bench_fits
 from hpcrlhf.config.jobspec import BenchJob, job_from_argv
 from hpcrlhf.errors import ConfigError, HpcrlhfError, PlacementError
 from hpcrlhf.placement import build_node_map
-from hpcrlhf.placement.servers import cpu_shortfall
+from hpcrlhf.placement.nodemap import cpu_problem
 
 
 @dataclass(frozen=True)
@@ -127,13 +127,9 @@ def check_fits(args: Sequence[str], nodes: int, gpus_per_node: int, *, launcher:
                 f"{gpus_per_node} GPU(s): ask for --nodes {node_map.nodes} --gpus-per-node "
                 f"{node_map.gpus_per_node}, or re-plan the recipe with `hpcrlhf plan RECIPE --nodes {nodes} "
                 f"--gpus-per-node {gpus_per_node}`")
-        short = cpu_shortfall(node_map.reward_servers, cpus_per_node) if cpus_per_node is not None else None
+        short = node_map.cpu_shortfall(cpus_per_node) if cpus_per_node is not None else None
         if short is not None:
-            node, count, asked = short
-            raise PlacementError(
-                f"node {node} of the node map runs {count} reward server(s) on CPU cores asking {asked} CPU(s) "
-                f"(placement.reward_server.cpus) but a node has {cpus_per_node} ({cpus_from}): ask for more CPUs "
-                "(--cpus-per-gpu), fewer servers (reward.sources[].servers) or fewer CPUs each")
+            raise PlacementError(f"{cpu_problem(*short, cpus_per_node, cpus_from)}")
     elif kind == "ppo" and cfg.placement.runtime == "ray":
         raise ConfigError("launcher mpi: this PPO recipe says placement.runtime=ray; use --launcher ray "
                           "(or --set placement.runtime=local for single-process-group PPO)")

@@ -52,23 +52,26 @@ def config_paths(cfg: object) -> list[str]:
     return list(dict.fromkeys(found))
 
 
-def check_rules(cfg: object, python: str, container: str | None) -> list[str]:
-    """Import every `package.module:function` rule and metric of `cfg` (`hpcrlhf.rewards.rules.rule_names`)
-    as the job will, before it is written or queued: a ConfigError names the field, the rule and
-    why. Only when the job runs this Python outside a container (the default); otherwise returns a
-    note that the job imports them when it starts."""
-    from hpcrlhf.rewards.rules import check_rules as import_rules, rule_names  # only for rules to check
+def check_user_code(cfg: object, python: str, container: str | None) -> list[str]:
+    """Import the user's code `cfg` names -- every `package.module:function` rule and metric
+    (`hpcrlhf.rewards.rules.rule_names`) and the agent section's environment, tools and parser
+    (`hpcrlhf.agents.loading.agent_code_names`) -- as the job will, before it is written or queued: a
+    ConfigError names the field, the name and why. Only when the job runs this Python outside a
+    container (the default); otherwise returns a note that the job imports them when it starts."""
+    from hpcrlhf.agents.loading import agent_code_names, check_agent_code  # only for code to check
+    from hpcrlhf.rewards.rules import check_rules, rule_names  # only for code to check
 
-    rules = rule_names(cfg)
-    if not rules:
+    names = rule_names(cfg) + agent_code_names(cfg)
+    if not names:
         return []
     if container or python != sys.executable:
-        named = ", ".join(f"{field} {rule!r}" for field, rule in rules)
+        named = ", ".join(f"{field} {name!r}" for field, name in names)
         where = f"the image's {python}" if container else python
         return [f"{named} not imported here: the job runs them in {where}, not in this Python ({sys.executable}); "
-                "a rule that cannot be imported there fails when the job starts"]
+                "code that cannot be imported there fails when the job starts"]
     try:
-        import_rules(cfg)
+        check_rules(cfg)
+        check_agent_code(cfg)
     except ConfigError as e:
         raise ConfigError(f"{e} (checked before queueing the job, with this Python)") from None
     return []
@@ -127,6 +130,11 @@ def cluster_job(kind: str, recipe: str | None, overrides: Sequence[str], output_
             notes.append(f"the recipe's node map uses {shape[0]} x {shape[1]} of the {given['nodes']} x "
                          f"{given['gpus_per_node']} asked for; to re-plan it for the whole allocation, add --set "
                          f"placement.nodes={given['nodes']} --set placement.gpus_per_node={given['gpus_per_node']}")
+        cpus = cfg.placement.cpus_per_node if cfg is not None else None
+        if cpus is not None and "cpus_per_gpu" not in given:  # the cores the node map was checked against
+            given["cpus_per_gpu"] = -(-cpus // int(given["gpus_per_node"]))
+            notes.append(f"--cpus-per-gpu={given['cpus_per_gpu']}: placement.cpus_per_node {cpus} over "
+                         f"{given['gpus_per_node']} GPU(s) per node")
     else:
         given.setdefault("nodes", 1)
         given.setdefault("gpus_per_node", 1)
@@ -146,5 +154,5 @@ def cluster_job(kind: str, recipe: str | None, overrides: Sequence[str], output_
     if cfg is not None:
         require_generation_fits(cfg, kind)  # a model folder here is checked now
         # last: the user's code runs once everything else is known to be valid
-        notes += check_rules(cfg, options.python, options.container)
+        notes += check_user_code(cfg, options.python, options.container)
     return ClusterJob(argv, options, tuple(notes))

@@ -17,7 +17,7 @@ from typing import Any
 
 from hpcrlhf.algos.estimators import ESTIMATORS
 from hpcrlhf.config.schema import PPOConfig
-from hpcrlhf.placement.layout import (MODEL_ROLES, Device, Layout, allocation_problems, assign, idle_problem,
+from hpcrlhf.placement.layout import (MODEL_ROLES, Device, Layout, allocation_problems, assign, idle_problem, plural,
                                       shape_text)
 from hpcrlhf.placement.memory import GIB, PHASES, MemoryParts, phase_parts
 from hpcrlhf.placement.problems import Problem, raise_problems
@@ -84,6 +84,10 @@ class NodeMap:
     samples_per_prompt: int = 1
     reward_servers: tuple[ServerPlan, ...] = ()
     """The job's own reward servers (`reward.sources[i].servers`), in server order."""
+    env_workers: int = 0
+    """Agent environment threads beside each vLLM engine, on its node (`agent.env_workers`; 0: no agent)."""
+    cpus_per_node: int | None = None
+    """CPU cores of one node (`placement.cpus_per_node`), when known: the CPU work is checked against them."""
     _by_roles: dict[tuple[str, ...], _GpuMemory] = field(default_factory=dict, init=False, repr=False,
                                                            compare=False)
     """What a GPU holds depends only on which roles it holds: each set of roles is summed once, not once per
@@ -94,6 +98,21 @@ class NodeMap:
         if role not in MODEL_ROLES:
             raise ValueError(f"unknown role {role!r}; roles are {', '.join(MODEL_ROLES)} (vLLM: NodeMap.engines)")
         return list(self.ranks.get(role, ()))
+
+    def cpu_work(self, node: int) -> list[tuple[str, int]]:
+        """What the map runs on `node`'s CPU cores, (what, cores) each: its rule servers, then the
+        agent environments' threads of its vLLM engines (a thread counted as a core)."""
+        work = [(s.label, s.cpus) for s in self.reward_servers if s.device is None and s.node == node]
+        engines = sum(1 for group in self.engines if group[0].node == node)
+        if engines and self.env_workers:
+            work.append((f"environments ({plural(engines, 'engine')} x {plural(self.env_workers, 'thread')})",
+                         engines * self.env_workers))
+        return work
+
+    def cpu_shortfall(self, cpus_per_node: int) -> tuple[int, list[tuple[str, int]]] | None:
+        """(node, its CPU work) of the first node whose CPU work claims more than `cpus_per_node` cores."""
+        works = ((node, self.cpu_work(node)) for node in range(self.nodes - self.idle_nodes))
+        return next(((node, work) for node, work in works if sum(c for _, c in work) > cpus_per_node), None)
 
     def occupant_memory(self, occupant: Occupant) -> MemoryParts | None:
         """What one occupant holds on its GPU (None when a model's shape is unknown)."""
@@ -169,7 +188,11 @@ def _plain(m: NodeMap) -> dict[str, Any]:
                 "memory": {**m.memory(d).as_dict(), "total": m.memory(d).total},
                 "memory_by_phase": {phase: parts.total for phase, parts in m.phase_memory(d).items()}}
                for d, occ in m.devices.items()]
-    return {"allocation": {"nodes": m.nodes, "gpus_per_node": m.gpus_per_node, "gpu_memory_bytes": m.gpu_memory},
+    works = ((node, m.cpu_work(node)) for node in range(m.nodes - m.idle_nodes))
+    cpu_work = [{"node": node, "work": [{"what": what, "cpus": cpus} for what, cpus in work]} for node, work in works if work]
+    return {"allocation": {"nodes": m.nodes, "gpus_per_node": m.gpus_per_node, "gpu_memory_bytes": m.gpu_memory,
+                           "cpus_per_node": m.cpus_per_node},
+            "cpu_work": cpu_work, "env_workers_per_engine": m.env_workers,
             "roles": roles, "vllm": vllm, "colocated": [list(g) for g in m.colocated], "devices": devices,
             "idle_nodes": m.idle_nodes, "reward_servers": [_server_json(s) for s in m.reward_servers],
             "estimator": {**dataclasses.asdict(ESTIMATORS[m.estimator]), "samples_per_prompt": m.samples_per_prompt}}
@@ -197,14 +220,21 @@ def _occupants(layout: Layout, gpus_per_node: int, tp: int,
     return {d: tuple(occ) for d, occ in seats.items()}
 
 
-def build_node_map(cfg: PPOConfig, nodes: int | None = None, gpus_per_node: int | None = None) -> NodeMap:
-    """Place `cfg`'s roles on its `placement` allocation, or on `nodes` x `gpus_per_node` when
-    given (`hpcrlhf plan --nodes/--gpus-per-node`). Raises PlacementError listing every problem."""
+def build_node_map(cfg: PPOConfig, nodes: int | None = None, gpus_per_node: int | None = None,
+                   cpus_per_node: int | None = None) -> NodeMap:
+    """Place `cfg`'s roles on its `placement` allocation, or on `nodes` x `gpus_per_node` (with
+    `cpus_per_node` cores each) when given (`hpcrlhf plan --nodes/--gpus-per-node/--cpus-per-node`).
+    Raises PlacementError listing every problem."""
     p = cfg.placement
     nodes = p.nodes if nodes is None else nodes
     gpus_per_node = p.gpus_per_node if gpus_per_node is None else gpus_per_node
+    cpus_per_node = p.cpus_per_node if cpus_per_node is None else cpus_per_node
     where = shape_text(nodes, gpus_per_node)
-    raise_problems(allocation_problems(nodes, gpus_per_node, ("placement.nodes", "placement.gpus_per_node")), where)
+    shape = allocation_problems(nodes, gpus_per_node, ("placement.nodes", "placement.gpus_per_node"))
+    if cpus_per_node is not None and cpus_per_node < 1:
+        shape.append(Problem("placement.cpus_per_node", cpus_per_node, "a node needs at least one CPU core",
+                             "give the CPU cores of one node, e.g. 64"))
+    raise_problems(shape, where)
     gpu_memory = int(p.gpu_memory_gb * GIB)
     problems: list[Problem] = []
     check_roles(cfg, problems)
@@ -220,10 +250,32 @@ def build_node_map(cfg: PPOConfig, nodes: int | None = None, gpus_per_node: int 
         problems.append(idle_problem(layout, nodes, gpus_per_node, p.vllm.engines, tp, sequences))
     node_map = NodeMap(nodes, gpus_per_node, gpu_memory, roles, engine, layout.ranks, layout.engines, layout.colocated,
                        _occupants(layout, gpus_per_node, tp, servers), nodes - layout.used_nodes,
-                       cfg.ppo.advantage_estimator, cfg.rollout.samples_per_prompt, servers)
+                       cfg.ppo.advantage_estimator, cfg.rollout.samples_per_prompt, servers,
+                       cfg.agent.env_workers if cfg.agent is not None else 0, cpus_per_node)
     _check_memory(node_map, cfg.engine.gradient_checkpointing, problems)
+    _check_cpus(node_map, problems)
     raise_problems(problems, where)
     return node_map
+
+
+def _check_cpus(m: NodeMap, problems: list[Problem]) -> None:
+    """A node whose CPU work (rule servers, agent environments) claims more cores than it has."""
+    short = m.cpu_shortfall(m.cpus_per_node) if m.cpus_per_node is not None else None
+    if short is not None:
+        problems.append(cpu_problem(*short, m.cpus_per_node, "placement.cpus_per_node"))
+
+
+def cpu_problem(node: int, work: list[tuple[str, int]], cpus_per_node: int, field: str) -> Problem:
+    """Node `node`'s CPU `work` claims more than its `cpus_per_node` cores (`field` says where that came from)."""
+    claimed = ", ".join(f"{what}: {cpus}" for what, cpus in work)
+    fixes = []
+    if any(what.startswith("environments") for what, _ in work):
+        fixes.append("fewer environment threads per engine (agent.env_workers)")
+    if any(what.startswith("reward_server") for what, _ in work):
+        fixes.append("fewer rule servers (reward.sources[].servers) or fewer CPUs each (placement.reward_server.cpus)")
+    return Problem(field, cpus_per_node, f"node {node}'s CPU work ({claimed}) claims {sum(c for _, c in work)} "
+                   f"CPU cores, more than its {cpus_per_node}",
+                   "; ".join(["nodes with more CPU cores (Slurm: --cpus-per-gpu)", *fixes]))
 
 
 # ---------------------------------------------------------------- the memory check

@@ -69,10 +69,6 @@ def render_text(m: NodeMap) -> str:
     """The map as text: node by node, GPU by GPU, then one line per role and per engine."""
     capacity = _gib(m.gpu_memory)
     gpu_rows, node_of_row = [], []
-    cpu_servers: dict[int, list] = {}
-    for server in m.reward_servers:
-        if server.device is None:
-            cpu_servers.setdefault(server.node, []).append(server)
     for device, occupants in m.devices.items():
         parts = m.memory(device)
         shown = " + ".join(f"{name} {_gib(v)}" for name, v in parts.as_dict().items() if v)
@@ -82,10 +78,11 @@ def render_text(m: NodeMap) -> str:
         gpu_rows.append([f"  gpu {device.gpu}", " + ".join(o.label for o in occupants) or "idle",
                          f"{shown + ' = ' if shown else ''}{total} / {capacity} GiB"])
         node_of_row.append(device.node)
-        if device.gpu == m.gpus_per_node - 1 and device.node in cpu_servers:  # the node's rule servers
-            on_cpus = cpu_servers[device.node]
-            gpu_rows.append(["  cpu", " + ".join(s.label for s in on_cpus),
-                             plural(sum(s.cpus for s in on_cpus), "CPU core")])
+        work = m.cpu_work(device.node) if device.gpu == m.gpus_per_node - 1 else []
+        if work:  # the node's rule servers and agent environments
+            of = f" of {m.cpus_per_node}" if m.cpus_per_node is not None else ""
+            gpu_rows.append(["  cpu", " + ".join(what for what, _ in work),
+                             f"{plural(sum(c for _, c in work), 'CPU core')}{of}"])
             node_of_row.append(device.node)
     lines = [f"node map: {shape_text(m.nodes, m.gpus_per_node)} = {plural(m.nodes * m.gpus_per_node, 'GPU')} "
              f"of {capacity} GiB"]

@@ -99,13 +99,3 @@ def port_problems(servers: tuple[ServerPlan, ...], used_nodes: int) -> list[Prob
                     f"{MAX_SERVERS_PER_NODE} (its share of the job's port block)",
                     f"use at most {room} servers on these {plural(used_nodes, 'node')}, or spread model servers "
                     "over more GPUs' nodes")]
-
-
-def cpu_shortfall(servers: tuple[ServerPlan, ...], cpus_per_node: int) -> tuple[int, int, int] | None:
-    """(node, its servers, the CPUs they ask) of the first node whose rule servers ask more CPU cores
-    than `cpus_per_node`, else None."""
-    asked: dict[int, list[int]] = {}
-    for server in servers:
-        if server.device is None:
-            asked.setdefault(server.node, []).append(server.cpus)
-    return next(((node, len(c), sum(c)) for node, c in sorted(asked.items()) if sum(c) > cpus_per_node), None)

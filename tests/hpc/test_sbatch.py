@@ -230,12 +230,35 @@ def test_the_node_map_must_fit_the_requested_shape():
 
 def test_rule_servers_must_fit_the_requested_cpus_before_the_job_is_queued():
     served = ["reward.sources=[{rule: task, servers: 4}]", "placement.reward_server.cpus=3"]
-    with pytest.raises(PlacementError, match=r"node 0 of the node map runs 2 reward server\(s\) on CPU cores asking 6 "
-                                             r"CPU\(s\) \(placement.reward_server.cpus\) but a node has 4 \(--cpus-per-gpu "
-                                             r"x --gpus-per-node\): ask for more CPUs"):
+    with pytest.raises(PlacementError, match=r"--cpus-per-gpu x --gpus-per-node = 4: node 0's CPU work \(reward_server0: 3, "
+                                             r"reward_server2: 3\) claims 6 CPU cores, more than its 4; fix: nodes with more "
+                                             r"CPU cores \(Slurm: --cpus-per-gpu\); fewer rule servers"):
         cluster_job("ppo", "ppo-tiny-ray", served, "/shared/runs/x", python="python", cpus_per_gpu=1)
     cluster_job("ppo", "ppo-tiny-ray", served, "/shared/runs/x", python="python", cpus_per_gpu=2)  # 8 a node: fits
     cluster_job("ppo", "ppo-tiny-ray", served, "/shared/runs/x", python="python")  # unknown: the job checks it
+
+
+RAY_AGENT = ["agent={environment: 'hpcrlhf.agents.calculator:Calculator', env_workers: 6, max_tokens: 128}", "reward.sources=[{env: true}]",
+             "ppo.advantage_estimator=grpo", "placement.critic.gpus_per_node=0", "placement.colocate=[[actor, ref, vllm]]"]
+
+
+def test_agent_environments_must_fit_the_cpus_and_ask_slurm_for_what_the_map_was_checked_against():
+    """The agent's environment threads run beside each vLLM engine (ppo-tiny-ray-colocated: one engine on node 0):
+    agent.env_workers of them count as cores of that node, against --cpus-per-gpu x --gpus-per-node or
+    placement.cpus_per_node -- which, when set, becomes the job's --cpus-per-gpu."""
+    with pytest.raises(PlacementError, match=r"node 0's CPU work \(environments \(1 engine x 6 threads\): 6\) claims 6 CPU "
+                                             r"cores, more than its 4; fix: .*fewer environment threads per engine "
+                                             r"\(agent.env_workers\)"):
+        cluster_job("ppo", "ppo-tiny-ray-colocated", RAY_AGENT, "/shared/runs/x", python="python", cpus_per_gpu=2)
+    with pytest.raises(PlacementError, match=r"placement.cpus_per_node = 5: node 0's CPU work"):
+        cluster_job("ppo", "ppo-tiny-ray-colocated", [*RAY_AGENT, "placement.cpus_per_node=5"], "/shared/runs/x",
+                    python="python")
+    job = cluster_job("ppo", "ppo-tiny-ray-colocated", [*RAY_AGENT, "placement.cpus_per_node=7"], "/shared/runs/x",
+                      python="python")
+    assert "#SBATCH --cpus-per-gpu=4" in render_sbatch(job.argv, job.options)  # 7 cores over 2 GPUs, rounded up
+    job = cluster_job("ppo", "ppo-tiny-ray-colocated", [*RAY_AGENT, "placement.cpus_per_node=7"], "/shared/runs/x",
+                      python="python", cpus_per_gpu=3)  # the user's own: 6 a node, enough
+    assert "#SBATCH --cpus-per-gpu=3" in render_sbatch(job.argv, job.options)
 
 
 def test_ray_ports_differ_between_nodes_and_neighbouring_jobs():
@@ -391,6 +414,47 @@ def test_importable_rules_pass_and_a_container_job_notes_where_they_are_checked(
     job = cluster_job("ppo", None, [rule], "/shared/runs/x", **CONTAINER)
     assert any("reward.sources[1].rule 'my_rules:score' not imported here: the job runs them in the image's python"
                in note for note in job.notes)
+
+
+AGENT_CODE = {  # module body -> what the error says of it (the environment, tool or parser it names)
+    "environment": (None, "agent.environment 'my_agent:Game' cannot be imported", "No module named 'my_agent'"),
+    "raises": ("raise RuntimeError('needs the game server')\n", "agent.environment 'my_agent:Game' cannot be imported",
+               "RuntimeError: needs the game server"),
+    "no class": ("def Game():\n    pass\n", "agent.environment 'my_agent:Game' is no class", "name the environment"),
+    "tool": ("class Game:\n    def reset(self, row, seed):\n        return 'go'\ndef look(where):\n    return where\n",
+             "agent.tools[0] 'my_agent:look'", "type hint"),
+}
+
+
+def agent_module(tmp_path, monkeypatch, body: str | None) -> list[str]:
+    """`--set`s naming `my_agent:Game` as the agent-tiny recipe's environment and `my_agent:look` as a
+    tool, `my_agent` holding `body` (None: there is no such module)."""
+    monkeypatch.delitem(sys.modules, "my_agent", raising=False)
+    if body is not None:
+        (tmp_path / "my_agent.py").write_text(body)
+        monkeypatch.syspath_prepend(str(tmp_path))
+    return ["agent.environment=my_agent:Game", "agent.tools=[my_agent:look]"]
+
+
+@pytest.mark.parametrize("case", list(AGENT_CODE))
+def test_an_agents_code_that_cannot_be_loaded_fails_before_anything_is_written(case, tmp_path, monkeypatch, capsys):
+    body, what, why = AGENT_CODE[case]
+    script, run = tmp_path / "job.sbatch", tmp_path / "run"
+    sets = [x for s in agent_module(tmp_path, monkeypatch, body) for x in ("--set", s)]
+    status = main(["sbatch", "agent-tiny", *sets, "-o", str(run), "--script", str(script)])
+    err = capsys.readouterr().err
+    assert status == 2 and not script.exists() and not run.exists(), err
+    assert what in err and why in err and "(checked before queueing the job, with this Python)" in err, err
+
+
+def test_an_agents_importable_code_passes_and_a_container_job_notes_where_it_is_loaded(tmp_path, monkeypatch):
+    good = ("class Game:\n    def reset(self, row, seed):\n        return 'go'\n"
+            "def look(where: str) -> str:\n    \"\"\"Look.\n\n    Args:\n        where: Where.\n    \"\"\"\n    return where\n")
+    sets = agent_module(tmp_path, monkeypatch, good)
+    assert cluster_job("ppo", "agent-tiny", sets, "/shared/runs/x", python=None).notes == ()
+    job = cluster_job("ppo", "agent-tiny", sets, "/shared/runs/x", **CONTAINER)
+    assert any("agent.environment 'my_agent:Game', agent.tools[0] 'my_agent:look' not imported here" in note
+               for note in job.notes), job.notes
 
 
 @pytest.mark.parametrize("value", ["0", "-1", "nan", "inf"])

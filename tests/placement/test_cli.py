@@ -21,7 +21,7 @@ def test_plan_prints_the_node_map(capsys):
 def test_plan_json_parses(capsys):
     assert main(["plan", str(RECIPES / "ppo-70b.yaml"), "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
-    assert data["allocation"] == {"nodes": 4, "gpus_per_node": 8, "gpu_memory_bytes": 80 << 30}
+    assert data["allocation"] == {"nodes": 4, "gpus_per_node": 8, "gpu_memory_bytes": 80 << 30, "cpus_per_node": None}
     assert len(data["vllm"]["engines"]) == 4
 
 

@@ -23,12 +23,18 @@ SCALE_70B_16X8 = ["placement.actor.nodes=4", "placement.critic.nodes=4", "placem
 SERVED = ["reward.sources=[{rule: task, servers: 2}, {model: 'builtin:tiny-llama', servers: 1, weight: 0.0}]",
           "placement.colocate=[[actor, ref], [critic, reward_server]]"]
 
+AGENT = ["agent={environment: 'hpcrlhf.agents.calculator:Calculator', max_tokens: 128}", "ppo.advantage_estimator=grpo",
+         "reward.sources=[{env: true}, {rule: task, servers: 1}]", "placement.critic.gpus_per_node=0",
+         "placement.colocate=[[actor, ref, vllm]]", "placement.cpus_per_node=16"]
+
 CASES = {  # name: (recipe, overrides, nodes, gpus per node)
     "1x8-7b-hybrid": ("ppo-7b", HYBRID_1X8, 1, 8),  # everything colocated on one node
     "1x8-7b-hybrid-sleep": ("ppo-7b", HYBRID_1X8_SLEEP, 1, 8),  # ... taking turns with the memory
     "2x4-tiny-ray": ("ppo-tiny-ray", [], 2, 4),
     "2x4-tiny-ray-reward-servers": ("ppo-tiny-ray", SERVED, 2, 4),  # rule servers on CPU cores, one on the critic's GPU
     "1x2-tiny-ray-colocated": ("ppo-tiny-ray-colocated", [], 1, 2),
+    # a rule server and the engine's environment threads on the node's CPU cores
+    "1x2-tiny-ray-colocated-agent": ("ppo-tiny-ray-colocated", AGENT, 1, 2),
     "2x8-7b": ("ppo-7b", [], 2, 8),
     "4x8-13b": ("ppo-13b", [], 4, 8),
     "4x8-34b": ("ppo-34b", [], 4, 8),

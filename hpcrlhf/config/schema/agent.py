@@ -45,7 +45,8 @@ class AgentConfig:
     """Longest a reset, or the environment's answer to one turn (its tool calls and step together),
     may take; past it the trajectory ends with status timeout (a hung call's thread is abandoned)."""
     env_workers: int = 8
-    """Threads per rollout engine for environment and tool calls."""
+    """Threads per rollout engine for environment and tool calls; the node map counts them as CPU cores
+    of the engine's node (`hpcrlhf plan`, placement.cpus_per_node)."""
     on_env_error: Literal["fail", "end"] = "fail"
     """An environment's step, tool or get_reward raising: fail the run (naming the class, row, seed and
     turn), or end that trajectory (status env_error). A reset that raises always fails the run."""

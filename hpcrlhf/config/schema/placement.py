@@ -120,6 +120,13 @@ class PlacementConfig:
     """GPUs per node of the allocation (`hpcrlhf plan --gpus-per-node` overrides)."""
     gpu_memory_gb: float = 80.0
     """Memory of one GPU in GiB, for the memory check."""
+    cpus_per_node: int | None = None
+    """CPU cores of each node of the allocation (`hpcrlhf plan --cpus-per-node` overrides); null: checked
+    only against the allocation's own once it is known (`hpcrlhf sbatch/submit --cpus-per-gpu`, and the job
+    at its start). The node map counts the cores the job's CPU work claims on each node -- its rule
+    servers' (placement.reward_server.cpus each) and the agent environments' threads (agent.env_workers per
+    vLLM engine, on the engine's node) -- and fails when a node's claims exceed them. `hpcrlhf sbatch` asks
+    Slurm for --cpus-per-gpu = ceil(cpus_per_node / gpus_per_node) unless given."""
     actor: RoleConfig = field(default_factory=RoleConfig)
     """The trained policy."""
     critic: RoleConfig = field(default_factory=RoleConfig)
@@ -164,6 +171,8 @@ class PlacementConfig:
         require(self.gpus_per_node >= 1, "placement.gpus_per_node", self.gpus_per_node, "use at least 1 GPU")
         require(self.gpu_memory_gb > 0, "placement.gpu_memory_gb", self.gpu_memory_gb,
                 "give the memory of one GPU in GiB, e.g. 80")
+        require(self.cpus_per_node is None or self.cpus_per_node >= 1, "placement.cpus_per_node", self.cpus_per_node,
+                "give the CPU cores of one node, e.g. 64, or null")
         for name in ("actor", "critic", "ref", "reward"):
             self._check_role(name, getattr(self, name))
         seen: dict[str, int] = {}
