@@ -156,6 +156,7 @@ class Episode:
             return End("done")
         step = checked_step(self._user("step", plain), f"{self.label}.step")
         record.turn_rewards.append(step.reward)
+        record.reward_turns.append(record.turns - 1)
         if "success" in step.info:
             record.success = bool(step.info["success"])
         record.info.update({k: float(v) for k, v in step.info.items() if k != "success" and _is_number(v)})

@@ -4,12 +4,14 @@ running score normalisation.
 * KL-penalised rewards (Ziegler et al. 2019, "Fine-Tuning Language Models from Human
   Preferences"): r_t = -beta KL_t at each response token, plus the sequence score at the last one
   (beta: `kl.build_kl_controller`).
+* A multi-turn trajectory's turn rewards, each at its turn's last action (`place_turn_rewards`).
 * Running reward moments combined exactly across batches and ranks (Chan, Golub & LeVeque 1979).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 
@@ -29,6 +31,19 @@ def shape_rewards(scores: torch.Tensor, kl: torch.Tensor, mask: torch.Tensor, kl
     rewards = torch.where(keep, -kl_coef * kl.to(dt), 0)
     rewards = rewards + torch.where(is_last, scores.to(dt).unsqueeze(-1), 0)
     return rewards.to(out)
+
+
+def place_turn_rewards(rewards: torch.Tensor, positions: Sequence[Sequence[int]],
+                       values: Sequence[Sequence[float]]) -> torch.Tensor:
+    """Per-token rewards (B, T) with values[b][k] added at position positions[b][k] of row b (a
+    multi-turn trajectory's turn rewards, each at its turn's last action; several at one position add up)."""
+    out = rewards.clone()
+    for b, (where, what) in enumerate(zip(positions, values, strict=True)):
+        if len(where) != len(what):
+            raise ValueError(f"row {b}: {len(what)} turn rewards for {len(where)} positions")
+        for p, v in zip(where, what):
+            out[b, p] += v
+    return out
 
 
 def clip_rewards(scores: torch.Tensor, clip: float | None) -> torch.Tensor:

@@ -151,6 +151,8 @@ def test_tools_are_called_answered_and_counted(tok, pool):
     r = [ep.record for ep in eps]
     assert [x.status for x in r] == ["done"] * 4 and [x.turns for x in r] == [2, 2, 2, 1]
     assert [x.reward for x in r] == [1.0, 0.0, 1.0, 1.0] and [x.success for x in r] == [True, False, True, True]
+    # the turns that called tools were not judged: the step's reward follows the model's last turn
+    assert [x.reward_turns for x in r] == [[1], [1], [1], [0]] and [len(x.turn_ends) for x in r] == [2, 2, 2, 1]
     assert r[0].tool_calls == {"multiply": 1} and r[0].tool_errors == {}
     assert r[0].messages[1:3] == [{"role": "assistant", "content": scripts["0"][0]},
                                   {"role": "tool", "name": "multiply", "content": "2183"}]

@@ -11,7 +11,9 @@ import statistics
 import pytest
 import torch
 
-from hpcrlhf.algos.reward_shaping import RunningMoments, clip_rewards, normalize_scores, shape_rewards
+from hpcrlhf.algos.advantages import gae_advantages
+from hpcrlhf.algos.reward_shaping import (RunningMoments, clip_rewards, normalize_scores, place_turn_rewards,
+                                          shape_rewards)
 from tests.algos.helpers import capture_sums, close, make_masks, plus, positions, rows
 
 # ---- rewards ---------------------------------------------------------------------------------
@@ -41,6 +43,25 @@ def test_shape_rewards_random_vs_reference():
                 row[pos[-1]] += s
             want.append(row)
         close(out, want, torch.float32)
+
+
+def test_turn_rewards_sit_at_their_turns_last_actions_and_gae_credits_each_to_the_turns_before_it():
+    """A two-turn trajectory (model tokens at 0-1 and 4-5, the environment's at 2-3): its first turn
+    was judged 1.0, the trajectory's end score is 0.5. Placed by turn, the first turn's actions see
+    1.0 + 0.5 and the second's 0.5 alone (gamma = lam = 1, values 0); at the end, every action sees 1.5."""
+    mask = torch.tensor([[1, 1, 0, 0, 1, 1], [1, 1, 1, 0, 0, 0]])
+    zero = torch.zeros(2, 6, dtype=torch.float64)
+    end = shape_rewards(torch.tensor([0.5, 2.0], dtype=torch.float64), zero, mask, 0.0)
+    turn = place_turn_rewards(end, [[1], [2, 2]], [[1.0], [0.25, -0.5]])  # two rewards at one position add up
+    assert turn.tolist() == [[0, 1.0, 0, 0, 0, 0.5], [0, 0, 2.0 + 0.25 - 0.5, 0, 0, 0]]
+    assert end.tolist()[0] == [0, 0, 0, 0, 0, 0.5]  # not changed in place
+    advantages, _ = gae_advantages(turn, zero, mask, gamma=1.0, lam=1.0)
+    assert advantages.tolist()[0] == [1.5, 1.5, 0, 0, 0.5, 0.5]
+    whole, _ = gae_advantages(shape_rewards(torch.tensor([1.5, 0.0], dtype=torch.float64), zero, mask, 0.0), zero, mask,
+                              gamma=1.0, lam=1.0)
+    assert whole.tolist()[0] == [1.5, 1.5, 0, 0, 1.5, 1.5]
+    with pytest.raises(ValueError, match="row 0: 2 turn rewards for 1 positions"):
+        place_turn_rewards(end, [[1], []], [[1.0, 2.0], []])
 
 
 def test_clip_rewards():

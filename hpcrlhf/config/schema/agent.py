@@ -53,6 +53,12 @@ class AgentConfig:
     max_failed_share: float = 0.1
     """A rollout in which more than this share of trajectories ended by a timeout or an environment
     error fails the run (a dead tool server must not train silently)."""
+    reward_placement: Literal["end", "turn"] = "end"
+    """Where the environment's rewards reach the per-token rewards (ppo): end -- the trajectory's whole
+    reward at its last model token, with the other sources' scores; turn -- each turn's `step` reward at
+    that turn's last model token (times the env source's weight), `get_reward()` and the other sources
+    at the end, so GAE credits a turn's reward to the turns before it alone (token-level estimators
+    only: gae, reinforce++). reward.running_norm and reward.clip then apply to the end's part only."""
     schedule: Literal["trajectory", "turn"] | None = None
     """trajectory: each trajectory goes back to the engine the moment its environment answered (vLLM);
     turn: every trajectory waits, each turn, for every environment (the only way for the hf backend).

@@ -464,4 +464,8 @@ class GenerateConfig:
         require_metrics(self.metrics, "metrics")
         require_in_job(self.reward, "generate", allow_env=True)
         require_agent_settings(self.agent, self.reward, self.rollout)
+        if self.agent is not None:
+            require(self.agent.reward_placement == "end", "agent.reward_placement", self.agent.reward_placement,
+                    "it says where training credits the environment's rewards; generate reports each trajectory's "
+                    "whole reward: leave it end (or drop it)")
         _require_task_for_rules(self.reward, self.task, self.data)

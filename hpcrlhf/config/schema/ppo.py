@@ -210,6 +210,13 @@ class PPOConfig(OnlineJobConfig):
                 f"use a divisor of {shown(sequences)}")
         _require_sleep_settings(self)
         require_agent_settings(self.agent, self.reward, self.rollout)
+        if self.agent is not None and self.agent.reward_placement == "turn":
+            require(not self.ppo.estimator.sequence_level, "agent.reward_placement", "turn",
+                    f"ppo.advantage_estimator {self.ppo.advantage_estimator} scores a trajectory as a whole: use "
+                    "agent.reward_placement=end with it, or a token-level estimator (gae, reinforce++)")
+            require(any(s.env and s.weight for s in self.reward.sources), "agent.reward_placement", "turn",
+                    "it places the environment's turn rewards, but no reward source with a weight is the "
+                    "environment's: add {env: true} to reward.sources, or use agent.reward_placement=end")
         for i, source in self.served_sources():
             require(self.placement.runtime == "ray", f"reward.sources[{i}].servers", source.servers,
                     "the job starts reward servers where the Ray runtime's node map places them: set "

@@ -45,7 +45,8 @@ from hpcrlhf.algos.kl import build_kl_controller, kl_estimate
 from hpcrlhf.algos.logprobs import IGNORE
 from hpcrlhf.algos.masked import masked_sum
 from hpcrlhf.algos.ppo import truncated_is_weights
-from hpcrlhf.algos.reward_shaping import RunningMoments, clip_rewards, normalize_scores, shape_rewards
+from hpcrlhf.algos.reward_shaping import (RunningMoments, clip_rewards, normalize_scores, place_turn_rewards,
+                                          shape_rewards)
 from hpcrlhf.config.schema import PPOConfig
 from hpcrlhf.data.prompts import Prompt
 from hpcrlhf.engines.distributed import all_reduce_sum
@@ -254,6 +255,9 @@ class PPOTrainer(OnlineTrainer):
         if values is not None:
             values = values * mask
         scores = rollout.scores.clone()
+        turns = self.turn_rewards(rollout)  # agent.reward_placement turn: moved from the score to their turns
+        if turns is not None:
+            scores -= torch.tensor([sum(values) for _, values in turns], dtype=scores.dtype)
         if cfg.reward.running_norm:
             self.moments.update(scores, reduce=all_reduce_sum)
             scores = normalize_scores(scores, self.moments)
@@ -266,6 +270,8 @@ class PPOTrainer(OnlineTrainer):
             rewards = shape_rewards(scores, torch.zeros_like(kl), mask, 0.0)
         else:
             rewards = shape_rewards(scores, kl, mask, kl_coef)
+            if turns is not None:
+                rewards = place_turn_rewards(rewards, *zip(*turns))
         advantages, returns = compute_advantages(
             ppo.advantage_estimator, rewards=rewards, mask=mask, scores=scores, values=values,
             group_size=cfg.rollout.samples_per_prompt, gamma=ppo.gamma, lam=ppo.lam,
@@ -290,6 +296,21 @@ class PPOTrainer(OnlineTrainer):
             stats["rollout/value"] = (float(masked_sum(values, mask)), float(mask.sum()))
             stats["rollout/return"] = (float(masked_sum(returns, mask)), float(mask.sum()))
         return experience, stats
+
+    def turn_rewards(self, rollout: Rollout) -> list[tuple[list[int], list[float]]] | None:
+        """With agent.reward_placement turn: each trajectory's turn rewards times the environment's
+        weight, with the positions of the actions they follow (their turns' last model tokens, in the
+        experience's per-token coordinates); else None."""
+        agent = self.cfg.agent
+        if agent is None or agent.reward_placement != "turn":
+            return None
+        weight = sum(s.weight for s in self.cfg.reward.sources if s.env)
+        out = []
+        for g, r in zip(rollout.generations, rollout.responses):
+            record, start = g.episode, len(r.sequence_ids) - len(g.response_ids)
+            out.append(([start - 1 + record.turn_ends[k] for k in record.reward_turns],
+                        [weight * v for v in record.turn_rewards]))
+        return out
 
     # -- updates ----------------------------------------------------------------------------
     def train_roles(self, experience: ExperienceBatch, step: int) -> Stats:

@@ -94,8 +94,9 @@ def short_turned(family: str, prompts: list[str] | None, folder) -> str:
 
 @pytest.mark.slow
 def test_a_second_family_trains_through_tools_that_fail_in_every_way(tmp_path):
-    """Tiny qwen2 (untrained), GAE, the hf backend, a user's environment (tests.agents.envs:Calculator)
-    and a parser that turns each model turn into a call by its length (tests.agents.envs:by_length):
+    """Tiny qwen2 (untrained), GAE with each turn's reward at its turn (agent.reward_placement turn), the hf
+    backend, a user's environment (tests.agents.envs:Calculator) and a parser that turns each model turn
+    into a call by its length (tests.agents.envs:by_length):
     malformed calls, an unknown tool, bad arguments, a tool that raises and one that hangs past
     agent.step_timeout_s are answered to the model or end their trajectory -- never the run -- and
     each is counted; the environment's tokens are no targets, so the engine's log-probs of the
@@ -110,7 +111,7 @@ def test_a_second_family_trains_through_tools_that_fail_in_every_way(tmp_path):
              "--set", "ppo.advantage_estimator=gae", "--set", "rollout.prompts_per_step=8",
              "--set", "rollout.samples_per_prompt=2", "--set", "rollout.max_new_tokens=24",
              "--set", "agent={environment: 'tests.agents.envs:Calculator', tool_parser: 'tests.agents.envs:by_length', "
-                      "max_turns: 4, max_tokens: 160, step_timeout_s: 0.5, max_failed_share: 1.0}",
+                      "max_turns: 4, max_tokens: 160, step_timeout_s: 0.5, max_failed_share: 1.0, reward_placement: turn}",
              "--set", "reward.sources=[{env: true}]", *QUIET])
     rows = train_rows(out)
     assert [r["step"] for r in rows] == [1, 2, 3]

@@ -74,3 +74,32 @@ def test_a_trajectorys_environment_tokens_are_no_training_targets():
     assert batch.tensors["labels"].tolist() == [[-100, 3, 4, -100, -100, 7, -100],
                                              [-100, 8, 9, -100, -100, -100, -100]]
     assert batch.tensors["input_ids"].tolist() == [[1, 2, 3, 4, 5, 6, 7], [1, 2, 8, 9, 0, 0, 0]]
+
+
+def test_turn_rewards_go_to_their_turns_last_model_tokens():
+    """agent.reward_placement turn on the transcript above: the judged turns' rewards (times the env source's
+    weight, 2) land at the positions whose targets are each turn's last model token -- 4 and 7 -- and nowhere
+    without it (agent.reward_placement end)."""
+    from types import SimpleNamespace
+
+    from hpcrlhf.agents.record import EpisodeRecord
+    from hpcrlhf.config.schema.agent import AgentConfig
+    from hpcrlhf.config.schema.online import RewardConfig, RewardSourceConfig
+    from hpcrlhf.engines.rollout import Generation
+    from hpcrlhf.rewards.response import Response
+    from hpcrlhf.trainers.online import Rollout
+    from hpcrlhf.trainers.ppo.driver import PPOTrainer
+    from hpcrlhf.trainers.ppo.experience import rollout_batch
+
+    record = EpisodeRecord(turns=2, turn_rewards=[0.5, 1.0], reward_turns=[0, 1], turn_ends=[1, 4])
+    agent = Generation([1, 2], [3, 4, 5, 6, 7], [-0.1, -0.2, 0.0, 0.0, -0.3], True, [True, True, False, False, True],
+                       record)
+    responses = [Response("p", "t", tuple(agent.prompt_ids + agent.response_ids), {}, episode=record)]
+    rollout = Rollout(["p"], [agent], responses, torch.zeros(1), {})
+    labels = rollout_batch(rollout, pad_id=0).tensors["labels"][0]
+    reward = RewardConfig(sources=(RewardSourceConfig(rule="task"), RewardSourceConfig(env=True, weight=2.0)))
+    driver = SimpleNamespace(cfg=SimpleNamespace(agent=AgentConfig(reward_placement="turn"), reward=reward))
+    ((positions, values),) = PPOTrainer.turn_rewards(driver, rollout)
+    assert (positions, values) == ([2, 5], [1.0, 2.0]) and [int(labels[p]) for p in positions] == [4, 7]
+    driver.cfg.agent = AgentConfig()
+    assert PPOTrainer.turn_rewards(driver, rollout) is None
