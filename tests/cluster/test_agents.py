@@ -26,7 +26,7 @@ def test_ray_ppo_runs_its_trajectories_beside_the_tp_2_engine_while_it_trains_an
              "--set", f"data.train_path={rows}", "--set", "data.apply_chat_template=true", "--set", "task.name=null",
              "--set", "ppo.advantage_estimator=grpo", "--set", "placement.critic.gpus_per_node=0",
              "--set", "placement.colocate=[[actor, ref, vllm]]", "--set", "rollout.prompts_per_step=4", "--set",
-             "rollout.samples_per_prompt=4", "--set", "rollout.max_new_tokens=8", "--set", "train.max_steps=3", "--set", "rollout.max_staleness=1",
+             "rollout.samples_per_prompt=4", "--set", "rollout.max_new_tokens=8", "--set", "train.max_steps=3", "--set", "rollout.max_staleness=1", "--set", "checkpoint.every_steps=2",
              "--set", "train.global_batch_size=16", "--set", "train.micro_batch_size=8", "--set", "optim.lr=1e-4",
              "--set", "agent={environment: 'tests.agents.envs:Wordy', environment_args: {turns: 2}, max_turns: 3, "
                       "max_tokens: 48}", "--set", "reward.sources=[{env: true}]",
@@ -43,5 +43,12 @@ def test_ray_ppo_runs_its_trajectories_beside_the_tp_2_engine_while_it_trains_an
     assert steps[0]["rollout/logprob_max_diff"] < 1e-4 < min(r["rollout/logprob_max_diff"] for r in steps[1:]), steps
     assert all(r["timing/overlap"] > 0 for r in steps[:-1]) and steps[-1]["timing/overlap"] == 0, steps
     assert max(r["agent/turns"] for r in steps) > 1 and steps[1]["train/policy_loss"] != 0
+    # the checkpoint at step 2 keeps step 3's trajectories, run ahead, with their batch's figures (a resume scores them)
+    import torch
+
+    ahead = torch.load(out / "checkpoints" / "step_000002" / "ahead_rank0.pt", weights_only=False)
+    assert ahead["step"] == 2 and [len(g) for g in ahead["generations"]] == [4] * 4
+    assert all(s.episode is not None for g in ahead["generations"] for s in g)
+    assert ahead["agent_batch"]["agent/env_calls"][1] == 16 and ahead["agent_batch"]["agent/env_calls"][0] > 16
     workers = json.loads((out / "placement.json").read_text())["workers"]
     assert [w["visible_devices"] for w in workers if w["role"] == "vllm"] == ["0,1"]  # the colocated TP-2 engine
