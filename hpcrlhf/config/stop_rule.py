@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from hpcrlhf.errors import ConfigError
 
 FIELD = "eval.stop_when"
-_RULE = re.compile(r"^\s*(?P<metric>eval/[\w./-]+)\s*(?P<op>>=|<=)\s*(?P<value>\S+)\s*$")
+_RULE = re.compile(r"^\s*(?P<metric>eval/[\w./@-]+)\s*(?P<op>>=|<=)\s*(?P<value>\S+)\s*$")
 EXAMPLE = "e.g. eval/task_score>=0.9 or eval/loss<=0.05"
 
 

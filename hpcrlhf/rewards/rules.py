@@ -42,6 +42,7 @@ from hpcrlhf.data.sources import brief
 from hpcrlhf.errors import ConfigError, RuleError
 from hpcrlhf.rewards.builtin import build_builtin
 from hpcrlhf.rewards.response import Response, Scorer
+from hpcrlhf.rewards.sampled import Sampling, sampled_stats
 from hpcrlhf.run.signals import Interrupted, StopRequested
 from hpcrlhf.run.usercode import UserCodeTimeout, load_named, raised_at, real_number, user_code
 
@@ -207,6 +208,11 @@ class EvalMetrics:
     def values(self, responses: Sequence[Response]) -> dict[str, list[float]]:
         return {name: rule.scores(responses) for name, rule in self.rules.items()}
 
-    def stats(self, responses: Sequence[Response], suffix: str = "") -> dict[str, tuple[float, float]]:
-        """{`eval/<name><suffix>`: (sum, count)} over `responses`."""
-        return {f"eval/{name}{suffix}": (sum(v), len(v)) for name, v in self.values(responses).items()}
+    def stats(self, responses: Sequence[Response], suffix: str = "", sampling: Sampling | None = None
+              ) -> dict[str, tuple[float, float]]:
+        """{`eval/<name><suffix>`: (sum, count)} over `responses`; with `sampling` (several samples per
+        prompt, prompt-major), also pass@k and maj@n over the prompts (`rewards.sampled`)."""
+        values = self.values(responses)
+        if sampling is not None:
+            return sampled_stats(values, [r.text for r in responses], sampling, suffix)
+        return {f"eval/{name}{suffix}": (sum(v), len(v)) for name, v in values.items()}

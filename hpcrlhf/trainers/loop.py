@@ -24,16 +24,19 @@ from hpcrlhf.config.schema import TrainJobConfig
 from hpcrlhf.config.stop_rule import parse_stop_rule
 from hpcrlhf.data.loading import held_out_prompt_rows, task_note
 from hpcrlhf.data.tasks import build_task
+from hpcrlhf.engines.rollout.contract import SamplingParams
 from hpcrlhf.errors import ConfigError
 from hpcrlhf.logs import get_logger
 from hpcrlhf.models.context import ContextWindow
 from hpcrlhf.models.factory import ModelFactory
 from hpcrlhf.rewards.rules import EvalMetrics, check_rules
+from hpcrlhf.rewards.sampled import sampling_for
 from hpcrlhf.run.folder import Run, StepAbandoned
 from hpcrlhf.run.guard import SKIPPED_SUFFIX, NonFiniteError, NonFiniteGuard, SkipStep, require_finite_start
 from hpcrlhf.run.metrics import read_metrics
 from hpcrlhf.run.stats import Stats, add_stats, new_stats, reduce_means
 from hpcrlhf.trainers.batches import BatchPlan, PPOPlan, eval_shards
+from hpcrlhf.trainers.seeds import eval_sampling_seed
 
 log = get_logger()
 
@@ -86,6 +89,8 @@ class TrainingLoop:
         check_rules(cfg)
         self.task = build_task(cfg.task, cfg.data)
         self.metrics = EvalMetrics(cfg.eval.metrics, self.task, timeout_s=cfg.eval.metric_timeout_s, rules=cfg.rules)
+        self.eval_sampling = sampling_for(cfg.eval, cfg.rules, self.task)
+        """How several sampled answers per held-out prompt are judged (None: one answer each)."""
         # no prompts to answer: a reward model's job, or SFT on conversations (eval/loss is their evaluation)
         self.held_out = (([], cfg.data.prompt_key) if self.value_head or getattr(cfg.data, "messages_key", None)
                          else held_out_prompt_rows(cfg.data, cfg.task, cfg.eval.score_prompts))
@@ -136,6 +141,15 @@ class TrainingLoop:
         raise NotImplementedError
 
     # -- the shared shape of an evaluation -------------------------------------------------------
+    def eval_params(self, max_new_tokens: int) -> SamplingParams:
+        """How evaluation draws its answers to the held-out prompts: greedy, or `eval.samples_per_prompt`
+        samples each at `eval.temperature` (1.0 when null) and `eval.top_p`, with the run's evaluation seed."""
+        e = self.cfg.eval
+        if not e.sampled:
+            return SamplingParams(n=1, greedy=True, max_new_tokens=max_new_tokens)
+        return SamplingParams(n=e.samples_per_prompt, temperature=e.temperature or 1.0, top_p=e.top_p,
+                              max_new_tokens=max_new_tokens, seed=eval_sampling_seed(self.cfg.seed))
+
     def eval_means(self, items: Sequence, batch_stats: Callable[[list], Stats]) -> dict[str, float]:
         """Means of `batch_stats` over `items`, sharded over ranks (ZeRO-3 safe)."""
         sums = new_stats()

@@ -327,12 +327,13 @@ class OnlineTrainer(TrainingLoop):
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
-        """Greedy responses to the held-out prompts: reward, length, task score and `eval.metrics`."""
-        params = SamplingParams(n=1, greedy=True, max_new_tokens=self.cfg.eval.max_new_tokens)
+        """Greedy (or sampled: `eval.samples_per_prompt`, `eval.temperature`) responses to the held-out prompts:
+        reward, length, task score and `eval.metrics` (with several samples, pass@k and maj@n too)."""
+        params = self.eval_params(self.cfg.eval.max_new_tokens)
         engine = self.greedy_rollout()
 
         if self.agent is not None:  # a model turn is as long as in the rollouts; the environments seeded alike
-            params = SamplingParams(n=1, greedy=True, max_new_tokens=self.cfg.rollout.max_new_tokens, seed=self.cfg.seed)
+            params = replace(self.eval_params(self.cfg.rollout.max_new_tokens), seed=params.seed or self.cfg.seed)
 
         def stats(batch: list[Prompt]) -> Stats:
             with self.run.stoppable():
@@ -340,8 +341,8 @@ class OnlineTrainer(TrainingLoop):
                         else engine.generate([list(p.ids) for p in batch], params))
                 _, flat, responses = flatten_generations(batch, gens, self.tokenizer)
                 total, _ = self.rewards.score(responses)
-                metrics = self.metrics.stats(judged(responses))
-            n = len(batch)
+                metrics = self.metrics.stats(judged(responses), sampling=self.eval_sampling)
+            n = len(flat)  # means over every sample
             out = {"eval/reward": (float(total.sum()), n),
                    "eval/response_length": (float(sum(len(g.response_ids) for g in flat)), n)}
             if self.agent is not None:

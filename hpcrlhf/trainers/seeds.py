@@ -33,3 +33,9 @@ def minibatch_seed(seed: int, step: int, rank: int) -> int:
 def selection_order_seed(seed: int, round: int) -> int:
     """The order in which rejection sampling trains on a round's selected responses."""
     return seed + 1000 * round
+
+
+def eval_sampling_seed(seed: int) -> int:
+    """The sampling seed of evaluation's sampled answers (`eval.samples_per_prompt`, `eval.temperature`):
+    the same at every evaluation of a run, so its evaluations are compared on the same draws."""
+    return seed * 1_000_003 + 999_983

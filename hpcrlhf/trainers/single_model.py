@@ -20,6 +20,7 @@ from hpcrlhf.data.sft import encode_prompts
 from hpcrlhf.data.sources import Row
 from hpcrlhf.engines.distributed import all_reduce_sum
 from hpcrlhf.engines.hf_generate import generate_greedy
+from hpcrlhf.engines.rollout.hf import HFRollout
 from hpcrlhf.logs import get_logger
 from hpcrlhf.models.factory import trainable_parameters
 from hpcrlhf.rewards.response import Response
@@ -121,17 +122,28 @@ class SingleModelTrainer(TrainingLoop):
         return list(zip(ids, rows))
 
     def generation_scores(self, prompts: Sequence[tuple[list[int], Row]], suffix: str = "") -> dict[str, float]:
-        """Means of the task score and `eval.metrics` of greedy answers to (prompt ids, row) pairs,
-        as `eval/<name><suffix>` (nothing to generate when there are neither)."""
+        """Means of the task score and `eval.metrics` of greedy answers to (prompt ids, row) pairs --
+        or of `eval.samples_per_prompt` sampled ones, with pass@k and maj@n -- as `eval/<name><suffix>`
+        (nothing to generate when there are neither)."""
         key = self.held_out[1]
+        synced = self.engine.zero_stage == 3 and self.env.world_size > 1
+        params = self.eval_params(self.cfg.eval.max_new_tokens)
 
         def stats(batch: list) -> Stats:
             with self.run.stoppable():
-                texts = generate_greedy(self.engine.module, self.tokenizer, [ids for ids, _ in batch],
-                                        max_new_tokens=self.cfg.eval.max_new_tokens, device=self.engine.device,
-                                        synced_gpus=self.engine.zero_stage == 3 and self.env.world_size > 1)
+                ids = [ids for ids, _ in batch]
+                if params.greedy:
+                    texts = generate_greedy(self.engine.module, self.tokenizer, ids, max_new_tokens=params.max_new_tokens,
+                                            device=self.engine.device, synced_gpus=synced)
+                else:
+                    sampler = HFRollout(self.engine.module, pad_token_id=self.models.pad_id,
+                                        eos_token_id=self.tokenizer.eos_token_id, device=self.engine.device,
+                                        synced_gpus=synced)
+                    texts = self.tokenizer.batch_decode([g.response_ids for gens in sampler.generate(ids, params)
+                                                         for g in gens], skip_special_tokens=True)
+                rows = [row for _, row in batch for _ in range(params.n)]
                 return self.metrics.stats([Response(row.data[key], text, (), row.data, row.origin)
-                                           for (_, row), text in zip(batch, texts)], suffix)
+                                           for row, text in zip(rows, texts)], suffix, self.eval_sampling)
 
         self.engine.eval()
         return self.eval_means(prompts, stats) if prompts and self.metrics.rules else {}

@@ -13,6 +13,7 @@ from hpcrlhf.errors import ConfigError
     ("eval/task_score>=0.9", StopRule("eval/task_score", ">=", 0.9)),
     ("  eval/loss <= 5e-2 ", StopRule("eval/loss", "<=", 0.05)),
     ("eval/accuracy_hard>=-1", StopRule("eval/accuracy_hard", ">=", -1.0)),
+    ("eval/task_score/pass@8>=0.95", StopRule("eval/task_score/pass@8", ">=", 0.95)),  # sampled evaluation's keys
     ("", None),
     ("   ", None),
 ])

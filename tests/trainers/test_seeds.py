@@ -1,7 +1,8 @@
 """The seed formulas, pinned: a resumed run, a rerun, and a run on another hpcrlhf version draw the
 same prompts, samples and mini-batches only while these values stay what they were."""
 
-from hpcrlhf.trainers.seeds import epoch_order_seed, minibatch_seed, refill_seed, sampling_seed, selection_order_seed
+from hpcrlhf.trainers.seeds import (epoch_order_seed, eval_sampling_seed, minibatch_seed, refill_seed, sampling_seed,
+                                   selection_order_seed)
 
 
 def test_every_formula_keeps_its_values():
@@ -11,6 +12,7 @@ def test_every_formula_keeps_its_values():
     assert minibatch_seed(42, step=3, rank=1) == 42 * 1_000_003 + 3 * 31 + 1 == 42_000_220
     assert epoch_order_seed(42, epoch=2) == 44
     assert selection_order_seed(42, round=3) == 3042
+    assert eval_sampling_seed(42) == 42 * 1_000_003 + 999_983 == 43_000_109
 
 
 def test_streams_differ_where_they_must():

@@ -51,6 +51,24 @@ def test_sft_learns_the_bundled_task(full_sft_run):
     assert (out / "config.yaml").read_text().startswith("model:")
 
 
+def test_sampled_evaluation_reports_pass_at_k_and_the_majority_of_its_samples(full_sft_run, tmp_path):
+    """eval.samples_per_prompt 8 on the trained adder: the task score is the mean over the 8 samples of each
+    held-out prompt, pass@1 equals it (0/1 scores at the threshold 1), pass@k grows with k and maj@8 is a
+    share (measured, 2026-11-29: pass@1 0.93, pass@2 0.98, pass@8 1.0, maj@8 0.97; greedy 0.99). Every
+    evaluation draws the same samples: one step at a learning rate of 1e-9 leaves them all as they were."""
+    out = tmp_path / "run"
+    run_cli(["train", "sft", "-o", str(out), *SHORT, "--set", f"model.path={Path(full_sft_run) / 'model'}", "--set",
+             "train.max_steps=1", "--set", "optim.lr=1e-9", "--set", "eval.samples_per_prompt=8",
+             "--set", "eval.pass_k=[1, 2, 8]"])
+    summary = json.loads((out / "summary.json").read_text())
+    e = summary["before"]
+    assert e["eval/task_score/pass@1"] == pytest.approx(e["eval/task_score"], abs=1e-9), e
+    assert e["eval/task_score/pass@1"] <= e["eval/task_score/pass@2"] <= e["eval/task_score/pass@8"] <= 1, e
+    assert e["eval/task_score/pass@8"] >= 0.8 and 0.5 <= e["eval/task_score/maj@8"] <= 1, e  # a trained adder
+    assert {k: v for k, v in summary["after"].items() if "task_score" in k} == \
+           {k: v for k, v in e.items() if "task_score" in k}, summary
+
+
 def test_run_folder_and_exported_model(baseline):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -86,6 +86,9 @@ class RMConfig(TrainJobConfig):
             raise ConfigError(f"eval.metrics: {list(self.eval.metrics)} score generated answers, and a reward model "
                               "generates none (it is evaluated on pairs): remove eval.metrics, or report them from the "
                               "policy's jobs (sft, dpo, kto, csft, ppo, rs, generate)")
+        require(not self.eval.sampled, "eval.samples_per_prompt", self.eval.samples_per_prompt,
+                "a reward model generates no answers to sample (it is evaluated on pairs): leave eval.samples_per_prompt "
+                "1 and eval.temperature null")
 
 
 @dataclass(frozen=True)

@@ -329,9 +329,50 @@ class EvalConfig:
     metric_timeout_s: float = DEFAULT_USER_CODE_TIMEOUT_S
     """Longest one call of a metric (or the task score) may take, in seconds; past it the run fails
     naming the metric (a metric that never returns would hang the job)."""
+    samples_per_prompt: int = 1
+    """Answers sampled per held-out prompt. 1: the greedy answer (unless `temperature` is set). More:
+    `eval/<metric>` is the mean over every sample (mean@n), and each metric also reports
+    `eval/<metric>/pass@k` (Chen et al. 2021's unbiased estimate, a sample counting as correct when its
+    value reaches `pass_threshold`) for each k of `pass_k`, and `eval/<metric>/maj@n` (the value of the
+    majority answer, `vote`). The samples are drawn with the same seed at every evaluation."""
+    temperature: float | None = None
+    """Sampling temperature of evaluation; null: greedy with one sample per prompt, 1.0 with more."""
+    top_p: float = 1.0
+    """Nucleus sampling of evaluation's samples (1.0: off)."""
+    pass_k: tuple[int, ...] = ()
+    """The k of `eval/<metric>/pass@k`, each 1..samples_per_prompt; empty: 1 and samples_per_prompt
+    (with more than one sample)."""
+    pass_threshold: float = 1.0
+    """A sample is correct for pass@k when its metric value is at least this (1.0: an exact 0/1 score)."""
+    vote: Literal["auto", "none", "boxed", "last_number"] = "auto"
+    """How maj@n reads each sample's answer: boxed (the last \\boxed{...}), last_number (the last number
+    in digits), none (no maj@n); auto: as `rules.math.extract` says when `math` is a metric, last_number
+    with the bundled task, else none. Answers are compared as text."""
+
+    @property
+    def sampled(self) -> bool:
+        """Whether evaluation samples (several answers per prompt, or a temperature) instead of greedy."""
+        return self.samples_per_prompt > 1 or self.temperature is not None
+
+    @property
+    def ks(self) -> tuple[int, ...]:
+        """The k of pass@k reported (none with one sample per prompt)."""
+        n = self.samples_per_prompt
+        return () if n == 1 else self.pass_k or tuple(sorted({1, n}))
 
     def __post_init__(self) -> None:
         require_finite(self, "eval")
+        require(self.samples_per_prompt >= 1, "eval.samples_per_prompt", self.samples_per_prompt,
+                "use 1 (one answer per prompt) or more, e.g. 8 for pass@8")
+        require(self.temperature is None or self.temperature > 0, "eval.temperature", self.temperature,
+                "use a positive temperature, or null (greedy with one sample per prompt, 1.0 with more)")
+        require(0 < self.top_p <= 1, "eval.top_p", self.top_p, "use a value in (0, 1]")
+        n = self.samples_per_prompt
+        require(not self.pass_k or n > 1, "eval.pass_k", list(self.pass_k),
+                "pass@k needs several samples per prompt: set eval.samples_per_prompt (e.g. 8), or drop pass_k")
+        for k in self.pass_k:
+            require(1 <= k <= n, "eval.pass_k", list(self.pass_k),
+                    f"each k must be 1..eval.samples_per_prompt ({n}): sample more, or use smaller k")
         require_metrics(self.metrics, "eval.metrics")
         require_timeout(self.metric_timeout_s, "eval.metric_timeout_s")
         require(self.every_steps >= 0, "eval.every_steps", self.every_steps, "use 0 (only at the end) or a step count")
