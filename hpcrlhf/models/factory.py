@@ -96,14 +96,14 @@ class ModelFactory:
         return frozen
 
     def export(self, engine, *, value_head: bool, config_updates: dict[str, Any] | None = None,
-               files: dict[str, str] | None = None) -> None:
-        """Write `engine`'s model in Hugging Face format into `model/` of the run folder (LoRA
-        adapters merged, the adapter alone in `model/adapter/`; every rank calls: ZeRO-3 gathers).
-        `config_updates`: extra entries for its config.json; `files`: more files (name -> text)."""
+               files: dict[str, str] | None = None, folder: str = "model") -> None:
+        """Write `engine`'s model in Hugging Face format into `folder` (`model/`, or `best/`) of the run
+        folder (LoRA adapters merged, the adapter alone in `adapter/` there; every rank calls: ZeRO-3
+        gathers). `config_updates`: extra entries for its config.json; `files`: more files (name -> text)."""
         def build_base():
             with zero3_init_paused():
                 return self.load_model(self.cfg.model.path, value_head=value_head)
 
         save_hf_model(engine, lambda state: export_pretrained(
-            engine.module, state, Path(self.cfg.output_dir) / "model", self.tokenizer,
+            engine.module, state, Path(self.cfg.output_dir) / folder, self.tokenizer,
             lora=self.cfg.lora, build_base=build_base, config_updates=config_updates or {}, files=files))

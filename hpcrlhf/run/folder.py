@@ -49,7 +49,7 @@ def environment_record(env: DistEnv) -> dict[str, Any]:
 SAFE_CHANGES = ("train.max_steps", "train.on_nonfinite", "train.max_consecutive_skips", "eval.every_steps",
                 "eval.stop_when", "eval.batch_size", "log.", "checkpoint.every_steps", "checkpoint.keep_last",
                 "checkpoint.verify", "checkpoint.save_model", "checkpoint.at_end", "reward.rule_timeout_s",
-                "eval.metric_timeout_s",
+                "eval.metric_timeout_s", "eval.keep_best", "eval.keep_best_mode",
                 "placement.vllm.max_restarts", "placement.local_network",
                 "rollout.vllm_kv_cache_gb", "rollout.vllm_enforce_eager", "rollout.vllm_max_num_seqs", "rollout.vllm_max_num_batched_tokens")
 """Settings a rerun may change on a run that has checkpoints (a prefix ends with a dot): how long it
@@ -63,8 +63,8 @@ RUN_FILES = ("run.lock", "metrics.jsonl", "environment.jsonl", "config.yaml", "s
 third_party.log: hpcrlhf.logs)."""
 IN_PLACE_FILES = ("run.lock", "metrics.jsonl", "environment.jsonl", THIRD_PARTY_LOG)
 """Those written in place (appended to, or rewritten through the lock's descriptor), not replaced."""
-RUN_FOLDERS = ("checkpoints", "model", "tensorboard", "rounds")
-"""The folders it writes there (rounds/: hpcrlhf.trainers.rs)."""
+RUN_FOLDERS = ("checkpoints", "model", "best", "tensorboard", "rounds")
+"""The folders it writes there (rounds/: hpcrlhf.trainers.rs; best/: eval.keep_best)."""
 IGNORED_CHANGES = ("output_dir", "checkpoint.resume")
 """Settings of the attempt, not of the run: where the folder is named from, and whether to resume."""
 

@@ -36,6 +36,7 @@ from hpcrlhf.run.guard import SKIPPED_SUFFIX, NonFiniteError, NonFiniteGuard, Sk
 from hpcrlhf.run.metrics import read_metrics
 from hpcrlhf.run.stats import Stats, add_stats, new_stats, reduce_means
 from hpcrlhf.trainers.batches import BatchPlan, PPOPlan, eval_shards
+from hpcrlhf.trainers.best import BEST_FOLDER, BestModel
 from hpcrlhf.trainers.seeds import eval_sampling_seed
 
 log = get_logger()
@@ -136,8 +137,9 @@ class TrainingLoop:
         trainers whose updates report it in their metrics (`*skipped_updates`)."""
         raise NotImplementedError
 
-    def save_outputs(self) -> None:
-        """Write the final model into `model/` of the run folder."""
+    def save_outputs(self, folder: str = "model", files: dict[str, str] | None = None) -> None:
+        """Write the model into `folder` of the run folder (`model/`: the final one; `best/`:
+        eval.keep_best's), with `files` (name -> text) beside it."""
         raise NotImplementedError
 
     # -- the shared shape of an evaluation -------------------------------------------------------
@@ -178,6 +180,7 @@ class TrainingLoop:
             log.info(f"{run.dir} finished at step {finished['step']} with no checkpoint there (checkpoint.at_end=false): "
                      f"steps {step + 1}-{finished['step']} are trained again from its checkpoint at step {step}")
         stop_rule = parse_stop_rule(self.cfg.eval.stop_when)
+        self.best = BestModel.of_run(self.cfg.eval, run.dir)
         if step == 0:
             try:
                 before = self.evaluate()
@@ -186,6 +189,8 @@ class TrainingLoop:
             require_finite_start(before, self.evaluated_models(), self.trained_weights(), self.cfg.engine.precision)
             if stop_rule is not None:  # a misspelt metric fails here, not after hours of training
                 stop_rule.require_metric(before)
+            if self.best is not None:
+                self.best.require_metric(before)
             run.log(0, before)
             log.info("before training: " + format_metrics(before))
         else:  # resumed: the first evaluation is in the run's metrics
@@ -226,6 +231,7 @@ class TrainingLoop:
                 except StepAbandoned:
                     return self._stopped(step, f" during the evaluation at step {step}, which is not logged")
                 run.log(step, evaluation)
+                self._keep_if_best(step, evaluation)
                 window_start = time.perf_counter()  # keep eval time out of the throughput window
                 if stop_rule is not None and stop_rule.met(evaluation):
                     log.info(f"early stop at step {step} of {plan.total_steps}: {stop_rule.metric}="
@@ -239,7 +245,15 @@ class TrainingLoop:
         except StepAbandoned:
             return self._stopped(step, " during the final evaluation")
         run.log(step, after)
+        self._keep_if_best(step, after)
         return self._finish(step, before, after)
+
+    def _keep_if_best(self, step: int, evaluation: Mapping[str, float]) -> None:
+        """eval.keep_best: export the model to `best/` when `evaluation` beats the best so far."""
+        if self.best is not None and self.best.improved(evaluation):
+            self.save_outputs(folder=BEST_FOLDER, files=self.best.files(evaluation, step))
+            log.info(f"best {self.best.metric} so far ({evaluation[self.best.metric]:.4g} at step {step}): model "
+                     f"exported to {self.run.dir / BEST_FOLDER}")
 
     def _stopped(self, step: int, during: str = "") -> dict:
         """A stop request: checkpoint the `step` steps done (none: nothing to save) and end the run,
@@ -275,6 +289,8 @@ class TrainingLoop:
         if self.cfg.checkpoint.save_model:
             self.save_outputs()  # a full disk: hpcrlhf.models.export says so
         summary = {"status": "done", "step": step, "before": before, "after": after, **extra}
+        if self.best is not None and self.best.step is not None:
+            summary["best"] = self.best.summary()
         run.write_summary(summary)
         log.info("after training: " + format_metrics(after))
         run.finish()

@@ -78,11 +78,12 @@ class SingleModelTrainer(TrainingLoop):
         """Extra files (name -> text) exported with the model, in `model/`."""
         return {}
 
-    def save_outputs(self) -> None:
-        """Write the final model in Hugging Face format into `model/` of the run folder (LoRA
-        adapters merged, the adapter alone in `model/adapter/`)."""
+    def save_outputs(self, folder: str = "model", files: dict[str, str] | None = None) -> None:
+        """Write the model in Hugging Face format into `folder` of the run folder (LoRA adapters
+        merged, the adapter alone in `adapter/` there), with `files` beside it."""
         extra = self.exported_config()  # may need every rank (collectives)
-        self.models.export(self.engine, value_head=self.value_head, config_updates=extra, files=self.exported_files())
+        self.models.export(self.engine, value_head=self.value_head, config_updates=extra,
+                           files={**self.exported_files(), **(files or {})}, folder=folder)
 
     # -- shared shapes of a step and of an evaluation ------------------------------------------
     def sample_mean_step(self, step: int, num_rows: int,

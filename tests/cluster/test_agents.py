@@ -30,7 +30,8 @@ def test_ray_ppo_runs_its_trajectories_beside_the_tp_2_engine_while_it_trains_an
              "--set", "train.global_batch_size=16", "--set", "train.micro_batch_size=8", "--set", "optim.lr=1e-4",
              "--set", "agent={environment: 'tests.agents.envs:Wordy', environment_args: {turns: 2}, max_turns: 3, "
                       "max_tokens: 48}", "--set", "reward.sources=[{env: true}]",
-             "--set", "log.tensorboard=false", "--set", "eval.every_steps=0", "--set", "log.every_steps=1"],
+             "--set", "log.tensorboard=false", "--set", "log.every_steps=1", "--set", f"data.eval_path={rows}",
+             "--set", "eval.score_prompts=4", "--set", "eval.every_steps=2", "--set", "eval.keep_best=eval/reward"],
             env={"RAY_ADDRESS": ray_cluster.address}, timeout=900)
     steps = [m for m in read_metrics(out) if "rollout/score" in m]
     assert [r["step"] for r in steps] == [1, 2, 3]
@@ -43,6 +44,10 @@ def test_ray_ppo_runs_its_trajectories_beside_the_tp_2_engine_while_it_trains_an
     assert steps[0]["rollout/logprob_max_diff"] < 1e-4 < min(r["rollout/logprob_max_diff"] for r in steps[1:]), steps
     assert all(r["timing/overlap"] > 0 for r in steps[:-1]) and steps[-1]["timing/overlap"] == 0, steps
     assert max(r["agent/turns"] for r in steps) > 1 and steps[1]["train/policy_loss"] != 0
+    # eval.keep_best: the actor's workers export the best evaluation's model (step 2's or the final one) to best/
+    best = json.loads((out / "best" / "best.json").read_text())
+    assert best["step"] in (2, 3) and best == json.loads((out / "summary.json").read_text())["best"], best
+    assert (out / "best" / "config.json").exists() and (out / "model" / "config.json").exists()
     # the checkpoint at step 2 keeps step 3's trajectories, run ahead, with their batch's figures (a resume scores them)
     import torch
 

@@ -30,10 +30,14 @@ def evals(run_dir) -> dict[int, float]:
     return {m["step"]: m["eval/loss"] for m in read_metrics(run_dir) if "eval/loss" in m}
 
 
+KEEP_WORST = ["--set", "eval.keep_best=eval/loss", "--set", "eval.keep_best_mode=max"]
+"""The baseline keeps its "best" model by the largest eval loss: the evaluation at step 12, not the last one."""
+
+
 @pytest.fixture(scope="module")
 def baseline(tmp_path_factory):
     out = tmp_path_factory.mktemp("sft") / "one_rank"
-    run_cli(["train", "sft", "-o", str(out), *SHORT])
+    run_cli(["train", "sft", "-o", str(out), *SHORT, *KEEP_WORST])
     return out
 
 
@@ -109,11 +113,13 @@ def assert_same_run(baseline, out) -> None:
 
 def test_stop_signal_then_resume_equals_uninterrupted(baseline, tmp_path):
     out = tmp_path / "resumed"
-    args = ["train", "sft", "-o", str(out), *SHORT]
+    args = ["train", "sft", "-o", str(out), *SHORT, *KEEP_WORST]
     stopped_at = stop_after(args, out, 5)
     assert 5 <= stopped_at < 24
     run_cli(args)  # same command again resumes
     assert_same_run(baseline, out)
+    best = json.loads((out / "summary.json").read_text())["best"]  # eval.keep_best across the resume
+    assert best["step"] == 12 and best == json.loads((baseline / "summary.json").read_text())["best"]
 
 
 def test_damaged_latest_checkpoint_resumes_from_the_previous_one(baseline, tmp_path):
@@ -155,6 +161,16 @@ def test_early_stop_ends_at_the_first_evaluation_that_meets_the_rule(baseline, t
         assert loss == pytest.approx(one[step], rel=1e-6), step
     assert (out / "checkpoints" / "latest").read_text().strip() == "step_000012"
     assert (out / "model" / "config.json").exists()
+    # eval.keep_best: the baseline's best by the largest eval loss is the model of its step 12 -- this run's model
+    import torch
+    from safetensors.torch import load_file
+
+    best = json.loads((baseline / "best" / "best.json").read_text())
+    assert best == {"metric": "eval/loss", "mode": "max", "value": pytest.approx(loss_at_12, rel=1e-9), "step": 12}
+    assert json.loads((baseline / "summary.json").read_text())["best"] == best
+    kept, here = load_file(baseline / "best" / "model.safetensors"), load_file(out / "model" / "model.safetensors")
+    assert kept.keys() == here.keys() and all(torch.allclose(kept[k], here[k], rtol=1e-5, atol=1e-7) for k in kept)
+    assert (baseline / "best" / "tokenizer_config.json").exists()
     again = run_cli(args)
     assert "is already complete (12 steps)" in again.stdout + again.stderr
     assert sorted(losses(out)) == list(range(1, 13))

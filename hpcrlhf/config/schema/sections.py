@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
@@ -349,6 +350,14 @@ class EvalConfig:
     in digits), none (no maj@n); auto: as `rules.math.extract` says when `math` is a metric, last_number
     with the bundled task, else none. Answers are compared as text."""
 
+    keep_best: str = ""
+    """Keep the model of the best evaluation by this `eval/*` metric (e.g. `eval/task_score/pass@8`): after
+    each periodic evaluation and the final one that beats the best so far, the model is exported to `best/`
+    of the run folder beside `model/` (which stays the final model), with `best.json` (metric, value, step);
+    `summary.json` says which step it was. Needs `every_steps` > 0. Empty: no `best/`."""
+    keep_best_mode: Literal["max", "min"] = "max"
+    """Whether a larger (max) or a smaller (min: e.g. eval/loss) value of `keep_best` is better."""
+
     @property
     def sampled(self) -> bool:
         """Whether evaluation samples (several answers per prompt, or a temperature) instead of greedy."""
@@ -362,6 +371,11 @@ class EvalConfig:
 
     def __post_init__(self) -> None:
         require_finite(self, "eval")
+        if self.keep_best:
+            require(re.fullmatch(r"eval/[\w./@-]+", self.keep_best) is not None, "eval.keep_best", self.keep_best,
+                    "name an evaluation metric, e.g. eval/task_score or eval/loss (keep_best_mode=min)")
+            require(self.every_steps > 0, "eval.keep_best", self.keep_best,
+                    "the best model is chosen among periodic evaluations: set eval.every_steps, e.g. 50")
         require(self.samples_per_prompt >= 1, "eval.samples_per_prompt", self.samples_per_prompt,
                 "use 1 (one answer per prompt) or more, e.g. 8 for pass@8")
         require(self.temperature is None or self.temperature > 0, "eval.temperature", self.temperature,

@@ -136,8 +136,8 @@ class PPOTrainer(OnlineTrainer):
     def skipped_updates(self) -> None:
         return None  # each learner reports its engine's in the step's metrics
 
-    def save_outputs(self) -> None:
-        self.roles.save_model()
+    def save_outputs(self, folder: str = "model", files: dict[str, str] | None = None) -> None:
+        self.roles.save_model(folder, files)
 
     def close(self) -> None:
         self.roles.close()

@@ -113,7 +113,7 @@ class PPORoles(Protocol):
 
     def trained_weights(self) -> Any: ...
 
-    def save_model(self) -> None: ...
+    def save_model(self, folder: str = "model", files: dict[str, str] | None = None) -> None: ...
 
     def close(self) -> None: ...
 
@@ -197,9 +197,9 @@ class LocalRoles:
     def trained_weights(self):
         return None if self.engine.zero_stage == 3 else self.engine.module.named_parameters()
 
-    def save_model(self) -> None:
+    def save_model(self, folder: str = "model", files: dict[str, str] | None = None) -> None:
         self.phases.enter("train")
-        self.models.export(self.engine, value_head=False)
+        self.models.export(self.engine, value_head=False, files=files, folder=folder)
 
     def close(self) -> None:
         return None

@@ -268,7 +268,7 @@ def test_every_ppo_switch_runs_together(policy_model, tmp_path):
     """The less common switches wired through one short run (their maths is checked in
     tests/algos): dual clip, asymmetric clip, entropy bonus, GRPO-style KL loss with k3, sequence
     aggregation, two PPO epochs, a frozen first actor step, reward clipping and penalties; evaluation of
-    sampled answers (eval.samples_per_prompt, pass@k)."""
+    sampled answers (eval.samples_per_prompt, pass@k) and the best one's model kept (eval.keep_best)."""
     out = tmp_path / "run"
     run_cli(["train", "ppo", "-o", str(out), "--set", f"model.path={policy_model}", "--set", "train.max_steps=3",
              "--set", "rollout.prompts_per_step=8", "--set", "train.global_batch_size=16", "--set", "train.micro_batch_size=8",
@@ -277,13 +277,17 @@ def test_every_ppo_switch_runs_together(policy_model, tmp_path):
              "--set", "ppo.loss_aggregation=seq-mean-token-mean", "--set", "ppo.epochs=2", "--set", "ppo.freeze_actor_steps=1",
              "--set", "reward.clip=0.5", "--set", "reward.missing_eos_penalty=-1", "--set", "reward.length_penalty=0.01",
              "--set", "rollout.max_new_tokens=3", "--set", "eval.score_prompts=16", "--set", "eval.samples_per_prompt=4",
-             *QUIET])
+             *QUIET, "--set", "eval.every_steps=2", "--set", "eval.keep_best=eval/task_score/pass@4"])
     rows = train_rows(out)
     assert "train/policy_loss" not in rows[0] and "train/value_loss" in rows[0]  # step 1: critic only
     # evaluation sampled 4 answers per held-out prompt: pass@1 is their mean, pass@4 at least that
     after = summary(out)["after"]
     assert after["eval/task_score/pass@1"] == pytest.approx(after["eval/task_score"], abs=1e-9), after
     assert after["eval/task_score/pass@4"] >= after["eval/task_score/pass@1"] and "eval/task_score/maj@4" in after
+    # eval.keep_best on a sampled key: the model of the better of the evaluations at steps 2 and 3, in best/
+    best = json.loads((out / "best" / "best.json").read_text())
+    evaluations = {m["step"]: m["eval/task_score/pass@4"] for m in read_metrics(out) if "eval/task_score/pass@4" in m}
+    assert best["step"] == max((2, 3), key=lambda s: (evaluations[s], -s)) and (out / "best" / "config.json").exists()
     assert all(k in rows[-1] for k in ("train/policy_loss", "train/kl_loss", "train/entropy"))
     # 3 tokens cut some answers short; their penalty shows in the score (the exact-match part is 0 for them)
     assert rows[-1]["rollout/finished"] < 1

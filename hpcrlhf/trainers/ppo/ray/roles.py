@@ -215,9 +215,9 @@ class RayRoles:
     def trained_weights(self) -> None:
         return None  # on the actor's workers
 
-    def save_model(self) -> None:
+    def save_model(self, folder: str = "model", files: dict[str, str] | None = None) -> None:
         self.phases.enter("train")
-        self.groups["actor"].call("save_model")
+        self.groups["actor"].call("save_model", folder, files)
 
     def close(self) -> None:
         """Stop the engines, the reward servers and every worker (also after one of them died)."""

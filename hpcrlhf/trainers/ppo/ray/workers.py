@@ -151,9 +151,10 @@ class ActorWorker(TrainedWorker):
     def optimizer_stats(self) -> dict[str, float | None]:
         return self.engine.optimizer_stats()
 
-    def save_model(self) -> None:
-        """The trained policy as a Hugging Face folder in `model/` of the run (all ranks call)."""
-        self.models.export(self.engine, value_head=False)
+    def save_model(self, folder: str = "model", files: dict[str, str] | None = None) -> None:
+        """The trained policy as a Hugging Face folder in `folder` (`model/`, `best/`) of the run, with
+        `files` beside it (all ranks call)."""
+        self.models.export(self.engine, value_head=False, files=files, folder=folder)
 
 
 class CriticWorker(TrainedWorker):
