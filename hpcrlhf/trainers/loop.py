@@ -194,7 +194,13 @@ class TrainingLoop:
             run.log(0, before)
             log.info("before training: " + format_metrics(before))
         else:  # resumed: the first evaluation is in the run's metrics
-            before = next((m for m in read_metrics(run.dir) if m["step"] == 0 and len(m) > 1), None)
+            logged = read_metrics(run.dir)
+            before = next((m for m in logged if m["step"] == 0 and len(m) > 1), None)
+            if self._evaluates_at(step) and not any(m["step"] == step and _evaluation(m) for m in logged):
+                log.info(f"the evaluation at step {step} was cut short by the stop; it runs now")
+                ended = self._evaluate_at(step, before, stop_rule)
+                if ended is not None:
+                    return ended
         progress = run.start_progress(plan.total_steps, step, self.kind)
         window: dict[str, list[float]] = defaultdict(list)
         window_start = time.perf_counter()
@@ -224,19 +230,11 @@ class TrainingLoop:
             if step % self.cfg.log.every_steps == 0 or step == plan.total_steps:
                 self._log_window(step, window, time.perf_counter() - window_start)
                 window, window_start = defaultdict(list), time.perf_counter()
-            every = self.cfg.eval.every_steps
-            if every and step % every == 0 and step < plan.total_steps:
-                try:
-                    evaluation = self.evaluate()
-                except StepAbandoned:
-                    return self._stopped(step, f" during the evaluation at step {step}, which is not logged")
-                run.log(step, evaluation)
-                self._keep_if_best(step, evaluation)
+            if self._evaluates_at(step):
+                ended = self._evaluate_at(step, before, stop_rule)
+                if ended is not None:
+                    return ended
                 window_start = time.perf_counter()  # keep eval time out of the throughput window
-                if stop_rule is not None and stop_rule.met(evaluation):
-                    log.info(f"early stop at step {step} of {plan.total_steps}: {stop_rule.metric}="
-                             f"{evaluation[stop_rule.metric]:.4g} meets eval.stop_when {stop_rule}")
-                    return self._finish(step, before, evaluation, stopped_early={"rule": str(stop_rule), "step": step})
             run.maybe_checkpoint(self.checkpointable, step)
             if run.stop_requested():
                 return self._stopped(step)
@@ -247,6 +245,27 @@ class TrainingLoop:
         run.log(step, after)
         self._keep_if_best(step, after)
         return self._finish(step, before, after)
+
+    def _evaluates_at(self, step: int) -> bool:
+        """Whether a periodic evaluation follows step `step` (eval.every_steps; the last step's is the final one)."""
+        every = self.cfg.eval.every_steps
+        return bool(every) and step % every == 0 and 0 < step < self.plan.total_steps
+
+    def _evaluate_at(self, step: int, before: dict | None, stop_rule) -> dict | None:
+        """The periodic evaluation after step `step`: logged, kept when it is the best (eval.keep_best),
+        and checked against eval.stop_when. Returns the run's summary when the run ends there (stopped
+        during it -- a resumed run evaluates at that step first -- or stopped early), else None."""
+        try:
+            evaluation = self.evaluate()
+        except StepAbandoned:
+            return self._stopped(step, f" during the evaluation at step {step}, which runs again on resume")
+        self.run.log(step, evaluation)
+        self._keep_if_best(step, evaluation)
+        if stop_rule is not None and stop_rule.met(evaluation):
+            log.info(f"early stop at step {step} of {self.plan.total_steps}: {stop_rule.metric}="
+                     f"{evaluation[stop_rule.metric]:.4g} meets eval.stop_when {stop_rule}")
+            return self._finish(step, before, evaluation, stopped_early={"rule": str(stop_rule), "step": step})
+        return None
 
     def _keep_if_best(self, step: int, evaluation: Mapping[str, float]) -> None:
         """eval.keep_best: export the model to `best/` when `evaluation` beats the best so far."""
@@ -347,3 +366,8 @@ def merge_evaluation(*parts: Mapping[str, Any]) -> dict[str, Any]:
 
 def format_metrics(metrics: dict[str, float]) -> str:
     return ", ".join(f"{k}={v:.4f}" for k, v in metrics.items())
+
+
+def _evaluation(metrics: Mapping[str, Any]) -> bool:
+    """Whether a metrics.jsonl row holds an evaluation (eval/* keys)."""
+    return any(k.startswith("eval/") for k in metrics)

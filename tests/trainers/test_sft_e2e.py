@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import time
@@ -103,12 +104,15 @@ def test_two_ranks_agree_with_one(baseline, tmp_path, engine):
 
 
 def assert_same_run(baseline, out) -> None:
-    """Every step 1..24 logged exactly once, with the uninterrupted run's losses and final eval."""
+    """Every step 1..24 logged exactly once, with the uninterrupted run's losses and evaluations (the one
+    at step 12 too: a stop that cut it short has the resumed run evaluate there first)."""
     one, resumed = losses(baseline), losses(out)
     assert sorted(resumed) == list(range(1, 25))
     for step in one:
         assert resumed[step] == pytest.approx(one[step], rel=1e-6, abs=1e-7), step
-    assert evals(out)[24] == pytest.approx(evals(baseline)[24], rel=1e-6)
+    assert sorted(evals(out)) == [0, 12, 24], evals(out)
+    for step, loss in evals(baseline).items():
+        assert evals(out)[step] == pytest.approx(loss, rel=1e-6), step
 
 
 def test_stop_signal_then_resume_equals_uninterrupted(baseline, tmp_path):
@@ -120,6 +124,27 @@ def test_stop_signal_then_resume_equals_uninterrupted(baseline, tmp_path):
     assert_same_run(baseline, out)
     best = json.loads((out / "summary.json").read_text())["best"]  # eval.keep_best across the resume
     assert best["step"] == 12 and best == json.loads((baseline / "summary.json").read_text())["best"]
+
+
+def test_an_evaluation_a_stop_cut_short_runs_when_the_run_resumes(baseline, tmp_path):
+    """The run folder a stop during the evaluation at step 12 leaves -- the checkpoint of step 12, no
+    evaluation logged there -- made by hand from a finished run: the same command evaluates at step 12
+    before training on, so the evaluations and eval.keep_best's choice are the uninterrupted run's."""
+    out = tmp_path / "cut"
+    args = ["train", "sft", "-o", str(out), *SHORT, *KEEP_WORST, "--set", "checkpoint.every_steps=12",
+            "--set", "checkpoint.keep_last=2"]
+    run_cli(args)
+    shutil.rmtree(out / "checkpoints" / "step_000024")
+    (out / "checkpoints" / "latest").write_text("step_000012\n")
+    rows = [line for line in (out / "metrics.jsonl").read_text().splitlines()
+            if json.loads(line)["step"] < 12 or (json.loads(line)["step"] == 12 and "eval/loss" not in line)]
+    (out / "metrics.jsonl").write_text("\n".join(rows) + "\n")
+    for done in ("summary.json", "best", "model"):
+        shutil.rmtree(out / done) if (out / done).is_dir() else (out / done).unlink()
+    proc = run_cli(args)
+    assert "the evaluation at step 12 was cut short by the stop; it runs now" in proc.stdout + proc.stderr
+    assert_same_run(baseline, out)
+    assert json.loads((out / "summary.json").read_text())["best"]["step"] == 12
 
 
 def test_damaged_latest_checkpoint_resumes_from_the_previous_one(baseline, tmp_path):
