@@ -257,7 +257,7 @@ class PPOTrainer(OnlineTrainer):
         scores = rollout.scores.clone()
         turns = self.turn_rewards(rollout)  # agent.reward_placement turn: moved from the score to their turns
         if turns is not None:
-            scores -= torch.tensor([sum(values) for _, values in turns], dtype=scores.dtype)
+            scores -= torch.tensor([sum(part) for _, part in turns], dtype=scores.dtype)
         if cfg.reward.running_norm:
             self.moments.update(scores, reduce=all_reduce_sum)
             scores = normalize_scores(scores, self.moments)
