@@ -20,12 +20,12 @@ class EpisodeRecord:
     """Model turns."""
     turn_rewards: list[float] = field(default_factory=list)
     """The rewards `step` gave, one per turn it judged."""
-    reward_turns: list[int] = field(default_factory=list)
-    """The model turn (0-based) each of `turn_rewards` judged (turns that called tools are not judged)."""
     final_reward: float = 0.0
     """What `get_reward()` gave at the end (0 without it)."""
     turn_ends: list[int] = field(default_factory=list)
     """Index in the response tokens of each model turn's last token."""
+    reward_turns: list[int] = field(default_factory=list)
+    """The model turn (0-based) each of `turn_rewards` judged (turns that called tools are not judged)."""
     tool_calls: dict[str, int] = field(default_factory=dict)
     """Calls per tool name (the answered ones, failed or not)."""
     tool_errors: dict[str, int] = field(default_factory=dict)
