@@ -197,7 +197,7 @@ class TrainingLoop:
             logged = read_metrics(run.dir)
             before = next((m for m in logged if m["step"] == 0 and len(m) > 1), None)
             if self._evaluates_at(step) and not any(m["step"] == step and _evaluation(m) for m in logged):
-                log.info(f"the evaluation at step {step} was cut short by the stop; it runs now")
+                log.info(f"no evaluation is logged at step {step} (a stop cut it short, or eval.every_steps changed); it runs now")
                 ended = self._evaluate_at(step, before, stop_rule)
                 if ended is not None:
                     return ended
