@@ -92,6 +92,8 @@ class NodeMap:
                                                            compare=False)
     """What a GPU holds depends only on which roles it holds: each set of roles is summed once, not once per
     GPU of a map of 100,000 engines."""
+    _cpu_work: dict[int, list[tuple[str, int]]] = field(default_factory=dict, init=False, repr=False, compare=False)
+    """Each node's CPU work (`cpu_work`), worked out for every node at once (key -1: done)."""
 
     def role_ranks(self, role: str) -> list[Device]:
         """The device of each rank of `role` (empty for a role without GPUs)."""
@@ -102,12 +104,21 @@ class NodeMap:
     def cpu_work(self, node: int) -> list[tuple[str, int]]:
         """What the map runs on `node`'s CPU cores, (what, cores) each: its rule servers, then the
         agent environments' threads of its vLLM engines (a thread counted as a core)."""
-        work = [(s.label, s.cpus) for s in self.reward_servers if s.device is None and s.node == node]
-        engines = sum(1 for group in self.engines if group[0].node == node)
-        if engines and self.env_workers:
-            work.append((f"environments ({plural(engines, 'engine')} x {plural(self.env_workers, 'thread')})",
-                         engines * self.env_workers))
-        return work
+        if not self._cpu_work:  # every node's at once: one pass over the servers and engines
+            on: dict[int, list[tuple[str, int]]] = {}
+            for s in self.reward_servers:
+                if s.device is None:
+                    on.setdefault(s.node, []).append((s.label, s.cpus))
+            engines: dict[int, int] = {}
+            for group in self.engines:
+                engines[group[0].node] = engines.get(group[0].node, 0) + 1
+            if self.env_workers:
+                for n, count in engines.items():
+                    on.setdefault(n, []).append((f"environments ({plural(count, 'engine')} x "
+                                                 f"{plural(self.env_workers, 'thread')})", count * self.env_workers))
+            self._cpu_work.update(on)
+            self._cpu_work[-1] = []  # computed (a map with no CPU work at all too)
+        return list(self._cpu_work.get(node, []))
 
     def cpu_shortfall(self, cpus_per_node: int) -> tuple[int, list[tuple[str, int]]] | None:
         """(node, its CPU work) of the first node whose CPU work claims more than `cpus_per_node` cores."""

@@ -89,3 +89,30 @@ def test_first_fit_looks_at_each_node_a_bounded_number_of_times(tp):
     assert engines == 3 * (3 // tp) + 3997 * (8 // tp)  # the role's nodes keep 3 free GPUs each
     assert len(free.nodes) == 4000 and not any(len(gpus) >= tp for gpus in free.nodes)
     assert free.looked <= 2 * (engines + len(free.nodes)), f"{free.looked:,} node looks for {engines:,} engines"
+
+
+def test_the_cpu_work_of_every_node_is_one_pass_over_the_engines():
+    """`hpcrlhf plan` shows each node's CPU work (rule servers, agent environment threads per engine): asking
+    for every node's costs what one pass over servers and engines does, not nodes x engines."""
+    from hpcrlhf.placement.layout import Device
+    from hpcrlhf.placement.nodemap import NodeMap
+
+    def calls(nodes: int) -> int:
+        m = NodeMap(nodes, 8, 80 << 30, {}, None, {}, tuple((Device(n, g),) for n in range(nodes) for g in range(8)),
+                    (), {}, env_workers=4)
+        count = 0
+
+        def counter(frame, event, arg):
+            nonlocal count
+            count += event in ("call", "c_call")
+
+        sys.setprofile(counter)
+        try:
+            works = [m.cpu_work(n) for n in range(nodes)]
+        finally:
+            sys.setprofile(None)
+        assert works[-1] == [("environments (8 engines x 4 threads)", 32)]
+        return count
+
+    small, large = calls(250), calls(500)
+    assert large < 2.1 * small, f"{large:,} calls for 500 nodes vs {small:,} for 250: worse than linear"
