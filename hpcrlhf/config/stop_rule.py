@@ -16,7 +16,9 @@ from collections.abc import Mapping
 from hpcrlhf.errors import ConfigError
 
 FIELD = "eval.stop_when"
-_RULE = re.compile(r"^\s*(?P<metric>eval/[\w./@-]+)\s*(?P<op>>=|<=)\s*(?P<value>\S+)\s*$")
+METRIC = r"eval/[\w./@-]+"
+"""An evaluation metric's name, as a rule (and eval.keep_best) names it: `eval/task_score/pass@8`."""
+_RULE = re.compile(rf"^\s*(?P<metric>{METRIC})\s*(?P<op>>=|<=)\s*(?P<value>\S+)\s*$")
 EXAMPLE = "e.g. eval/task_score>=0.9 or eval/loss<=0.05"
 
 
@@ -37,9 +39,13 @@ class StopRule:
 
     def require_metric(self, metrics: Mapping[str, float]) -> None:
         if self.metric not in metrics:
-            known = ", ".join(sorted(k for k in metrics if k.startswith("eval/"))) or "none"
             raise ConfigError(f"{FIELD}: {str(self)!r} names {self.metric!r}, which this job's evaluation does not "
-                              f"report (it reports: {known}); use one of those")
+                              f"report (it reports: {reported(metrics)}); use one of those")
+
+
+def reported(metrics: Mapping[str, float]) -> str:
+    """The evaluation metrics of one evaluation, listed for an error message."""
+    return ", ".join(sorted(k for k in metrics if k.startswith("eval/"))) or "none"
 
 
 def parse_stop_rule(text: str) -> StopRule | None:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hpcrlhf.config.schema import EvalConfig
+from hpcrlhf.config.stop_rule import reported
 from hpcrlhf.errors import ConfigError
 
 BEST_FOLDER = "best"
@@ -46,9 +47,8 @@ class BestModel:
     def require_metric(self, evaluation: Mapping[str, float]) -> None:
         """The metric must be one the job's evaluation reports (checked at the first evaluation)."""
         if self.metric not in evaluation:
-            known = ", ".join(sorted(k for k in evaluation if k.startswith("eval/"))) or "none"
             raise ConfigError(f"eval.keep_best: {self.metric!r} is not reported by this job's evaluation (it reports: "
-                              f"{known}); use one of those")
+                              f"{reported(evaluation)}); use one of those")
 
     def improved(self, evaluation: Mapping[str, float]) -> bool:
         """Whether `evaluation` beats the best so far (a NaN never does)."""

@@ -13,7 +13,7 @@ from typing import ClassVar, Literal
 from hpcrlhf.config.schema.checks import (PathText, fill_derived, largest_divisor, require, require_finite,
                                           require_timeout)
 from hpcrlhf.config.schema.rules import RulesConfig, require_metrics
-from hpcrlhf.config.stop_rule import parse_stop_rule
+from hpcrlhf.config.stop_rule import METRIC, parse_stop_rule
 from hpcrlhf.errors import ConfigError
 
 @dataclass(frozen=True)
@@ -372,7 +372,7 @@ class EvalConfig:
     def __post_init__(self) -> None:
         require_finite(self, "eval")
         if self.keep_best:
-            require(re.fullmatch(r"eval/[\w./@-]+", self.keep_best) is not None, "eval.keep_best", self.keep_best,
+            require(re.fullmatch(METRIC, self.keep_best) is not None, "eval.keep_best", self.keep_best,
                     "name an evaluation metric, e.g. eval/task_score or eval/loss (keep_best_mode=min)")
             require(self.every_steps > 0, "eval.keep_best", self.keep_best,
                     "the best model is chosen among periodic evaluations: set eval.every_steps, e.g. 50")
