@@ -11,6 +11,7 @@ the node map, the benchmark and the Slurm modules (140 ms together). What the pa
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -18,7 +19,7 @@ from hpcrlhf import __version__
 from hpcrlhf.config.jobspec import (TrainJob, add_bench_arguments, add_config_arguments, add_train_arguments,
                                     build_config, literal_setting, path_text, resolve_recipe)
 from hpcrlhf.config.loader import describe, load_config, to_yaml
-from hpcrlhf.config.schema import JOB_CONFIGS, GenerateConfig, ServeRewardConfig
+from hpcrlhf.config.schema import JOB_CONFIGS, EvalJobConfig, GenerateConfig, ServeRewardConfig
 from hpcrlhf.errors import ConfigError, HpcrlhfError, WorkerLost
 from hpcrlhf.logs import route_third_party, stop_routing_third_party
 from hpcrlhf.run.signals import EXIT_INTERRUPTED, EXIT_LOST, EXIT_REQUEUE, release_interrupt
@@ -55,6 +56,22 @@ def cmd_generate(args: argparse.Namespace) -> int:
     overrides = list(args.set) + literal_setting("model.path", args.model) + literal_setting("output", args.output)
     run_generate(load_config(GenerateConfig, resolve_recipe(args.config), overrides))
     return 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from hpcrlhf.evaluation import run_eval, run_settings  # torch, transformers
+
+    overrides = (list(args.set) + literal_setting("model.path", args.model) + literal_setting("run", args.run)
+                 + literal_setting("output_dir", args.output_dir) + literal_setting("checkpoints", args.checkpoints))
+    if args.run is not None and args.model is not None:
+        raise ConfigError(f"--model {args.model} and --run {args.run}: evaluate a model folder, or a run's models, "
+                          "not both (a run's base model is model.path in its config.yaml)")
+    base = run_settings(args.run) if args.run is not None else None
+    result = run_eval(load_config(EvalJobConfig, resolve_recipe(args.config), overrides, base=base))
+    from hpcrlhf.engines.distributed import leave_process_group  # torch
+
+    leave_process_group()
+    return EXIT_REQUEUE if result.get("status") == "stopped" else 0
 
 
 def cmd_serve_reward(args: argparse.Namespace) -> int:
@@ -261,22 +278,34 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("config", help="print a job kind's settings with their documentation",
                        description="Print every setting of a job kind with its default and documentation, "
                                    "or, with --config/--set, the resolved config that `train` would use.")
-    p.add_argument("kind", choices=kinds + ["generate", "serve-reward"], help="job kind")
+    p.add_argument("kind", choices=kinds + ["generate", "eval", "serve-reward"], help="job kind")
     add_config_arguments(p)
     p.add_argument("--markdown", action="store_true",
                    help="print a markdown page instead (key, type, default or value, documentation), as in "
                         "docs/settings/")
     p.set_defaults(func=cmd_config)
 
-    p = sub.add_parser("generate", help="batch generation over a dataset, optionally scored, to JSONL",
-                       description="Answer every prompt of a dataset (data.train_path, or the bundled task's held-out "
-                                   "prompts) and write one JSON line per response; with a `reward` section each "
-                                   "response is also scored. `hpcrlhf config generate` lists the settings.")
-    add_config_arguments(p)
-    p.add_argument("--model", "-m", type=path_text, metavar="PATH", help="model folder (same as --set model.path=PATH)")
+    p = _model_command(sub, "generate", "batch generation over a dataset, optionally scored, to JSONL",
+                       "Answer every prompt of a dataset (data.train_path, or the bundled task's held-out prompts) and "
+                       "write one JSON line per response; with a `reward` section each response is also scored. "
+                       "`hpcrlhf config generate` lists the settings.")
     p.add_argument("--output", "-o", type=path_text, metavar="FILE",
                    help="JSONL file to write (same as --set output=FILE)")
     p.set_defaults(func=cmd_generate)
+
+    p = _model_command(sub, "eval", "evaluate a model, or a run's checkpoints, on benchmark prompts (pass@k, maj@n)",
+                       "Answer the held-out prompts (or `datasets`) with a model folder (--model) or with models of a "
+                       "run (--run, --checkpoints), greedily or with eval.samples_per_prompt samples each, and score "
+                       "the answers with the task and eval.metrics: mean@n, pass@k and maj@n per dataset, in "
+                       "OUTPUT_DIR/results.json, results.md and results.png. Interrupted (a signal: exit 3), the same "
+                       "command resumes. `hpcrlhf config eval` lists the settings.")
+    p.add_argument("--run", "-r", type=path_text, metavar="RUN",
+                   help="a run folder: its checkpoints are evaluated with its settings (same as --set run=RUN)")
+    p.add_argument("--checkpoints", metavar="SPEC",
+                   help="with --run: latest (default), all, best, model, or a comma list of steps and best/model")
+    p.add_argument("--output-dir", "-o", type=path_text, metavar="DIR",
+                   help="where the results and answers go (default: RUN/eval, or runs/eval)")
+    p.set_defaults(func=cmd_eval)
 
     p = sub.add_parser("serve-reward", help="serve reward models and rules over HTTP, for jobs elsewhere to ask",
                        description="Serve `reward.sources` (reward model folders, built-in rules, package.module:"
@@ -388,13 +417,45 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-RUN_COMMANDS = ("train", "demo")
+def _model_command(sub, name: str, help: str, description: str) -> argparse.ArgumentParser:
+    """A command that runs a model over prompts: --config, --set and --model."""
+    p = sub.add_parser(name, help=help, description=description)
+    add_config_arguments(p)
+    p.add_argument("--model", "-m", type=path_text, metavar="PATH", help="model folder (same as --set model.path=PATH)")
+    return p
+
+
+RUN_COMMANDS = ("train", "demo", "eval")
 """Commands that write into run folders: the libraries' output goes to the run's third_party.log."""
 
 
 def main(argv: list[str] | None = None) -> int:
     """The `hpcrlhf` program (argv None: sys.argv), or a call of it in a caller's process (argv given:
     a test, a script), which gets its own logging back when the call returns (hpcrlhf.logs)."""
+    code = _main(argv)
+    if argv is None and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        exit_rank(code)
+    return code
+
+
+def exit_rank(code: int) -> None:
+    """End a rank of a multi-process job (torchrun, srun: WORLD_SIZE > 1) whose work is over: exit handlers
+    run and output flushed, then the process ends without the interpreter's teardown. Destroying library
+    objects that still hold C++ threads there aborted finished ranks now and then ("terminate called without
+    an active exception", exit -6: two-rank ZeRO-3 runs, even after `leave_process_group`), and torchrun then
+    failed a job whose checkpoint, model and summary were all written."""
+    import atexit
+
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # closed, or its reader gone
+            pass
+    os._exit(code)
+
+
+def _main(argv: list[str] | None) -> int:
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
     if unknown:

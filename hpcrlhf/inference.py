@@ -54,15 +54,17 @@ log = get_logger()
 
 
 def load_generator(path: str, backend: str, *, max_model_len: int, rollout: RolloutConfig | None = None, seed: int = 0,
-                   trust_remote_code: bool = False, attn_implementation: str = "auto", tokenizer=None):
+                   trust_remote_code: bool = False, attn_implementation: str = "auto", tokenizer=None,
+                   local_rank: int = 0):
     """(rollout engine, tokenizer) for a model folder; `rollout` holds the vLLM engine's settings
-    (KV cache, batching; None: the defaults); `tokenizer`: the model's, loaded already."""
+    (KV cache, batching; None: the defaults); `tokenizer`: the model's, loaded already; `local_rank`:
+    the HF engine's GPU on this node."""
     if tokenizer is None:
         tokenizer = load_tokenizer(path, trust_remote_code=trust_remote_code)
     if backend == "vllm":
         return VLLMRollout(resolve_model_path(path), seed=seed, max_model_len=max_model_len,
                            **vllm_rollout_args(rollout or RolloutConfig())), tokenizer
-    device = device_for(0)
+    device = device_for(local_rank)
     model = load_causal_lm(path, attn_implementation=attn_implementation, trust_remote_code=trust_remote_code).to(device)
     return HFRollout(model.eval(), pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
                      device=device), tokenizer

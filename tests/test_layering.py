@@ -24,7 +24,7 @@ module or a package holding it; modules of one layer may import each other):
 12. placement                                                        -- the static node map (`hpcrlhf plan`)
 13. cluster                                                          -- the Ray runtime: no trainer code
 14. trainers                                                         -- one per job kind, PPO's roles
-15. inference, demo, plots, bench                                    -- programs built on the trainers
+15. inference, evaluation, demo, plots, bench                        -- programs built on the trainers
 16. hpc                                                              -- Slurm, submitit, MPI, containers
 17. cli, __main__                                                    -- the `hpcrlhf` command
 
@@ -70,7 +70,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("hpcrlhf.placement",),
     ("hpcrlhf.cluster",),
     ("hpcrlhf.trainers",),
-    ("hpcrlhf.inference", "hpcrlhf.demo", "hpcrlhf.plots", "hpcrlhf.bench"),
+    ("hpcrlhf.inference", "hpcrlhf.evaluation", "hpcrlhf.demo", "hpcrlhf.plots", "hpcrlhf.bench"),
     ("hpcrlhf.hpc",),
     ("hpcrlhf.cli", "hpcrlhf.__main__"),
 )

@@ -316,9 +316,10 @@ def _overrides(cls: type, overrides: Iterable[str]) -> list[_Section]:
 
 # ---------------------------------------------------------------- public API
 def load_config(cls: type[T], path: str | Path | None = None, overrides: Iterable[str] = (), *,
-                data: Mapping[str, Any] | None = None) -> T:
-    """Defaults of `cls`, then the recipe at `path`, then `data`, then each `--set` override."""
-    layers = []
+                data: Mapping[str, Any] | None = None, base: tuple[Mapping[str, Any], str] | None = None) -> T:
+    """Defaults of `cls`, then `base` (settings read from a file, and its name: `hpcrlhf eval --run`'s from
+    the run's config.yaml), then the recipe at `path`, then `data`, then each `--set` override."""
+    layers = [] if base is None else [_root(cls, base[0], base[1])]
     if path is not None:
         layers.append(_root(cls, read_recipe(path), str(path)))
     if data is not None:

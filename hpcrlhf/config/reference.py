@@ -24,19 +24,19 @@ from typing import Annotated, Any, Literal, Union
 import yaml
 
 from hpcrlhf.config.loader import NonEmpty, Setting, _plain, settings
-from hpcrlhf.config.schema import JOB_CONFIGS, GenerateConfig, ServeRewardConfig
+from hpcrlhf.config.schema import JOB_CONFIGS, EvalJobConfig, GenerateConfig, ServeRewardConfig
 
 REGENERATE = "python -m hpcrlhf.config.reference docs/settings"
 """The command that rewrites docs/settings/ (named on every page and by the test that checks them)."""
 
 
-COMMANDS = ("generate", "serve-reward")
+COMMANDS = ("generate", "eval", "serve-reward")
 """The configs of commands of their own, beside `hpcrlhf train KIND`."""
 
 
 def config_classes() -> dict[str, type]:
     """Every config the CLI builds from a recipe: `hpcrlhf train KIND`, `generate` and `serve-reward`."""
-    return {**JOB_CONFIGS, "generate": GenerateConfig, "serve-reward": ServeRewardConfig}
+    return {**JOB_CONFIGS, "generate": GenerateConfig, "eval": EvalJobConfig, "serve-reward": ServeRewardConfig}
 
 
 def command(kind: str) -> str:

@@ -174,6 +174,9 @@ def rule_names(cfg: JobConfig) -> list[tuple[str, str]]:
             out.append((f"reward.sources[{i}].rule", source.rule))
     metrics, field = (cfg.eval.metrics, "eval.metrics") if hasattr(cfg, "eval") else (getattr(cfg, "metrics", ()), "metrics")
     out += [(f"{field}[{i}]", rule) for i, rule in enumerate(metrics) if rule not in KNOWN_RULES]
+    for j, dataset in enumerate(getattr(cfg, "datasets", ())):  # hpcrlhf eval's own metrics per dataset
+        out += [(f"datasets[{j}].metrics[{i}]", rule) for i, rule in enumerate(dataset.metrics or ())
+                if rule not in KNOWN_RULES]
     return out
 
 
@@ -212,7 +215,12 @@ class EvalMetrics:
               ) -> dict[str, tuple[float, float]]:
         """{`eval/<name><suffix>`: (sum, count)} over `responses`; with `sampling` (several samples per
         prompt, prompt-major), also pass@k and maj@n over the prompts (`rewards.sampled`)."""
-        values = self.values(responses)
+        return self.summed(self.values(responses), [r.text for r in responses], suffix, sampling)
+
+    @staticmethod
+    def summed(values: Mapping[str, Sequence[float]], texts: Sequence[str], suffix: str = "",
+               sampling: Sampling | None = None) -> dict[str, tuple[float, float]]:
+        """`stats` of the metrics' `values` of answers `texts` (already scored)."""
         if sampling is not None:
-            return sampled_stats(values, [r.text for r in responses], sampling, suffix)
+            return sampled_stats(values, texts, sampling, suffix)
         return {f"eval/{name}{suffix}": (sum(v), len(v)) for name, v in values.items()}

@@ -20,7 +20,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
-from hpcrlhf.config.schema import TrainJobConfig
+from hpcrlhf.config.schema import EvalConfig, TrainJobConfig
 from hpcrlhf.config.stop_rule import parse_stop_rule
 from hpcrlhf.data.loading import held_out_prompt_rows, task_note
 from hpcrlhf.data.tasks import build_task
@@ -56,6 +56,16 @@ def idle_shares(timings: dict[str, float]) -> dict[str, float]:
     step = timings.get("timing/step", 0.0)
     return {f"util/{key.removeprefix('timing/busy_')}_idle": min(max(1.0 - value / step, 0.0), 1.0)
             for key, value in timings.items() if key.startswith("timing/busy_") and step > 0}
+
+
+def eval_sampling_params(e: EvalConfig, seed: int, max_new_tokens: int) -> SamplingParams:
+    """How evaluation draws its answers to held-out prompts (in-run and `hpcrlhf eval`): greedy, or
+    `eval.samples_per_prompt` samples each at `eval.temperature` (1.0 when null) and `eval.top_p`, seeded
+    by `eval_sampling_seed(seed)`: the same draws at every evaluation, and for every model compared."""
+    if not e.sampled:
+        return SamplingParams(n=1, greedy=True, max_new_tokens=max_new_tokens)
+    return SamplingParams(n=e.samples_per_prompt, temperature=e.temperature or 1.0, top_p=e.top_p,
+                          max_new_tokens=max_new_tokens, seed=eval_sampling_seed(seed))
 
 
 class TrainingLoop:
@@ -146,11 +156,7 @@ class TrainingLoop:
     def eval_params(self, max_new_tokens: int) -> SamplingParams:
         """How evaluation draws its answers to the held-out prompts: greedy, or `eval.samples_per_prompt`
         samples each at `eval.temperature` (1.0 when null) and `eval.top_p`, with the run's evaluation seed."""
-        e = self.cfg.eval
-        if not e.sampled:
-            return SamplingParams(n=1, greedy=True, max_new_tokens=max_new_tokens)
-        return SamplingParams(n=e.samples_per_prompt, temperature=e.temperature or 1.0, top_p=e.top_p,
-                              max_new_tokens=max_new_tokens, seed=eval_sampling_seed(self.cfg.seed))
+        return eval_sampling_params(self.cfg.eval, self.cfg.seed, max_new_tokens)
 
     def eval_means(self, items: Sequence, batch_stats: Callable[[list], Stats]) -> dict[str, float]:
         """Means of `batch_stats` over `items`, sharded over ranks (ZeRO-3 safe)."""

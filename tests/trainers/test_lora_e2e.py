@@ -37,6 +37,11 @@ def test_lora_sft_learns_and_exports_merged_model(sft_model, tmp_path):
         torch.testing.assert_close(merged(ids).logits, reference(ids).logits, rtol=1e-4, atol=1e-4)
         base = AutoModelForCausalLM.from_pretrained(sft_model)(ids).logits
     assert not torch.allclose(merged(ids).logits, base, atol=1e-3)  # the adapters did change the model
+    # hpcrlhf eval merges the last checkpoint's adapters as the run's export did
+    run_cli(["eval", "-r", str(out), "--set", "keep_models=true", "--set", "eval.score_prompts=16"])
+    made = AutoModelForCausalLM.from_pretrained(out / "eval" / "models" / "step_000300")
+    with torch.no_grad():
+        torch.testing.assert_close(made(ids).logits, merged(ids).logits, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.distributed
@@ -50,6 +55,8 @@ def test_lora_reward_model_exports_under_zero3_with_two_ranks(tmp_path):
     model = AutoModelForSequenceClassification.from_pretrained(out / "model")
     assert model.config.reward_std > 0
     assert (out / "model" / "adapter" / "adapter_model.safetensors").exists()
+    proc = run_cli(["eval", "-r", str(out)], check=False, timeout=300)  # no answers to score
+    assert proc.returncode == 2 and "holds a reward model (a value head)" in proc.stderr, proc.stderr[-2000:]
 
 
 def test_qlora_without_gpu_is_refused_before_training(tmp_path):

@@ -101,6 +101,14 @@ def test_two_ranks_agree_with_one(baseline, tmp_path, engine):
         assert two[step] == pytest.approx(one[step], rel=2e-3, abs=2e-3), step
     for step, value in evals(baseline).items():
         assert evals(out)[step] == pytest.approx(value, rel=2e-3)
+    if "engine.zero_stage=3" in engine:  # hpcrlhf eval on two ranks joins the checkpoint's ZeRO-3 partitions
+        from tests.test_evaluation import assert_same_weights
+
+        run_cli(["eval", "-r", str(out), "--set", "keep_models=true", "--set", "eval.batch_size=8"], nproc=2)
+        assert_same_weights(out / "eval" / "models" / "step_000024", out / "model")
+        assert sorted(p.name for p in (out / "eval" / "samples" / "step_000024").iterdir()) == [
+            "held_out.rank0.jsonl", "held_out.rank1.jsonl"]  # 4 batches of 8 prompts, 2 per rank
+        assert "eval/task_score" in json.loads((out / "eval" / "results.json").read_text())["results"]["step_000024"]["held_out"]
 
 
 def assert_same_run(baseline, out) -> None:

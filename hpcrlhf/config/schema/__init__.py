@@ -16,11 +16,13 @@ This package is where the configs are imported from; its modules hold them by wh
 - `placement`: where a ppo job's roles run on the allocation (the node map's settings)
 - `rules`: the built-in rules' settings (math, code, format) and the names rules and metrics take
 - `serve`: `hpcrlhf serve-reward`: reward sources served over HTTP
+- `evaluation`: `hpcrlhf eval`: models (a folder, or a run's checkpoints) answering benchmark prompts
 - `agent`: multi-turn rollouts with environments and tools (attached to the online jobs with the
   trainers' wiring, issue 39)
 """
 
 from hpcrlhf.config.schema.checks import PathText, largest_divisor
+from hpcrlhf.config.schema.evaluation import EvalDatasetConfig, EvalJobConfig
 from hpcrlhf.config.schema.offline import (CSFTConfig, CSFTDataConfig, CSFTSectionConfig, DPOConfig, DPOLossConfig,
                                            KTOConfig, KTOLossConfig, PairDataConfig, PolicyJobConfig, RMConfig,
                                            SFTConfig, UnpairedDataConfig)
@@ -57,5 +59,5 @@ __all__ = [
     "CheckpointConfig", "LoRAConfig", "ReferenceConfig", "DPOLossConfig", "KTOLossConfig", "CSFTSectionConfig",
     "RolloutConfig", "RewardSourceConfig", "RemoteRewardConfig", "RewardConfig", "CriticConfig", "PPOSectionConfig", "RSSectionConfig",
     "PlacementConfig", "RoleConfig", "VLLMPlacementConfig", "RewardServerConfig", "RulesConfig", "MathRuleConfig", "CodeRuleConfig",
-    "FormatRuleConfig", "ServeRewardConfig",
+    "FormatRuleConfig", "ServeRewardConfig", "EvalJobConfig", "EvalDatasetConfig",
 ]
