@@ -234,6 +234,11 @@ def test_two_ranks_zero3_with_critic_reference_and_offload(policy_model, tmp_pat
     # the actor moved away from the reference: the log-ratio of sampled tokens (k1, either sign) is 0 only before step 1
     assert abs(rows[0]["rollout/kl"]) < 1e-6 and abs(rows[-1]["rollout/kl"]) > 1e-3, [r["rollout/kl"] for r in rows]
     assert (out / "model" / "model.safetensors").exists()
+    # hpcrlhf eval takes the actor from the step's checkpoint (the critic beside it in critic/)
+    from tests.test_evaluation import assert_same_weights
+
+    run_cli(["eval", "-r", str(out), "--set", "keep_models=true", "--set", "eval.score_prompts=8"])
+    assert_same_weights(out / "eval" / "models" / "step_000003", out / "model")
 
 
 SLEEP = ["--set", "placement.vllm.sleep=true", "--set", "placement.actor.sleep=true", "--set", "placement.critic.sleep=true"]
