@@ -16,10 +16,10 @@ import sys
 from pathlib import Path
 
 from hpcrlhf import __version__
-from hpcrlhf.config.jobspec import (TrainJob, add_bench_arguments, add_config_arguments, add_train_arguments,
-                                    build_config, literal_setting, path_text, resolve_recipe)
+from hpcrlhf.config.jobspec import (EvalJob, TrainJob, add_bench_arguments, add_config_arguments, add_eval_arguments,
+                                    add_train_arguments, build_config, literal_setting, path_text, resolve_recipe)
 from hpcrlhf.config.loader import describe, load_config, to_yaml
-from hpcrlhf.config.schema import JOB_CONFIGS, EvalJobConfig, GenerateConfig, ServeRewardConfig
+from hpcrlhf.config.schema import JOB_CONFIGS, GenerateConfig, ServeRewardConfig
 from hpcrlhf.errors import ConfigError, HpcrlhfError, WorkerLost
 from hpcrlhf.logs import route_third_party, stop_routing_third_party
 from hpcrlhf.run.signals import EXIT_INTERRUPTED, EXIT_LOST, EXIT_REQUEUE, release_interrupt
@@ -59,15 +59,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from hpcrlhf.evaluation import run_eval, run_settings  # torch, transformers
+    cfg = EvalJob.from_args(args).config()
+    from hpcrlhf.evaluation import run_eval  # torch, transformers
 
-    overrides = (list(args.set) + literal_setting("model.path", args.model) + literal_setting("run", args.run)
-                 + literal_setting("output_dir", args.output_dir) + literal_setting("checkpoints", args.checkpoints))
-    if args.run is not None and args.model is not None:
-        raise ConfigError(f"--model {args.model} and --run {args.run}: evaluate a model folder, or a run's models, "
-                          "not both (a run's base model is model.path in its config.yaml)")
-    base = run_settings(args.run) if args.run is not None else None
-    result = run_eval(load_config(EvalJobConfig, resolve_recipe(args.config), overrides, base=base))
+    result = run_eval(cfg)
     from hpcrlhf.engines.distributed import leave_process_group  # torch
 
     leave_process_group()
@@ -285,26 +280,24 @@ def build_parser() -> argparse.ArgumentParser:
                         "docs/settings/")
     p.set_defaults(func=cmd_config)
 
-    p = _model_command(sub, "generate", "batch generation over a dataset, optionally scored, to JSONL",
-                       "Answer every prompt of a dataset (data.train_path, or the bundled task's held-out prompts) and "
-                       "write one JSON line per response; with a `reward` section each response is also scored. "
-                       "`hpcrlhf config generate` lists the settings.")
+    p = sub.add_parser("generate", help="batch generation over a dataset, optionally scored, to JSONL",
+                       description="Answer every prompt of a dataset (data.train_path, or the bundled task's held-out "
+                                   "prompts) and write one JSON line per response; with a `reward` section each "
+                                   "response is also scored. `hpcrlhf config generate` lists the settings.")
+    add_config_arguments(p)
+    p.add_argument("--model", "-m", type=path_text, metavar="PATH", help="model folder (same as --set model.path=PATH)")
     p.add_argument("--output", "-o", type=path_text, metavar="FILE",
                    help="JSONL file to write (same as --set output=FILE)")
     p.set_defaults(func=cmd_generate)
 
-    p = _model_command(sub, "eval", "evaluate a model, or a run's checkpoints, on benchmark prompts (pass@k, maj@n)",
-                       "Answer the held-out prompts (or `datasets`) with a model folder (--model) or with models of a "
-                       "run (--run, --checkpoints), greedily or with eval.samples_per_prompt samples each, and score "
-                       "the answers with the task and eval.metrics: mean@n, pass@k and maj@n per dataset, in "
-                       "OUTPUT_DIR/results.json, results.md and results.png. Interrupted (a signal: exit 3), the same "
-                       "command resumes. `hpcrlhf config eval` lists the settings.")
-    p.add_argument("--run", "-r", type=path_text, metavar="RUN",
-                   help="a run folder: its checkpoints are evaluated with its settings (same as --set run=RUN)")
-    p.add_argument("--checkpoints", metavar="SPEC",
-                   help="with --run: latest (default), all, best, model, or a comma list of steps and best/model")
-    p.add_argument("--output-dir", "-o", type=path_text, metavar="DIR",
-                   help="where the results and answers go (default: RUN/eval, or runs/eval)")
+    p = sub.add_parser("eval", help="evaluate a model, or a run's checkpoints, on benchmark prompts (pass@k, maj@n)",
+                       description="Answer the held-out prompts (or `datasets`) with a model folder (--model) or with "
+                                   "models of a run (--run, --checkpoints), greedily or with eval.samples_per_prompt "
+                                   "samples each, and score the answers with the task and eval.metrics: mean@n, pass@k "
+                                   "and maj@n per dataset, in OUTPUT_DIR/results.json, results.md and results.png. "
+                                   "Interrupted (a signal: exit 3), the same command resumes. `hpcrlhf config eval` "
+                                   "lists the settings; `hpcrlhf sbatch --kind eval` runs it on Slurm.")
+    add_eval_arguments(p)
     p.set_defaults(func=cmd_eval)
 
     p = sub.add_parser("serve-reward", help="serve reward models and rules over HTTP, for jobs elsewhere to ask",
@@ -417,14 +410,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _model_command(sub, name: str, help: str, description: str) -> argparse.ArgumentParser:
-    """A command that runs a model over prompts: --config, --set and --model."""
-    p = sub.add_parser(name, help=help, description=description)
-    add_config_arguments(p)
-    p.add_argument("--model", "-m", type=path_text, metavar="PATH", help="model folder (same as --set model.path=PATH)")
-    return p
-
-
 RUN_COMMANDS = ("train", "demo", "eval")
 """Commands that write into run folders: the libraries' output goes to the run's third_party.log."""
 
@@ -447,6 +432,9 @@ def exit_rank(code: int) -> None:
     import atexit
 
     atexit._run_exitfuncs()
+    mpi = sys.modules.get("mpi4py.MPI")  # an MPI launcher's rank (hpcrlhf.hpc.mpi): MPI ends at the interpreter's
+    if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():  # exit, which is skipped here
+        mpi.Finalize()  # (mpirun and srun fail a rank that ends without it)
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()

@@ -24,13 +24,13 @@ import shutil
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
+from collections.abc import Iterator
 
 import torch
 import yaml
 
 from hpcrlhf.config.loader import to_yaml
 from hpcrlhf.config.schema import DataSourceConfig, EvalJobConfig
-from hpcrlhf.config.schema.evaluation import RUN_SETTINGS
 from hpcrlhf.data.loading import held_out_prompt_rows, require_task_prompts
 from hpcrlhf.data.prompts import Prompt, encode_prompt_rows
 from hpcrlhf.data.sources import read_rows, require_text
@@ -85,25 +85,6 @@ class EvalSet:
 
 
 # -- settings and targets ------------------------------------------------------------------------
-
-def run_settings(run_dir: str) -> tuple[dict[str, Any], str]:
-    """The settings `--run` takes from the run's config.yaml (`RUN_SETTINGS`), and the file's name."""
-    path = Path(run_dir) / "config.yaml"
-    if not path.is_file():
-        raise ConfigError(f"--run {run_dir}: no config.yaml there: name a run folder `hpcrlhf train` wrote "
-                          "(it holds config.yaml and checkpoints/)")
-    run = yaml.safe_load(path.read_text())
-    if not isinstance(run, dict):
-        raise ConfigError(f"{path} is no run config (not a mapping): name a run folder `hpcrlhf train` wrote")
-    out = {}
-    for section, keys in RUN_SETTINGS.items():
-        value = run.get(section)
-        if value is None:
-            continue
-        out[section] = value if keys is None or not isinstance(value, dict) else {k: v for k, v in value.items()
-                                                                                 if k in keys}
-    return out, str(path)
-
 
 def _step_of(folder: Path) -> int:
     return int(folder.name.removeprefix("step_"))
@@ -242,12 +223,6 @@ def load_sets(cfg: EvalJobConfig, tokenizer, window: ContextWindow) -> list[Eval
 
 # -- the job -----------------------------------------------------------------------------------
 
-def output_folder(cfg: EvalJobConfig) -> Path:
-    if cfg.output_dir is not None:
-        return Path(cfg.output_dir)
-    return Path(cfg.run) / "eval" if cfg.run is not None else Path("runs/eval")
-
-
 def _check_rerun(out: Path, cfg: EvalJobConfig) -> None:
     """An output folder holds one evaluation's answers: a rerun with other settings is refused (naming them)."""
     path = out / "eval.yaml"
@@ -301,7 +276,7 @@ def _batch_record(b: int, start: int, batch: list[Prompt], gens, tokenizer, s: E
 def run_eval(cfg: EvalJobConfig) -> dict[str, Any]:
     """Evaluate every target on every dataset; returns the results (also in OUT/results.json).
     {"status": "stopped"} when a stop signal ended it between batches (rerun to resume)."""
-    out = output_folder(cfg)
+    out = Path(cfg.out_dir)
     env = read_dist_env()
     check_rules(cfg)  # the user's code is imported before anything loads
     targets = resolve_targets(cfg)
@@ -336,6 +311,47 @@ def run_eval(cfg: EvalJobConfig) -> dict[str, Any]:
             lock.release()
 
 
+class TargetEngine:
+    """The engine each target answers with. HF loads each model in turn; vLLM starts one engine, for the
+    first target, and is given each later target's weights (a run's models share one architecture): one
+    engine start for a whole comparison."""
+
+    def __init__(self, cfg: EvalJobConfig, tokenizer, local_rank: int):
+        self.cfg, self.tokenizer, self.local_rank = cfg, tokenizer, local_rank
+        self.engine = None
+
+    def load(self, path: str):
+        if self.engine is not None and self.cfg.rollout.backend == "vllm":
+            self.engine.load_weights(folder_weights(Path(path)))
+            return self.engine
+        self.close()
+        cfg = self.cfg
+        self.engine, _ = load_generator(path, cfg.rollout.backend, max_model_len=cfg.data.max_length + cfg.eval.max_new_tokens,
+                                        rollout=cfg.rollout, seed=cfg.seed, tokenizer=self.tokenizer,
+                                        trust_remote_code=cfg.model.trust_remote_code,
+                                        attn_implementation=cfg.model.attn_implementation, local_rank=self.local_rank)
+        return self.engine
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+            self.engine = None
+
+
+def folder_weights(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors of a Hugging Face folder's safetensors files (checkpoint names), one at a time."""
+    from safetensors import safe_open
+
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise DataError(f"{folder}: no *.safetensors files: hpcrlhf eval gives a running vLLM engine a model's weights "
+                        "from them (a folder saved with safe_serialization)")
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
 def _answer_all(cfg, out: Path, env, targets, sets, tokenizer, flag: StopFlag) -> bool:
     """Answer every (target, dataset) batch this rank owns and has not written yet; True when stopped."""
     bs = cfg.eval.batch_size
@@ -350,49 +366,56 @@ def _answer_all(cfg, out: Path, env, targets, sets, tokenizer, flag: StopFlag) -
     total = sum(len(s.prompts) for s in sets) * len(targets)
     left = sum(min(bs, len(s.prompts) - b * bs) for _, units in todo for s, batches in units for b in batches)
     progress = Progress(total, initial=total - left, desc="eval", enabled=env.rank == 0)
-    for target, units in todo:
-        # every rank takes part in every target (the materialized folder, the stop checks), work or not
-        if not all_reduce_sum([float(any(batches for _, batches in units))])[0]:
-            continue  # answered by every rank already
-        if env.rank == 0:
-            path = materialize(target, cfg, out, tokenizer)
-        barrier()
-        if env.rank != 0:
-            path = str(out / "models" / target.name) if target.checkpoint else target.path
-        log.info(f"evaluating {target.name} ({path})")
-        engine, _ = load_generator(path, cfg.rollout.backend, max_model_len=cfg.data.max_length + cfg.eval.max_new_tokens,
-                                   rollout=cfg.rollout, seed=cfg.seed, tokenizer=tokenizer,
-                                   trust_remote_code=cfg.model.trust_remote_code,
-                                   attn_implementation=cfg.model.attn_implementation, local_rank=env.local_rank)
-        try:
-            params = eval_sampling_params(cfg.eval, cfg.seed, cfg.eval.max_new_tokens)
-            for s, batches in units:
-                rounds = math.ceil(math.ceil(len(s.prompts) / bs) / env.world_size)
-                mine = iter(batches)
-                for _ in range(rounds):  # the same count on every rank: each round agrees on stopping
-                    if all_reduce_sum([float(flag.requested)])[0]:
-                        return True
-                    b = next(mine, None)
-                    if b is None:
-                        continue
-                    batch = s.prompts[b * bs:(b + 1) * bs]
-                    gens = engine.generate([list(p.ids) for p in batch], replace(params, first_index=b * bs))
-                    if flag.requested:  # a generation cut short by the signal: not kept
-                        continue
-                    record = _batch_record(b, b * bs, batch, gens, tokenizer, s)
-                    samples = _samples_file(out, target, s, env.rank)
-                    ensure_folder(samples.parent.parent)
-                    ensure_folder(samples.parent)
-                    with out_of_space_is_an_error(out, "the evaluation's answers"):
-                        append(samples, (json.dumps(record) + "\n").encode())
-                    progress.update(len(batch))
-        finally:
-            engine.close()
-        barrier()
-        if target.checkpoint and env.rank == 0 and not cfg.keep_models:
-            shutil.rmtree(out / "models" / target.name, ignore_errors=True)
-    progress.close()
+    engines = TargetEngine(cfg, tokenizer, env.local_rank)
+    try:
+        for target, units in todo:
+            # every rank takes part in every target (the materialized folder, the stop checks), work or not
+            if not all_reduce_sum([float(any(batches for _, batches in units))])[0]:
+                continue  # answered by every rank already
+            if env.rank == 0:
+                path = materialize(target, cfg, out, tokenizer)
+            barrier()
+            if env.rank != 0:
+                path = str(out / "models" / target.name) if target.checkpoint else target.path
+            log.info(f"evaluating {target.name} ({path})")
+            engine = engines.load(path)
+            if _answer_target(cfg, out, env, target, units, engine, tokenizer, flag, progress):
+                return True
+            barrier()
+            if target.checkpoint and env.rank == 0 and not cfg.keep_models:
+                shutil.rmtree(out / "models" / target.name, ignore_errors=True)
+    finally:
+        engines.close()
+        progress.close()
     return bool(all_reduce_sum([float(flag.requested)])[0])
+
+
+def _answer_target(cfg, out: Path, env, target: EvalTarget, units, engine, tokenizer, flag: StopFlag,
+                   progress: Progress) -> bool:
+    """One target's batches of each dataset (this rank's, not yet written); True when stopped."""
+    bs = cfg.eval.batch_size
+    params = eval_sampling_params(cfg.eval, cfg.seed, cfg.eval.max_new_tokens)
+    for s, batches in units:
+        rounds = math.ceil(math.ceil(len(s.prompts) / bs) / env.world_size)
+        mine = iter(batches)
+        for _ in range(rounds):  # the same count on every rank: each round agrees on stopping
+            if all_reduce_sum([float(flag.requested)])[0]:
+                return True
+            b = next(mine, None)
+            if b is None:
+                continue
+            batch = s.prompts[b * bs:(b + 1) * bs]
+            gens = engine.generate([list(p.ids) for p in batch], replace(params, first_index=b * bs))
+            if flag.requested:  # a generation cut short by the signal: not kept
+                continue
+            record = _batch_record(b, b * bs, batch, gens, tokenizer, s)
+            samples = _samples_file(out, target, s, env.rank)
+            ensure_folder(samples.parent.parent)
+            ensure_folder(samples.parent)
+            with out_of_space_is_an_error(out, "the evaluation's answers"):
+                append(samples, (json.dumps(record) + "\n").encode())
+            progress.update(len(batch))
+    return False
 
 
 # -- results -----------------------------------------------------------------------------------

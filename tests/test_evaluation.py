@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -126,6 +127,18 @@ def test_an_interrupted_eval_resumes_to_the_same_results(three_checkpoints, eval
     assert [p["responses"] for p in answers(out, "step_000020")] == [p["responses"] for p in answers(evaluated[0], "step_000020")]
 
 
+def test_one_vllm_engine_takes_each_checkpoints_weights_in_turn(three_checkpoints, tmp_path):
+    """rollout.backend=vllm: one engine for two checkpoints, the second one's weights loaded into it; its greedy
+    answers equal those of an engine started on that checkpoint alone, and differ from the first one's."""
+    vllm = ["--set", "rollout.backend=vllm", "--set", "rollout.vllm_kv_cache_gb=0.25", "--set", "eval.score_prompts=16"]
+    both, alone = tmp_path / "both", tmp_path / "alone"
+    run_cli(["eval", "-r", str(three_checkpoints), "--checkpoints", "10,30", "-o", str(both), *vllm])
+    run_cli(["eval", "-r", str(three_checkpoints), "--checkpoints", "30", "-o", str(alone), *vllm])
+    swapped = [p["responses"] for p in answers(both, "step_000030")]
+    assert swapped == [p["responses"] for p in answers(alone, "step_000030")]
+    assert swapped != [p["responses"] for p in answers(both, "step_000010")]
+
+
 def test_eval_of_another_family_on_your_file_with_your_metric(tmp_path):
     """A tiny Qwen2 folder answers the user's rows (their own prompt field) twice each; the user's metric
     reported as mean@2, pass@1 and pass@2 equals the metric recomputed here on the answers written."""
@@ -190,7 +203,7 @@ def test_settings_the_eval_job_cannot_honour_are_refused(overrides, message):
 
 
 def test_run_settings_come_from_the_runs_config(three_checkpoints):
-    from hpcrlhf.evaluation import run_settings
+    from hpcrlhf.config.jobspec import run_settings
 
     settings, source = run_settings(str(three_checkpoints))
     run = yaml.safe_load((three_checkpoints / "config.yaml").read_text())
@@ -199,3 +212,18 @@ def test_run_settings_come_from_the_runs_config(three_checkpoints):
     assert "response_key" not in settings["data"] and "max_samples" not in settings["data"]
     cfg = load_config(EvalJobConfig, overrides=["eval.samples_per_prompt=3"], base=(settings, source))
     assert cfg.model.path == run["model"]["path"] and cfg.eval.samples_per_prompt == 3 and cfg.eval.score_prompts == 32
+
+
+def test_sbatch_writes_an_mpi_eval_job_that_reads_the_run_and_writes_beside_it(tmp_path):
+    run = tmp_path / "runs" / "sft"
+    run.mkdir(parents=True)
+    (run / "config.yaml").write_text("model: {path: builtin:tiny-llama}\neval: {samples_per_prompt: 4, every_steps: 10}\n")
+    script = run_cli(["sbatch", "--kind", "eval", "--set", f"run={run}", "--set", "checkpoints=all", "--nodes", "2",
+                      "--print"]).stdout
+    job = f"eval --set run={run} --set checkpoints=all --set 'run=\"{run}\"' --output-dir {run}/eval"
+    assert f"-m hpcrlhf.hpc.allocation mpi {job} || exit 2" in script, script
+    assert f"srun --mpi=pmix --kill-on-bad-exit=1 {sys.executable} -m hpcrlhf.hpc.mpi {job}" in script, script
+    proc = run_cli(["sbatch", "--kind", "eval", "--set", f"run={run}", "--launcher", "ray", "--print"], check=False)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1] == ("hpcrlhf: error: launcher ray: an eval job runs as ranks of its own; "
+                                                    "use --launcher mpi (one rank per GPU)")

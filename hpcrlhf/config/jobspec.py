@@ -1,22 +1,23 @@
-"""A job as data: what `hpcrlhf train KIND --config RECIPE --set K=V -o DIR` and `hpcrlhf bench
---suite S ...` ask for, with the one conversion to and from their command lines.
+"""A job as data: what `hpcrlhf train KIND --config RECIPE --set K=V -o DIR`, `hpcrlhf eval ...` and
+`hpcrlhf bench --suite S ...` ask for, with the one conversion to and from their command lines.
 
-The CLI builds its `train` and `bench` arguments here (`add_train_arguments`,
-`add_bench_arguments`), and the code that writes a job into a Slurm script, checks it against an
-allocation or runs a benchmark system reads it back with `TrainJob.from_argv` /
-`BenchJob.from_argv` -- so a cluster job, the benchmark and the `hpcrlhf` command always agree on
+The CLI builds its `train`, `eval` and `bench` arguments here (`add_train_arguments`,
+`add_eval_arguments`, `add_bench_arguments`), and the code that writes a job into a Slurm script, checks
+it against an allocation or runs a benchmark system reads it back with `job_from_argv` -- so a cluster job, the benchmark and the `hpcrlhf` command always agree on
 what a command line means, and none of them needs the CLI module."""
 
 from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
+from typing import ClassVar
 from pathlib import Path
 from collections.abc import Sequence
 
 from hpcrlhf.config.loader import load_config
 from hpcrlhf.config.recipe_yaml import quoted
-from hpcrlhf.config.schema import JOB_CONFIGS
+from hpcrlhf.config.schema import JOB_CONFIGS, EvalJobConfig
+from hpcrlhf.config.schema.evaluation import RUN_SETTINGS
 from hpcrlhf.errors import ConfigError
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
@@ -71,6 +72,18 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     add_config_arguments(p)
     p.add_argument("--output-dir", "-o", type=path_text, metavar="DIR",
                    help="run folder (same as --set output_dir=DIR)")
+
+
+def add_eval_arguments(p: argparse.ArgumentParser) -> None:
+    """The arguments of `hpcrlhf eval` (after the command name)."""
+    add_config_arguments(p)
+    p.add_argument("--model", "-m", type=path_text, metavar="PATH", help="model folder (same as --set model.path=PATH)")
+    p.add_argument("--run", "-r", type=path_text, metavar="RUN",
+                   help="a run folder: its checkpoints are evaluated with its settings (same as --set run=RUN)")
+    p.add_argument("--checkpoints", metavar="SPEC",
+                   help="with --run: latest (default), all, best, model, or a comma list of steps and best/model")
+    p.add_argument("--output-dir", "-o", type=path_text, metavar="DIR",
+                   help="where the results and answers go (default: RUN/eval, or runs/eval)")
 
 
 def add_bench_arguments(p: argparse.ArgumentParser) -> None:
@@ -144,6 +157,72 @@ class TrainJob:
         return build_config(self.kind, self.recipe, self.overrides, self.output_dir)
 
 
+def run_settings(run_dir: str) -> tuple[dict, str]:
+    """The settings `hpcrlhf eval --run RUN` takes from the run's config.yaml (`RUN_SETTINGS`: the base
+    model, LoRA, task, held-out data, evaluation, rules, seed), and the file's name."""
+    import yaml
+
+    path = Path(run_dir) / "config.yaml"
+    if not path.is_file():
+        raise ConfigError(f"run: {run_dir} has no config.yaml: name a run folder `hpcrlhf train` wrote (it holds "
+                          "config.yaml and checkpoints/)")
+    run = yaml.safe_load(path.read_text())
+    if not isinstance(run, dict):
+        raise ConfigError(f"{path} is no run config (not a mapping): name a run folder `hpcrlhf train` wrote")
+    out = {}
+    for section, keys in RUN_SETTINGS.items():
+        value = run.get(section)
+        if value is not None:
+            out[section] = value if keys is None or not isinstance(value, dict) else {
+                k: v for k, v in value.items() if k in keys}
+    return out, str(path)
+
+
+@dataclass(frozen=True)
+class EvalJob:
+    """`hpcrlhf eval [--config RECIPE] [--set KEY=VALUE ...] [--model PATH | --run RUN] [--checkpoints SPEC]
+    [--output-dir DIR]`."""
+
+    recipe: str | None = None
+    overrides: tuple[str, ...] = ()
+    model: str | None = None
+    run: str | None = None
+    checkpoints: str | None = None
+    output_dir: str | None = None
+    kind: ClassVar[str] = "eval"
+
+    def argv(self) -> list[str]:
+        args = ["eval"] + (_option("--config", self.recipe) if self.recipe else [])
+        args += [arg for o in self.overrides for arg in _option("--set", o)]
+        for option in ("model", "run", "checkpoints", "output_dir"):
+            value = getattr(self, option)
+            args += _option(f"--{option.replace('_', '-')}", value) if value is not None else []
+        return args
+
+    @classmethod
+    def from_args(cls, a: argparse.Namespace) -> EvalJob:
+        if a.run is not None and a.model is not None:
+            raise ConfigError(f"--model {a.model} and --run {a.run}: evaluate a model folder, or a run's models, "
+                              "not both (a run's base model is model.path in its config.yaml)")
+        return cls(a.config, tuple(a.set), a.model, a.run, a.checkpoints, a.output_dir)
+
+    @classmethod
+    def from_argv(cls, argv: Sequence[str]) -> EvalJob:
+        return cls.from_args(_parse("eval", add_eval_arguments, argv))
+
+    def config(self) -> EvalJobConfig:
+        """Defaults, then the run's settings (`run_settings`, when a run is named: --run, --set run= or the
+        recipe's `run`), then the recipe, then the overrides and the options."""
+        recipe = resolve_recipe(self.recipe)
+        overrides = list(self.overrides) + [s for key in ("model", "run", "checkpoints", "output_dir")
+                                            for s in literal_setting("model.path" if key == "model" else key,
+                                                                     getattr(self, key))]
+        cfg = load_config(EvalJobConfig, recipe, overrides)
+        if cfg.run is None:
+            return cfg
+        return load_config(EvalJobConfig, recipe, overrides, base=run_settings(cfg.run))
+
+
 @dataclass(frozen=True)
 class BenchJob:
     """`hpcrlhf bench --suite SUITE --output DIR [--model PATH] [--reward-model PATH] [--systems A,B]
@@ -189,8 +268,10 @@ class BenchJob:
         return cls(suite, output, **given)
 
 
-def job_from_argv(argv: Sequence[str]) -> TrainJob | BenchJob:
-    """The job a cluster script runs (`hpcrlhf train ...` or `hpcrlhf bench ...`)."""
+def job_from_argv(argv: Sequence[str]) -> TrainJob | EvalJob | BenchJob:
+    """The job a cluster script runs (`hpcrlhf train ...`, `hpcrlhf eval ...` or `hpcrlhf bench ...`)."""
     if list(argv[:1]) == ["bench"]:
         return BenchJob.from_argv(argv)
+    if list(argv[:1]) == ["eval"]:
+        return EvalJob.from_argv(argv)
     return TrainJob.from_argv(argv)

@@ -118,6 +118,8 @@ def check_fits(args: Sequence[str], nodes: int, gpus_per_node: int, *, launcher:
     if isinstance(job, BenchJob):
         return bench_fits(job, nodes, gpus_per_node, where)
     kind, cfg = job.kind, job.config()
+    if kind == "eval" and launcher == "ray":
+        raise ConfigError("launcher ray: an eval job runs as ranks of its own; use --launcher mpi (one rank per GPU)")
     if launcher == "ray":
         node_map = build_node_map(cfg)  # the map the driver will use: a bad recipe fails here
         if node_map.nodes > nodes or node_map.gpus_per_node > gpus_per_node:

@@ -1,4 +1,4 @@
-"""From `hpcrlhf sbatch/submit` arguments to a cluster job: the `hpcrlhf train` command line the
+"""From `hpcrlhf sbatch/submit` arguments to a cluster job: the `hpcrlhf train` (or `eval`) command line the
 nodes run and the Slurm options, checked against each other before anything is written or queued.
 
 A recipe is code: the `package.module:function` rules it names are imported and run by the job. They
@@ -14,7 +14,7 @@ from dataclasses import dataclass, fields, is_dataclass
 from pathlib import Path
 
 from hpcrlhf.bench.suites import get_suite
-from hpcrlhf.config.jobspec import BenchJob, TrainJob, resolve_recipe
+from hpcrlhf.config.jobspec import BenchJob, EvalJob, TrainJob, literal_setting, resolve_recipe
 from hpcrlhf.errors import ConfigError
 from hpcrlhf.hpc.allocation import check_fits
 from hpcrlhf.hpc.image import check_image
@@ -105,6 +105,10 @@ def cluster_job(kind: str, recipe: str | None, overrides: Sequence[str], output_
     recipe_path = resolve_recipe(recipe) if kind != "bench" else None
     if recipe_path is not None and Path(recipe_path).exists() and recipe == recipe_path:
         recipe = str(Path(recipe_path).resolve())  # the job runs elsewhere: a user's file by absolute path
+    if kind == "eval":  # its folder defaults to RUN/eval; the run it reads is named by absolute path too
+        run = EvalJob(recipe, tuple(overrides)).config().run
+        overrides = [*overrides, *literal_setting("run", str(Path(run).resolve()) if run else None)]
+        output_dir = output_dir or EvalJob(recipe, tuple(overrides)).config().out_dir
     run_dir = str(Path(output_dir or f"runs/{kind}-{Path(recipe or 'defaults').stem}").resolve())
     given = {k: v for k, v in slurm.items() if v is not None}
     if given.get("cache_dir"):  # like the run folder: relative to here, written absolute
@@ -117,7 +121,8 @@ def cluster_job(kind: str, recipe: str | None, overrides: Sequence[str], output_
         cfg, shape = None, (suite.nodes, suite.gpus_per_node)
         given["launcher"] = "ray"
     else:
-        job = TrainJob(kind, recipe, tuple(overrides), run_dir)
+        job = (EvalJob(recipe, tuple(overrides), output_dir=run_dir) if kind == "eval"
+               else TrainJob(kind, recipe, tuple(overrides), run_dir))
         argv, cfg = job.argv(), job.config()
         ray = kind == "ppo" and cfg.placement.runtime == "ray"
         given.setdefault("launcher", "ray" if ray else "mpi")
@@ -130,7 +135,7 @@ def cluster_job(kind: str, recipe: str | None, overrides: Sequence[str], output_
             notes.append(f"the recipe's node map uses {shape[0]} x {shape[1]} of the {given['nodes']} x "
                          f"{given['gpus_per_node']} asked for; to re-plan it for the whole allocation, add --set "
                          f"placement.nodes={given['nodes']} --set placement.gpus_per_node={given['gpus_per_node']}")
-        cpus = cfg.placement.cpus_per_node if cfg is not None else None
+        cpus = getattr(getattr(cfg, "placement", None), "cpus_per_node", None)  # (a bench or eval job: none)
         if cpus is not None and "cpus_per_gpu" not in given:  # the cores the node map was checked against
             given["cpus_per_gpu"] = -(-cpus // int(given["gpus_per_node"]))
             notes.append(f"--cpus-per-gpu={given['cpus_per_gpu']}: placement.cpus_per_node {cpus} over "
@@ -152,7 +157,8 @@ def cluster_job(kind: str, recipe: str | None, overrides: Sequence[str], output_
                cpus_per_node=options.cpus_per_gpu * options.gpus_per_node if options.cpus_per_gpu else None,
                cpus_from="--cpus-per-gpu x --gpus-per-node")
     if cfg is not None:
-        require_generation_fits(cfg, kind)  # a model folder here is checked now
+        if kind != "eval":  # (an eval job checks its prompts against its models when it starts)
+            require_generation_fits(cfg, kind)  # a model folder here is checked now
         # last: the user's code runs once everything else is known to be valid
         notes += check_user_code(cfg, options.python, options.container)
     return ClusterJob(argv, options, tuple(notes))

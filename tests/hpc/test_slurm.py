@@ -4,6 +4,7 @@ signal, and a job too big for its allocation. (`hpcrlhf submit` of Ray PPO: test
 
 from __future__ import annotations
 
+import json
 import re
 import sys
 import time
@@ -11,7 +12,7 @@ import time
 import pytest
 
 from hpcrlhf.run.metrics import read_metrics
-from tests.hpc.slurm_jobs import SFT, kill_task, losses, render, slurm_log, wait_for_step
+from tests.hpc.slurm_jobs import SFT, kill_task, losses, render, run_rendered, slurm_log, wait_for_step
 from tests.launch_helpers import run_cli
 from tests.slurm_cluster import UNDER_WAY, node_address
 
@@ -85,6 +86,25 @@ def test_a_killed_rank_is_a_lost_worker_the_job_requeues_and_resumes(sft_requeue
     assert re.search(r"hpcrlhf: n2: task 1: Killed: a rank was lost \(srun status 1(37|43), taken as 4\)", log), log[-4000:]
     assert f"hpcrlhf: lost a worker or node (status 4); requeueing job {job} to resume" in log
     assert log.count("resumed from") == 2, log[-4000:]
+
+
+@pytest.mark.distributed
+def test_an_eval_job_on_two_nodes_answers_with_the_runs_last_checkpoint(slurm_cluster, sft_straight, tmp_path):
+    """`hpcrlhf sbatch --kind eval` of the two-node SFT run: one MPI rank per node, each answering its batches
+    of the held-out prompts; the result is the run's own final (greedy) task score."""
+    run, _, _ = sft_straight
+    out, state, job = run_rendered(slurm_cluster, tmp_path / "eval", "--kind", "eval", "--launcher", "mpi", "--nodes",
+                                   "2", "--gpus-per-node", "1", "--set", f"run={run}", "--set", "eval.batch_size=8")
+    log = slurm_log(out, job)
+    assert state == "COMPLETED", log[-4000:]
+    assert "the job fits the allocation (2 node(s) x 1 GPU(s))" in log
+    results = json.loads((out / "results.json").read_text())
+    assert [t["name"] for t in results["targets"]] == ["step_000060"]
+    assert sorted(p.name for p in (out / "samples" / "step_000060").iterdir()) == ["held_out.rank0.jsonl",
+                                                                                   "held_out.rank1.jsonl"]
+    after = json.loads((run / "summary.json").read_text())["after"]["eval/task_score"]
+    # in-run, each rank answered 16 prompts in one batch; here batches of 8: padding may flip an answer or two
+    assert results["results"]["step_000060"]["held_out"]["eval/task_score"] == pytest.approx(after, abs=2 / 32)
 
 
 def test_a_rank_that_fails_is_not_requeued(slurm_cluster, tmp_path):

@@ -127,6 +127,13 @@ class EvalJobConfig:
         fill_derived(self, "eval", max_new_tokens=resolved_new_tokens(self.eval.max_new_tokens, self.task, probe))
 
     @property
+    def out_dir(self) -> str:
+        """Where results and answers go: `output_dir`, else RUN/eval with `run`, else runs/eval."""
+        if self.output_dir is not None:
+            return self.output_dir
+        return str(PurePath(self.run) / "eval") if self.run is not None else "runs/eval"
+
+    @property
     def sets(self) -> tuple[EvalDatasetConfig, ...]:
         """The datasets answered: `datasets`, or the held-out prompts."""
         return self.datasets or (EvalDatasetConfig(),)
