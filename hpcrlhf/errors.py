@@ -58,6 +58,11 @@ class WorkerLost(TrainingError):
     a node it has marked down)."""
 
 
+class Hung(WorkerLost):
+    """A wait passed its watchdog deadline (hpcrlhf.run.watchdog): the job ends as for a lost worker
+    (exit 4, requeued), naming what hung and where its stacks are."""
+
+
 class UnsafeFileError(HpcrlhfError):
     """A path hpcrlhf is about to write is not what it writes there: a symbolic link (hpcrlhf never
     writes through one), a file with other hard links, a FIFO, a device or a folder in place of a file.

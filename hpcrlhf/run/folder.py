@@ -33,6 +33,7 @@ from hpcrlhf.run.files import append, make_folders, path_problem, refuse, replac
 from hpcrlhf.run.lock import RunLock
 from hpcrlhf.run.metrics import MetricsWriter, read_metrics
 from hpcrlhf.run.signals import StopFlag, StopRequested
+from hpcrlhf.run.watchdog import Watchdog
 
 log = get_logger()
 
@@ -50,7 +51,7 @@ SAFE_CHANGES = ("train.max_steps", "train.on_nonfinite", "train.max_consecutive_
                 "eval.stop_when", "eval.batch_size", "log.", "checkpoint.every_steps", "checkpoint.keep_last",
                 "checkpoint.verify", "checkpoint.save_model", "checkpoint.at_end", "reward.rule_timeout_s",
                 "eval.metric_timeout_s", "eval.keep_best", "eval.keep_best_mode",
-                "placement.vllm.max_restarts", "placement.local_network",
+                "placement.vllm.max_restarts", "placement.local_network", "watchdog.",
                 "rollout.vllm_kv_cache_gb", "rollout.vllm_enforce_eager", "rollout.vllm_max_num_seqs", "rollout.vllm_max_num_batched_tokens")
 """Settings a rerun may change on a run that has checkpoints (a prefix ends with a dot): how long it
 trains (a new `train.max_steps` stretches the rest of the learning-rate schedule to the new end),
@@ -63,8 +64,9 @@ RUN_FILES = ("run.lock", "metrics.jsonl", "environment.jsonl", "config.yaml", "s
 third_party.log: hpcrlhf.logs)."""
 IN_PLACE_FILES = ("run.lock", "metrics.jsonl", "environment.jsonl", THIRD_PARTY_LOG)
 """Those written in place (appended to, or rewritten through the lock's descriptor), not replaced."""
-RUN_FOLDERS = ("checkpoints", "model", "best", "tensorboard", "rounds")
-"""The folders it writes there (rounds/: hpcrlhf.trainers.rs; best/: eval.keep_best)."""
+RUN_FOLDERS = ("checkpoints", "model", "best", "tensorboard", "rounds", "watchdog")
+"""The folders it writes there (rounds/: hpcrlhf.trainers.rs; best/: eval.keep_best; watchdog/: the stacks
+of a hang, hpcrlhf.run.watchdog)."""
 IGNORED_CHANGES = ("output_dir", "checkpoint.resume")
 """Settings of the attempt, not of the run: where the folder is named from, and whether to resume."""
 
@@ -131,6 +133,11 @@ class Run:
         self.stop = StopFlag().install()
         self.timings: dict[str, float] = {}
         self.progress: Progress | None = None
+        w = cfg.watchdog
+        on_ray = getattr(getattr(cfg, "placement", None), "runtime", "local") == "ray"
+        self.watchdog = Watchdog(w, self.dir / "watchdog").start() if w.enabled and not on_ray else None
+        """Deadlines of this process's waits: every `timed` phase (and each `watched` one). Not yet on Ray,
+        whose driver must name and stop the stuck workers itself (docs/design/eval-tracking-watchdog.md)."""
 
     def _prepare(self) -> tuple[str | None, dict[str, Any] | None]:
         """Main rank: everything `Run` checks before writing; returns the checkpoint to resume from and
@@ -286,12 +293,28 @@ class Run:
 
     @contextmanager
     def timed(self, name: str) -> Iterator[None]:
-        """Accumulate wall time under `timing/<name>` until the next `pop_timings`."""
+        """Accumulate wall time under `timing/<name>` until the next `pop_timings`; the wait is watched
+        (its total in a step against the watchdog's deadline for `name`)."""
         t0 = time.perf_counter()
         try:
-            yield
+            with self.watched(name):
+                yield
         finally:
             self.add_timing(name, time.perf_counter() - t0)
+
+    @contextmanager
+    def watched(self, name: str, per_step: bool = True) -> Iterator[None]:
+        """A wait the watchdog times (`per_step`: by its total in the step; else each one alone)."""
+        if self.watchdog is None:
+            yield
+            return
+        with self.watchdog.phase(name, per_step):
+            yield
+
+    def step_done(self, step: int) -> None:
+        """Step `step` has ended: its phases' totals become the watchdog's history."""
+        if self.watchdog is not None:
+            self.watchdog.step_done(step)
 
     def add_timing(self, name: str, seconds: float) -> None:
         key = f"timing/{name}"
@@ -374,6 +397,8 @@ class Run:
                 replace_file(self.dir / "summary.json", json.dumps(summary, indent=2) + "\n")
 
     def finish(self) -> None:
+        if self.watchdog is not None:
+            self.watchdog.stop()
         if self.progress is not None:
             self.progress.close()
         self.metrics.close()

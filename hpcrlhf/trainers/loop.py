@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, NoReturn, Protocol
 from collections.abc import Callable, Mapping, Sequence
 
 import torch
@@ -25,7 +25,7 @@ from hpcrlhf.config.stop_rule import parse_stop_rule
 from hpcrlhf.data.loading import held_out_prompt_rows, task_note
 from hpcrlhf.data.tasks import build_task
 from hpcrlhf.engines.rollout.contract import SamplingParams
-from hpcrlhf.errors import ConfigError
+from hpcrlhf.errors import ConfigError, HpcrlhfError, Hung
 from hpcrlhf.logs import get_logger
 from hpcrlhf.models.context import ContextWindow
 from hpcrlhf.models.factory import ModelFactory
@@ -35,6 +35,7 @@ from hpcrlhf.run.folder import Run, StepAbandoned
 from hpcrlhf.run.guard import SKIPPED_SUFFIX, NonFiniteError, NonFiniteGuard, SkipStep, require_finite_start
 from hpcrlhf.run.metrics import read_metrics
 from hpcrlhf.run.stats import Stats, add_stats, new_stats, reduce_means
+from hpcrlhf.run.watchdog import Expiry, WaitExpired
 from hpcrlhf.trainers.batches import BatchPlan, PPOPlan, eval_shards
 from hpcrlhf.trainers.best import BEST_FOLDER, BestModel
 from hpcrlhf.trainers.seeds import eval_sampling_seed
@@ -56,6 +57,10 @@ def idle_shares(timings: dict[str, float]) -> dict[str, float]:
     step = timings.get("timing/step", 0.0)
     return {f"util/{key.removeprefix('timing/busy_')}_idle": min(max(1.0 - value / step, 0.0), 1.0)
             for key, value in timings.items() if key.startswith("timing/busy_") and step > 0}
+
+
+CHECKPOINTABLE = frozenset({"generate", "reward", "make_experience", "generate_ahead_wait", "evaluate"})
+"""Phases that apply nothing of a step: when one hangs, the steps done before it can still be checkpointed."""
 
 
 def eval_sampling_params(e: EvalConfig, seed: int, max_new_tokens: int) -> SamplingParams:
@@ -167,6 +172,31 @@ class TrainingLoop:
         return reduce_means(sums)
 
     def fit(self) -> dict:
+        """Train to the end (or a stop); a wait past its watchdog deadline ends the run with `Hung` (exit 4)."""
+        self.steps_done = 0
+        try:
+            return self._fit()
+        except WaitExpired as e:
+            self._hung(e.expiry)
+
+    def _hung(self, expiry: Expiry) -> NoReturn:
+        """A wait hung: checkpoint the steps done when nothing of the step was applied yet (the hung phase
+        comes before the update: generation, rewards, scoring, evaluation), then end the run (Hung: exit 4)."""
+        step, done = self.steps_done, ""
+        if step and expiry.kind in CHECKPOINTABLE:
+            try:
+                self._checkpoint_once(step)
+                done = f"; checkpointed at step {step}"
+            except (WaitExpired, HpcrlhfError) as e:
+                done = f"; the checkpoint at step {step} failed too ({e})"
+        elif step:
+            done = f"; no checkpoint: {expiry.kind} may have applied part of step {step + 1}"
+        self.run.finish()
+        latest = self.run.checkpoints.latest()
+        resume = f"from its checkpoint {latest.name}" if latest is not None else "from the start (no checkpoint)"
+        raise Hung(f"{expiry.message()}{done}; rerun the same command to resume {resume}")
+
+    def _fit(self) -> dict:
         run, plan = self.run, self.plan
         finished = run.finished
         if finished is not None and (finished["step"] == plan.total_steps or finished.get("stopped_early")):
@@ -180,7 +210,7 @@ class TrainingLoop:
                 raise ConfigError(f"{self._length()}, but the run in {run.dir} finished at step {finished['step']} "
                                   "and keeps no checkpoint to train on from (checkpoint.at_end=false, or deleted): use "
                                   "a new --output-dir")
-        step = run.resume(self.checkpointable)["step"]
+        step = self.steps_done = run.resume(self.checkpointable)["step"]
         self._require_steps_left(step, "has a checkpoint at")
         if finished is not None and step < finished["step"]:
             log.info(f"{run.dir} finished at step {finished['step']} with no checkpoint there (checkpoint.at_end=false): "
@@ -189,7 +219,7 @@ class TrainingLoop:
         self.best = BestModel.of_run(self.cfg.eval, run.dir)
         if step == 0:
             try:
-                before = self.evaluate()
+                before = self._evaluate()
             except StepAbandoned:
                 return self._stopped(step, " during the evaluation before training")
             require_finite_start(before, self.evaluated_models(), self.trained_weights(), self.cfg.engine.precision)
@@ -229,7 +259,8 @@ class TrainingLoop:
                 window, window_start = defaultdict(list), time.perf_counter()
                 continue
             first_after_loading = False
-            step += 1
+            step = self.steps_done = step + 1
+            run.step_done(step)
             for key, value in (metrics or {}).items():
                 window[key].append(value)
             progress.update(1, **{self.progress_key.split("/")[-1]: metrics[self.progress_key]} if metrics else {})
@@ -245,12 +276,17 @@ class TrainingLoop:
             if run.stop_requested():
                 return self._stopped(step)
         try:
-            after = self.evaluate()
+            after = self._evaluate()
         except StepAbandoned:
             return self._stopped(step, " during the final evaluation")
         run.log(step, after)
         self._keep_if_best(step, after)
         return self._finish(step, before, after)
+
+    def _evaluate(self) -> dict[str, float]:
+        """`evaluate`, watched (each evaluation against the deadline of the ones before)."""
+        with self.run.watched("evaluate", per_step=False):
+            return self.evaluate()
 
     def _evaluates_at(self, step: int) -> bool:
         """Whether a periodic evaluation follows step `step` (eval.every_steps; the last step's is the final one)."""
@@ -262,7 +298,7 @@ class TrainingLoop:
         and checked against eval.stop_when. Returns the run's summary when the run ends there (stopped
         during it -- a resumed run evaluates at that step first -- or stopped early), else None."""
         try:
-            evaluation = self.evaluate()
+            evaluation = self._evaluate()
         except StepAbandoned:
             return self._stopped(step, f" during the evaluation at step {step}, which runs again on resume")
         self.run.log(step, evaluation)

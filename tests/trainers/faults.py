@@ -10,7 +10,11 @@ first training prompt of the bundled task (`tests.trainers.faults:nan_for_first_
     python -m tests.trainers.faults engine-skip STAGE PRECISION
 
 which prints (JSON) whether a `TrainingEngine` that met one NaN step ends where one that never
-met it does.
+met it does, and
+
+    python -m tests.trainers.faults hang make_experience 3 -- train ppo -o RUN ...
+
+whose third call of that method never returns (the watchdog's tests).
 """
 
 from __future__ import annotations
@@ -95,13 +99,42 @@ def engine_skip_report(stage: int, precision: str) -> dict:
             "finite": all(bool(torch.isfinite(v).all()) for v in wa.values()), "lr_a": a.lr(), "lr_b": b.lr()}
 
 
+HANGS = {"make_experience": ("hpcrlhf.trainers.ppo.driver", "PPOTrainer"), "train_step": ("hpcrlhf.trainers.sft", "SFTTrainer")}
+"""The methods `hang` can make hang, and their classes."""
+
+
+def inject_hang(method: str, call: int) -> None:
+    """Patch `method` (a key of HANGS) so that its `call`-th call sleeps instead of returning (a wait that
+    never ends: a role that stopped answering, a collective whose peer died)."""
+    import importlib
+    import time
+
+    module, cls = HANGS[method]
+    owner = getattr(importlib.import_module(module), cls)
+    original, calls = getattr(owner, method), {"n": 0}
+
+    def hanging(self, *args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == call:
+            time.sleep(3600)
+        return original(self, *args, **kwargs)
+
+    setattr(owner, method, hanging)
+
+
 def main(argv: list[str]) -> int:
     if argv[:1] == ["engine-skip"]:
         print("REPORT " + json.dumps(engine_skip_report(int(argv[1]), argv[2])))
         return 0
+    if argv[:1] == ["hang"] and len(argv) > 3 and argv[1] in HANGS and argv[3] == "--":
+        inject_hang(argv[1], int(argv[2]))
+        from hpcrlhf.cli import main as cli_main
+
+        return cli_main(argv[4:])
     kind, steps, sep, *cli_args = argv
     if kind != "nan-logits" or sep != "--":
         raise SystemExit("usage: python -m tests.trainers.faults nan-logits STEP[,STEP...] -- HPCRLHF ARGS\n"
+                         f"       python -m tests.trainers.faults hang {{{','.join(HANGS)}}} CALL -- HPCRLHF ARGS\n"
                          "       python -m tests.trainers.faults engine-skip STAGE PRECISION")
     inject_nan_logits({int(s) for s in steps.split(",")})
     from hpcrlhf.cli import main as cli_main

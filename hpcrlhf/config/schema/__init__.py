@@ -39,7 +39,8 @@ from hpcrlhf.config.schema.sections import (BUNDLED_TASKS, DEFAULT_MAX_LENGTH, D
                                             DEFAULT_USER_CODE_TIMEOUT_S, MAX_STEPS, MICRO_BATCH_CAP, BundledTask,
                                             CheckpointConfig, DataConfig, DataSourceConfig, EngineConfig, EvalConfig,
                                             LogConfig, LoRAConfig, ModelConfig, OptimConfig, ReferenceConfig, TaskConfig,
-                                            TrainConfig, TrainJobConfig, resolved_max_length, resolved_new_tokens)
+                                            TrainConfig, TrainJobConfig, WatchdogConfig, resolved_max_length,
+                                            resolved_new_tokens)
 
 JOB_CONFIGS: dict[str, type] = {"sft": SFTConfig, "rm": RMConfig, "dpo": DPOConfig, "kto": KTOConfig, "csft": CSFTConfig,
                                 "ppo": PPOConfig, "rs": RSConfig}
@@ -59,5 +60,5 @@ __all__ = [
     "CheckpointConfig", "LoRAConfig", "ReferenceConfig", "DPOLossConfig", "KTOLossConfig", "CSFTSectionConfig",
     "RolloutConfig", "RewardSourceConfig", "RemoteRewardConfig", "RewardConfig", "CriticConfig", "PPOSectionConfig", "RSSectionConfig",
     "PlacementConfig", "RoleConfig", "VLLMPlacementConfig", "RewardServerConfig", "RulesConfig", "MathRuleConfig", "CodeRuleConfig",
-    "FormatRuleConfig", "ServeRewardConfig", "EvalJobConfig", "EvalDatasetConfig",
+    "FormatRuleConfig", "ServeRewardConfig", "EvalJobConfig", "EvalDatasetConfig", "WatchdogConfig",
 ]

@@ -6,8 +6,10 @@
 from __future__ import annotations
 
 import math
+import statistics
 import re
 from dataclasses import dataclass, field
+from collections.abc import Sequence
 from typing import ClassVar, Literal
 
 from hpcrlhf.config.schema.checks import (PathText, fill_derived, largest_divisor, require, require_finite,
@@ -400,6 +402,43 @@ class EvalConfig:
 
 
 @dataclass(frozen=True)
+class WatchdogConfig:
+    """Deadlines of the job's waits (hpcrlhf.run.watchdog): a wait past its deadline ends the job with the
+    stacks of what hung and exit status 4, which the Slurm script requeues (docs/checkpoints-and-failures.md)."""
+
+    enabled: bool = True
+    """Watch every phase of a step (generate, reward, make_experience, train, weight_sync, ...), the
+    evaluation and the checkpoint."""
+    factor: float = 5.0
+    """A phase may take this many times the median of its earlier durations in this attempt ..."""
+    floor_s: float = 300.0
+    """... plus this many seconds."""
+    first_s: float = 1500.0
+    """The deadline of a phase with no earlier duration in this attempt (the first step, evaluation, checkpoint):
+    below the 30-minute timeouts of collectives, so that the watchdog names the hang first."""
+    grace_s: float = 120.0
+    """After a deadline passed, seconds left to checkpoint and clean up before the process is ended."""
+    history: int = 20
+    """How many of a phase's latest durations the median is taken over."""
+
+    def __post_init__(self) -> None:
+        require_finite(self, "watchdog")
+        require(self.factor >= 1, "watchdog.factor", self.factor, "use at least 1 (a phase may take its median)")
+        for key in ("floor_s", "first_s", "grace_s"):
+            require(getattr(self, key) > 0, f"watchdog.{key}", getattr(self, key), "use a positive number of seconds")
+        require(self.history >= 1, "watchdog.history", self.history, "use at least 1")
+
+    def deadline(self, past: Sequence[float]) -> tuple[float, str]:
+        """(seconds a wait may take, how that was worked out) given its phase's earlier durations."""
+        if not past:
+            return self.first_s, f"first_s {self.first_s:g} s: none finished before in this attempt"
+        recent = list(past)[-self.history:]
+        median = statistics.median(recent)
+        return (self.factor * median + self.floor_s,
+                f"{self.factor:g} x median {median:.1f} s of the last {len(recent)} + {self.floor_s:g} s floor")
+
+
+@dataclass(frozen=True)
 class LogConfig:
     every_steps: int = 10
     """Write train metrics every N optimizer steps."""
@@ -523,6 +562,8 @@ class TrainJobConfig:
     """Metrics, TensorBoard and progress output."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """Checkpointing and resuming."""
+    watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)
+    """Deadlines that turn a hung wait into a requeueable exit (4) with the stacks of what hung."""
     rules: RulesConfig = field(default_factory=RulesConfig)
     """Settings of the built-in rules (math, code, format) that eval.metrics (and reward.sources)
     name."""

@@ -1,0 +1,125 @@
+"""The watchdog (hpcrlhf.run.watchdog) with real threads, signals and processes: deadlines from a kind's
+history, per-step totals, an expired wait raised in the main thread with whom it waited for and the
+stacks written, a main thread no signal reaches ended with status 4 after the grace period, and py-spy
+reading another process's stacks."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from hpcrlhf.run.stacks import py_spy
+from hpcrlhf.config.schema import WatchdogConfig
+from hpcrlhf.run.watchdog import WaitExpired, Watchdog
+from tests.launch_helpers import ROOT, cli_env
+
+
+def test_deadline_is_factor_times_median_plus_floor_and_first_s_before_history():
+    d = WatchdogConfig(factor=3.0, floor_s=10.0, first_s=600.0, history=3)
+    assert d.deadline([]) == (600.0, "first_s 600 s: none finished before in this attempt")
+    # the median of the last 3 (2, 9, 4) is 4: 3 x 4 + 10
+    assert d.deadline([100.0, 2.0, 9.0, 4.0]) == (22.0, "3 x median 4.0 s of the last 3 + 10 s floor")
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_per_step_kinds_sum_their_waits_in_a_step():
+    clock = FakeClock()
+    dog = Watchdog(WatchdogConfig(factor=2.0, floor_s=1.0), clock=clock)
+    for took in (3.0, 4.0):  # two generations in step 1: 7 s in all
+        with dog.phase("generate"):
+            clock.now += took
+    with dog.phase("checkpoint", per_step=False):
+        clock.now += 5.0
+    assert dog.history == {"checkpoint": [5.0]} and dog.spent == {"generate": 7.0}
+    dog.step_done(1)
+    assert dog.history == {"checkpoint": [5.0], "generate": [7.0]} and dog.step == 2
+    with dog.phase("generate"):  # in step 2 the budget is 2 x 7 + 1 = 15 s for every generation together
+        clock.now += 6.0
+    with dog.phase("generate"):
+        p = dog._phases[-1]
+        assert dog._due(p)[0] == pytest.approx(clock.now - 6.0 + 15.0)
+
+
+def test_an_expired_wait_raises_in_the_main_thread_naming_whom_it_waited_for(tmp_path):
+    dog = Watchdog(WatchdogConfig(factor=2.0, floor_s=0.1, grace_s=60.0), folder=tmp_path).start()
+    try:
+        dog.history["generate"] = [0.2]  # deadline: 2 x 0.2 + 0.1 = 0.5 s
+        dog.step = 7
+        started = time.monotonic()
+        with pytest.raises(WaitExpired) as e:
+            with dog.phase("generate"):
+                dog.waiting_for("vLLM engine 0")
+                threading.Event().wait(30)  # a wait that never ends on its own
+        waited = time.monotonic() - started
+    finally:
+        dog.stop()
+    assert 0.5 <= waited < 5, waited
+    message = str(e.value)
+    assert message.startswith("step 7 hung: generate did not finish within 0.5 s (watchdog: 2 x median 0.2 s of the "
+                              "last 1 + 0.1 s floor); still waiting for vLLM engine 0; stacks: "), message
+    stacks = tmp_path.glob("hang-*-vLLM_engine_0.txt")
+    text = next(stacks).read_text()
+    assert "test_an_expired_wait_raises_in_the_main_thread_naming_whom_it_waited_for" in text, text
+    assert "hpcrlhf-watchdog" in text or "_watch" in text  # every thread, the watchdog's own too
+
+
+def test_a_wait_within_its_deadline_is_left_alone():
+    dog = Watchdog(WatchdogConfig(factor=2.0, floor_s=0.5)).start()
+    try:
+        dog.history["step"] = [0.1]
+        with dog.phase("step"):
+            time.sleep(0.3)
+        dog.check()  # nothing expired
+    finally:
+        dog.stop()
+    assert not dog.expired
+
+
+STUCK = """
+import signal, time
+from hpcrlhf.config.schema import WatchdogConfig
+from hpcrlhf.run.watchdog import WATCHDOG_SIGNAL, Watchdog
+dog = Watchdog(WatchdogConfig(first_s=0.3, grace_s=1.0)).start()
+signal.pthread_sigmask(signal.SIG_BLOCK, {WATCHDOG_SIGNAL})  # as a thread stuck in C code: no handler runs
+with dog.phase("weight_sync"):
+    dog.waiting_for("actor rank 0")
+    time.sleep(60)
+print("never")
+"""
+
+
+def test_a_main_thread_no_signal_reaches_is_ended_with_4_after_the_grace_period():
+    started = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", STUCK], cwd=ROOT, env=cli_env(), capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 4, proc.stderr[-2000:]
+    assert time.monotonic() - started < 30
+    assert ("hpcrlhf: error: hung: weight_sync did not finish within 0.3 s (watchdog: first_s 0.3 s: none finished "
+            "before in this attempt); still waiting for actor rank 0; the process did not end within "
+            "watchdog.grace_s 1 s of it: ended with status 4 (requeued)") in proc.stderr, proc.stderr[-2000:]
+    assert "never" not in proc.stdout
+
+
+def test_py_spy_reads_the_stacks_of_another_process():
+    child = subprocess.Popen([sys.executable, "-c", "import time\ndef waiting_here():\n    time.sleep(60)\nwaiting_here()"])
+    try:
+        time.sleep(1.0)
+        text = py_spy(child.pid)
+    finally:
+        child.kill()
+        child.wait()
+    if text.startswith("(no stacks"):  # no ptrace rights here: the reason is said
+        assert "py-spy" in text
+    else:
+        assert "waiting_here" in text, text
