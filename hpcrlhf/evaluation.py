@@ -44,7 +44,7 @@ from hpcrlhf.models.export import export_pretrained
 from hpcrlhf.models.loading import load_causal_lm, load_tokenizer
 from hpcrlhf.plots import figure
 from hpcrlhf.rewards.rules import EvalMetrics, check_rules
-from hpcrlhf.rewards.sampled import sampling_for
+from hpcrlhf.rewards.sampled import Sampling, sampling_for
 from hpcrlhf.run.checkpoint import CheckpointDir, verify_checkpoint
 from hpcrlhf.run.diskspace import out_of_space_is_an_error
 from hpcrlhf.run.files import append, ensure_folder, make_folders, replace_file
@@ -81,7 +81,8 @@ class EvalSet:
     source: str
     prompts: list[Prompt]
     metrics: EvalMetrics
-    sampling: Any
+    sampling: Sampling | None
+    """How several samples per prompt are judged (None: one answer each)."""
 
 
 # -- settings and targets ------------------------------------------------------------------------
@@ -144,6 +145,9 @@ def resolve_targets(cfg: EvalJobConfig) -> list[EvalTarget]:
                 raise DataError(f"checkpoint {complete[step]} is damaged ({'; '.join(problems[:3])}): it cannot be "
                                 "evaluated; name another step")
             targets.append(EvalTarget(complete[step].name, step, str(complete[step]), True))
+    if not targets:
+        raise DataError(f"checkpoints: {cfg.checkpoints}: every checkpoint of {run} is damaged (see the warnings): "
+                        "name the run's model with --checkpoints model")
     seen: set[str] = set()
     return [t for t in targets if not (t.name in seen or seen.add(t.name))]
 

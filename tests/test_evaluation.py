@@ -98,14 +98,17 @@ def test_eval_compares_three_checkpoints_in_json_table_and_plot(evaluated):
 
 
 def test_greedy_eval_of_a_checkpoint_equals_the_runs_own_evaluation(three_checkpoints):
-    """`-r RUN` alone: its latest checkpoint, with the run's settings (greedy, its held-out prompts)."""
+    """`-r RUN`: its latest checkpoint (and its model/), with the run's settings (greedy, its held-out prompts)."""
     out = three_checkpoints.parent / "greedy"
-    run_cli(["eval", "-r", str(three_checkpoints), "-o", str(out), "--set", "keep_models=true"])
+    run_cli(["eval", "-r", str(three_checkpoints), "--checkpoints", "latest,model", "-o", str(out),
+             "--set", "keep_models=true"])
     results = json.loads((out / "results.json").read_text())
-    assert [t["name"] for t in results["targets"]] == ["step_000030"] and results["sampling"]["greedy"]
+    assert [(t["name"], t["step"]) for t in results["targets"]] == [("step_000030", 30), ("model", 30)]
+    assert results["sampling"]["greedy"]
     assert_same_weights(out / "models" / "step_000030", three_checkpoints / "model")  # the run ended at step 30
     in_run = next(m for m in read_metrics(three_checkpoints) if m["step"] == 30 and "eval/task_score" in m)
     assert results["results"]["step_000030"]["held_out"] == {"eval/task_score": in_run["eval/task_score"]}
+    assert results["results"]["model"] == results["results"]["step_000030"]
 
 
 def test_an_interrupted_eval_resumes_to_the_same_results(three_checkpoints, evaluated):
@@ -192,7 +195,7 @@ def test_a_rerun_with_other_sampling_is_refused(evaluated, three_checkpoints):
     (["eval.stop_when=eval/task_score>=0.5"], "eval.stop_when: 'eval/task_score>=0.5' is invalid: it is read during "
                                               "training only; drop it for hpcrlhf eval"),
     (["checkpoints=all"], "checkpoints: 'all' is invalid: checkpoints are a run's: name the run folder with --run"),
-    (["run=r", "checkpoints=10,all"], "checkpoints: '10,all' is invalid: use one of latest, all, best, model"),
+    (["run=r", "checkpoints=10,last"], "checkpoints: '10,last' is invalid: use latest, all, best, model or steps"),
     (["datasets=[{path: a.jsonl}, {path: b/a.jsonl}]"], "datasets[0].name: 'a' is invalid: two datasets have this name"),
     (["eval.samples_per_prompt=2", "eval.pass_k=[3]"], "eval.pass_k: [3] is invalid: each k must be 1..eval.samples_per_prompt"),
 ])

@@ -81,7 +81,7 @@ def add_eval_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--run", "-r", type=path_text, metavar="RUN",
                    help="a run folder: its checkpoints are evaluated with its settings (same as --set run=RUN)")
     p.add_argument("--checkpoints", metavar="SPEC",
-                   help="with --run: latest (default), all, best, model, or a comma list of steps and best/model")
+                   help="with --run: latest (default), all, best, model or a step, alone or in a comma list (100,200,model)")
     p.add_argument("--output-dir", "-o", type=path_text, metavar="DIR",
                    help="where the results and answers go (default: RUN/eval, or runs/eval)")
 

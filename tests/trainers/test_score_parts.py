@@ -81,7 +81,7 @@ def trainer(overlap: bool):
 @pytest.mark.parametrize("overlap", [True, False])
 def test_groups_scored_as_they_arrive_give_the_rollout_of_the_whole_batch(overlap):
     t, batch = trainer(overlap), launched()
-    t.run.timings = {}
+    t.run.timings, t.run.watchdog = {}, None  # a bare Run: its timings, no watchdog
     rollout, total = OnlineTrainer._score_parts(t, batch)
     # prompt-major, a prompt's samples together, whatever order the groups came in
     assert [r.prompt for r in rollout.responses] == [f"p{p}" for p in range(6) for _ in range(2)]

@@ -68,8 +68,8 @@ class EvalJobConfig:
     overridable), and `checkpoints` picks which of its models are evaluated."""
     checkpoints: str = "latest"
     """With `run`: `latest` (its latest intact checkpoint), `all` (every complete one), `best`
-    (best/ of eval.keep_best), `model` (model/, the final export), or a comma list of steps and of
-    best/model, e.g. `100,200,model`."""
+    (best/ of eval.keep_best), `model` (model/, the final export) or a step, alone or in a comma list,
+    e.g. `100,200,model` or `latest,best`."""
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     """The run's LoRA settings (from its config.yaml): a checkpoint's adapters are merged into the model
     (at full precision, QLoRA's too)."""
@@ -99,10 +99,9 @@ class EvalJobConfig:
 
     def __post_init__(self) -> None:
         require(re.fullmatch(r"[A-Za-z0-9_]+(,[A-Za-z0-9_]+)*", self.checkpoints or "") is not None
-                and all(p in CHECKPOINT_CHOICES or p.isdigit() for p in self.checkpoints.split(","))
-                and ("," not in self.checkpoints or not {"latest", "all"} & set(self.checkpoints.split(","))),
+                and all(p in CHECKPOINT_CHOICES or p.isdigit() for p in self.checkpoints.split(",")),
                 "checkpoints", self.checkpoints,
-                f"use one of {', '.join(CHECKPOINT_CHOICES)}, or a comma list of steps and best/model (e.g. 100,200,model)")
+                f"use {', '.join(CHECKPOINT_CHOICES)} or steps, alone or in a comma list (e.g. 100,200,model)")
         require(self.run is not None or self.checkpoints == "latest", "checkpoints", self.checkpoints,
                 "checkpoints are a run's: name the run folder with --run (or evaluate a model folder with --model alone)")
         default_eval = EvalConfig()
