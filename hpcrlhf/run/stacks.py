@@ -13,7 +13,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from hpcrlhf.run.files import make_folders
+from hpcrlhf.run.files import make_folders, replacing
 
 PY_SPY_TIMEOUT_S = 20.0
 """How long `py_spy` waits for py-spy's answer."""
@@ -22,8 +22,8 @@ PY_SPY_TIMEOUT_S = 20.0
 def dump_stacks(path: Path) -> Path:
     """Write the stacks of every thread of this process into `path` (its folder made); returns `path`."""
     make_folders(path.parent, "the watchdog's stacks folder")
-    with open(path, "w") as f:
-        f.write(f"# Python stacks of every thread of process {os.getpid()}, most recent call first\n")
+    with replacing(path) as f:  # a new file renamed into place: never written through a link
+        f.write(f"# Python stacks of every thread of process {os.getpid()}, most recent call first\n".encode())
         f.flush()
         faulthandler.dump_traceback(f, all_threads=True)
     return path
