@@ -57,7 +57,7 @@ def full_sft_run(tmp_path_factory):
 
     def build(folder):
         run_cli(["train", "sft", "-o", str(folder / "run"), "--set", "train.epochs=2", "--set", "eval.every_steps=50",
-                 "--set", "eval.stop_when=eval/task_score>=0.97", "--set", "log.tensorboard=true"])
+                 "--set", "eval.stop_when=eval/task_score>=0.97", "--set", "log.backends=[tensorboard]"])
         return str(folder / "run")
 
     return Path(once_per_run(tmp_path_factory, "sft_full", build))
@@ -74,7 +74,7 @@ def early_stopped_sft(tmp_path_factory, name: str, overrides: tuple[str, ...], b
 
     def build(folder):
         out = folder / "run"
-        run_cli(TrainJob("sft", None, (*overrides, "log.tensorboard=false"), str(out)).argv())
+        run_cli(TrainJob("sft", None, (*overrides, "log.backends=[]"), str(out)).argv())
         summary = json.loads((out / "summary.json").read_text())
         assert summary.get("stopped_early") and summary["after"]["eval/task_score"] < below, summary
         return str(out / "model")

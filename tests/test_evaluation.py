@@ -26,7 +26,7 @@ from tests.trainers.test_own_task import own_data, user_env
 
 STEPS = ["--set", "train.max_steps=30", "--set", "train.global_batch_size=32", "--set", "train.micro_batch_size=16",
          "--set", "checkpoint.every_steps=10", "--set", "checkpoint.keep_last=3", "--set", "eval.every_steps=10",
-         "--set", "eval.score_prompts=32", "--set", "task.eval_size=64", "--set", "log.tensorboard=false",
+         "--set", "eval.score_prompts=32", "--set", "task.eval_size=64", "--set", "log.backends=[]",
          "--set", "log.progress=false"]
 SAMPLED = ["--set", "eval.samples_per_prompt=4", "--set", "eval.batch_size=8"]
 

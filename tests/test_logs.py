@@ -11,7 +11,7 @@ from pathlib import Path
 from hpcrlhf.logs import THIRD_PARTY_LOG
 from tests.launch_helpers import foreign_lines, run_cli
 
-ONE_STEP = ["--set", "train.max_steps=1", "--set", "eval.every_steps=0", "--set", "log.tensorboard=false",
+ONE_STEP = ["--set", "train.max_steps=1", "--set", "eval.every_steps=0", "--set", "log.backends=[]",
             "--set", "checkpoint.save_model=false", "--set", "checkpoint.at_end=false"]
 QUICK_SFT = [*ONE_STEP, "--set", "train.global_batch_size=4", "--set", "train.micro_batch_size=4",
              "--set", "task.eval_size=8", "--set", "eval.score_prompts=2", "--set", "eval.max_new_tokens=2"]

@@ -142,7 +142,7 @@ class Suite:
             f"rollout.max_new_tokens={self.response_tokens}", f"rollout.min_new_tokens={self.response_tokens}",
             f"train.global_batch_size={self.train_batch}", f"train.max_steps={self.warmup_steps + self.steps}",
             f"engine.precision={self.precision}", f"engine.gradient_checkpointing={str(self.gradient_checkpointing).lower()}",
-            "eval.every_steps=0", "eval.score_prompts=0", "log.every_steps=1", "log.tensorboard=false",
+            "eval.every_steps=0", "eval.score_prompts=0", "log.every_steps=1", "log.backends=[]",
             "log.progress=false", "checkpoint.save_model=false", "checkpoint.at_end=false", *DSCHAT_PPO, *self.extra,
         ]
 

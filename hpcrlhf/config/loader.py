@@ -206,6 +206,10 @@ def _section(cls: type, mapping: Mapping[Any, Any], src: str, line: int | None, 
     for key, value in mapping.items():
         if key not in names:
             where = f"section {dotted(path)!r}" if path else "the top level"
+            moved = getattr(cls, "MOVED", {}).get(key)
+            if moved:
+                raise ConfigError(f"{_where(src, key_lines.get(key, line))}: {clip(repr(brief(key)))} in {where} is no "
+                                  f"longer a setting: {moved}")
             valid = ", ".join(sorted(names)) or "(none)"
             shown = clip(repr(brief(key)))
             raise ConfigError(f"{_where(src, key_lines.get(key, line))}: unknown key {shown} in {where}; "

@@ -77,6 +77,25 @@ def check_user_code(cfg: object, python: str, container: str | None) -> list[str
     return []
 
 
+def check_trackers(cfg: object, python: str, container: str | None) -> list[str]:
+    """The packages of `log.backends` (W&B, MLflow), looked up as the job will when it runs this Python
+    outside a container; otherwise a note that the job checks them when it starts."""
+    from hpcrlhf.run.trackers import MODULES, require_installed  # only for a job that logs
+
+    backends = tuple(getattr(getattr(cfg, "log", None), "backends", ()))
+    if not [b for b in backends if b != "tensorboard"]:
+        return []
+    if container or python != sys.executable:
+        where = f"the image's {python}" if container else python
+        return [f"log.backends {list(backends)}: the packages ({', '.join(MODULES[b] for b in backends)}) are not "
+                f"looked up here: the job needs them in {where}"]
+    try:
+        require_installed(backends)
+    except ConfigError as e:
+        raise ConfigError(f"{e} (checked before queueing the job, with this Python)") from None
+    return []
+
+
 def container_binds(paths: Sequence[str], run_dir: str) -> tuple[list[str], list[str]]:
     """(folders to bind, notes): each path's folder -- the path itself when it is a folder here, else
     its parent (a file, or a path only the compute nodes have) -- unless the run folder (always bound)
@@ -159,6 +178,7 @@ def cluster_job(kind: str, recipe: str | None, overrides: Sequence[str], output_
     if cfg is not None:
         if kind != "eval":  # (an eval job checks its prompts against its models when it starts)
             require_generation_fits(cfg, kind)  # a model folder here is checked now
+        notes += check_trackers(cfg, options.python, options.container)
         # last: the user's code runs once everything else is known to be valid
         notes += check_user_code(cfg, options.python, options.container)
     return ClusterJob(argv, options, tuple(notes))

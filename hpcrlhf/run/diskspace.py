@@ -79,6 +79,10 @@ def is_out_of_space(error: BaseException, folder: Path) -> bool:
         return False
 
 
+RESUME_HINT = ": it resumes from its last intact checkpoint"
+"""What a run that ran out of space writing its metrics does when rerun."""
+
+
 @contextmanager
 def out_of_space_is_an_error(folder: Path, what: str, *, needs: int | None = None,
                              resume_hint: str = "") -> Iterator[None]:

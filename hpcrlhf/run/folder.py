@@ -32,6 +32,8 @@ from hpcrlhf.run.diskspace import DiskFull, folder_bytes, out_of_space_is_an_err
 from hpcrlhf.run.files import append, make_folders, path_problem, refuse, replace_file
 from hpcrlhf.run.lock import RunLock
 from hpcrlhf.run.metrics import MetricsWriter, read_metrics
+from hpcrlhf.run.trackers import LEDGER, Trackers, require_installed
+from hpcrlhf.run.versions import software_versions
 from hpcrlhf.run.signals import StopFlag, StopRequested
 from hpcrlhf.run.watchdog import Watchdog
 
@@ -41,7 +43,8 @@ log = get_logger()
 def environment_record(env: DistEnv) -> dict[str, Any]:
     """Where and with what this attempt of the run started (one line of environment.jsonl)."""
     return {"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "host": socket.gethostname(), "hpcrlhf": __version__,
-            "python": sys.executable, "torch": torch.__version__, "world_size": env.world_size,
+            "python": sys.executable, "torch": torch.__version__, "software": software_versions(),
+            "world_size": env.world_size,
             "container": os.environ.get("APPTAINER_CONTAINER"), "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
             "slurm_nodes": os.environ.get("SLURM_JOB_NODELIST"),
             "slurm_restart_count": int(os.environ.get("SLURM_RESTART_COUNT", 0))}
@@ -59,14 +62,14 @@ how often it evaluates, logs and checkpoints, how long the user's rules may take
 that change neither what is trained nor what is sampled. Any other change would resume one run with
 another's settings."""
 RUN_FILES = ("run.lock", "metrics.jsonl", "environment.jsonl", "config.yaml", "summary.json", "placement.json",
-             "reference_logps.pt", THIRD_PARTY_LOG)
+             "reference_logps.pt", THIRD_PARTY_LOG, LEDGER)
 """The files hpcrlhf writes at the top of a run folder (reference_logps.pt: hpcrlhf.trainers.offline_policy;
-third_party.log: hpcrlhf.logs)."""
+third_party.log: hpcrlhf.logs; trackers.json: hpcrlhf.run.trackers)."""
 IN_PLACE_FILES = ("run.lock", "metrics.jsonl", "environment.jsonl", THIRD_PARTY_LOG)
 """Those written in place (appended to, or rewritten through the lock's descriptor), not replaced."""
-RUN_FOLDERS = ("checkpoints", "model", "best", "tensorboard", "rounds", "watchdog")
+RUN_FOLDERS = ("checkpoints", "model", "best", "tensorboard", "wandb", "mlruns", "rounds", "watchdog")
 """The folders it writes there (rounds/: hpcrlhf.trainers.rs; best/: eval.keep_best; watchdog/: the stacks
-of a hang, hpcrlhf.run.watchdog)."""
+of a hang, hpcrlhf.run.watchdog; tensorboard/, wandb/, mlruns/: log.backends, hpcrlhf.run.trackers)."""
 IGNORED_CHANGES = ("output_dir", "checkpoint.resume")
 """Settings of the attempt, not of the run: where the folder is named from, and whether to resume."""
 
@@ -129,19 +132,38 @@ class Run:
         self.resume_from = Path(resume_from) if resume_from else None
         self.finished: dict[str, Any] | None = finished
         """The summary of a run this folder holds that is done (`summary.json`), else None."""
-        self.metrics = MetricsWriter(self.dir, enabled=env.is_main, tensorboard=cfg.log.tensorboard)
+        self.metrics = MetricsWriter(self.dir, enabled=env.is_main, trackers=self._open_trackers())
         self.stop = StopFlag().install()
         self.timings: dict[str, float] = {}
         self.progress: Progress | None = None
+        self.ended: str | None = None
+        """How this attempt ended, once `finish` has run."""
         w = cfg.watchdog
         on_ray = getattr(getattr(cfg, "placement", None), "runtime", "local") == "ray"
         self.watchdog = Watchdog(w, self.dir / "watchdog").start() if w.enabled and not on_ray else None
         """Deadlines of this process's waits: every `timed` phase (and each `watched` one). Not yet on Ray,
         whose driver must name and stop the stuck workers itself (docs/design/eval-tracking-watchdog.md)."""
 
+    def _open_trackers(self) -> Trackers | None:
+        """The main rank's trackers (log.backends), each continuing the run's tracked run; a tracker that
+        cannot start fails every rank alike."""
+        outcome: tuple[HpcrlhfError | None, Trackers | None] = (None, None)
+        if self.env.is_main and self.cfg.log.backends:
+            try:
+                outcome = (None, Trackers(self.cfg, self.dir))
+            except HpcrlhfError as e:
+                outcome = (e, None)
+        error = broadcast_object(outcome[0])
+        if error is not None:
+            if self.lock is not None:
+                self.lock.release()
+            raise error
+        return outcome[1]
+
     def _prepare(self) -> tuple[str | None, dict[str, Any] | None]:
         """Main rank: everything `Run` checks before writing; returns the checkpoint to resume from and
         the summary of a finished run."""
+        require_installed(self.cfg.log.backends)
         if self.dir.exists() and not self.dir.is_dir():
             raise ConfigError(f"--output-dir {self.dir} is a file, not a folder: name a new or existing run folder")
         make_folders(self.dir, "--output-dir")
@@ -215,7 +237,7 @@ class Run:
         if not old:
             return
         stamp = time.strftime("%Y%m%d-%H%M%S")
-        aside = [name for name in ("metrics.jsonl", "tensorboard", "summary.json") if (self.dir / name).exists()]
+        aside = [name for name in ("metrics.jsonl", "tensorboard", "summary.json", LEDGER) if (self.dir / name).exists()]
         for name in aside:
             os.replace(self.dir / name, self.dir / f"{Path(name).stem}.before-{stamp}{Path(name).suffix}")
         log.warning(f"{self.dir} has metrics up to step {max(old)} but no checkpoint to resume from: training starts "
@@ -392,15 +414,27 @@ class Run:
             self.save_checkpoint(engine, step)
 
     def write_summary(self, summary: dict[str, Any]) -> None:
+        trackers = self.metrics.trackers
+        if trackers is not None and trackers.record():
+            summary = {**summary, "trackers": trackers.record()}
         if self.env.is_main:
             with out_of_space_is_an_error(self.dir, "summary.json"):
                 replace_file(self.dir / "summary.json", json.dumps(summary, indent=2) + "\n")
 
-    def finish(self) -> None:
+    def finish(self, ended: str = "done") -> None:
+        """The attempt ends (`ended`: done, stopped, hung, failed): the watchdog, the progress bar and the
+        trackers close (each says where its record is and how to see or upload it)."""
+        if self.ended:
+            return
+        self.ended = ended
         if self.watchdog is not None:
             self.watchdog.stop()
         if self.progress is not None:
             self.progress.close()
-        self.metrics.close()
+        trackers = self.metrics.trackers
+        notes = trackers.notes() if trackers is not None else []
+        self.metrics.close(ended)
+        for note in notes:
+            log.info(note)
         if self.lock is not None:
             self.lock.release()

@@ -1,4 +1,5 @@
-"""Metrics: `metrics.jsonl` (one JSON object per logged step, always with `step`) and TensorBoard.
+"""Metrics: `metrics.jsonl` (one JSON object per logged step, always with `step`), then the run's
+trackers (TensorBoard, W&B, MLflow: hpcrlhf.run.trackers).
 
 Keys are stable and namespaced (`train/loss`, `eval/task_score`, `timing/step`) so that runs,
 plots and benchmarks can be compared. Only rank 0 writes.
@@ -18,20 +19,18 @@ from typing import Any
 
 from hpcrlhf.errors import DataError
 from hpcrlhf.logs import get_logger
-from hpcrlhf.run.diskspace import out_of_space_is_an_error
-from hpcrlhf.run.files import append, require_safe
+from hpcrlhf.run.diskspace import RESUME_HINT, out_of_space_is_an_error
+from hpcrlhf.run.files import append
 
 
 class MetricsWriter:
-    def __init__(self, run_dir: Path, *, enabled: bool = True, tensorboard: bool = True):
+    """metrics.jsonl, then the run's trackers, if any (`hpcrlhf.run.trackers.Trackers`: TensorBoard, W&B,
+    MLflow; it reads metrics.jsonl, so it is given, not imported)."""
+
+    def __init__(self, run_dir: Path, *, enabled: bool = True, trackers: Any = None):
         self.enabled = enabled
         self.path = run_dir / "metrics.jsonl"
-        self._tb = None
-        if enabled and tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            require_safe(run_dir / "tensorboard", "folder")  # its writer follows links
-            self._tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+        self.trackers = trackers
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         if not self.enabled:
@@ -39,16 +38,12 @@ class MetricsWriter:
         record = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
         with out_of_space_is_an_error(self.path.parent, self.path.name, resume_hint=RESUME_HINT):
             append(self.path, (json.dumps(record) + "\n").encode())
-        if self._tb is not None:
-            with out_of_space_is_an_error(self.path.parent, "tensorboard/", resume_hint=RESUME_HINT):
-                for key, value in record.items():
-                    if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
-                        self._tb.add_scalar(key, value, step)
-                self._tb.flush()
+        if self.trackers is not None:
+            self.trackers.log(step, record)
 
-    def close(self) -> None:
-        if self._tb is not None:
-            self._tb.close()
+    def close(self, ended: str = "done") -> None:
+        if self.trackers is not None:
+            self.trackers.close(ended)
 
 
 def _plain(value: Any) -> Any:
@@ -57,9 +52,6 @@ def _plain(value: Any) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
         return str(value)  # JSON has no NaN/Inf; keep them visible instead of invalid output
     return value
-
-
-RESUME_HINT = ": it resumes from its last intact checkpoint"
 
 
 def read_metrics(run_dir: Path | str) -> list[dict[str, Any]]:

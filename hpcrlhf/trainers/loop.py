@@ -178,6 +178,9 @@ class TrainingLoop:
             return self._fit()
         except WaitExpired as e:
             self._hung(e.expiry)
+        except BaseException:
+            self.run.finish("failed")  # the trackers record the attempt as failed (a no-op when it ended already)
+            raise
 
     def _hung(self, expiry: Expiry) -> NoReturn:
         """A wait hung: checkpoint the steps done when nothing of the step was applied yet (the hung phase
@@ -191,7 +194,7 @@ class TrainingLoop:
                 done = f"; the checkpoint at step {step} failed too ({e})"
         elif step:
             done = f"; no checkpoint: {expiry.kind} may have applied part of step {step + 1}"
-        self.run.finish()
+        self.run.finish("hung")
         latest = self.run.checkpoints.latest()
         resume = f"from its checkpoint {latest.name}" if latest is not None else "from the start (no checkpoint)"
         raise Hung(f"{expiry.message()}{done}; rerun the same command to resume {resume}")
@@ -206,7 +209,7 @@ class TrainingLoop:
         if finished is not None:
             self._require_steps_left(finished["step"], "finished at")
             if run.resume_from is None:
-                run.finish()
+                run.finish("failed")
                 raise ConfigError(f"{self._length()}, but the run in {run.dir} finished at step {finished['step']} "
                                   "and keeps no checkpoint to train on from (checkpoint.at_end=false, or deleted): use "
                                   "a new --output-dir")
@@ -324,7 +327,7 @@ class TrainingLoop:
             log.info(f"stop requested{during}: checkpointed at step {step}; rerun the same command to resume")
         else:
             log.info(f"stop requested{during}: no step done, nothing to checkpoint; rerun the same command to start")
-        self.run.finish()
+        self.run.finish("stopped")
         return {"status": "stopped", "step": step}
 
     def _length(self) -> str:
@@ -337,7 +340,7 @@ class TrainingLoop:
         """A run folder already past this run's length: nothing to train, and finishing would export a model of
         more steps than asked for. A ConfigError names both numbers and the two ways on."""
         if step > self.plan.total_steps:
-            self.run.finish()
+            self.run.finish("failed")
             raise ConfigError(f"{self._length()}, but the run in {self.run.dir} {where} step {step}: nothing to train; "
                               f"raise train.max_steps above {step} to train on, or use a new --output-dir for a run "
                               f"of {self.plan.total_steps} steps")

@@ -30,7 +30,7 @@ def test_ray_ppo_runs_its_trajectories_beside_the_tp_2_engine_while_it_trains_an
              "--set", "train.global_batch_size=16", "--set", "train.micro_batch_size=8", "--set", "optim.lr=1e-4",
              "--set", "agent={environment: 'tests.agents.envs:Wordy', environment_args: {turns: 2}, max_turns: 3, "
                       "max_tokens: 48}", "--set", "reward.sources=[{env: true}]",
-             "--set", "log.tensorboard=false", "--set", "log.every_steps=1", "--set", f"data.eval_path={rows}",
+             "--set", "log.backends=[]", "--set", "log.every_steps=1", "--set", f"data.eval_path={rows}",
              "--set", "eval.score_prompts=4", "--set", "eval.every_steps=2", "--set", "eval.keep_best=eval/reward"],
             env={"RAY_ADDRESS": ray_cluster.address}, timeout=900)
     steps = [m for m in read_metrics(out) if "rollout/score" in m]

@@ -44,7 +44,7 @@ REQUEUED_AFTER = 9
 REFERENCE_STEPS = STEPS  # the colocated run: the reference for steps before and after the requeue (REQUEUED_AFTER)
 AHEAD_KEPT_AT = 10
 """The stale run checkpoints here: the rollout it generated ahead (step 11's) is kept in the checkpoint."""
-RUN = ["--set", "log.tensorboard=false", "--set", "eval.every_steps=0", "--set", "log.every_steps=1",
+RUN = ["--set", "log.backends=[]", "--set", "eval.every_steps=0", "--set", "log.every_steps=1",
        "--set", "task.eval_size=512", "--set", "eval.score_prompts=512", "--set", "rollout.prompts_per_step=32",
        "--set", "rollout.samples_per_prompt=4", "--set", "train.global_batch_size=64", "--set", f"train.max_steps={STEPS}"]
 SEPARATED, COLOCATED = "ppo-tiny-ray", "ppo-tiny-ray-colocated"

@@ -390,7 +390,7 @@ def host_network_run(tmp_path_factory) -> KilledRun:
         proc = subprocess.Popen(cli_command(["train", "ppo", "--config", "ppo-tiny-ray-colocated", "-o", str(out),
                                              "--set", "placement.local_network=host", "--set", "train.max_steps=300",
                                              "--set", "eval.every_steps=0", "--set", "log.every_steps=1",
-                                             "--set", "log.tensorboard=false"]),
+                                             "--set", "log.backends=[]"]),
                                 cwd=ROOT, env=cli_env(HPCRLHF_TEST_RUN=tag), stdout=sink, stderr=subprocess.STDOUT,
                                 start_new_session=True)
     try:

@@ -15,7 +15,7 @@ from hpcrlhf.run.metrics import read_metrics
 from tests.launch_helpers import run_cli
 
 QUICK = ["--set", "train.max_steps=2", "--set", "train.global_batch_size=4", "--set", "train.micro_batch_size=4",
-         "--set", "eval.max_new_tokens=2", "--set", "log.tensorboard=false", "--set", "log.progress=false",
+         "--set", "eval.max_new_tokens=2", "--set", "log.backends=[]", "--set", "log.progress=false",
          "--set", "checkpoint.save_model=false"]
 
 LONG_PROMPT = "Say the word {w} and nothing else, please:"

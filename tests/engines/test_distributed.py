@@ -17,7 +17,7 @@ import torch.distributed as dist
 from hpcrlhf.cli import main
 code = main(["train", "sft", "-o", sys.argv[1], "--set", "train.max_steps=1", "--set", "eval.every_steps=0",
              "--set", "eval.score_prompts=0", "--set", "task.train_size=64", "--set", "task.eval_size=8",
-             "--set", "log.tensorboard=false", "--set", "checkpoint.save_model=false"])
+             "--set", "log.backends=[]", "--set", "checkpoint.save_model=false"])
 print("exit", code, "group left", dist.is_initialized())
 """
 

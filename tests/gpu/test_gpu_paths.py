@@ -18,7 +18,7 @@ from hpcrlhf.run.metrics import read_metrics
 from tests.launch_helpers import run_cli
 
 SFT = ["--set", "train.global_batch_size=64", "--set", "train.micro_batch_size=64", "--set", "log.every_steps=1",
-       "--set", "eval.score_prompts=64", "--set", "task.eval_size=128", "--set", "log.tensorboard=false"]
+       "--set", "eval.score_prompts=64", "--set", "task.eval_size=128", "--set", "log.backends=[]"]
 
 
 def needs(module: str, why: str):
@@ -56,7 +56,7 @@ def test_bf16_ppo_with_a_critic_raises_the_task_score_on_the_gpu(policy_model, t
     out = tmp_path / "ppo"
     proc = run_cli(["train", "ppo", "-o", str(out), "--set", f"model.path={policy_model}", "--set", "train.max_steps=60",
                     "--set", "engine.precision=bf16", "--set", "rollout.samples_per_prompt=4",
-                    "--set", "log.tensorboard=false", "--set", "eval.every_steps=0", "--set", "log.every_steps=1",
+                    "--set", "log.backends=[]", "--set", "eval.every_steps=0", "--set", "log.every_steps=1",
                     "--set", "task.eval_size=512", "--set", "eval.score_prompts=512",
                     "--set", "rollout.prompts_per_step=32", "--set", "train.global_batch_size=64",
                     "--set", "train.micro_batch_size=64"])
@@ -159,7 +159,7 @@ def vllm_ppo(policy_model, out, *overrides: str) -> tuple[list[dict], dict, str]
     by the weight sync: (per-step rows, summary, stderr)."""
     proc = run_cli(["train", "ppo", "-o", str(out), "--set", f"model.path={policy_model}", "--set", "train.max_steps=30",
                     "--set", "rollout.backend=vllm", "--set", "engine.zero_stage=2", "--set", "rollout.samples_per_prompt=4",
-                    "--set", "log.tensorboard=false", "--set", "eval.every_steps=0", "--set", "log.every_steps=1",
+                    "--set", "log.backends=[]", "--set", "eval.every_steps=0", "--set", "log.every_steps=1",
                     "--set", "task.eval_size=256", "--set", "eval.score_prompts=256",
                     "--set", "rollout.prompts_per_step=32", "--set", "train.global_batch_size=64",
                     "--set", "train.micro_batch_size=64", *overrides])

@@ -13,7 +13,7 @@ from tests.launch_helpers import run_cli
 
 SFT = ["--set", "train.max_steps=60", "--set", "train.global_batch_size=32", "--set", "train.micro_batch_size=16",
        "--set", "log.every_steps=5", "--set", "eval.every_steps=0", "--set", "eval.score_prompts=32",
-       "--set", "task.eval_size=64", "--set", "task.train_size=4000", "--set", "log.tensorboard=false",
+       "--set", "task.eval_size=64", "--set", "task.train_size=4000", "--set", "log.backends=[]",
        "--set", "log.progress=false"]
 
 

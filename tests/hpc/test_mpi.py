@@ -17,7 +17,7 @@ from tests.launch_helpers import ROOT, cli_env, run_cli
 
 SHORT = ["--set", "train.max_steps=12", "--set", "train.global_batch_size=32", "--set", "train.micro_batch_size=16",
          "--set", "log.every_steps=1", "--set", "eval.every_steps=0", "--set", "eval.score_prompts=32",
-         "--set", "task.eval_size=64", "--set", "task.train_size=2000", "--set", "log.tensorboard=false"]
+         "--set", "task.eval_size=64", "--set", "task.train_size=2000", "--set", "log.backends=[]"]
 
 
 @pytest.mark.parametrize("hosts, expected", [

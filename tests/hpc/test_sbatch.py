@@ -416,6 +416,25 @@ def test_importable_rules_pass_and_a_container_job_notes_where_they_are_checked(
                in note for note in job.notes)
 
 
+def test_a_tracker_package_missing_here_fails_before_queueing_and_a_container_job_notes_it(tmp_path, monkeypatch,
+                                                                                            capsys):
+    import hpcrlhf.run.trackers as trackers
+
+    monkeypatch.setitem(trackers.MODULES, "wandb", "hpcrlhf_no_such_module")  # as if wandb were not installed
+    script, run = tmp_path / "job.sbatch", tmp_path / "run"
+    status = main(["sbatch", "--kind", "sft", "--set", "log.backends=[tensorboard,wandb]", "-o", str(run),
+                   "--script", str(script)])
+    err = capsys.readouterr().err
+    assert status == 2 and not script.exists() and not run.exists(), err
+    assert "log.backends: 'wandb' needs the hpcrlhf_no_such_module package" in err and "hpcrlhf[track]" in err, err
+    assert "(checked before queueing the job, with this Python)" in err
+    job = cluster_job("sft", None, ["log.backends=[wandb]"], "/shared/runs/x", **CONTAINER)
+    assert any("log.backends ['wandb']: the packages (hpcrlhf_no_such_module) are not looked up here: the job needs "
+               "them in the image's python" in note for note in job.notes), job.notes
+    assert cluster_job("sft", None, ["log.backends=[tensorboard]"], "/shared/runs/x", **CONTAINER).notes == \
+        cluster_job("sft", None, [], "/shared/runs/x", **CONTAINER).notes
+
+
 AGENT_CODE = {  # module body -> what the error says of it (the environment, tool or parser it names)
     "environment": (None, "agent.environment 'my_agent:Game' cannot be imported", "No module named 'my_agent'"),
     "raises": ("raise RuntimeError('needs the game server')\n", "agent.environment 'my_agent:Game' cannot be imported",

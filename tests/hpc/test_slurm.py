@@ -149,7 +149,7 @@ def test_a_submitted_job_that_lost_a_worker_requeues_itself_and_resumes(slurm_cl
     python.chmod(0o755)
     run = tmp_path / "run"
     out = run_cli(["submit", "--kind", "sft", "-o", str(run), "--python", str(python), "--time", "10", "--no-follow",
-                   "--set", "train.max_steps=6", "--set", "eval.every_steps=0", "--set", "log.tensorboard=false",
+                   "--set", "train.max_steps=6", "--set", "eval.every_steps=0", "--set", "log.backends=[]",
                    "--set", "log.progress=false", "--set", "task.train_size=512"],
                   env={"SLURM_CONF": str(slurm_cluster.conf)}).stdout
     job = int(re.search(r"submitted job (\d+)", out).group(1))

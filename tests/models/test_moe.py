@@ -52,7 +52,7 @@ def test_jobs_that_cannot_use_it_refuse_it():
         load_config(SFTConfig, overrides=["model.router_aux_loss_coef=-1"])
 
 
-QUICK = ["--set", "eval.every_steps=0", "--set", "log.tensorboard=false", "--set", "eval.score_prompts=8",
+QUICK = ["--set", "eval.every_steps=0", "--set", "log.backends=[]", "--set", "eval.score_prompts=8",
          "--set", "log.every_steps=1", "--set", "checkpoint.save_model=false"]
 
 

@@ -314,7 +314,7 @@ def test_ppo_with_the_rule_on_a_server_equals_the_rule_in_process(serve, tmp_pat
     common = ["--set", f"data.train_path={prompts}", "--set", f"data.eval_path={prompts}", "--set", "train.max_steps=2",
               "--set", "rollout.prompts_per_step=4", "--set", "rollout.samples_per_prompt=2", "--set",
               "rollout.max_new_tokens=3", "--set", "eval.max_new_tokens=3", "--set", "ppo.advantage_estimator=grpo",
-              "--set", "eval.every_steps=0", "--set", "log.tensorboard=false", "--set", "log.every_steps=1",
+              "--set", "eval.every_steps=0", "--set", "log.backends=[]", "--set", "log.every_steps=1",
               "--set", "checkpoint.save_model=false", "--set", "optim.lr=1e-3"]
     local, remote = tmp_path / "local", tmp_path / "remote"
     run_cli(["train", "ppo", "-o", str(local), "--set", "reward.sources=[{rule: 'serverrules:short'}]", *common],

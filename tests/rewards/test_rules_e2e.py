@@ -35,7 +35,7 @@ PROGRAMS = [  # (prompt, program, tests)
      "def square(x):\n    return x * x",
      ["assert square(3) == 9", "assert square(-2) == 4"]),
 ]
-QUIET = ["--set", "log.tensorboard=false", "--set", "log.progress=false", "--set", "log.every_steps=1"]
+QUIET = ["--set", "log.backends=[]", "--set", "log.progress=false", "--set", "log.every_steps=1"]
 
 
 def place_value_row(rng: random.Random, noisy: bool) -> dict:

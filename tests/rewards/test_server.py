@@ -204,7 +204,7 @@ def test_ppo_with_its_reward_model_served_equals_the_reward_model_in_the_job(tin
     common = ["--set", f"model.path={tiny_llama}", "--set", "train.max_steps=2", "--set", "rollout.prompts_per_step=4",
               "--set", "rollout.samples_per_prompt=2", "--set", "rollout.max_new_tokens=4", "--set", "eval.max_new_tokens=4",
               "--set", "ppo.advantage_estimator=grpo", "--set", "eval.every_steps=0", "--set", "eval.score_prompts=8",
-              "--set", "log.tensorboard=false", "--set", "log.every_steps=1", "--set", "checkpoint.save_model=false",
+              "--set", "log.backends=[]", "--set", "log.every_steps=1", "--set", "checkpoint.save_model=false",
               "--set", "optim.lr=1e-3"]
     try:
         run_cli(["train", "ppo", "-o", str(tmp_path / "served"), "--set",

@@ -154,7 +154,7 @@ def test_cli_resume_past_garbage_latest_and_a_truncated_shard_without_manifest(t
     out = tmp_path / "run"
     args = ["train", "sft", "-o", str(out), "--set", "train.global_batch_size=16", "--set", "train.micro_batch_size=16",
             "--set", "checkpoint.every_steps=2", "--set", "checkpoint.keep_last=3", "--set", "eval.every_steps=0",
-            "--set", "log.tensorboard=false"]
+            "--set", "log.backends=[]"]
     run_cli([*args, "--set", "train.max_steps=4"], timeout=300)
     newest = out / "checkpoints" / "step_000004"
     (newest / MANIFEST).unlink()
@@ -210,7 +210,7 @@ def test_a_checkpoint_whose_first_step_is_nonfinite_is_damaged_and_the_previous_
     out = tmp_path / "run"
     args = ["train", "sft", "-o", str(out), "--set", "train.global_batch_size=16", "--set", "train.micro_batch_size=16",
             "--set", "checkpoint.every_steps=1", "--set", "checkpoint.keep_last=3", "--set", "eval.every_steps=0",
-            "--set", "log.every_steps=1", "--set", "log.tensorboard=false", "--set", "task.eval_size=16",
+            "--set", "log.every_steps=1", "--set", "log.backends=[]", "--set", "task.eval_size=16",
             "--set", "eval.score_prompts=8", "--set", "checkpoint.save_model=false",
             "--set", f"train.on_nonfinite={policy}"]
     run_cli([*args, "--set", "train.max_steps=2"], timeout=300)

@@ -25,7 +25,7 @@ from hpcrlhf.run.folder import config_changes, is_safe_change
 from hpcrlhf.run.lock import LOCK_NAME, STALE_S, Owner, read_owner, takeover_reason
 from tests.launch_helpers import ROOT, cli_command, cli_env, run_cli
 
-QUICK = ["--set", "eval.every_steps=0", "--set", "log.tensorboard=false", "--set", "eval.score_prompts=8",
+QUICK = ["--set", "eval.every_steps=0", "--set", "log.backends=[]", "--set", "eval.score_prompts=8",
          "--set", "checkpoint.every_steps=2"]
 
 
@@ -345,7 +345,7 @@ def test_a_metrics_write_that_runs_out_of_space_leaves_no_torn_line(tmpfs):
     from hpcrlhf.run.diskspace import DiskFull
     from hpcrlhf.run.metrics import MetricsWriter
 
-    writer = MetricsWriter(tmpfs, tensorboard=False)
+    writer = MetricsWriter(tmpfs)
     writer.log(1, {"train/loss": 1.0})
     free = os.statvfs(tmpfs).f_bavail * os.statvfs(tmpfs).f_frsize
     (tmpfs / "filler").write_bytes(b"\0" * (free - 100))

@@ -17,7 +17,7 @@ from hpcrlhf.run.metrics import read_metrics
 from hpcrlhf.run.guard import NonFiniteGuard, SkipStep, describe_nonfinite
 from tests.launch_helpers import ROOT, cli_env, run_cli
 
-QUIET = ["--set", "eval.every_steps=0", "--set", "log.every_steps=1", "--set", "log.tensorboard=false",
+QUIET = ["--set", "eval.every_steps=0", "--set", "log.every_steps=1", "--set", "log.backends=[]",
          "--set", "task.eval_size=64", "--set", "eval.score_prompts=16"]
 
 

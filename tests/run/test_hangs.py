@@ -18,7 +18,7 @@ WATCH = ["--set", "watchdog.floor_s=3", "--set", "watchdog.factor=2", "--set", "
 PPO = ["--set", "train.max_steps=4", "--set", "rollout.prompts_per_step=8", "--set", "rollout.samples_per_prompt=2",
        "--set", "train.global_batch_size=16", "--set", "train.micro_batch_size=16", "--set", "ppo.advantage_estimator=grpo",
        "--set", "eval.every_steps=0", "--set", "eval.score_prompts=8", "--set", "log.every_steps=1",
-       "--set", "log.tensorboard=false", "--set", "checkpoint.every_steps=1", "--set", "checkpoint.keep_last=5"]
+       "--set", "log.backends=[]", "--set", "checkpoint.every_steps=1", "--set", "checkpoint.keep_last=5"]
 
 
 def hang(method: str, call: int, args: list[str]) -> tuple[subprocess.CompletedProcess, float]:
@@ -52,7 +52,7 @@ def test_a_hang_in_the_update_ends_with_4_and_no_checkpoint_of_it(tmp_path):
     out = tmp_path / "run"
     args = ["train", "sft", "-o", str(out), "--set", "train.max_steps=6", "--set", "train.global_batch_size=8",
             "--set", "train.micro_batch_size=8", "--set", "task.train_size=64", "--set", "task.eval_size=8",
-            "--set", "eval.every_steps=0", "--set", "log.tensorboard=false", "--set", "checkpoint.every_steps=2", *WATCH]
+            "--set", "eval.every_steps=0", "--set", "log.backends=[]", "--set", "checkpoint.every_steps=2", *WATCH]
     proc, _ = hang("train_step", 4, args)
     assert proc.returncode == 4, proc.stderr[-4000:]
     error = proc.stderr.strip().splitlines()[-1]

@@ -52,7 +52,7 @@ def test_an_ignored_sigint_stays_ignored(handlers):
 # training is out): steps of 512 samples take ~1 s here, the window for a second press. (A press
 # during a generation, such as that evaluation's, stops it at once: the last test.)
 ARGS = ["--set", "train.global_batch_size=512", "--set", "train.micro_batch_size=512", "--set", "task.eval_size=16",
-        "--set", "eval.score_prompts=16", "--set", "eval.every_steps=0", "--set", "log.tensorboard=false",
+        "--set", "eval.score_prompts=16", "--set", "eval.every_steps=0", "--set", "log.backends=[]",
         "--set", "train.max_steps=4"]
 
 
@@ -133,7 +133,7 @@ def test_a_stop_signal_during_a_long_generation_drops_the_step_at_once(tmp_path)
                                          "--set", "rollout.min_new_tokens=440", "--set", "ppo.advantage_estimator=grpo",
                                          "--set", "checkpoint.every_steps=1",
                                          "--set", "eval.score_prompts=4", "--set", "task.eval_size=4", "--set",
-                                         "log.every_steps=1", "--set", "log.tensorboard=false"]),
+                                         "log.every_steps=1", "--set", "log.backends=[]"]),
                             cwd=ROOT, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 300
@@ -160,7 +160,7 @@ def test_a_stop_signal_during_a_long_generation_drops_the_step_at_once(tmp_path)
 # EngineDeadError, exit 1, without a checkpoint). A driver killed outright (kill -9) takes its engine along.
 VLLM = ["--set", "rollout.backend=vllm", "--set", "rollout.vllm_kv_cache_gb=0.25", "--set", "rollout.prompts_per_step=8",
         "--set", "train.global_batch_size=16", "--set", "train.micro_batch_size=8", "--set", "eval.score_prompts=16",
-        "--set", "eval.every_steps=0", "--set", "log.tensorboard=false", "--set", "log.every_steps=1",
+        "--set", "eval.every_steps=0", "--set", "log.backends=[]", "--set", "log.every_steps=1",
         "--set", "train.max_steps=40"]
 
 

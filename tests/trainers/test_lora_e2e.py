@@ -11,7 +11,7 @@ import torch
 
 from tests.launch_helpers import run_cli
 
-LORA = ["--set", "lora.rank=8", "--set", "lora.alpha=16", "--set", "log.tensorboard=false"]
+LORA = ["--set", "lora.rank=8", "--set", "lora.alpha=16", "--set", "log.backends=[]"]
 
 
 @pytest.mark.slow

@@ -26,7 +26,7 @@ def short(prompt, response, row):
     return -float(len(response))
 '''
 
-QUICK = ["--set", "log.tensorboard=false", "--set", "log.progress=false", "--set", "checkpoint.save_model=false"]
+QUICK = ["--set", "log.backends=[]", "--set", "log.progress=false", "--set", "checkpoint.save_model=false"]
 SFT = [*QUICK, "--set", "train.max_steps=4", "--set", "train.global_batch_size=4", "--set", "train.micro_batch_size=4",
        "--set", "eval.max_new_tokens=3"]
 PPO = [*QUICK, "--set", "train.max_steps=1", "--set", "rollout.prompts_per_step=4", "--set", "rollout.samples_per_prompt=2",

@@ -60,7 +60,7 @@ def test_own_task_sft_then_grpo_with_vllm_improves_the_users_metric(tmp_path):
     assert len(load_tokenizer(str(build_tiny_model_dir("qwen2")))(first)["input_ids"]) >= 64
     env = {"PYTHONPATH": str(tmp_path)}
     data = ["--set", f"data.train_path={train}", "--set", f"data.eval_path={evals}",
-            "--set", "eval.metrics=[copytask:exact]", "--set", "eval.max_new_tokens=4", "--set", "log.tensorboard=false"]
+            "--set", "eval.metrics=[copytask:exact]", "--set", "eval.max_new_tokens=4", "--set", "log.backends=[]"]
 
     sft = tmp_path / "sft"
     run_cli(["train", "sft", "-o", str(sft), "--set", "model.path=builtin:tiny-qwen2", *data,

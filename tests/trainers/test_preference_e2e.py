@@ -12,7 +12,7 @@ import torch
 from hpcrlhf.run.metrics import read_metrics
 from tests.launch_helpers import run_cli
 
-QUIET = ["--set", "log.tensorboard=false", "--set", "eval.every_steps=0"]
+QUIET = ["--set", "log.backends=[]", "--set", "eval.every_steps=0"]
 LEARN = [*QUIET, "--set", "train.max_steps=300", "--set", "task.train_size=9600"]
 SHORT = [*QUIET, "--set", "train.max_steps=6", "--set", "train.global_batch_size=16", "--set", "train.micro_batch_size=4",
          "--set", "log.every_steps=1", "--set", "task.train_size=256", "--set", "task.eval_size=32",

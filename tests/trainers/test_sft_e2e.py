@@ -20,7 +20,7 @@ from tests.launch_helpers import ROOT, cli_command, cli_env, run_cli, stop_after
 # A short, fully logged run: 24 steps, 2 micro-batches of 16 per step on one rank.
 SHORT = ["--set", "train.max_steps=24", "--set", "train.global_batch_size=32", "--set", "train.micro_batch_size=16",
          "--set", "log.every_steps=1", "--set", "eval.every_steps=12", "--set", "eval.score_prompts=32",
-         "--set", "task.eval_size=64", "--set", "task.train_size=2000", "--set", "log.tensorboard=false"]
+         "--set", "task.eval_size=64", "--set", "task.train_size=2000", "--set", "log.backends=[]"]
 
 
 def losses(run_dir) -> dict[int, float]:

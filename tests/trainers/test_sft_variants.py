@@ -17,7 +17,7 @@ from hpcrlhf.trainers.sft import run_sft
 
 QUICK = ["train.max_steps=12", "train.global_batch_size=16", "train.micro_batch_size=8", "log.every_steps=1",
          "eval.every_steps=0", "eval.score_prompts=16", "task.eval_size=32", "task.train_size=512",
-         "log.tensorboard=false", "log.progress=false", "checkpoint.save_model=false", "optim.lr=3e-3"]
+         "log.backends=[]", "log.progress=false", "checkpoint.save_model=false", "optim.lr=3e-3"]
 
 
 def train(tmp_path, *extra: str) -> list[float]:

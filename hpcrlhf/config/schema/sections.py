@@ -438,12 +438,56 @@ class WatchdogConfig:
                 f"{self.factor:g} x median {median:.1f} s of the last {len(recent)} + {self.floor_s:g} s floor")
 
 
+TRACKERS = ("tensorboard", "wandb", "mlflow")
+"""What `log.backends` may name (hpcrlhf.run.trackers)."""
+
+
+@dataclass(frozen=True)
+class WandbConfig:
+    """Weights & Biases (`log.backends: [wandb]`; docs/tracking.md)."""
+
+    project: str = "hpcrlhf"
+    """The W&B project."""
+    entity: str | None = None
+    """The W&B team or user (None: your default entity)."""
+    name: str | None = None
+    """The run's display name (None: the run folder's name)."""
+    group: str | None = None
+    """A W&B group to put the run in."""
+    tags: tuple[str, ...] = ()
+    """W&B tags."""
+    mode: Literal["auto", "online", "offline"] = "auto"
+    """`offline`: write RUN/wandb/ only, upload later with the `wandb sync` line printed at the end (compute nodes
+    without network); `online`: log to the W&B server (fails at the start without credentials or network);
+    `auto`: WANDB_MODE when it says online or offline, else online when credentials (WANDB_API_KEY or ~/.netrc)
+    exist and the server answers within 3 s, else offline. The mode of a run's first attempt is kept for the
+    requeued and resumed ones."""
+
+
+@dataclass(frozen=True)
+class MLflowConfig:
+    """MLflow (`log.backends: [mlflow]`; docs/tracking.md)."""
+
+    tracking_uri: str | None = None
+    """Where runs go: None = a file store in the run folder (RUN/mlruns), or a URI: `file:/path`, `http(s)://host`
+    of a tracking server, `sqlite:///path.db` (needs the full `mlflow` package), `databricks`."""
+    experiment: str = "hpcrlhf"
+    """The MLflow experiment (created when missing)."""
+    run_name: str | None = None
+    """The run's name (None: the run folder's name)."""
+
+
 @dataclass(frozen=True)
 class LogConfig:
     every_steps: int = 10
     """Write train metrics every N optimizer steps."""
-    tensorboard: bool = True
-    """Also write TensorBoard event files into the run folder."""
+    backends: tuple[str, ...] = ("tensorboard",)
+    """Experiment trackers each metric also goes to, besides metrics.jsonl (always written): any of
+    `tensorboard` (RUN/tensorboard/), `wandb`, `mlflow` (`pip install 'hpcrlhf[track]'`); [] for none.
+    Only rank 0 logs; a requeued or resumed run continues the same tracked run (RUN/trackers.json) and sends
+    no step twice."""
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    mlflow: MLflowConfig = field(default_factory=MLflowConfig)
     progress: bool = True
     """Show a progress bar (rank 0) with rate and ETA."""
     third_party: Literal["file", "console"] = "file"
@@ -454,6 +498,15 @@ class LogConfig:
 
     def __post_init__(self) -> None:
         require(self.every_steps >= 1, "log.every_steps", self.every_steps, "use at least 1 (every step)")
+        for name in self.backends:
+            require(name in TRACKERS, "log.backends", list(self.backends),
+                    f"name only {', '.join(TRACKERS)} (unknown: {name!r}); [] logs to metrics.jsonl alone")
+        require(len(set(self.backends)) == len(self.backends), "log.backends", list(self.backends),
+                "name each tracker once")
+
+    MOVED: ClassVar[dict[str, str]] = {
+        "tensorboard": "log.backends lists the trackers: log.backends=[] for none, [tensorboard] (the default)"}
+    """Keys of earlier hpcrlhf versions -> what replaced them (the loader says so instead of 'unknown key')."""
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from tests.budget import long_only
 from tests.engines.test_rollout import agent_eos_prone, eos_prone
 from tests.launch_helpers import foreign_lines, run_cli, stop_after
 
-QUIET = ["--set", "log.tensorboard=false", "--set", "eval.every_steps=0", "--set", "log.every_steps=1"]
+QUIET = ["--set", "log.backends=[]", "--set", "eval.every_steps=0", "--set", "log.every_steps=1"]
 
 
 def train_rows(out) -> list[dict]:
@@ -32,7 +32,7 @@ def agent_policy(tmp_path_factory) -> str:
     40 % of them through the `multiply` tool. It calls the tool in about 40 % of its samples and
     mostly copies the result right; its greedy answers are direct guesses."""
     out = tmp_path_factory.mktemp("agent_sft") / "run"
-    run_cli(["train", "sft", "--config", "agent-tiny-sft", "-o", str(out), "--set", "log.tensorboard=false"], timeout=1200)
+    run_cli(["train", "sft", "--config", "agent-tiny-sft", "-o", str(out), "--set", "log.backends=[]"], timeout=1200)
     assert summary(out)["after"]["eval/loss"] < 0.3, summary(out)
     return str(out / "model")
 
@@ -49,7 +49,7 @@ def test_grpo_teaches_the_tiny_model_to_call_its_calculator(backend, agent_polic
     out = tmp_path / "run"
     proc = run_cli(["train", "ppo", "--config", "agent-tiny", "-o", str(out), "--set", f"model.path={agent_policy}",
                     "--set", f"rollout.backend={backend}", "--set", "train.max_steps=8", "--set", "eval.every_steps=0",
-                    "--set", "log.tensorboard=false"])
+                    "--set", "log.backends=[]"])
     before, after = summary(out)["before"], summary(out)["after"]
     assert before["eval/success"] <= 0.1 and before["eval/tool_calls"] < 0.5, before
     assert after["eval/success"] >= before["eval/success"] + 0.3 and after["eval/tool_calls"] > 0.5, after

@@ -14,7 +14,7 @@ from hpcrlhf.run.metrics import read_metrics
 from tests.budget import long_only
 from tests.launch_helpers import run_cli, stop_after
 
-QUIET = ["--set", "log.tensorboard=false", "--set", "eval.every_steps=0", "--set", "log.every_steps=1"]
+QUIET = ["--set", "log.backends=[]", "--set", "eval.every_steps=0", "--set", "log.every_steps=1"]
 RL = [*QUIET, "--set", "task.eval_size=512", "--set", "eval.score_prompts=512", "--set", "rollout.prompts_per_step=32", "--set", "train.global_batch_size=64",
       "--set", "train.micro_batch_size=64"]
 LEARN_STEPS = 15
