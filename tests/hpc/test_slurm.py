@@ -27,13 +27,17 @@ def test_two_nodes_with_their_own_names_addresses_and_gpus(slurm_cluster, tmp_pa
     assert lines == [f"0: n1 {node_address(1)} 0,1 0", f"1: n2 {node_address(2)} 0,1 1"]
 
 
+TRACKED = ["--set", "log.backends=[mlflow,wandb]", "--set", "log.wandb.mode=offline"]
+"""The requeued job also logs to MLflow and W&B (what it trains is the same: `log.` only)."""
+
+
 @pytest.fixture(scope="module")
 def sft_requeued(slurm_cluster, tmp_path_factory):
     """The rendered 2-node MPI SFT script stopped by the time-limit signal after step 20 (requeued by
     the script itself, resumed from its checkpoint), then, after step 40, its rank 1 SIGKILLed (a
     lost rank: requeued again, resumed from the same checkpoint)."""
     run = tmp_path_factory.mktemp("sft-requeued") / "run"
-    script = render(run, "--kind", "sft", "--launcher", "mpi", "--nodes", "2", "--gpus-per-node", "1", *SFT)
+    script = render(run, "--kind", "sft", "--launcher", "mpi", "--nodes", "2", "--gpus-per-node", "1", *SFT, *TRACKED)
     job = slurm_cluster.sbatch(script)
     wait_for_step(run, 20)
     slurm_cluster.run("scancel", "--batch", "--signal=USR1", str(job))  # what --signal=B:USR1@lead sends
@@ -42,6 +46,22 @@ def sft_requeued(slurm_cluster, tmp_path_factory):
     kill_task(job, 1)
     slurm_cluster.start_now(job)
     return run, slurm_cluster.wait(job, 900), job
+
+
+@pytest.mark.distributed
+def test_a_requeued_job_continues_one_tracked_run_and_sends_no_step_twice(sft_requeued):
+    from tests.run.test_trackers import mlflow_history, wandb_rows
+
+    run, state, job = sft_requeued
+    assert state == "COMPLETED", slurm_log(run, job)[-4000:]
+    ledger = json.loads((run / "trackers.json").read_text())
+    logged = mlflow_history(run, ledger)  # one MLflow run across the three attempts
+    want = [(m["step"], m["train/loss"]) for m in read_metrics(run) if "train/loss" in m]
+    assert logged["train/loss"] == [(s, pytest.approx(v, rel=1e-5)) for s, v in want]
+    fragments = wandb_rows(run, ledger["wandb"]["id"])
+    assert len(fragments) == 3, list((run / "wandb").iterdir())  # one offline fragment per attempt, one id
+    steps = [row["_step"] for fragment in fragments for row in fragment]
+    assert steps == sorted(set(steps)) and steps[-1] == 60, steps
 
 
 @pytest.mark.distributed
