@@ -29,7 +29,7 @@ import pytest
 
 from hpcrlhf.run.metrics import read_metrics
 from tests.cluster.stores import assert_stores_sealed_in_the_block, survey
-from tests.hpc.slurm_jobs import attempts, render, slurm_log, wait_for_step
+from tests.hpc.slurm_jobs import TRACKED, attempts, render, slurm_log, wait_for_step
 from tests.launch_helpers import ROOT, cli_command, cli_env, run_cli
 from tests.slurm_cluster import node_address
 from tests.test_rewards import _make_rm
@@ -66,7 +66,7 @@ def runs(ray_cluster, policy_model, tmp_path_factory, request) -> dict:
     run_cli(["train", "ppo", "--config", COLOCATED, "-o", str(folder), *served(COLOCATED, policy_model, rm),
              "--set", f"train.max_steps={REFERENCE_STEPS}"], env={"RAY_ADDRESS": ray_cluster.address}, timeout=1200)
     out[COLOCATED] = folder
-    args = served(SEPARATED, policy_model, rm)
+    args = served(SEPARATED, policy_model, rm) + TRACKED  # the Ray driver logs to MLflow and W&B too
     folder = tmp_path_factory.mktemp(SEPARATED) / "run"
     out[SEPARATED] = folder
     try:
@@ -238,6 +238,23 @@ def test_submitted_job_requeued_at_its_time_limit_resumes_without_losing_a_sampl
                                                                                 abs=1e-6)
     assert [r["train/value_loss"] for r in sep[:REFERENCE_STEPS]] == pytest.approx(
         [r["train/value_loss"] for r in col], abs=1e-6)
+
+
+def test_the_ray_driver_continues_one_tracked_run_across_the_requeue(runs):
+    """The separated run's MLflow run holds every number of its metrics.jsonl once; W&B wrote one offline
+    fragment per attempt, one run id."""
+    from tests.run.test_trackers import mlflow_history, wandb_rows
+
+    folder = runs[SEPARATED]
+    ledger = json.loads((folder / "trackers.json").read_text())
+    logged = mlflow_history(folder, ledger)
+    records = read_metrics(folder)
+    for key in ("rollout/score", "train/value_loss", "timing/step"):
+        assert logged[key] == [(r["step"], pytest.approx(r[key], rel=1e-6)) for r in records if key in r], key
+    fragments = wandb_rows(folder, ledger["wandb"]["id"])
+    assert len(fragments) == (2 if "submit" in runs else 1)
+    steps = [row["_step"] for fragment in fragments for row in fragment]
+    assert steps == sorted({r["step"] for r in records}), steps
 
 
 @pytest.mark.slow

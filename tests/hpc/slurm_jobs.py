@@ -16,6 +16,9 @@ SFT = ["--set", "train.max_steps=60", "--set", "train.global_batch_size=32", "--
        "--set", "task.eval_size=64", "--set", "task.train_size=4000", "--set", "log.backends=[]",
        "--set", "log.progress=false"]
 
+TRACKED = ["--set", "log.backends=[mlflow,wandb]", "--set", "log.wandb.mode=offline"]
+"""A requeued job that also logs to MLflow and W&B (what it trains is the same: `log.` only)."""
+
 
 def render(run: Path, *args: str) -> Path:
     out = run_cli(["sbatch", *args, "-o", str(run), "--time", "30"]).stdout

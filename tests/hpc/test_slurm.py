@@ -12,7 +12,7 @@ import time
 import pytest
 
 from hpcrlhf.run.metrics import read_metrics
-from tests.hpc.slurm_jobs import SFT, kill_task, losses, render, run_rendered, slurm_log, wait_for_step
+from tests.hpc.slurm_jobs import SFT, TRACKED, kill_task, losses, render, run_rendered, slurm_log, wait_for_step
 from tests.launch_helpers import run_cli
 from tests.slurm_cluster import UNDER_WAY, node_address
 
@@ -25,10 +25,6 @@ def test_two_nodes_with_their_own_names_addresses_and_gpus(slurm_cluster, tmp_pa
     assert slurm_cluster.wait(job, 120) == "COMPLETED"
     lines = sorted((tmp_path / "where.out").read_text().split("\n"))[-2:]
     assert lines == [f"0: n1 {node_address(1)} 0,1 0", f"1: n2 {node_address(2)} 0,1 1"]
-
-
-TRACKED = ["--set", "log.backends=[mlflow,wandb]", "--set", "log.wandb.mode=offline"]
-"""The requeued job also logs to MLflow and W&B (what it trains is the same: `log.` only)."""
 
 
 @pytest.fixture(scope="module")
