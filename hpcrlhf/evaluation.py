@@ -21,6 +21,7 @@ import json
 import math
 import re
 import shutil
+from functools import partial
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -35,8 +36,8 @@ from hpcrlhf.data.loading import held_out_prompt_rows, require_task_prompts
 from hpcrlhf.data.prompts import Prompt, encode_prompt_rows
 from hpcrlhf.data.sources import read_rows, require_text
 from hpcrlhf.data.tasks import build_task
-from hpcrlhf.engines.distributed import all_reduce_sum, barrier, init_distributed, read_dist_env
-from hpcrlhf.errors import ConfigError, DataError
+from hpcrlhf.engines.distributed import all_reduce_sum, barrier, init_distributed, on_main_rank, read_dist_env
+from hpcrlhf.errors import ConfigError, DataError, HpcrlhfError
 from hpcrlhf.inference import load_generator
 from hpcrlhf.logs import THIRD_PARTY_LOG, Progress, get_logger, third_party_to
 from hpcrlhf.models.context import ContextWindow
@@ -49,6 +50,7 @@ from hpcrlhf.run.checkpoint import CheckpointDir, verify_checkpoint
 from hpcrlhf.run.diskspace import out_of_space_is_an_error
 from hpcrlhf.run.files import append, ensure_folder, make_folders, replace_file
 from hpcrlhf.run.folder import config_changes
+from hpcrlhf.run.metrics import read_json_lines
 from hpcrlhf.run.lock import RunLock
 from hpcrlhf.run.stats import add_stats, new_stats
 from hpcrlhf.run.signals import StopFlag
@@ -227,8 +229,23 @@ def load_sets(cfg: EvalJobConfig, tokenizer, window: ContextWindow) -> list[Eval
 
 # -- the job -----------------------------------------------------------------------------------
 
+def _prepare_folder(out: Path, cfg: EvalJobConfig) -> RunLock:
+    """Rank 0: the output folder made, locked and checked (`_check_rerun`); the lock is released on a refusal."""
+    make_folders(out, "--output-dir")
+    lock = RunLock(ensure_folder(out)).acquire()
+    try:
+        _check_rerun(out, cfg)
+    except HpcrlhfError:
+        lock.release()
+        raise
+    return lock
+
+
 def _check_rerun(out: Path, cfg: EvalJobConfig) -> None:
-    """An output folder holds one evaluation's answers: a rerun with other settings is refused (naming them)."""
+    """An output folder holds one evaluation's answers: a rerun with other settings is refused (naming them).
+    The run folder is compared as an absolute path (`hpcrlhf sbatch` makes it one; a rerun by hand may not)."""
+    if cfg.run:
+        cfg = replace(cfg, run=str(Path(cfg.run).resolve()))
     path = out / "eval.yaml"
     now = yaml.safe_load(to_yaml(cfg))
     if path.is_file() and (out / "samples").is_dir():
@@ -249,19 +266,8 @@ def read_batches(path: Path) -> dict[int, dict[str, Any]]:
     """The batches a samples file holds, by index (a torn last line, from a crash mid-write, is dropped)."""
     if not path.is_file():
         return {}
-    out = {}
-    text = path.read_text()
-    lines = text.splitlines()
-    for number, line in enumerate(lines, 1):
-        try:
-            record = json.loads(line)
-        except ValueError:
-            if number == len(lines) and not text.endswith("\n"):
-                log.warning(f"{path}:{number}: the last line is incomplete (a write cut short); that batch runs again")
-                break
-            raise DataError(f"{path}:{number}: not a JSON line: delete the file to answer its batches again") from None
-        out[record["batch"]] = record
-    return out
+    records = read_json_lines(path, torn="that batch runs again", fix="delete the file to answer its batches again")
+    return {record["batch"]: record for record in records}
 
 
 def _batch_record(b: int, start: int, batch: list[Prompt], gens, tokenizer, s: EvalSet) -> dict[str, Any]:
@@ -293,12 +299,7 @@ def run_eval(cfg: EvalJobConfig) -> dict[str, Any]:
     flag = StopFlag().install()
     if env.world_size > 1:
         init_distributed()
-    lock = None
-    if env.rank == 0:
-        make_folders(out, "--output-dir")
-        lock = RunLock(ensure_folder(out)).acquire()
-        _check_rerun(out, cfg)
-    barrier()
+    lock = on_main_rank(lambda: _prepare_folder(out, cfg), env.rank == 0, share=False)  # a refusal ends every rank
     third_party_to("file", out / THIRD_PARTY_LOG)
     try:
         stopped = _answer_all(cfg, out, env, targets, sets, tokenizer, flag)
@@ -376,11 +377,8 @@ def _answer_all(cfg, out: Path, env, targets, sets, tokenizer, flag: StopFlag) -
             # every rank takes part in every target (the materialized folder, the stop checks), work or not
             if not all_reduce_sum([float(any(batches for _, batches in units))])[0]:
                 continue  # answered by every rank already
-            if env.rank == 0:
-                path = materialize(target, cfg, out, tokenizer)
-            barrier()
-            if env.rank != 0:
-                path = str(out / "models" / target.name) if target.checkpoint else target.path
+            # a damaged checkpoint, a full disk: an error on every rank, none left waiting
+            path = on_main_rank(partial(materialize, target, cfg, out, tokenizer), env.rank == 0)
             log.info(f"evaluating {target.name} ({path})")
             engine = engines.load(path)
             if _answer_target(cfg, out, env, target, units, engine, tokenizer, flag, progress):

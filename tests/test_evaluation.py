@@ -181,12 +181,29 @@ def test_a_missing_checkpoint_is_named_before_anything_loads(three_checkpoints, 
     assert not (tmp_path / "x").exists()
 
 
-def test_a_rerun_with_other_sampling_is_refused(evaluated, three_checkpoints):
+def test_a_rerun_with_other_sampling_is_refused_on_every_rank(evaluated, three_checkpoints):
     out, _ = evaluated
-    proc = run_cli(["eval", "-r", str(three_checkpoints), "--checkpoints", "all", "-o", str(out),
-                    "--set", "eval.samples_per_prompt=8", "--set", "eval.batch_size=8"], check=False, timeout=120)
+    other = ["eval", "-r", str(three_checkpoints), "--checkpoints", "all", "-o", str(out),
+             "--set", "eval.samples_per_prompt=8", "--set", "eval.batch_size=8"]
+    proc = run_cli(other, check=False, timeout=120)
     assert proc.returncode == 2
     assert "holds answers drawn with other settings (eval.samples_per_prompt: 4 -> 8)" in proc.stderr, proc.stderr[-2000:]
+    proc = run_cli(other, nproc=2, check=False, timeout=180)  # rank 1 ends too, not left waiting for rank 0
+    assert proc.returncode != 0
+    assert proc.stderr.count("holds answers drawn with other settings (eval.samples_per_prompt: 4 -> 8)") == 2, \
+        proc.stderr[-3000:]
+
+
+def test_a_rerun_naming_the_run_by_a_relative_path_is_the_same_evaluation(evaluated, three_checkpoints, monkeypatch):
+    from hpcrlhf.config.jobspec import EvalJob
+    from hpcrlhf.evaluation import _check_rerun
+
+    out, _ = evaluated
+    monkeypatch.chdir(three_checkpoints.parent)  # as `hpcrlhf eval -r run` typed there, after sbatch's absolute one
+    job = EvalJob.from_argv(["eval", "-r", three_checkpoints.name, "--checkpoints", "all", "-o", str(out), *SAMPLED])
+    assert job.config().run == three_checkpoints.name
+    _check_rerun(out, job.config())  # no refusal
+    assert yaml.safe_load((out / "eval.yaml").read_text())["run"] == str(three_checkpoints)
 
 
 @pytest.mark.parametrize(("overrides", "message"), [

@@ -11,12 +11,16 @@ import os
 import socket
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
 from hpcrlhf.engines.rendezvous import launched_store, local_store
+from hpcrlhf.errors import HpcrlhfError
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -126,6 +130,22 @@ def broadcast_object(obj: Any) -> Any:
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
     dist.broadcast_object_list(box, src=0, device=device)
     return box[0]
+
+
+def on_main_rank(action: Callable[[], T], is_main: bool, share: bool = True) -> T | None:
+    """`action()` on the main rank; an HpcrlhfError it raises is raised on every rank (none is left waiting
+    in a collective for a rank that failed). Returns its result on every rank (`share`: it must be
+    picklable), or on the main rank only (`share=False`; None elsewhere)."""
+    outcome: tuple[HpcrlhfError | None, Any] = (None, None)
+    if is_main:
+        try:
+            outcome = (None, action())
+        except HpcrlhfError as e:
+            outcome = (e, None)
+    error, shared = broadcast_object((outcome[0], outcome[1] if share else None))
+    if error is not None:
+        raise error
+    return shared if share else outcome[1]
 
 
 def barrier() -> None:

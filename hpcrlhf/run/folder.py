@@ -24,7 +24,7 @@ import yaml
 from hpcrlhf import __version__
 from hpcrlhf.config.loader import to_dict, to_yaml
 from hpcrlhf.config.schema import TrainJobConfig
-from hpcrlhf.engines.distributed import DistEnv, all_reduce_sum, barrier, broadcast_object
+from hpcrlhf.engines.distributed import DistEnv, all_reduce_sum, barrier, on_main_rank
 from hpcrlhf.errors import ConfigError, HpcrlhfError, TrainingError
 from hpcrlhf.logs import THIRD_PARTY_LOG, Progress, get_logger, third_party_to
 from hpcrlhf.run.checkpoint import CheckpointDir
@@ -117,17 +117,7 @@ class Run:
         self.checkpoints = CheckpointDir(self.dir / "checkpoints", keep_last=cfg.checkpoint.keep_last,
                                          sha256=cfg.checkpoint.verify == "sha256")
         self.lock: RunLock | None = None
-        outcome: tuple[HpcrlhfError | None, tuple[str | None, dict[str, Any] | None]] = (None, (None, None))
-        if env.is_main:
-            try:
-                outcome = (None, self._prepare())
-            except HpcrlhfError as e:
-                outcome = (e, (None, None))
-                if self.lock is not None:
-                    self.lock.release()
-        error, (resume_from, finished) = broadcast_object(outcome)  # every rank fails alike, none waits
-        if error is not None:
-            raise error
+        resume_from, finished = on_main_rank(self._prepare, env.is_main)  # every rank fails alike, none waits
         third_party_to(cfg.log.third_party, self.dir / THIRD_PARTY_LOG)
         self.resume_from = Path(resume_from) if resume_from else None
         self.finished: dict[str, Any] | None = finished
@@ -147,22 +137,26 @@ class Run:
     def _open_trackers(self) -> Trackers | None:
         """The main rank's trackers (log.backends), each continuing the run's tracked run; a tracker that
         cannot start fails every rank alike."""
-        outcome: tuple[HpcrlhfError | None, Trackers | None] = (None, None)
-        if self.env.is_main and self.cfg.log.backends:
+        def open_them() -> Trackers | None:
             try:
-                outcome = (None, Trackers(self.cfg, self.dir))
-            except HpcrlhfError as e:
-                outcome = (e, None)
-        error = broadcast_object(outcome[0])
-        if error is not None:
-            if self.lock is not None:
+                return Trackers(self.cfg, self.dir) if self.cfg.log.backends else None
+            except HpcrlhfError:
                 self.lock.release()
-            raise error
-        return outcome[1]
+                raise
+
+        return on_main_rank(open_them, self.env.is_main, share=False)
 
     def _prepare(self) -> tuple[str | None, dict[str, Any] | None]:
         """Main rank: everything `Run` checks before writing; returns the checkpoint to resume from and
-        the summary of a finished run."""
+        the summary of a finished run. An error releases the lock it took."""
+        try:
+            return self._prepare_folder()
+        except HpcrlhfError:
+            if self.lock is not None:
+                self.lock.release()
+            raise
+
+    def _prepare_folder(self) -> tuple[str | None, dict[str, Any] | None]:
         require_installed(self.cfg.log.backends)
         if self.dir.exists() and not self.dir.is_dir():
             raise ConfigError(f"--output-dir {self.dir} is a file, not a folder: name a new or existing run folder")
@@ -276,16 +270,7 @@ class Run:
         in a way their recorded sizes cannot show. It is marked damaged and `resume_from` becomes the
         previous intact checkpoint (every rank agrees); a TrainingError when there is none to fall
         back to, or when `checkpoint.resume` named this one."""
-        outcome: tuple[HpcrlhfError | None, str | None] = (None, None)
-        if self.env.is_main:
-            try:
-                outcome = (None, str(self._previous_intact(why)))
-            except HpcrlhfError as e:
-                outcome = (e, None)
-        error, previous = broadcast_object(outcome)
-        if error is not None:
-            raise error
-        self.resume_from = Path(previous)
+        self.resume_from = Path(on_main_rank(lambda: str(self._previous_intact(why)), self.env.is_main))
 
     def _previous_intact(self, why: str) -> Path:
         damaged = self.resume_from
@@ -397,16 +382,11 @@ class Run:
     def _on_main(self, action, folder: Path, name: str, space: dict[str, Any]) -> None:
         """`action()` on the main rank, a full disk in `folder` reported as one writing checkpoint `name`;
         an HpcrlhfError it raises is raised on every rank (none is left waiting in a collective)."""
-        error = None
-        if self.env.is_main:
-            try:
-                with out_of_space_is_an_error(folder, f"checkpoint {name}", **space):
-                    action()
-            except HpcrlhfError as e:
-                error = e
-        error = broadcast_object(error)
-        if error is not None:
-            raise error
+        def guarded() -> None:
+            with out_of_space_is_an_error(folder, f"checkpoint {name}", **space):
+                action()
+
+        on_main_rank(guarded, self.env.is_main)
 
     def maybe_checkpoint(self, engine, step: int) -> None:
         every = self.cfg.checkpoint.every_steps

@@ -54,26 +54,35 @@ def _plain(value: Any) -> Any:
     return value
 
 
+def read_json_lines(path: Path, *, torn: str, fix: str) -> list[Any]:
+    """The JSON value of each line of `path`, in order (blank lines skipped). A torn last line (no newline,
+    not JSON: a crash mid-write) is left out with a warning ending in `torn`; any other bad line is a
+    DataError naming it and `fix`."""
+    text = path.read_text(errors="replace")
+    lines = text.splitlines()
+    values = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            values.append(json.loads(line))
+        except ValueError as e:
+            if number == len(lines) and not text.endswith("\n"):
+                get_logger().warning(f"{path}:{number}: the last line is incomplete (a write cut short); {torn}")
+                break
+            raise DataError(f"{path}:{number}: not a JSON line ({e}); {fix}") from None
+    return values
+
+
 def read_metrics(run_dir: Path | str) -> list[dict[str, Any]]:
     """Every record of a run's metrics.jsonl, in order. A torn last line (no newline, not JSON: a
     crash mid-write) is left out with a warning; any other bad line is a DataError naming it."""
     path = Path(run_dir) / "metrics.jsonl"
     if not path.exists():
         return []
-    text = path.read_text(errors="replace")
-    lines = text.splitlines()
-    records = []
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except ValueError as e:
-            if number == len(lines) and not text.endswith("\n"):
-                get_logger().warning(f"{path}:{number}: the last line is incomplete (a write cut short); ignoring it")
-                break
-            raise DataError(f"{path}:{number}: not a JSON line ({e}); fix or delete that line") from None
+    fix = "fix or delete that line"
+    records = read_json_lines(path, torn="ignoring it", fix=fix)
+    for record in records:
         if not isinstance(record, dict) or "step" not in record:
-            raise DataError(f"{path}:{number}: not a metrics record (a JSON object with a step); fix or delete that line")
-        records.append(record)
+            raise DataError(f"{path}: {str(record)[:80]!r} is not a metrics record (a JSON object with a step); {fix}")
     return records

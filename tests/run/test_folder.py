@@ -341,6 +341,22 @@ def test_a_full_disk_ends_the_run_clearly_and_the_rerun_resumes(tmpfs):
     assert steps_logged(out)[-1] == 6 and logged[0] == steps_logged(out)[0]
 
 
+def test_json_lines_drop_a_torn_last_line_and_name_any_other_bad_one(tmp_path, caplog):
+    from hpcrlhf.errors import DataError
+    from hpcrlhf.run.metrics import read_json_lines
+
+    path = tmp_path / "x.jsonl"
+    path.write_text('{"step": 1}\n\n{"step": 2}\n{"step": 3, "tr')
+    assert read_json_lines(path, torn="redone", fix="delete it") == [{"step": 1}, {"step": 2}]
+    assert f"{path}:4: the last line is incomplete (a write cut short); redone" in caplog.text
+    path.write_text('{"step": 1}\n{"step": 2, "tr\n{"step": 3}\n')  # not the last line: not a crash mid-write
+    with pytest.raises(DataError, match=f"{path}:2: not a JSON line .*; delete it"):
+        read_json_lines(path, torn="redone", fix="delete it")
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n[1, 2]\n')
+    with pytest.raises(DataError, match=r"is not a metrics record \(a JSON object with a step\); fix or delete"):
+        read_metrics(tmp_path)
+
+
 def test_a_metrics_write_that_runs_out_of_space_leaves_no_torn_line(tmpfs):
     from hpcrlhf.run.diskspace import DiskFull
     from hpcrlhf.run.metrics import MetricsWriter
