@@ -9,7 +9,8 @@ node use different ports; the other nodes take the first free block after their 
 base. Token authentication is on when the script exported RAY_AUTH_MODE=token; the dashboard is
 off. Ray's processes ignore SIGUSR1/SIGUSR2 (a time-limit signal delivered to the whole job must
 reach the driver, which checkpoints, and not kill the cluster under it). A worker node stops when
-the head has gone; every node stops on SIGTERM/SIGINT (the script's teardown).
+the head has gone; every node stops on SIGTERM/SIGINT (the script's teardown). A node whose Ray ends by
+itself fails its task: srun ends the nodes' step, and the script then stops the driver (job lost: 4).
 """
 
 from __future__ import annotations
@@ -110,7 +111,7 @@ def stop_node(proc: subprocess.Popen) -> None:
 def run_node(alloc: Allocation | None = None, *, poll_s: float = 2.0) -> int:
     """Run this host's Ray node until SIGTERM/SIGINT, or (a worker) until the head has gone."""
     alloc = alloc or Allocation.from_env()
-    index = int(os.environ.get("SLURM_NODEID", alloc.hosts.index(socket.gethostname())))
+    index = int(os.environ["SLURM_NODEID"]) if "SLURM_NODEID" in os.environ else alloc.hosts.index(socket.gethostname())
     stopping: list[int] = []
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, frame: stopping.append(signum))
@@ -125,10 +126,15 @@ def run_node(alloc: Allocation | None = None, *, poll_s: float = 2.0) -> int:
                 missed = 0 if _port_open(head) else missed + 1
                 if missed >= 3:
                     print(f"hpcrlhf: the Ray head at {head} has gone; stopping this node", flush=True)
-                    break
+                    return 0  # (the head's own node says why)
     finally:
         stop_node(proc)
-    return 0 if stopping or index > 0 or proc.returncode in (0, None) else proc.returncode
+    if stopping:
+        return 0
+    # its Ray processes ended by themselves: a failure of this task, so srun ends the nodes' step and the script the job
+    print(f"hpcrlhf: the Ray node on {socket.gethostname()} (node {index}) ended by itself (status {proc.returncode}): "
+          "the job has lost it", flush=True)
+    return proc.returncode or 1
 
 
 def prepare_driver(argv: Sequence[str], alloc: Allocation | None = None) -> dict[str, str]:

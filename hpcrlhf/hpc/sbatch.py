@@ -257,6 +257,11 @@ def ray_token_env(o: SlurmOptions) -> list[str]:
             "fi"]
 
 
+NODES_GONE_GRACE_S = 45
+"""Seconds a Ray driver has to end by itself once the Ray nodes' step has ended (Ray's health checks declare a
+dead node within 10-30 s, and the driver then names it and exits 4) before the script stops it."""
+
+
 def render_sbatch(args: Sequence[str], o: SlurmOptions) -> str:
     """The sbatch script running `hpcrlhf <args>` with options `o`."""
     py = exec_prefix(o)
@@ -286,11 +291,36 @@ def render_sbatch(args: Sequence[str], o: SlurmOptions) -> str:
             "# Time limit (USR1, from --signal) or preemption (TERM): the driver finishes its step, checkpoints and",
             "# exits 3.",
             "stop_requested=0",
-            "trap 'stop_requested=1; kill -USR1 $driver_pid 2>/dev/null' USR1 TERM",
-            "wait $driver_pid; status=$?",
+            "trap 'stop_requested=1; kill -USR1 $driver_pid 2>/dev/null' USR1 TERM"]
+    if o.launcher == "ray":
+        out += ["# The Ray nodes' step ends only when the script ends it: if it ends first (a node's Ray processes died;",
+                f"# srun ended the other nodes), the driver gets {NODES_GONE_GRACE_S} s to notice and exit by itself (naming what",
+                "# died), then is stopped -- TERM, KILL 30 s later -- rather than left waiting on a cluster that is gone",
+                "# with the allocation held; the job counts as lost (4).",
+                "nodes_ended=0",
+                "while kill -0 $driver_pid 2>/dev/null; do",
+                "  if ! kill -0 $nodes_pid 2>/dev/null; then",
+                "    wait $nodes_pid; nodes_status=$?; nodes_ended=1",
+                "    echo \"hpcrlhf: the Ray nodes' step ended (status $nodes_status) while the driver was running\"",
+                f"    for _ in $(seq {NODES_GONE_GRACE_S}); do kill -0 $driver_pid 2>/dev/null || break; sleep 1; done",
+                "    if kill -0 $driver_pid 2>/dev/null; then",
+                f"      echo \"hpcrlhf: the driver still runs {NODES_GONE_GRACE_S} s later: stopping it\"",
+                "      kill -TERM $driver_pid 2>/dev/null",
+                "      for _ in $(seq 30); do kill -0 $driver_pid 2>/dev/null || break; sleep 1; done",
+                "      kill -KILL $driver_pid 2>/dev/null",
+                "    fi",
+                "    break",
+                "  fi",
+                "  sleep 2 & wait $!  # (a wait the USR1/TERM trap interrupts at once)",
+                "done"]
+    out += ["wait $driver_pid; status=$?",
             "while kill -0 $driver_pid 2>/dev/null; do wait $driver_pid; status=$?; done", ""]
     if o.launcher == "ray":
-        out += ["kill $nodes_pid 2>/dev/null; wait $nodes_pid 2>/dev/null", ""]
+        out += ["if [ $nodes_ended -eq 1 ] && [ $status -ne 0 ] && [ $status -ne 3 ]; then",
+                "  echo \"hpcrlhf: a Ray node was lost (driver status $status, taken as 4)\"",
+                "  status=4",
+                "fi",
+                "kill $nodes_pid 2>/dev/null; wait $nodes_pid 2>/dev/null", ""]
     else:
         out += ["# srun ends every rank once one fails (143 when it had to TERMinate them) and names first the task that",
                 "# ended the step: one SIGKILLed (by the admin, a node health check, a test) or lost with its node is a",
@@ -298,9 +328,13 @@ def render_sbatch(args: Sequence[str], o: SlurmOptions) -> str:
                 "exec 3>&-; wait $tee_pid 2>/dev/null",
                 "first=$(grep -m1 -E 'task [0-9]+: |Node failure' \"$srun_log\"); rm -f \"$srun_log\"",
                 "if [ $status -ne 0 ] && [ $status -ne 3 ]; then",
-                "  case \"$first\" in *\": Killed\"|*\"Node failure\"*)",
-                "    echo \"hpcrlhf: ${first#srun: error: }: a rank was lost (srun status $status, taken as 4)\"",
-                "    status=4;;",
+                "  case \"$first\" in",
+                "    *\": Killed\"|*\"Node failure\"*)",
+                "      echo \"hpcrlhf: ${first#srun: error: }: a rank was lost (srun status $status, taken as 4)\"",
+                "      status=4;;",
+                "    *\"Exited with exit code 4\")  # a rank's watchdog ended a hang, or it lost a worker",
+                "      echo \"hpcrlhf: ${first#srun: error: }: a rank hung or lost a worker (srun status $status, taken as 4)\"",
+                "      status=4;;",
                 "  esac",
                 "fi", ""]
     out += ["# Exit 3: stopped on request after checkpointing. After a stop request any failure also requeues (srun",

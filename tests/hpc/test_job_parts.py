@@ -79,3 +79,29 @@ def test_latest_metrics_line(tmp_path):
     rows = [{"step": 1, "train/loss": 2.0}, {"step": 2, "train/loss": 1.23456, "rollout/score": 0.5}]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 3, "tra')
     assert latest_metrics(tmp_path) == "step 2: train/loss=1.235 rollout/score=0.5"
+
+
+@pytest.mark.parametrize(("index", "head_there", "status", "said"), [
+    (1, True, 1, "ended by itself (status 7): the job has lost it"),  # a worker's Ray died: its task fails
+    (0, True, 1, "ended by itself (status 7): the job has lost it"),  # the head's
+    (1, False, 0, "has gone; stopping this node"),  # the head went first: it says why, this node just stops
+])
+def test_a_ray_node_that_ends_by_itself_fails_its_task(monkeypatch, capsys, index, head_there, status, said):
+    """`ray_slurm node` (one per allocated node, one srun step): a Ray node that ends on its own fails its
+    task (status 7 here; srun then ends the step and the script stops the driver); a worker whose head has
+    gone stops cleanly. Real child processes stand in for `ray start --block`."""
+    import subprocess
+    import sys
+
+    from hpcrlhf.hpc import ray_slurm
+
+    import socket
+
+    alloc = Allocation(job_id=5, hosts=(socket.gethostname(),) * 2, gpus_per_node=1, cpus_per_node=2)
+    monkeypatch.setenv("SLURM_NODEID", str(index))
+    monkeypatch.setattr(ray_slurm, "start_node", lambda a, i: subprocess.Popen(
+        [sys.executable, "-c", "import time, sys; time.sleep(0.5 if sys.argv[1] == 'die' else 30); sys.exit(7)",
+         "die" if head_there else "live"], start_new_session=True))
+    monkeypatch.setattr(ray_slurm, "_port_open", lambda address: head_there)
+    assert ray_slurm.run_node(alloc, poll_s=0.1) == (7 if status else 0)
+    assert said in capsys.readouterr().out

@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from hpcrlhf.hpc.sbatch import NODES_GONE_GRACE_S
 from hpcrlhf.run.metrics import read_metrics
 from tests.hpc.slurm_jobs import SFT, TRACKED, kill_task, losses, render, run_rendered, slurm_log, wait_for_step
 from tests.launch_helpers import run_cli
@@ -137,6 +138,45 @@ def test_a_rank_that_fails_is_not_requeued(slurm_cluster, tmp_path):
     state, log = slurm_cluster.wait(job, 180), slurm_log(run, job)
     assert state == "FAILED" and "srun: error: n2: task 1: Exited with exit code 1" in log, log[-4000:]
     assert "a rank was lost" not in log and "requeueing" not in log, log[-4000:]
+
+
+def test_a_rank_that_exits_4_counts_as_lost(slurm_cluster, tmp_path):
+    """A rank's watchdog ends a hang with exit 4 (injected: rank 1 exits 4 at once): the MPI script takes the job
+    as lost (4), the status it requeues (not here: --max-requeues 0)."""
+    python = tmp_path / "python"
+    python.write_text("#!/bin/bash\n"
+                      "if [ \"$SLURM_PROCID $2\" = \"1 hpcrlhf.hpc.mpi\" ]; then echo '(injected) rank 1 hung' >&2; exit 4; fi\n"
+                      f"exec {sys.executable} \"$@\"\n")
+    python.chmod(0o755)
+    run = tmp_path / "run"
+    job = slurm_cluster.sbatch(render(run, "--kind", "sft", "--launcher", "mpi", "--nodes", "2", "--gpus-per-node", "1",
+                                      "--python", str(python), "--max-requeues", "0", *SFT))
+    state, log = slurm_cluster.wait(job, 180), slurm_log(run, job)
+    assert state == "FAILED" and "task 1: Exited with exit code 4: a rank hung or lost a worker (srun status" in log, \
+        log[-4000:]
+    assert "hpcrlhf: not requeued: already requeued 0 time(s) (--max-requeues)" in log, log[-4000:]
+
+
+def test_a_dead_ray_node_step_ends_the_job_instead_of_holding_the_allocation(slurm_cluster, tmp_path):
+    """A Ray job whose nodes' step ends while its driver still runs (injected: every node's Ray exits 1 after 3 s;
+    the driver waits forever, as one would on a cluster that is gone): the script gives the driver its grace, stops
+    it, and the job ends as a lost node (4) about a minute later, not requeued here (--max-requeues 0)."""
+    python = tmp_path / "python"
+    python.write_text("#!/bin/bash\n"
+                      "case \"$2 $3\" in\n"
+                      "  'hpcrlhf.hpc.ray_slurm node') sleep 3; echo '(injected) this node lost its Ray processes' >&2; exit 1;;\n"
+                      "  'hpcrlhf.hpc.ray_slurm driver') exec sleep 600;;\n"
+                      f"esac\nexec {sys.executable} \"$@\"\n")
+    python.chmod(0o755)
+    run = tmp_path / "run"
+    started = time.monotonic()
+    job = slurm_cluster.sbatch(render(run, "ppo-tiny-ray", "--python", str(python), "--max-requeues", "0"))
+    state, log = slurm_cluster.wait(job, 180), slurm_log(run, job)
+    assert state == "FAILED" and time.monotonic() - started < NODES_GONE_GRACE_S + 60, (state, log[-4000:])
+    assert "hpcrlhf: the Ray nodes' step ended (status 1) while the driver was running" in log, log
+    assert f"hpcrlhf: the driver still runs {NODES_GONE_GRACE_S} s later: stopping it" in log, log
+    assert "hpcrlhf: a Ray node was lost (driver status 143, taken as 4)" in log, log
+    assert "hpcrlhf: not requeued: already requeued 0 time(s) (--max-requeues)" in log, log
 
 
 def test_a_job_bigger_than_its_allocation_fails_before_the_driver_starts(slurm_cluster, tmp_path):
