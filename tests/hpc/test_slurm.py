@@ -124,36 +124,35 @@ def test_an_eval_job_on_two_nodes_answers_with_the_runs_last_checkpoint(slurm_cl
     assert results["results"]["step_000060"]["held_out"]["eval/task_score"] == pytest.approx(after, abs=2 / 32)
 
 
-def test_a_rank_that_fails_is_not_requeued(slurm_cluster, tmp_path):
-    """The other side of the test above: rank 1 exits 1 (a bug, bad data: rerunning repeats it), srun
-    also exits 143, and the job fails without a requeue."""
+def rank_1_exits(slurm_cluster, tmp_path, code: int) -> str:
+    """A 2-node MPI SFT job whose rank 1 exits `code` at once (injected by the Python it runs), never requeued
+    (--max-requeues 0): its log once it has failed."""
     python = tmp_path / "python"
     python.write_text("#!/bin/bash\n"
-                      "if [ \"$SLURM_PROCID $2\" = \"1 hpcrlhf.hpc.mpi\" ]; then echo '(injected) rank 1 failed' >&2; exit 1; fi\n"
-                      f"exec {sys.executable} \"$@\"\n")
-    python.chmod(0o755)
-    run = tmp_path / "run"
-    job = slurm_cluster.sbatch(render(run, "--kind", "sft", "--launcher", "mpi", "--nodes", "2", "--gpus-per-node", "1",
-                                      "--python", str(python), *SFT))
-    state, log = slurm_cluster.wait(job, 180), slurm_log(run, job)
-    assert state == "FAILED" and "srun: error: n2: task 1: Exited with exit code 1" in log, log[-4000:]
-    assert "a rank was lost" not in log and "requeueing" not in log, log[-4000:]
-
-
-def test_a_rank_that_exits_4_counts_as_lost(slurm_cluster, tmp_path):
-    """A rank's watchdog ends a hang with exit 4 (injected: rank 1 exits 4 at once): the MPI script takes the job
-    as lost (4), the status it requeues (not here: --max-requeues 0)."""
-    python = tmp_path / "python"
-    python.write_text("#!/bin/bash\n"
-                      "if [ \"$SLURM_PROCID $2\" = \"1 hpcrlhf.hpc.mpi\" ]; then echo '(injected) rank 1 hung' >&2; exit 4; fi\n"
-                      f"exec {sys.executable} \"$@\"\n")
+                      f"if [ \"$SLURM_PROCID $2\" = \"1 hpcrlhf.hpc.mpi\" ]; then echo '(injected) rank 1 exits {code}' >&2; "
+                      f"exit {code}; fi\nexec {sys.executable} \"$@\"\n")
     python.chmod(0o755)
     run = tmp_path / "run"
     job = slurm_cluster.sbatch(render(run, "--kind", "sft", "--launcher", "mpi", "--nodes", "2", "--gpus-per-node", "1",
                                       "--python", str(python), "--max-requeues", "0", *SFT))
     state, log = slurm_cluster.wait(job, 180), slurm_log(run, job)
-    assert state == "FAILED" and "task 1: Exited with exit code 4: a rank hung or lost a worker (srun status" in log, \
-        log[-4000:]
+    assert state == "FAILED", log[-4000:]
+    return log
+
+
+def test_a_rank_that_fails_is_not_requeued(slurm_cluster, tmp_path):
+    """The other side of the test above: rank 1 exits 1 (a bug, bad data: rerunning repeats it), srun
+    also exits 143, and the job fails without a requeue."""
+    log = rank_1_exits(slurm_cluster, tmp_path, 1)
+    assert "srun: error: n2: task 1: Exited with exit code 1" in log, log[-4000:]
+    assert "a rank was lost" not in log and "hung" not in log and "not requeued" not in log, log[-4000:]
+
+
+def test_a_rank_that_exits_4_counts_as_lost(slurm_cluster, tmp_path):
+    """A rank's watchdog ends a hang with exit 4 (rank 1 exits 4): the MPI script takes the job as lost (4),
+    the status it requeues (not here: --max-requeues 0)."""
+    log = rank_1_exits(slurm_cluster, tmp_path, 4)
+    assert "n2: task 1: Exited with exit code 4: a rank hung or lost a worker (srun status" in log, log[-4000:]
     assert "hpcrlhf: not requeued: already requeued 0 time(s) (--max-requeues)" in log, log[-4000:]
 
 
