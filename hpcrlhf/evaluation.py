@@ -21,6 +21,7 @@ import json
 import math
 import re
 import shutil
+from contextlib import nullcontext
 from functools import partial
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -37,7 +38,7 @@ from hpcrlhf.data.prompts import Prompt, encode_prompt_rows
 from hpcrlhf.data.sources import read_rows, require_text
 from hpcrlhf.data.tasks import build_task
 from hpcrlhf.engines.distributed import all_reduce_sum, barrier, init_distributed, on_main_rank, read_dist_env
-from hpcrlhf.errors import ConfigError, DataError, HpcrlhfError
+from hpcrlhf.errors import ConfigError, DataError, HpcrlhfError, Hung
 from hpcrlhf.inference import load_generator
 from hpcrlhf.logs import THIRD_PARTY_LOG, Progress, get_logger, third_party_to
 from hpcrlhf.models.context import ContextWindow
@@ -54,13 +55,15 @@ from hpcrlhf.run.metrics import read_json_lines
 from hpcrlhf.run.lock import RunLock
 from hpcrlhf.run.stats import add_stats, new_stats
 from hpcrlhf.run.signals import StopFlag
+from hpcrlhf.run.watchdog import Watchdog, WaitExpired
+from hpcrlhf.run.watchdog import active as active_watchdog
 from hpcrlhf.trainers.loop import eval_sampling_params
 from hpcrlhf.trainers.online import flatten_generations
 
 log = get_logger()
 
-RERUN_SAFE = ("checkpoints", "keep_models", "output_dir", "rollout.vllm_")
-"""Settings a rerun on an output folder may change: which targets, what is kept, the vLLM engine's memory.
+RERUN_SAFE = ("checkpoints", "keep_models", "output_dir", "rollout.vllm_", "watchdog.")
+"""Settings a rerun on an output folder may change: which targets, what is kept, the vLLM engine's memory, deadlines.
 Anything else would mix answers drawn differently into one result."""
 
 
@@ -229,6 +232,13 @@ def load_sets(cfg: EvalJobConfig, tokenizer, window: ContextWindow) -> list[Eval
 
 # -- the job -----------------------------------------------------------------------------------
 
+def _watched(kind: str):
+    """A wait of the eval job that the watchdog times against the earlier ones of its kind (`batch`: a round of
+    answers and their scores; `load`: a target's model)."""
+    dog = active_watchdog()
+    return dog.phase(kind, per_step=False) if dog is not None else nullcontext()
+
+
 def _prepare_folder(out: Path, cfg: EvalJobConfig) -> RunLock:
     """Rank 0: the output folder made, locked and checked (`_check_rerun`); the lock is released on a refusal."""
     make_folders(out, "--output-dir")
@@ -301,8 +311,13 @@ def run_eval(cfg: EvalJobConfig) -> dict[str, Any]:
         init_distributed()
     lock = on_main_rank(lambda: _prepare_folder(out, cfg), env.rank == 0, share=False)  # a refusal ends every rank
     third_party_to("file", out / THIRD_PARTY_LOG)
+    dog = Watchdog(cfg.watchdog, out / "watchdog").start() if cfg.watchdog.enabled else None
     try:
-        stopped = _answer_all(cfg, out, env, targets, sets, tokenizer, flag)
+        try:
+            stopped = _answer_all(cfg, out, env, targets, sets, tokenizer, flag)
+        except WaitExpired as e:
+            raise Hung(f"{e.expiry.message()}; the answers written so far are kept in {out}/samples: rerun the same "
+                       "command to go on from there") from None
         barrier()
         if stopped:
             log.info(f"hpcrlhf eval stopped on a signal; the answers so far are in {out}/samples: rerun the same "
@@ -312,6 +327,8 @@ def run_eval(cfg: EvalJobConfig) -> dict[str, Any]:
             return {}
         return write_results(cfg, out, targets, sets, env.world_size)
     finally:
+        if dog is not None:
+            dog.stop()
         if lock is not None:
             lock.release()
 
@@ -380,7 +397,8 @@ def _answer_all(cfg, out: Path, env, targets, sets, tokenizer, flag: StopFlag) -
             # a damaged checkpoint, a full disk: an error on every rank, none left waiting
             path = on_main_rank(partial(materialize, target, cfg, out, tokenizer), env.rank == 0)
             log.info(f"evaluating {target.name} ({path})")
-            engine = engines.load(path)
+            with _watched("load"):
+                engine = engines.load(path)
             if _answer_target(cfg, out, env, target, units, engine, tokenizer, flag, progress):
                 return True
             barrier()
@@ -401,16 +419,17 @@ def _answer_target(cfg, out: Path, env, target: EvalTarget, units, engine, token
         rounds = math.ceil(math.ceil(len(s.prompts) / bs) / env.world_size)
         mine = iter(batches)
         for _ in range(rounds):  # the same count on every rank: each round agrees on stopping
-            if all_reduce_sum([float(flag.requested)])[0]:
-                return True
-            b = next(mine, None)
-            if b is None:
-                continue
-            batch = s.prompts[b * bs:(b + 1) * bs]
-            gens = engine.generate([list(p.ids) for p in batch], replace(params, first_index=b * bs))
-            if flag.requested:  # a generation cut short by the signal: not kept
-                continue
-            record = _batch_record(b, b * bs, batch, gens, tokenizer, s)
+            with _watched("batch"):  # (a rank waiting here for a hung peer ends too)
+                if all_reduce_sum([float(flag.requested)])[0]:
+                    return True
+                b = next(mine, None)
+                if b is None:
+                    continue
+                batch = s.prompts[b * bs:(b + 1) * bs]
+                gens = engine.generate([list(p.ids) for p in batch], replace(params, first_index=b * bs))
+                if flag.requested:  # a generation cut short by the signal: not kept
+                    continue
+                record = _batch_record(b, b * bs, batch, gens, tokenizer, s)
             samples = _samples_file(out, target, s, env.rank)
             ensure_folder(samples.parent.parent)
             ensure_folder(samples.parent)

@@ -171,6 +171,31 @@ def test_eval_of_another_family_on_your_file_with_your_metric(tmp_path):
     assert set(got) >= {"eval/exact", "eval/exact/pass@1", "eval/exact/pass@2"}
 
 
+def test_a_batch_that_hangs_ends_the_eval_with_4_and_the_rerun_goes_on(three_checkpoints, tmp_path):
+    """The eval job's watchdog: the third batch's generation never returns (tests/trainers/faults.py); past its
+    deadline (2 x the median batch + 3 s) the job exits 4 naming it, the two batches answered are kept, and the
+    same command then answers the rest."""
+    import subprocess
+    import sys
+
+    from tests.launch_helpers import ROOT
+
+    out = tmp_path / "hung"
+    args = ["eval", "-r", str(three_checkpoints), "-o", str(out), "--set", "eval.batch_size=8",
+            "--set", "watchdog.floor_s=3", "--set", "watchdog.factor=2", "--set", "watchdog.first_s=120",
+            "--set", "watchdog.grace_s=30"]
+    proc = subprocess.run([sys.executable, "-m", "tests.trainers.faults", "hang", "generate", "3", "--", *args],
+                          cwd=ROOT, env=cli_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 4, proc.stderr[-3000:]
+    error = proc.stderr.strip().splitlines()[-1]
+    assert error.startswith("hpcrlhf: error: hung: batch did not finish within ") and "(watchdog: 2 x median " in error
+    assert f"the answers written so far are kept in {out}/samples: rerun the same command" in error, error
+    assert len(answers(out, "step_000030")) == 16 and list((out / "watchdog").glob("hang-*.txt"))
+    run_cli(args)
+    assert [p["index"] for p in answers(out, "step_000030")] == list(range(32))
+    assert json.loads((out / "results.json").read_text())["results"]["step_000030"]["held_out"]["eval/task_score"] >= 0
+
+
 def test_a_missing_checkpoint_is_named_before_anything_loads(three_checkpoints, tmp_path):
     proc = run_cli(["eval", "-r", str(three_checkpoints), "--checkpoints", "15,model", "-o", str(tmp_path / "x")],
                    check=False, timeout=120)

@@ -99,7 +99,8 @@ def engine_skip_report(stage: int, precision: str) -> dict:
             "finite": all(bool(torch.isfinite(v).all()) for v in wa.values()), "lr_a": a.lr(), "lr_b": b.lr()}
 
 
-HANGS = {"make_experience": ("hpcrlhf.trainers.ppo.driver", "PPOTrainer"), "train_step": ("hpcrlhf.trainers.sft", "SFTTrainer")}
+HANGS = {"make_experience": ("hpcrlhf.trainers.ppo.driver", "PPOTrainer"), "train_step": ("hpcrlhf.trainers.sft", "SFTTrainer"),
+         "generate": ("hpcrlhf.engines.rollout.hf", "HFRollout")}
 """The methods `hang` can make hang, and their classes."""
 
 

@@ -10,8 +10,8 @@ from pathlib import PurePath
 from hpcrlhf.config.schema.checks import PathText, fill_derived, require
 from hpcrlhf.config.schema.online import PromptDataConfig, RolloutConfig
 from hpcrlhf.config.schema.rules import RulesConfig, require_metrics
-from hpcrlhf.config.schema.sections import (EvalConfig, LoRAConfig, ModelConfig, TaskConfig, resolved_max_length,
-                                            resolved_new_tokens)
+from hpcrlhf.config.schema.sections import (EvalConfig, LoRAConfig, ModelConfig, TaskConfig, WatchdogConfig,
+                                            resolved_max_length, resolved_new_tokens)
 
 CHECKPOINT_CHOICES = ("latest", "all", "best", "model")
 """What `checkpoints` names besides a comma list of steps (and of `best`, `model`)."""
@@ -96,6 +96,9 @@ class EvalJobConfig:
     keep_models: bool = False
     """Keep the Hugging Face folders made from checkpoints (OUT/models/), deleted after their evaluation
     otherwise."""
+    watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)
+    """Deadlines of each batch's answers and each target's loading: past one, the stacks go to OUT/watchdog/ and
+    the job exits 4 (requeued on Slurm; a rerun resumes after the batches written)."""
 
     def __post_init__(self) -> None:
         require(re.fullmatch(r"[A-Za-z0-9_]+(,[A-Za-z0-9_]+)*", self.checkpoints or "") is not None
