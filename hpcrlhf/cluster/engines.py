@@ -21,7 +21,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from hpcrlhf.agents.runner import AgentRunner, AgentSpec
 from hpcrlhf.agents.scheduler import BatchStats, added
 from hpcrlhf.cluster.worker_group import (RoleWorker, WorkerGroup, busy, dead_worker_message, death_verdict, gather,
-                                          lost_worker_error)
+                                          lost_worker_error, wait_any)
 from hpcrlhf.data.batching import shard_rows
 from hpcrlhf.engines.rollout.vllm import VLLMRollout
 from hpcrlhf.logs import get_logger
@@ -126,6 +126,8 @@ class EngineFleet:
     def __init__(self, group: WorkerGroup, push: Any, *, max_restarts: int = 0) -> None:
         self.group, self.push, self.restarts_left = group, push, max_restarts
         self.started: tuple[list[Any], list[Any]] | None = None
+        self.graceful = True
+        """Whether `close` asks the engines to close first (not after a hang: one may never answer)."""
         """A sync under way (`start_sync`): the engines it went to and its tasks."""
 
     @property
@@ -208,7 +210,7 @@ class EngineFleet:
         import ray
 
         if self.group.workers:
-            if self.started is None:  # else engines may wait in a weight sync for an actor that failed
+            if self.started is None and self.graceful:  # else engines may wait in a weight sync, or be hung
                 try:
                     gather(self.group.call_async("close"))
                 except ray.exceptions.RayActorError:
@@ -303,7 +305,7 @@ class FleetBatch:
         groups kept, its end noted, or its part started again when its engine died."""
         import ray
 
-        ray.wait(list(self.streams), num_returns=1)
+        wait_any(list(self.streams), who=lambda pending: [self.fleet.group.name(self.streams[s]) for s in pending])
         ready, _ = ray.wait(list(self.streams), num_returns=len(self.streams), timeout=0)
         for stream in ready:
             rank = self.streams[stream]

@@ -12,6 +12,7 @@ import functools
 import inspect
 import os
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any
 from collections.abc import Callable, Sequence
@@ -21,6 +22,7 @@ from hpcrlhf.data.batching import shard_rows
 from hpcrlhf.errors import RewardServerError
 from hpcrlhf.placement import Device
 from hpcrlhf.run.signals import StopRequested, stop_requested_here
+from hpcrlhf.run.watchdog import active as active_watchdog
 
 
 COLLECTIVE_TIMEOUT_S = 1800.0
@@ -139,6 +141,7 @@ class WorkerGroup:
         import ray
 
         self.role, self.placements, self.reservation = role, [tuple(p) for p in placements], reservation
+        LIVE_GROUPS.add(self)
         remote_cls = ray.remote(worker_cls)
         world = len(self.placements)
         self._spawn = lambda rank: remote_cls.options(name=None, **reservation.actor_options(
@@ -239,6 +242,42 @@ def gather_rows(*scattered: Scattered, interruptible: bool = False) -> list[Any]
 
 STOP_POLL_S = 0.5
 """How often a `gather(..., interruptible=True)` looks for a stop request while it waits."""
+WATCH_POLL_S = 1.0
+"""How often a wait looks at its watchdog deadline (hpcrlhf.run.watchdog) while it waits."""
+LIVE_GROUPS: weakref.WeakSet[WorkerGroup] = weakref.WeakSet()
+"""This process's worker groups (to name the worker a pending task runs on)."""
+
+
+def task_owner(ref: Any) -> str:
+    """'critic rank 1 (node 0 GPU 1)' for a task running on a worker of this process's groups."""
+    try:
+        actor = ref.task_id().actor_id().hex()
+    except Exception:  # noqa: BLE001 -- not an actor task
+        return "a Ray task"
+    return next((who for g in list(LIVE_GROUPS) if (who := g.owner(actor))), f"Ray actor {actor[:12]}")
+
+
+def wait_any(pending: Sequence[Any], *, timeout: float | None = None,
+             who: Callable[[Sequence[Any]], list[str]] | None = None) -> tuple[list[Any], list[Any]]:
+    """`ray.wait(pending, num_returns=1, timeout=timeout)`; while this process has a watchdog, in polls of
+    WATCH_POLL_S that name what is still pending (`who`, default `task_owner` of each) and raise WaitExpired
+    once the wait's deadline passed (a signal cannot interrupt a Ray wait cleanly)."""
+    import ray
+
+    watchdog = active_watchdog()
+    if watchdog is None:
+        return ray.wait(list(pending), num_returns=1, timeout=timeout)
+    ends = None if timeout is None else time.monotonic() + timeout
+    named = None
+    while True:
+        if named is not pending:
+            watchdog.waiting_for(*(who(pending) if who is not None else [task_owner(r) for r in pending]))
+            named = pending
+        poll = WATCH_POLL_S if ends is None else max(0.0, min(WATCH_POLL_S, ends - time.monotonic()))
+        ready, rest = ray.wait(list(pending), num_returns=1, timeout=poll)
+        if ready or (ends is not None and time.monotonic() >= ends):
+            return ready, rest
+        watchdog.check()
 
 
 def gather(refs: Sequence[Any], *, interruptible: bool = False) -> list[Any]:
@@ -254,7 +293,7 @@ def gather(refs: Sequence[Any], *, interruptible: bool = False) -> list[Any]:
 
     pending = list(refs)
     while pending:
-        ready, pending = ray.wait(pending, num_returns=1, timeout=STOP_POLL_S if interruptible else None)
+        ready, pending = wait_any(pending, timeout=STOP_POLL_S if interruptible else None)
         if interruptible and stop_requested_here():
             raise StopRequested
         ray.get(ready)  # raises this one's failure

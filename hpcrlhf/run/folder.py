@@ -129,10 +129,9 @@ class Run:
         self.ended: str | None = None
         """How this attempt ended, once `finish` has run."""
         w = cfg.watchdog
-        on_ray = getattr(getattr(cfg, "placement", None), "runtime", "local") == "ray"
-        self.watchdog = Watchdog(w, self.dir / "watchdog").start() if w.enabled and not on_ray else None
-        """Deadlines of this process's waits: every `timed` phase (and each `watched` one). Not yet on Ray,
-        whose driver must name and stop the stuck workers itself (docs/design/eval-tracking-watchdog.md)."""
+        self.watchdog = Watchdog(w, self.dir / "watchdog").start() if w.enabled else None
+        """Deadlines of this process's waits: every `timed` phase (and each `watched` one); on Ray the driver's
+        gathers name the workers they still wait for and end at the deadline (hpcrlhf.cluster.worker_group.wait_any)."""
 
     def _open_trackers(self) -> Trackers | None:
         """The main rank's trackers (log.backends), each continuing the run's tracked run; a tracker that

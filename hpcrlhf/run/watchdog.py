@@ -43,6 +43,14 @@ EXIT_HUNG = 4
 
 log = get_logger()
 
+_ACTIVE: list[Watchdog] = []
+"""The running watchdog of this process (at most one: `Watchdog.start`/`stop`)."""
+
+
+def active() -> Watchdog | None:
+    """This process's running watchdog, if any (for polling waits far from the `Run`: Ray gathers)."""
+    return _ACTIVE[-1] if _ACTIVE else None
+
 
 @dataclass(frozen=True)
 class Expiry:
@@ -121,9 +129,12 @@ class Watchdog:
         self._running = True
         self._thread = threading.Thread(target=self._watch, name="hpcrlhf-watchdog", daemon=True)
         self._thread.start()
+        _ACTIVE.append(self)
         return self
 
     def stop(self) -> None:
+        if self in _ACTIVE:
+            _ACTIVE.remove(self)
         with self._cond:
             self._running = False
             self._cond.notify_all()
@@ -227,9 +238,12 @@ class Watchdog:
             signal.pthread_kill(p.thread, WATCHDOG_SIGNAL)
 
     def _interrupt(self, signum, frame) -> None:
-        """The main thread's handler of WATCHDOG_SIGNAL: raise where the expired wait still runs."""
+        """The main thread's handler of WATCHDOG_SIGNAL: raise where the expired wait still runs -- except
+        inside Ray's own code (a `ray.get`/`ray.wait` runs handlers in its signal check and turns what they
+        raise into a SystemError): there the wait's poll raises at its next `check()`, and a wait that
+        does not poll ends with the process, `grace_s` later."""
         p = self._innermost(threading.main_thread().ident, expired=True)
-        if p is not None:
+        if p is not None and not _in_ray(frame):
             raise WaitExpired(p.expired)
 
     def _hard_exit(self) -> None:
@@ -239,3 +253,15 @@ class Watchdog:
                   flush=True)
         finally:
             self.exit(EXIT_HUNG)
+
+
+_RAY_PACKAGE = f"{os.sep}ray{os.sep}"
+
+
+def _in_ray(frame, depth: int = 3) -> bool:
+    """Whether the interrupted code is Ray's own (its `get`/`wait`, seen in the innermost `depth` frames)."""
+    while frame is not None and depth > 0:
+        if _RAY_PACKAGE in frame.f_code.co_filename:
+            return True
+        frame, depth = frame.f_back, depth - 1
+    return False

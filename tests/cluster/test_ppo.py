@@ -18,6 +18,7 @@ model. So the equal steps of the two runs also show a served rule scoring as the
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -374,10 +375,11 @@ def test_a_slurm_jobs_stores_listen_in_its_block_sealed(ppo_in_image):
 KILL_CHECKPOINT_EVERY = 3
 
 
-def run_until_killed(ray_cluster, folder, args, kills: list[tuple[int, tuple[str, int]]]) -> dict:
-    """Start the colocated run, SIGKILL the process of each victim (role, rank) once its step is
-    logged, and wait for the driver to end. Returns its exit status, output, the killed pids and
-    seconds from the last kill to the driver's exit."""
+def run_until_killed(ray_cluster, folder, args, kills: list[tuple[int, tuple[str, int]]],
+                     sig: int = signal.SIGKILL) -> dict:
+    """Start the colocated run, send `sig` (SIGKILL; SIGSTOP: a worker that hangs alive) to the process of
+    each victim (role, rank) once its step is logged, and wait for the driver to end. Returns its exit
+    status, output, the killed pids and seconds from the last kill to the driver's exit."""
     placed = folder / "placement.json"
     placed.unlink(missing_ok=True)  # an earlier launch's: its workers (and pids) are gone
     proc = subprocess.Popen(cli_command(["train", "ppo", "--config", COLOCATED, "-o", str(folder), *args]), cwd=ROOT,
@@ -392,7 +394,7 @@ def run_until_killed(ray_cluster, folder, args, kills: list[tuple[int, tuple[str
                 time.sleep(0.5)
             workers = json.loads(placed.read_text())["workers"]
             pids.append(next(w["pid"] for w in workers if (w["role"], w["rank"]) == victim))
-            os.kill(pids[-1], signal.SIGKILL)
+            os.kill(pids[-1], sig)
         killed = time.monotonic()
         output = proc.communicate(timeout=300)[0]
         return {"status": proc.returncode, "output": output, "exit_s": time.monotonic() - killed, "pid": pids[-1],
@@ -412,7 +414,40 @@ def killed_runs(ray_cluster, policy_model, tmp_path_factory) -> dict:
     engine = run_until_killed(ray_cluster, folder, args, [(4, ("vllm", 0))])
     critic = run_until_killed(ray_cluster, folder, [*args, "--set", "placement.vllm.max_restarts=1"],
                               [(5, ("vllm", 0)), (7, ("critic", 1))])
-    return {"folder": folder, "engine": engine, "critic": critic}
+    hung = run_until_killed(ray_cluster, folder, [*args, *HANG_WATCH], [(HUNG_AFTER, ("vllm", 0))], sig=signal.SIGSTOP)
+    for pid in hung["pids"]:  # a stopped process the run did not end
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+    return {"folder": folder, "engine": engine, "critic": critic, "hung": hung}
+
+
+HANG_WATCH = ["--set", "watchdog.floor_s=20", "--set", "watchdog.factor=3", "--set", "watchdog.first_s=600",
+              "--set", "watchdog.grace_s=60"]
+"""The third launch's deadlines: a generation may take 3 x its median + 20 s (its first ones: 600 s)."""
+HUNG_AFTER = 8
+"""The third launch (resumed from step 6) stops its engine once step 8 is logged: step 9 hangs."""
+
+
+@pytest.mark.slow
+def test_an_engine_that_stops_answering_ends_the_run_with_4_naming_it(killed_runs):
+    """A vLLM engine that hangs alive (SIGSTOP after step 8): the driver's wait for it -- step 9's generation, or
+    its weight sync when the generation was done before the stop -- passes its watchdog deadline (a few x its
+    recent median + floor), names the engine, writes the stacks and exits 4 within the deadline, instead of
+    waiting for it forever; a hung generation keeps steps 1-8 in a checkpoint (nothing of step 9 was applied),
+    a hung weight sync may have applied part of step 9: the run resumes from its last checkpoint (step 6)."""
+    hung = killed_runs["hung"]
+    out = hung["output"]
+    assert hung["status"] == 4, out[-4000:]
+    assert hung["exit_s"] < 20 + 3 * 30 + 60, hung  # floor + factor x a generous median + grace: never forever
+    line = next((x for x in out.splitlines() if x.startswith("hpcrlhf: error: step 9 hung: ")), None)
+    assert line is not None, out[-4000:]
+    phase = line.split(" hung: ")[1].split()[0]
+    waiting = line.split("; still waiting for ")[1].split("; stacks: ")[0]
+    assert phase in ("generate", "weight_sync") and "vLLM engine 0 (node 0 GPU 0, node 0 GPU 1)" in waiting, line
+    assert list((killed_runs["folder"] / "watchdog").glob("hang-*.txt")), line
+    resumes_from = HUNG_AFTER if phase == "generate" else 6
+    assert line.endswith(f"rerun the same command to resume from its checkpoint step_{resumes_from:06d}"), line
+    assert "Traceback" not in out, out[-4000:]
 
 
 @pytest.mark.slow
@@ -442,12 +477,12 @@ def test_a_killed_engine_is_restarted_in_the_job_when_allowed(killed_runs):
 
 @pytest.mark.slow
 def test_resumed_after_a_kill_matches_the_uninterrupted_run(killed_runs, runs):
-    """Every step 1..7 logged exactly once, and each drew the samples and losses an uninterrupted run
-    did (the colocated reference run: same layout, seeds and updates) -- steps 4..7 after the resume,
-    step 6 partly generated by the restarted engine."""
+    """Every step 1..8 logged exactly once, and each drew the samples and losses an uninterrupted run
+    did (the colocated reference run: same layout, seeds and updates) -- steps 4..7 after the first resume,
+    step 6 partly generated by the restarted engine, 7..8 after the second (before the engine hung)."""
     assert "resumed from" in killed_runs["critic"]["output"] and "at step 3" in killed_runs["critic"]["output"]
-    rows = train_rows(killed_runs["folder"])  # to step 7 (8 if it ended between polls of run_until_killed)
-    assert [r["step"] for r in rows] == list(range(1, len(rows) + 1)) and len(rows) >= 7
+    rows = train_rows(killed_runs["folder"])  # to step 8 (the hung launch's last)
+    assert [r["step"] for r in rows] == list(range(1, len(rows) + 1)) and len(rows) >= HUNG_AFTER
     ref = train_rows(runs[COLOCATED])[:len(rows)]
     for key in ("rollout/score", "train/value_loss", "train/policy_loss"):
         assert [r[key] for r in rows] == pytest.approx([r[key] for r in ref], abs=1e-6), key

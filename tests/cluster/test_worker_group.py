@@ -55,3 +55,43 @@ def test_a_generator_methods_busy_time_is_the_time_making_its_items():
     time.sleep(0.5)  # the caller holds item 0
     assert list(items) == [1, 2]
     assert 0.3 <= worker.pop_busy() < 0.5
+
+
+def test_a_watched_gather_names_the_worker_it_waits_for_and_ends_at_the_deadline(ray_cluster, tmp_path):
+    """The Ray driver's waits under the watchdog (issue 41): a gather polls, names the workers whose tasks are
+    still pending (here the one of two that never answers), and raises WaitExpired at the deadline -- not a
+    SystemError from inside Ray's wait, where the watchdog's signal lands."""
+    import ray
+
+    from hpcrlhf.cluster.worker_group import LIVE_GROUPS
+    from hpcrlhf.config.schema import WatchdogConfig
+    from hpcrlhf.run.watchdog import Watchdog, WaitExpired
+
+    @ray.remote(num_cpus=0)
+    class Sleeper:
+        def nap(self, seconds: float) -> float:
+            time.sleep(seconds)
+            return seconds
+
+    a, b = Sleeper.remote(), Sleeper.remote()
+    ray.get([a.nap.remote(0), b.nap.remote(0)])
+
+    class Critic:  # the workers' group, as the driver's WorkerGroup names them
+        def owner(self, actor_id: str) -> str | None:
+            return {a._actor_id.hex(): "critic rank 0", b._actor_id.hex(): "critic rank 1"}.get(actor_id)
+
+    critic = Critic()
+    LIVE_GROUPS.add(critic)
+    dog = Watchdog(WatchdogConfig(first_s=2, floor_s=1, grace_s=120), tmp_path).start()
+    try:
+        start = time.monotonic()
+        with pytest.raises(WaitExpired) as hung, dog.phase("train"):
+            gather([a.nap.remote(0.2), b.nap.remote(3600)])
+        assert 2 <= time.monotonic() - start < 10
+        assert hung.value.expiry.parties == ("critic rank 1",), hung.value.expiry
+        assert "critic rank 1" in hung.value.expiry.message() and list(tmp_path.glob("hang-*critic_rank_1.txt"))
+        assert gather([a.nap.remote(0.1)]) == [0.1]  # no watched phase: an ordinary gather
+    finally:
+        dog.stop()
+        ray.kill(a)
+        ray.kill(b)

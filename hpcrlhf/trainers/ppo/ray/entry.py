@@ -15,7 +15,7 @@ from hpcrlhf.cluster.session import host_gpus, local_cluster_problem, ray_sessio
 from hpcrlhf.cluster.worker_group import (dead_worker_message, death_verdict, lost_node_message, lost_worker_error,
                                           unreachable, worker_with_id)
 from hpcrlhf.config.schema import PPOConfig
-from hpcrlhf.errors import WorkerLost
+from hpcrlhf.errors import Hung, WorkerLost
 from hpcrlhf.logs import get_logger
 from hpcrlhf.models.loading import ModelPathError, check_model_source
 from hpcrlhf.models.tiny import resolve_model_path
@@ -71,6 +71,10 @@ def run_ray_ppo(cfg: PPOConfig) -> dict:
         try:
             trainer = PPOTrainer(cfg, lambda ctx: RayRoles(ctx, reservation))
             return trainer.fit()
+        except Hung:  # the watchdog named what hung; a stuck worker is killed, not asked to close
+            if trainer is not None:
+                trainer.roles.abandon()
+            raise
         except Exception as e:
             groups = trainer.roles.all_groups if trainer is not None else []
             cause = lost_worker_error(e, groups)

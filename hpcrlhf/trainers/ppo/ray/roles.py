@@ -43,7 +43,7 @@ import torch
 from hpcrlhf.cluster.engines import EngineFleet, EngineWorker
 from hpcrlhf.cluster.reservation import Reservation
 from hpcrlhf.cluster.reward_servers import RewardServers
-from hpcrlhf.cluster.worker_group import WorkerGroup, gather, gather_rows
+from hpcrlhf.cluster.worker_group import WorkerGroup, gather, gather_rows, wait_any
 from hpcrlhf.data.batching import RowList
 from hpcrlhf.engines.rollout.settings import vllm_engine_args
 from hpcrlhf.errors import PlacementError
@@ -170,7 +170,7 @@ class RayRoles:
         start, left, seconds = time.perf_counter(), {role: set(refs) for role, refs in pending.items()}, {}
         waiting = [ref for refs in pending.values() for ref in refs]
         while waiting:  # each role's time from the common start to its last rank's end
-            (ready,), waiting = ray.wait(waiting, num_returns=1)
+            (ready,), waiting = wait_any(waiting)
             ray.get(ready)  # a failed rank raises now, not after its peers' collective timeout
             for role, refs in left.items():
                 if ready in refs:
@@ -218,6 +218,10 @@ class RayRoles:
     def save_model(self, folder: str = "model", files: dict[str, str] | None = None) -> None:
         self.phases.enter("train")
         self.groups["actor"].call("save_model", folder, files)
+
+    def abandon(self) -> None:
+        """After a hang: `close` kills every worker without asking the engines to close (a stuck one never answers)."""
+        self.rollout.graceful = False
 
     def close(self) -> None:
         """Stop the engines, the reward servers and every worker (also after one of them died)."""
