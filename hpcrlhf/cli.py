@@ -418,8 +418,8 @@ def main(argv: list[str] | None = None) -> int:
     """The `hpcrlhf` program (argv None: sys.argv), or a call of it in a caller's process (argv given:
     a test, a script), which gets its own logging back when the call returns (hpcrlhf.logs)."""
     code = _main(argv)
-    if argv is None and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        exit_rank(code)
+    if argv is None and (int(os.environ.get("WORLD_SIZE", "1")) > 1 or code == EXIT_LOST):
+        exit_rank(code)  # (EXIT_LOST: what hung, a request to a reward server, say, may hold a thread)
     return code
 
 

@@ -54,9 +54,8 @@ from hpcrlhf.run.folder import config_changes
 from hpcrlhf.run.metrics import read_json_lines
 from hpcrlhf.run.lock import RunLock
 from hpcrlhf.run.stats import add_stats, new_stats
-from hpcrlhf.run.signals import StopFlag
+from hpcrlhf.run.signals import StopFlag, active_watchdog
 from hpcrlhf.run.watchdog import Watchdog, WaitExpired
-from hpcrlhf.run.watchdog import active as active_watchdog
 from hpcrlhf.trainers.loop import eval_sampling_params
 from hpcrlhf.trainers.online import flatten_generations
 

@@ -305,7 +305,7 @@ class FleetBatch:
         groups kept, its end noted, or its part started again when its engine died."""
         import ray
 
-        wait_any(list(self.streams), who=lambda pending: [self.fleet.group.name(self.streams[s]) for s in pending])
+        wait_any(list(self.streams), who=lambda pending: [self.fleet.group.placed_name(self.streams[s]) for s in pending])
         ready, _ = ray.wait(list(self.streams), num_returns=len(self.streams), timeout=0)
         for stream in ready:
             rank = self.streams[stream]

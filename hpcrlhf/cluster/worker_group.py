@@ -21,8 +21,7 @@ from hpcrlhf.cluster.reservation import Reservation
 from hpcrlhf.data.batching import shard_rows
 from hpcrlhf.errors import RewardServerError
 from hpcrlhf.placement import Device
-from hpcrlhf.run.signals import StopRequested, stop_requested_here
-from hpcrlhf.run.watchdog import active as active_watchdog
+from hpcrlhf.run.signals import StopRequested, active_watchdog, stop_requested_here
 
 
 COLLECTIVE_TIMEOUT_S = 1800.0
@@ -194,8 +193,10 @@ class WorkerGroup:
     def owner(self, actor_id: str) -> str | None:
         """'critic rank 1 (node 2 GPU 1)' for the hex id of one of this group's actors, else None."""
         rank = self.rank_of(actor_id)
-        if rank is None:
-            return None
+        return None if rank is None else self.placed_name(rank)
+
+    def placed_name(self, rank: int) -> str:
+        """'critic rank 1 (node 2 GPU 1)': rank `rank` and its devices in the node map."""
         return f"{self.name(rank)} ({', '.join(f'node {d.node} GPU {d.gpu}' for d in self.placements[rank])})"
 
     def on_node(self, node: int) -> list[str]:

@@ -39,6 +39,7 @@ from hpcrlhf.errors import ConfigError, RewardServerError
 from hpcrlhf.logs import get_logger
 from hpcrlhf.rewards.response import Response
 from hpcrlhf.rewards.workers import run_parallel
+from hpcrlhf.run.signals import active_watchdog
 
 log = get_logger()
 
@@ -120,6 +121,9 @@ class RemoteSource:
         size = self.cfg.batch_size
         batches = [responses[start : start + size] for start in range(0, len(responses), size)]
         self.stopping.clear()
+        watchdog = active_watchdog()
+        if watchdog is not None:  # a hung reward phase names the server(s)
+            watchdog.waiting_for(*self.labels)
         answers = run_parallel(self._ask, batches, self.cfg.concurrency, self.stopping.set)
         return [score for answer in answers for score in answer]
 

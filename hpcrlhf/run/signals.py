@@ -119,6 +119,16 @@ def _interrupt_user_code() -> None:
         raise StopRequested
 
 
+RUNNING_WATCHDOGS: list = []
+"""This process's running watchdog (`hpcrlhf.run.watchdog.Watchdog.start`/`stop`; at most one)."""
+
+
+def active_watchdog():
+    """This process's running watchdog, else None: waits far from the run (Ray gathers, reward servers) name
+    whom they wait for (`waiting_for`) and poll their deadline (`check`)."""
+    return RUNNING_WATCHDOGS[-1] if RUNNING_WATCHDOGS else None
+
+
 def installed_flag() -> StopFlag | None:
     """The StopFlag whose handlers this process runs (a run's, `hpcrlhf.run.folder.Run`), else None."""
     flag = getattr(signal.getsignal(signal.SIGTERM), "__self__", None)

@@ -33,6 +33,7 @@ from pathlib import Path
 
 from hpcrlhf.config.schema import WatchdogConfig
 from hpcrlhf.logs import get_logger
+from hpcrlhf.run.signals import RUNNING_WATCHDOGS
 from hpcrlhf.run.stacks import dump_stacks
 
 WATCHDOG_SIGNAL = signal.SIGRTMIN + 6
@@ -42,14 +43,6 @@ EXIT_HUNG = 4
 """The status a process the watchdog ends itself exits with: `hpcrlhf.run.signals.EXIT_LOST`, requeued."""
 
 log = get_logger()
-
-_ACTIVE: list[Watchdog] = []
-"""The running watchdog of this process (at most one: `Watchdog.start`/`stop`)."""
-
-
-def active() -> Watchdog | None:
-    """This process's running watchdog, if any (for polling waits far from the `Run`: Ray gathers)."""
-    return _ACTIVE[-1] if _ACTIVE else None
 
 
 @dataclass(frozen=True)
@@ -129,12 +122,12 @@ class Watchdog:
         self._running = True
         self._thread = threading.Thread(target=self._watch, name="hpcrlhf-watchdog", daemon=True)
         self._thread.start()
-        _ACTIVE.append(self)
+        RUNNING_WATCHDOGS.append(self)
         return self
 
     def stop(self) -> None:
-        if self in _ACTIVE:
-            _ACTIVE.remove(self)
+        if self in RUNNING_WATCHDOGS:
+            RUNNING_WATCHDOGS.remove(self)
         with self._cond:
             self._running = False
             self._cond.notify_all()

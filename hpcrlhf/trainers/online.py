@@ -291,7 +291,8 @@ class OnlineTrainer(TrainingLoop):
             began = arrived = time.monotonic()
             flat = flatten_generations([prompts[i] for i, _ in groups], [g for _, g in groups], self.tokenizer)
             rows = [i for i, generations in groups for _ in generations]  # each row's prompt
-            scored.append((rows, flat, *self.rewards.score(flat[2])))
+            with self.run.watched("reward"):  # (its own deadline: timed below, with the overlap told apart)
+                scored.append((rows, flat, *self.rewards.score(flat[2])))
             calls.append((began, time.monotonic()))
         # generation ended by the time the last group arrived here (a done-callback may note it later)
         generated = min(pending.finished() or arrived, arrived)

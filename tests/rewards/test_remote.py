@@ -333,3 +333,45 @@ def test_ppo_with_the_rule_on_a_server_equals_the_rule_in_process(serve, tmp_pat
             assert a["reward/rule_serverrules.short"] == b["reward/server0_127.0.0.1"]
     assert not any(TOKEN in path.read_text(errors="replace") for path in Path(remote).rglob("*") if path.is_file()
                    and path.stat().st_size < 10_000_000)
+
+
+@pytest.mark.slow
+def test_a_reward_server_that_stops_answering_ends_the_run_with_4_naming_it(serve, tmp_path):
+    """Issue 41's watchdog: the server holds step 3's request (its 4th: after the evaluation before training
+    and steps 1-2) far longer than the run's deadline for scoring (20 x its median + 3 s: well before the whole
+    step's), under a 1-hour reward.remote.timeout_s. The run names the server, checkpoints steps 1-2 (nothing
+    of step 3 was applied) and exits 4 without waiting for the request; once the server answers again, the
+    same command resumes from step 2 to the end."""
+    released, asked = threading.Event(), []
+
+    def answer(request: dict) -> tuple[int, object]:
+        asked.append(len(request["responses"]))
+        if len(asked) == 4:
+            released.wait(600)
+        return length_scores(request)
+
+    server = serve(answer)
+    out = tmp_path / "run"
+    args = ["train", "ppo", "-o", str(out), "--set", "train.max_steps=4", "--set", "rollout.prompts_per_step=4",
+            "--set", "rollout.samples_per_prompt=2", "--set", "rollout.max_new_tokens=3", "--set", "eval.max_new_tokens=3",
+            "--set", "ppo.advantage_estimator=grpo", "--set", "eval.every_steps=0", "--set", "eval.score_prompts=8",
+            "--set", "task.eval_size=16", "--set", "log.backends=[]", "--set", "log.every_steps=1",
+            "--set", "checkpoint.save_model=false", "--set", "checkpoint.every_steps=1",
+            "--set", "reward.remote.timeout_s=3600", "--set", f"reward.sources=[{{url: '{server.url}'}}]",
+            "--set", "watchdog.floor_s=3", "--set", "watchdog.factor=20", "--set", "watchdog.first_s=120",
+            "--set", "watchdog.grace_s=30"]
+    started = time.monotonic()
+    try:
+        proc = run_cli(args, check=False, timeout=300)
+    finally:
+        released.set()
+    assert proc.returncode == 4, proc.stderr[-3000:]
+    assert time.monotonic() - started < 120  # the deadline (seconds), not the request's hour
+    error = proc.stderr.strip().splitlines()[-1]
+    assert error.startswith("hpcrlhf: error: step 3 hung: reward did not finish within "), error
+    assert f"; still waiting for reward.sources[0].url '{server.url}'" in error, error
+    assert error.endswith("; checkpointed at step 2; rerun the same command to resume from its checkpoint step_000002")
+    rerun = run_cli(args, timeout=300)
+    assert "resumed from" in rerun.stderr and "step_000002" in rerun.stderr
+    steps = [m["step"] for m in read_metrics(out) if "reward/server0_127.0.0.1" in m]
+    assert steps == [1, 2, 3, 4], steps
