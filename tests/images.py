@@ -133,7 +133,9 @@ def build_cpu_image() -> Path:
 def checkout_bind(image: Path) -> str:
     """`SRC:DST` that binds the checkout's hpcrlhf package over the copy installed in `image` (where
     the image's Python imports it from, asked once)."""
-    proc = subprocess.run(["apptainer", "exec", str(image), "python", "-c",
+    # -I: the image's own sys.path only (not the current folder, which apptainer binds: from a checkout that
+    # would find the checkout's package, and the bind would then cover nothing)
+    proc = subprocess.run(["apptainer", "exec", str(image), "python", "-I", "-c",
                            "import hpcrlhf, os; print(os.path.dirname(hpcrlhf.__file__))"],
                           capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=120)
     assert proc.returncode == 0, f"{image} cannot import hpcrlhf: {proc.stderr[-2000:]}"

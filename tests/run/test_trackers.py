@@ -152,20 +152,29 @@ def test_mlflow_holds_metrics_jsonl_in_one_run_with_no_step_twice(tracked):
     assert run.data.tags["hpcrlhf.version.hpcrlhf"] and run.info.run_name == "run"
 
 
-def test_wandb_offline_fragments_hold_one_run_id_and_every_step_once(tracked):
+def test_wandb_offline_fragments_hold_one_run_id_and_every_metric_once(tracked):
+    """Two fragments of one W&B run; each (step, metric) once across them. A step may open the second fragment
+    with the keys the first did not have: a stop during the evaluation after step 8 (its train window sent)
+    makes the resumed attempt evaluate at step 8 again, and only the evaluation's keys are sent then."""
     out, stopped_at, ledger_then, resumed = tracked
     run_id = ledger_then["wandb"]["id"]
     assert json.loads((out / "trackers.json").read_text())["wandb"]["id"] == run_id
     fragments = wandb_rows(out, run_id)
     assert len(fragments) == 2, list((out / "wandb").iterdir())
-    rows = [row for fragment in fragments for row in fragment]
-    steps = [row["_step"] for row in rows]
-    assert steps == sorted(set(steps)), steps  # across both attempts: increasing, none twice
-    assert max(row["_step"] for row in fragments[0]) <= stopped_at < min(row["_step"] for row in fragments[1])
+    for fragment in fragments:
+        steps = [row["_step"] for row in fragment]
+        assert steps == sorted(set(steps)), steps
+    first, second = fragments
+    assert first[-1]["_step"] <= stopped_at and first[-1]["_step"] <= second[0]["_step"]
+    if first[-1]["_step"] == second[0]["_step"]:
+        assert not (set(first[-1]) & set(second[0])) - {"_step"}, (first[-1], second[0])
+    merged: dict[int, dict[str, float]] = {}
+    for row in first + second:
+        merged.setdefault(row["_step"], {}).update({k: v for k, v in row.items() if k != "_step"})
     want = expected_by_step(out)
-    assert steps == sorted(want)
-    for row in rows:
-        assert same({k: v for k, v in row.items() if k != "_step"}, want[row["_step"]]), row["_step"]
+    assert sorted(merged) == sorted(want)
+    for step, values in merged.items():
+        assert same(values, want[step]), step
     line = f"wandb sync --id {run_id} -p hpcrlhf {out / 'wandb'}/offline-run-*-{run_id}"
     assert line in resumed.stderr, resumed.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
