@@ -376,6 +376,12 @@ def test_a_slurm_jobs_stores_listen_in_its_block_sealed(ppo_in_image):
 KILL_CHECKPOINT_EVERY = 3
 
 
+def driver_story(output: str) -> str:
+    """What a failed launch's driver said: its hpcrlhf log lines about workers (restarts, deaths), then its tail."""
+    said = [line for line in output.splitlines() if re.search(r"restart|died|resum|hung|error", line)]
+    return "\n".join(said)[-6000:] + "\n--- tail:\n" + output[-4000:]
+
+
 def run_until_killed(ray_cluster, folder, args, kills: list[tuple[int, tuple[str, int]]],
                      sig: int = signal.SIGKILL) -> dict:
     """Start the colocated run, send `sig` (SIGKILL; SIGSTOP: a worker that hangs alive) to the process of
@@ -391,7 +397,7 @@ def run_until_killed(ray_cluster, folder, args, kills: list[tuple[int, tuple[str
         for after_step, victim in kills:
             while not (placed.exists() and logged_steps(folder) >= after_step  # this launch's workers and steps
                        and (folder / "metrics.jsonl").stat().st_mtime > placed.stat().st_mtime):
-                assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0][-4000:]
+                assert proc.poll() is None and time.monotonic() < deadline, driver_story(proc.communicate()[0])
                 time.sleep(0.5)
             workers = json.loads(placed.read_text())["workers"]
             pids.append(next(w["pid"] for w in workers if (w["role"], w["rank"]) == victim))
@@ -400,7 +406,7 @@ def run_until_killed(ray_cluster, folder, args, kills: list[tuple[int, tuple[str
             except ProcessLookupError:
                 proc.kill()
                 raise AssertionError(f"{victim} (pid {pids[-1]}) is gone before step {after_step}'s kill:\n"
-                                     + proc.communicate()[0][-6000:]) from None
+                                     + driver_story(proc.communicate()[0])) from None
         killed = time.monotonic()
         output = proc.communicate(timeout=300)[0]
         return {"status": proc.returncode, "output": output, "exit_s": time.monotonic() - killed, "pid": pids[-1],

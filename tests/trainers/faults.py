@@ -14,7 +14,12 @@ met it does, and
 
     python -m tests.trainers.faults hang make_experience 3 -- train ppo -o RUN ...
 
-whose third call of that method never returns (the watchdog's tests).
+whose third call of that method never returns (the watchdog's tests), and
+
+    python -m tests.trainers.faults stop-at 6 -- train sft -o RUN ...
+
+which sends the run the stop signal (SIGUSR1, what Slurm sends before a time limit) itself as its
+step 6 ends: the stop lands at that step however fast the host runs the steps after it.
 """
 
 from __future__ import annotations
@@ -123,21 +128,42 @@ def inject_hang(method: str, call: int) -> None:
     setattr(owner, method, hanging)
 
 
+def inject_stop(step: int) -> None:
+    """Patch the run so that the process signals itself SIGUSR1 as step `step` ends (`Run.step_done`):
+    the real handler takes it, and the loop's stop check at that step's end finds it."""
+    import os
+    import signal
+
+    from hpcrlhf.run.folder import Run
+
+    step_done = Run.step_done
+
+    def signalling(self, done: int) -> None:
+        step_done(self, done)
+        if done == step:
+            os.kill(os.getpid(), signal.SIGUSR1)
+
+    Run.step_done = signalling
+
+
 def main(argv: list[str]) -> int:
     if argv[:1] == ["engine-skip"]:
         print("REPORT " + json.dumps(engine_skip_report(int(argv[1]), argv[2])))
         return 0
     if argv[:1] == ["hang"] and len(argv) > 3 and argv[1] in HANGS and argv[3] == "--":
         inject_hang(argv[1], int(argv[2]))
-        from hpcrlhf.cli import main as cli_main
-
-        return cli_main(argv[4:])
-    kind, steps, sep, *cli_args = argv
-    if kind != "nan-logits" or sep != "--":
+        cli_args = argv[4:]
+    elif argv[:1] in (["nan-logits"], ["stop-at"]) and len(argv) > 2 and argv[2] == "--":
+        if argv[0] == "stop-at":
+            inject_stop(int(argv[1]))
+        else:
+            inject_nan_logits({int(s) for s in argv[1].split(",")})
+        cli_args = argv[3:]
+    else:
         raise SystemExit("usage: python -m tests.trainers.faults nan-logits STEP[,STEP...] -- HPCRLHF ARGS\n"
                          f"       python -m tests.trainers.faults hang {{{','.join(HANGS)}}} CALL -- HPCRLHF ARGS\n"
+                         "       python -m tests.trainers.faults stop-at STEP -- HPCRLHF ARGS\n"
                          "       python -m tests.trainers.faults engine-skip STAGE PRECISION")
-    inject_nan_logits({int(s) for s in steps.split(",")})
     from hpcrlhf.cli import main as cli_main
 
     return cli_main(cli_args)
