@@ -21,7 +21,6 @@ import json
 import math
 import re
 import shutil
-from contextlib import nullcontext
 from functools import partial
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -55,7 +54,7 @@ from hpcrlhf.run.metrics import read_json_lines
 from hpcrlhf.run.lock import RunLock
 from hpcrlhf.run.stats import add_stats, new_stats
 from hpcrlhf.run.signals import StopFlag, active_watchdog
-from hpcrlhf.run.watchdog import Watchdog, WaitExpired
+from hpcrlhf.run.watchdog import Watchdog, WaitExpired, watched
 from hpcrlhf.trainers.loop import eval_sampling_params
 from hpcrlhf.trainers.online import flatten_generations
 
@@ -231,13 +230,6 @@ def load_sets(cfg: EvalJobConfig, tokenizer, window: ContextWindow) -> list[Eval
 
 # -- the job -----------------------------------------------------------------------------------
 
-def _watched(kind: str):
-    """A wait of the eval job that the watchdog times against the earlier ones of its kind (`batch`: a round of
-    answers and their scores; `load`: a target's model)."""
-    dog = active_watchdog()
-    return dog.phase(kind, per_step=False) if dog is not None else nullcontext()
-
-
 def _prepare_folder(out: Path, cfg: EvalJobConfig) -> RunLock:
     """Rank 0: the output folder made, locked and checked (`_check_rerun`); the lock is released on a refusal."""
     make_folders(out, "--output-dir")
@@ -396,7 +388,7 @@ def _answer_all(cfg, out: Path, env, targets, sets, tokenizer, flag: StopFlag) -
             # a damaged checkpoint, a full disk: an error on every rank, none left waiting
             path = on_main_rank(partial(materialize, target, cfg, out, tokenizer), env.rank == 0)
             log.info(f"evaluating {target.name} ({path})")
-            with _watched("load"):
+            with watched(active_watchdog(), "load", per_step=False):  # a target's model
                 engine = engines.load(path)
             if _answer_target(cfg, out, env, target, units, engine, tokenizer, flag, progress):
                 return True
@@ -418,7 +410,7 @@ def _answer_target(cfg, out: Path, env, target: EvalTarget, units, engine, token
         rounds = math.ceil(math.ceil(len(s.prompts) / bs) / env.world_size)
         mine = iter(batches)
         for _ in range(rounds):  # the same count on every rank: each round agrees on stopping
-            with _watched("batch"):  # (a rank waiting here for a hung peer ends too)
+            with watched(active_watchdog(), "batch", per_step=False):  # answers and scores (a rank waiting for a hung peer too)
                 if all_reduce_sum([float(flag.requested)])[0]:
                     return True
                 b = next(mine, None)

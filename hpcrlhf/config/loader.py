@@ -358,6 +358,13 @@ def to_dict(cfg: Any) -> dict[str, Any]:
     return _plain(cfg)
 
 
+def flat_settings(tree: Any, prefix: str = "") -> dict[str, Any]:
+    """A settings tree (`to_dict`'s) as dotted setting -> its value; lists are values (pure)."""
+    if isinstance(tree, dict):
+        return {k: v for key, value in tree.items() for k, v in flat_settings(value, f"{prefix}{key}.").items()}
+    return {prefix[:-1]: tree}
+
+
 def to_yaml(cfg: Any) -> str:
     """`cfg` as YAML that `load_config(type(cfg), data=yaml.safe_load(...))` turns back into `cfg`."""
     return yaml.dump(to_dict(cfg), Dumper=Dumper, sort_keys=False, allow_unicode=True)

@@ -22,7 +22,7 @@ import torch
 import yaml
 
 from hpcrlhf import __version__
-from hpcrlhf.config.loader import to_dict, to_yaml
+from hpcrlhf.config.loader import flat_settings, to_dict, to_yaml
 from hpcrlhf.config.schema import TrainJobConfig
 from hpcrlhf.engines.distributed import DistEnv, all_reduce_sum, barrier, on_main_rank
 from hpcrlhf.errors import ConfigError, HpcrlhfError, TrainingError
@@ -35,7 +35,7 @@ from hpcrlhf.run.metrics import MetricsWriter, read_metrics
 from hpcrlhf.run.trackers import LEDGER, Trackers, require_installed
 from hpcrlhf.run.versions import software_versions
 from hpcrlhf.run.signals import StopFlag, StopRequested
-from hpcrlhf.run.watchdog import Watchdog
+from hpcrlhf.run.watchdog import Watchdog, watched
 
 log = get_logger()
 
@@ -74,18 +74,12 @@ IGNORED_CHANGES = ("output_dir", "checkpoint.resume")
 """Settings of the attempt, not of the run: where the folder is named from, and whether to resume."""
 
 
-def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(tree, dict):
-        return {k: v for key, value in tree.items() for k, v in _flatten(value, f"{prefix}{key}.").items()}
-    return {prefix[:-1]: tree}
-
-
 def config_changes(before: dict[str, Any], after: dict[str, Any],
                    defaults: dict[str, Any] | None = None) -> dict[str, tuple[Any, Any]]:
     """Dotted key -> (folder's value, new value) for every setting that differs (pure). A key the
     folder's config lacks while the new value is its default (`defaults`) is no change: a setting
     added by a later hpcrlhf, which the run used without its name."""
-    old, new, default = _flatten(before), _flatten(after), _flatten(defaults or {})
+    old, new, default = flat_settings(before), flat_settings(after), flat_settings(defaults or {})
     added = {k for k in new if k not in old and k in default and new[k] == default[k]}
     return {k: (old.get(k), new.get(k)) for k in sorted(set(old) | set(new))
             if old.get(k) != new.get(k) and not k.startswith(IGNORED_CHANGES) and k not in added}
@@ -308,14 +302,9 @@ class Run:
         finally:
             self.add_timing(name, time.perf_counter() - t0)
 
-    @contextmanager
-    def watched(self, name: str, per_step: bool = True) -> Iterator[None]:
+    def watched(self, name: str, per_step: bool = True):
         """A wait the watchdog times (`per_step`: by its total in the step; else each one alone)."""
-        if self.watchdog is None:
-            yield
-            return
-        with self.watchdog.phase(name, per_step):
-            yield
+        return watched(self.watchdog, name, per_step)
 
     def step_done(self, step: int) -> None:
         """Step `step` has ended: its phases' totals become the watchdog's history."""

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from hpcrlhf.config.loader import to_dict
+from hpcrlhf.config.loader import flat_settings, to_dict
 from hpcrlhf.config.schema import TrainJobConfig
 from hpcrlhf.config.schema.sections import MLflowConfig, WandbConfig
 from hpcrlhf.errors import ConfigError, HpcrlhfError
@@ -104,11 +104,9 @@ def mlflow_key(key: str) -> str:
     return _MLFLOW_KEY.sub("_", key.replace("@", "_at_"))
 
 
-def flat_settings(tree: Any, prefix: str = "") -> dict[str, str]:
+def settings_as_params(tree: Any) -> dict[str, str]:
     """Dotted setting -> its value as text (MLflow's params)."""
-    if isinstance(tree, dict):
-        return {k: v for key, value in tree.items() for k, v in flat_settings(value, f"{prefix}{key}.").items()}
-    return {prefix[:-1]: json.dumps(tree) if isinstance(tree, (list, tuple)) else str(tree)}
+    return {k: json.dumps(v) if isinstance(v, (list, tuple)) else str(v) for k, v in flat_settings(tree).items()}
 
 
 # --- the ledger -------------------------------------------------------------------------------------
@@ -156,7 +154,7 @@ class Tracker:
 class TensorBoardTracker(Tracker):
     name = "tensorboard"
 
-    def __init__(self, run_dir: Path, entry: dict[str, Any]):
+    def __init__(self, run_dir: Path):
         from torch.utils.tensorboard import SummaryWriter
 
         require_safe(run_dir / "tensorboard", "folder")  # its writer follows links
@@ -282,7 +280,7 @@ class MLflowTracker(Tracker):
             experiment_id = experiment.experiment_id if experiment else client.create_experiment(cfg.experiment)
             run_id = client.create_run(experiment_id, run_name=cfg.run_name or run_dir.resolve().name,
                                        tags={**versions, **attempt_tags, "hpcrlhf.run_dir": str(run_dir.resolve())}).info.run_id
-            params = [Param(k, v[:MAX_PARAM_VAL_LENGTH]) for k, v in flat_settings(settings["config"]).items()]
+            params = [Param(k, v[:MAX_PARAM_VAL_LENGTH]) for k, v in settings_as_params(settings["config"]).items()]
             for i in range(0, len(params), MAX_PARAMS_TAGS_PER_BATCH):
                 client.log_batch(run_id, params=params[i:i + MAX_PARAMS_TAGS_PER_BATCH])
             client.log_artifact(run_id, str(config_file))
@@ -340,7 +338,7 @@ class Trackers:
     def _open(name: str, cfg: TrainJobConfig, run_dir: Path, entry: dict[str, Any], settings: dict[str, Any]) -> Tracker:
         try:
             if name == "tensorboard":
-                return TensorBoardTracker(run_dir, entry)
+                return TensorBoardTracker(run_dir)
             if name == "wandb":
                 return WandbTracker(cfg.log.wandb, run_dir, entry, settings)
             return MLflowTracker(cfg.log.mlflow, run_dir, entry, settings, run_dir / "config.yaml")

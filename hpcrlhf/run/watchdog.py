@@ -27,7 +27,7 @@ import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -249,6 +249,11 @@ class Watchdog:
 
 
 _RAY_PACKAGE = f"{os.sep}ray{os.sep}"
+
+
+def watched(dog: Watchdog | None, name: str, per_step: bool = True):
+    """A wait that `dog` times (`per_step`: by its total in the step; else each one alone); no watchdog: untimed."""
+    return dog.phase(name, per_step) if dog is not None else nullcontext()
 
 
 def _in_ray(frame, depth: int = 3) -> bool:

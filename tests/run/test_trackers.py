@@ -17,7 +17,7 @@ import pytest
 
 from hpcrlhf.errors import ConfigError
 from hpcrlhf.run.metrics import read_metrics
-from hpcrlhf.run.trackers import (advance, flat_settings, mlflow_key, numbers, require_installed, unsent,
+from hpcrlhf.run.trackers import (advance, mlflow_key, numbers, require_installed, settings_as_params, unsent,
                                   wandb_mode)
 from tests.launch_helpers import ROOT, cli_env, run_cli
 from tests.run.wandb_records import history
@@ -50,7 +50,7 @@ def test_values_keys_and_params_as_the_trackers_take_them():
     assert mlflow_key("eval/task_score/pass@4") == "eval/task_score/pass_at_4"
     assert mlflow_key("eval/usermetrics:exact/maj@8") == "eval/usermetrics:exact/maj_at_8"
     assert mlflow_key("train/loss (ema)") == "train/loss _ema_"
-    assert flat_settings({"a": {"b": 1, "c": [1, 2]}, "d": None}) == {"a.b": "1", "a.c": "[1, 2]", "d": "None"}
+    assert settings_as_params({"a": {"b": 1, "c": [1, 2]}, "d": None}) == {"a.b": "1", "a.c": "[1, 2]", "d": "None"}
 
 
 def test_a_missing_package_is_a_config_error_naming_the_fix():
