@@ -60,7 +60,11 @@ class WorkerLost(TrainingError):
 
 class Hung(WorkerLost):
     """A wait passed its watchdog deadline (hpcrlhf.run.watchdog): the job ends as for a lost worker
-    (exit 4, requeued), naming what hung and where its stacks are."""
+    (exit 4, requeued), naming what hung and where its stacks are. `parties`: whom the wait was for."""
+
+    def __init__(self, message: str, parties: tuple[str, ...] = ()):
+        super().__init__(message)
+        self.parties = parties
 
 
 class UnsafeFileError(HpcrlhfError):

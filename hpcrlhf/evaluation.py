@@ -319,7 +319,7 @@ def run_eval(cfg: EvalJobConfig) -> dict[str, Any]:
         return write_results(cfg, out, targets, sets, env.world_size)
     finally:
         if dog is not None:
-            dog.stop()
+            dog.stop(until_exit=True)  # a hung evaluation's teardown stays under the grace exit
         if lock is not None:
             lock.release()
 

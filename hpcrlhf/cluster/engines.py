@@ -149,12 +149,30 @@ class EngineFleet:
 
     def sleep(self) -> None:
         """Every engine releases its GPU memory (`VLLMRollout.sleep`)."""
-        gather([w.sleep.remote() for w in self.handles])
+        self.call_every("sleep")
 
     def wake(self, tags: Sequence[str]) -> None:
         """Every engine restores the memory of `tags` (`VLLMRollout.wake`); an engine restarted
         since it slept is awake already."""
-        gather([w.wake.remote(list(tags)) for w in self.handles])
+        self.call_every("wake", list(tags))
+
+    def call_every(self, method: str, *args: Any) -> list[Any]:
+        """`method(*args)` on every engine, the answers in rank order. An engine found dead is restarted
+        (`restart`: when allowed, else its death raises) and asked again, as in a generation: an engine can
+        die between two steps, and the next call to meet it may be any of the fleet's."""
+        from ray.exceptions import RayActorError
+
+        asked = {rank: getattr(w, method).remote(*args) for rank, w in enumerate(self.handles)}
+        while True:
+            try:
+                answers = gather(list(asked.values()))
+                return [answers[rank] for rank in sorted(asked)]
+            except RayActorError as e:
+                rank = self.group.rank_of(e.actor_id)
+                if rank is None:
+                    raise
+                self.restart(rank, e)  # raises when it may not
+                asked[rank] = getattr(self.handles[rank], method).remote(*args)
 
     def start_sync(self) -> None:
         """Start the next `sync` now, behind the work already queued on either side: each engine
@@ -200,8 +218,8 @@ class EngineFleet:
         log.warning(f"{dead_worker_message(error, [self.group])}; restarting it on its GPUs "
                     f"({self.restarts_left} restart(s) left, placement.vllm.max_restarts)")
         began = time.monotonic()
-        handle = self.group.respawn(rank)
-        ray.get(handle.node_ip.remote())  # constructed: vLLM is up
+        self.group.respawn(rank)
+        self.group.locate([rank])  # constructed: vLLM is up
         if pushed:
             self.push(self.handles)  # all: a collective weight sync re-forms its group with the new engine
         log.info(f"{self.group.name(rank)} restarted in {time.monotonic() - began:.0f} s; redoing its share")

@@ -22,6 +22,7 @@ from hpcrlhf.data.batching import shard_rows
 from hpcrlhf.errors import RewardServerError
 from hpcrlhf.placement import Device
 from hpcrlhf.run.signals import StopRequested, active_watchdog, stop_requested_here
+from hpcrlhf.run.stacks import PY_SPY_TIMEOUT_S, SIGNALLED_WAIT_S, dump_on_signal, signalled_stacks
 
 
 COLLECTIVE_TIMEOUT_S = 1800.0
@@ -40,6 +41,10 @@ class Whereabouts:
     node_ip: str
     visible_devices: str
     pid: int
+    node_id: str = ""
+    """Ray's id of its node (where a task that reads its stacks must run)."""
+    stacks_fd: int | None = None
+    """The file its stacks go to on STACKS_SIGNAL (`hpcrlhf.run.stacks.dump_on_signal`), if armed."""
 
 
 def busy(method: Callable) -> Callable:
@@ -79,6 +84,10 @@ class RoleWorker:
     def __init__(self, role: str, rank: int, world_size: int) -> None:
         self.role, self.rank, self.world_size = role, rank, world_size
         self.busy_s = 0.0
+        try:  # the driver's watchdog asks a stuck worker for its stacks (`worker_stacks`)
+            self.stacks_fd: int | None = dump_on_signal()
+        except (OSError, ValueError, RuntimeError):  # no writable temp folder, or no such signal here
+            self.stacks_fd = None
 
     def pop_busy(self) -> float:
         """Seconds spent in work methods since the last call."""
@@ -128,8 +137,10 @@ class RoleWorker:
         return int(one.item())
 
     def whereabouts(self) -> Whereabouts:
+        import ray
+
         return Whereabouts(self.role, self.rank, self.node_ip(), os.environ.get("CUDA_VISIBLE_DEVICES", ""),
-                           os.getpid())
+                           os.getpid(), ray.get_runtime_context().get_node_id(), self.stacks_fd)
 
 
 class WorkerGroup:
@@ -146,6 +157,8 @@ class WorkerGroup:
         self._spawn = lambda rank: remote_cls.options(name=None, **reservation.actor_options(
             self.placements[rank], env=env)).remote(role, rank, world, *args, **kwargs)
         self.workers = [self._spawn(rank) for rank in range(world)]
+        self.located: dict[int, Whereabouts] = {}
+        """Where each rank runs, as it said (`locate`)."""
         self.joined = join
         if join and world > 0:
             meeting = ray.get(self.workers[0].serve_rendezvous.remote())
@@ -203,12 +216,26 @@ class WorkerGroup:
         """Names of this group's workers on map node `node`."""
         return [self.name(rank) for rank, devices in enumerate(self.placements) if devices[0].node == node]
 
+    def locate(self, ranks: Sequence[int] | None = None) -> list[Whereabouts]:
+        """Ask ranks `ranks` (all: None) where they run, and keep it (`located`: the stacks of a stuck
+        worker are read where it runs)."""
+        ranks = range(len(self.workers)) if ranks is None else ranks
+        found = gather([self.workers[rank].whereabouts.remote() for rank in ranks])
+        self.located.update(zip(ranks, found))
+        return found
+
+    def stuck_stacks(self, parties: Sequence[str]) -> list[tuple[int, str]]:
+        """(rank, its stacks) of each of this group's workers named in `parties` (`placed_name`s)."""
+        ranks = [r for r in range(len(self.workers)) if self.placed_name(r) in parties and r in self.located]
+        return list(zip(ranks, worker_stacks([self.located[r] for r in ranks])))
+
     def respawn(self, rank: int) -> Any:
         """A new worker in place of (dead) worker `rank`, on the same devices and built with the same
         arguments. Only for groups without a process group (a new rank cannot join a live one)."""
         if self.joined:
             raise RuntimeError(f"{self.role} rank {rank} cannot be replaced: its role's process group is fixed")
         self.workers[rank] = self._spawn(rank)
+        self.located.pop(rank, None)
         return self.workers[rank]
 
     def kill(self) -> None:
@@ -299,6 +326,29 @@ def gather(refs: Sequence[Any], *, interruptible: bool = False) -> list[Any]:
             raise StopRequested
         ray.get(ready)  # raises this one's failure
     return ray.get(list(refs))
+
+
+def worker_stacks(workers: Sequence[Whereabouts], wait_s: float = SIGNALLED_WAIT_S) -> list[str]:
+    """The stacks of each worker (where it runs: `whereabouts`), read on its node by a task pinned there
+    (`hpcrlhf.run.stacks.signalled_stacks`), all at once; for each, its text or why there is none."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    read = ray.remote(num_cpus=0, max_retries=0)(signalled_stacks)
+    refs = [read.options(scheduling_strategy=NodeAffinitySchedulingStrategy(w.node_id, soft=False)).remote(
+        w.pid, w.stacks_fd, wait_s) if w.node_id and w.stacks_fd is not None else None for w in workers]
+    asked = [ref for ref in refs if ref is not None]
+    ray.wait(asked, num_returns=len(asked), timeout=wait_s + PY_SPY_TIMEOUT_S + 10)
+    texts = []
+    for w, ref in zip(workers, refs):
+        if ref is None:
+            texts.append(f"(no stacks of process {w.pid}: it was not armed for them)")
+            continue
+        try:
+            texts.append(ray.get(ref, timeout=0))
+        except Exception as e:  # noqa: BLE001 -- its node is gone, or the read timed out: say so
+            texts.append(f"(no stacks of process {w.pid} on {w.node_ip}: {type(e).__name__}: {e})")
+    return texts
 
 
 def dead_worker_message(error, groups: Sequence[WorkerGroup]) -> str:

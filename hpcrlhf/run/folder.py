@@ -396,7 +396,7 @@ class Run:
             return
         self.ended = ended
         if self.watchdog is not None:
-            self.watchdog.stop()
+            self.watchdog.stop(until_exit=True)  # a hung run's teardown stays under the grace exit
         if self.progress is not None:
             self.progress.close()
         trackers = self.metrics.trackers

@@ -125,9 +125,14 @@ class Watchdog:
         RUNNING_WATCHDOGS.append(self)
         return self
 
-    def stop(self) -> None:
+    def stop(self, *, until_exit: bool = False) -> None:
+        """The job's waits are over. `until_exit`: after an expiry the grace exit stays armed until the
+        process ends -- the teardown of a hung job (killing its workers, closing engines, leaving a process
+        group) can hang on the same stuck party, and nothing else would end it."""
         if self in RUNNING_WATCHDOGS:
             RUNNING_WATCHDOGS.remove(self)
+        if until_exit and self.expired:
+            return
         with self._cond:
             self._running = False
             self._cond.notify_all()
@@ -201,7 +206,9 @@ class Watchdog:
                 if self._expired_at is not None and now >= self._expired_at + self.deadlines.grace_s:
                     self._hard_exit()
                     return
-                live = [(self._due(p), p) for p in self._phases if p.expired is None]
+                # after an expiry the process is ending: what it still does (a checkpoint of the steps done,
+                # the teardown) has until the grace exit, and is not interrupted again
+                live = [(self._due(p), p) for p in self._phases if p.expired is None and self._expired_at is None]
                 wake = [due for (due, _, _), _ in live]
                 if self._expired_at is not None:
                     wake.append(self._expired_at + self.deadlines.grace_s)

@@ -197,7 +197,7 @@ class TrainingLoop:
         self.run.finish("hung")
         latest = self.run.checkpoints.latest()
         resume = f"from its checkpoint {latest.name}" if latest is not None else "from the start (no checkpoint)"
-        raise Hung(f"{expiry.message()}{done}; rerun the same command to resume {resume}")
+        raise Hung(f"{expiry.message()}{done}; rerun the same command to resume {resume}", expiry.parties)
 
     def _fit(self) -> dict:
         run, plan = self.run, self.plan

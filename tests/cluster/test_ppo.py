@@ -25,6 +25,7 @@ import re
 import signal
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 
@@ -389,15 +390,22 @@ def run_until_killed(ray_cluster, folder, args, kills: list[tuple[int, tuple[str
     status, output, the killed pids and seconds from the last kill to the driver's exit."""
     placed = folder / "placement.json"
     placed.unlink(missing_ok=True)  # an earlier launch's: its workers (and pids) are gone
-    proc = subprocess.Popen(cli_command(["train", "ppo", "--config", COLOCATED, "-o", str(folder), *args]), cwd=ROOT,
-                            env=cli_env(RAY_ADDRESS=ray_cluster.address), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    said = folder.parent / f"launch-{len(list(folder.parent.glob('launch-*.log'))) + 1}.log"  # kept for a post-mortem
+    with said.open("w") as sink:
+        proc = subprocess.Popen(cli_command(["train", "ppo", "--config", COLOCATED, "-o", str(folder), *args]),
+                                cwd=ROOT, env=cli_env(RAY_ADDRESS=ray_cluster.address), stdout=sink,
+                                stderr=subprocess.STDOUT)
+
+    def output() -> str:
+        proc.wait(timeout=300)
+        return said.read_text()
+
     try:
         deadline, pids = time.monotonic() + 600, []
         for after_step, victim in kills:
             while not (placed.exists() and logged_steps(folder) >= after_step  # this launch's workers and steps
                        and (folder / "metrics.jsonl").stat().st_mtime > placed.stat().st_mtime):
-                assert proc.poll() is None and time.monotonic() < deadline, driver_story(proc.communicate()[0])
+                assert proc.poll() is None and time.monotonic() < deadline, driver_story(output())
                 time.sleep(0.5)
             workers = json.loads(placed.read_text())["workers"]
             pids.append(next(w["pid"] for w in workers if (w["role"], w["rank"]) == victim))
@@ -406,10 +414,10 @@ def run_until_killed(ray_cluster, folder, args, kills: list[tuple[int, tuple[str
             except ProcessLookupError:
                 proc.kill()
                 raise AssertionError(f"{victim} (pid {pids[-1]}) is gone before step {after_step}'s kill:\n"
-                                     + driver_story(proc.communicate()[0])) from None
+                                     + driver_story(output())) from None
         killed = time.monotonic()
-        output = proc.communicate(timeout=300)[0]
-        return {"status": proc.returncode, "output": output, "exit_s": time.monotonic() - killed, "pid": pids[-1],
+        text = output()
+        return {"status": proc.returncode, "output": text, "exit_s": time.monotonic() - killed, "pid": pids[-1],
                 "pids": pids}
     finally:
         proc.kill()
@@ -457,7 +465,10 @@ def test_an_engine_that_stops_answering_ends_the_run_with_4_naming_it(killed_run
     assert step in (HUNG_AFTER + 1, HUNG_AFTER + 2), line  # the first step that needs the engine after the stop
     waiting = line.split("; still waiting for ")[1].split("; stacks: ")[0]
     assert "vLLM engine 0 (node 0 GPU 0, node 0 GPU 1)" in waiting, line
-    assert list((killed_runs["folder"] / "watchdog").glob("hang-*.txt")), line
+    assert list((killed_runs["folder"] / "watchdog").glob("hang-*.txt")), line  # the driver's stacks
+    # the engine's own, read on its node: a stopped process writes none, and its file says so
+    stacks = re.search(rf"stacks of vLLM engine 0 \(node 0 GPU 0, node 0 GPU 1\), process {hung['pid']} on [\d.]+: (\S+)", out)
+    assert stacks and f"(process {hung['pid']} wrote no stacks within" in Path(stacks[1]).read_text(), out[-4000:]
     every = KILL_CHECKPOINT_EVERY  # a phase that applies nothing of its step keeps the steps done, else the periodic one
     resumes_from = step - 1 if phase in CHECKPOINTABLE else (step - 1) // every * every
     assert line.endswith(f"rerun the same command to resume from its checkpoint step_{resumes_from:06d}"), line

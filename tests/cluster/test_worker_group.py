@@ -95,3 +95,35 @@ def test_a_watched_gather_names_the_worker_it_waits_for_and_ends_at_the_deadline
         dog.stop()
         ray.kill(a)
         ray.kill(b)
+
+
+class Napper(RoleWorker):
+    def nap_forever(self) -> None:
+        time.sleep(3600)
+
+
+@pytest.mark.slow
+def test_a_stuck_workers_stacks_are_read_where_it_runs(ray_cluster):
+    """What the watchdog writes for a stuck Ray worker (issue 41): a worker busy in a method that never returns
+    writes its stacks on the signal (faulthandler, armed by RoleWorker), read by a task pinned to its node; a
+    stopped worker writes none, and the text says so before py-spy's reading (or why there is none)."""
+    import ray
+
+    from hpcrlhf.cluster.worker_group import worker_stacks
+
+    napper = ray.remote(num_cpus=0)(Napper).remote("critic", 1, 2)
+    try:
+        where = ray.get(napper.whereabouts.remote())
+        assert where.node_id == ray.get_runtime_context().get_node_id() and where.stacks_fd is not None, where
+        napper.nap_forever.remote()
+        time.sleep(1.0)
+        (text,) = worker_stacks([where])
+        assert "in nap_forever" in text, text
+        os.kill(where.pid, signal.SIGSTOP)  # the test cluster's node is this host
+        try:
+            (text,) = worker_stacks([where], wait_s=1.0)
+        finally:
+            os.kill(where.pid, signal.SIGCONT)
+        assert text.startswith(f"(process {where.pid} wrote no stacks within 1 s of signal"), text
+    finally:
+        ray.kill(napper)

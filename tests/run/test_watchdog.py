@@ -5,14 +5,16 @@ reading another process's stacks."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
 import pytest
 
-from hpcrlhf.run.stacks import py_spy
+from hpcrlhf.run.stacks import py_spy, signalled_stacks
 from hpcrlhf.config.schema import WatchdogConfig
 from hpcrlhf.run.watchdog import WaitExpired, Watchdog
 from tests.launch_helpers import ROOT, cli_env
@@ -86,6 +88,21 @@ def test_a_wait_within_its_deadline_is_left_alone():
     assert not dog.expired
 
 
+def test_after_an_expiry_the_checkpoint_and_the_teardown_are_not_interrupted_again():
+    """They have until the grace exit: a second expiry would cut the checkpoint of the steps done short."""
+    dog = Watchdog(WatchdogConfig(first_s=0.3, grace_s=60.0)).start()
+    try:
+        with pytest.raises(WaitExpired):
+            with dog.phase("generate"):
+                threading.Event().wait(30)
+        with dog.phase("checkpoint", per_step=False):  # first_s 0.3 s would be its deadline too
+            time.sleep(1.0)
+            dog.check()
+        assert dog.expired and dog._last.kind == "generate"
+    finally:
+        dog.stop()
+
+
 STUCK = """
 import signal, time
 from hpcrlhf.config.schema import WatchdogConfig
@@ -109,6 +126,65 @@ def test_a_main_thread_no_signal_reaches_is_ended_with_4_after_the_grace_period(
             "before in this attempt); still waiting for actor rank 0; the process did not end within "
             "watchdog.grace_s 1 s of it: ended with status 4 (requeued)") in proc.stderr, proc.stderr[-2000:]
     assert "never" not in proc.stdout
+
+
+HUNG_TEARDOWN = """
+import time
+from hpcrlhf.config.schema import WatchdogConfig
+from hpcrlhf.run.watchdog import WaitExpired, Watchdog
+dog = Watchdog(WatchdogConfig(first_s=0.3, grace_s=1.0)).start()
+try:
+    with dog.phase("generate"):
+        dog.waiting_for("vLLM engine 0")
+        time.sleep(60)
+except WaitExpired:
+    print("expired", flush=True)
+    dog.stop(until_exit=True)  # the run ends (Run.finish) ...
+    time.sleep(60)  # ... and its teardown hangs on the same stuck party (killing it, closing the engines)
+print("never")
+"""
+
+
+def test_a_hung_runs_teardown_that_hangs_too_is_ended_with_4_after_the_grace_period():
+    started = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", HUNG_TEARDOWN], cwd=ROOT, env=cli_env(), capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 4 and proc.stdout.split() == ["expired"], proc.stderr[-2000:]
+    assert time.monotonic() - started < 30
+    assert "still waiting for vLLM engine 0; the process did not end within watchdog.grace_s 1 s of it" in proc.stderr
+
+
+def test_a_watchdog_that_saw_no_expiry_stops_for_good():
+    dog = Watchdog(WatchdogConfig(first_s=0.3, grace_s=0.1)).start()
+    dog.stop(until_exit=True)
+    assert dog._thread is not None and not dog._thread.is_alive() and not dog.expired
+
+
+ARMED = """
+import time
+from hpcrlhf.run.stacks import dump_on_signal
+print(dump_on_signal(), dump_on_signal(), flush=True)  # once per process: the same file
+def waiting_here():
+    time.sleep(60)
+waiting_here()
+"""
+
+
+def test_an_armed_process_writes_its_stacks_on_the_signal_into_a_file_without_a_name():
+    child = subprocess.Popen([sys.executable, "-c", ARMED], cwd=ROOT, env=cli_env(), stdout=subprocess.PIPE, text=True)
+    try:
+        fd, again = map(int, child.stdout.readline().split())
+        assert fd == again
+        time.sleep(0.3)  # into waiting_here
+        first, second = signalled_stacks(child.pid, fd), signalled_stacks(child.pid, fd)
+        assert "waiting_here" in first and "(most recent call first)" in first, first
+        assert second.count("waiting_here") == 1, second  # each answer holds only what was written for it
+        target = os.readlink(f"/proc/{child.pid}/fd/{fd}")  # the file has no name left: nothing stays behind
+        assert target.startswith(f"{tempfile.gettempdir()}/hpcrlhf-stacks-") and target.endswith(" (deleted)"), target
+    finally:
+        child.kill()
+        child.wait()
+    assert signalled_stacks(child.pid, fd) == f"(no stacks of process {child.pid}: it has ended)"
 
 
 def test_py_spy_reads_the_stacks_of_another_process():

@@ -71,8 +71,10 @@ def run_ray_ppo(cfg: PPOConfig) -> dict:
         try:
             trainer = PPOTrainer(cfg, lambda ctx: RayRoles(ctx, reservation))
             return trainer.fit()
-        except Hung:  # the watchdog named what hung; a stuck worker is killed, not asked to close
+        except Hung as e:  # the watchdog named what hung; a stuck worker is killed, not asked to close
             if trainer is not None:
+                for line in trainer.roles.stuck_stacks(e.parties, trainer.run.dir / "watchdog"):
+                    log.warning(line)
                 trainer.roles.abandon()
             raise
         except Exception as e:

@@ -49,7 +49,7 @@ from hpcrlhf.engines.rollout.settings import vllm_engine_args
 from hpcrlhf.errors import PlacementError
 from hpcrlhf.logs import get_logger
 from hpcrlhf.placement.roles import TRAINED
-from hpcrlhf.run.files import replace_file
+from hpcrlhf.run.files import make_folders, replace_file
 from hpcrlhf.run.stats import Stats, add_stats, new_stats
 from hpcrlhf.trainers.online import reward_set
 from hpcrlhf.trainers.ppo.experience import ExperienceBatch
@@ -126,7 +126,7 @@ class RayRoles:
     def check_placement(self) -> None:
         """Every worker's node and visible GPUs, read back from the worker, must be the map's."""
         groups = self.all_groups
-        found = [w for g in groups for w in gather(g.call_async("whereabouts"))]
+        found = [w for g in groups for w in g.locate()]
         expected = {}
         for g in groups:
             for rank, devices in enumerate(g.placements):
@@ -205,9 +205,11 @@ class RayRoles:
 
     def pop_busy(self) -> dict[str, float]:
         """Each role's (and the engines', `vllm`) busy seconds since the last call, mean over ranks."""
-        groups = self.all_groups
+        groups = [g for g in self.all_groups if g is not self.rollout.group]
         seconds = iter(gather([w.pop_busy.remote() for g in groups for w in g.workers]))
-        return {g.role: sum(next(seconds) for _ in g.workers) / max(len(g.workers), 1) for g in groups}
+        busy = {g.role: sum(next(seconds) for _ in g.workers) / max(len(g.workers), 1) for g in groups}
+        engines = self.rollout.call_every("pop_busy")  # an engine that died since the last step is restarted here
+        return {**busy, self.rollout.group.role: sum(engines) / max(len(engines), 1)}
 
     def optimizer_stats(self) -> dict[str, float | None]:
         return ray.get(self.groups["actor"].workers[0].optimizer_stats.remote())
@@ -218,6 +220,20 @@ class RayRoles:
     def save_model(self, folder: str = "model", files: dict[str, str] | None = None) -> None:
         self.phases.enter("train")
         self.groups["actor"].call("save_model", folder, files)
+
+    def stuck_stacks(self, parties: Sequence[str], folder: Path) -> list[str]:
+        """Write the stacks of the workers among `parties` (a hung wait's, by their placed names) into
+        `folder`, each read where it runs; a line per worker naming its file."""
+        lines = []
+        for group in self.all_groups:
+            for rank, text in group.stuck_stacks(parties):
+                w = group.located[rank]
+                make_folders(folder, "the watchdog's stacks folder")
+                name = group.name(rank).replace(" ", "_")
+                path = folder / f"stacks-{time.strftime('%Y%m%d-%H%M%S')}-{name}-{w.pid}.txt"
+                replace_file(path, f"# {group.placed_name(rank)}: process {w.pid} on {w.node_ip}\n{text}")
+                lines.append(f"stacks of {group.placed_name(rank)}, process {w.pid} on {w.node_ip}: {path}")
+        return lines
 
     def abandon(self) -> None:
         """After a hang: `close` kills every worker without asking the engines to close (a stuck one never answers)."""
