@@ -99,3 +99,75 @@ def test_the_ray_roles_start_the_sync_only_where_nobody_sleeps_between_phases():
                                 rollout=SimpleNamespace(start_sync=partial(started.append, 1)))
         RayRoles.learn(roles, None, 0, [], push=push)
         assert len(started) == expected, (sleepers, push)
+
+
+class Counter:
+    """An engine's stand-in: answers `pop_busy` with its seconds so far (a new one starts at 0)."""
+
+    def __init__(self, busy: float) -> None:
+        self.busy = busy
+
+    def pop_busy(self) -> float:
+        out, self.busy = self.busy, 0.0
+        return out
+
+    def node_ip(self) -> str:
+        return "127.0.0.1"
+
+
+class LiveEngines(Engines):
+    """A fleet's group of real Ray actors that `respawn` replaces (at 0 busy seconds) and no node loses."""
+
+    def __init__(self, *busy: float) -> None:
+        import ray
+
+        self.actor = ray.remote(num_cpus=0)(Counter)
+        super().__init__(*(self.actor.remote(b) for b in busy))
+        self.reservation = SimpleNamespace(lost_nodes=lambda: [])
+
+    def rank_of(self, actor_id):
+        return next((r for r, w in enumerate(self.workers) if w._actor_id.hex() == actor_id), None)
+
+    def name(self, rank: int) -> str:
+        return f"vLLM engine {rank}"
+
+    def owner(self, actor_id: str) -> str | None:
+        rank = self.rank_of(actor_id)
+        return None if rank is None else self.name(rank)
+
+    def respawn(self, rank: int):
+        self.workers[rank] = self.actor.remote(0.0)
+        return self.workers[rank]
+
+    def locate(self, ranks) -> None:
+        import ray
+
+        ray.get([self.workers[r].node_ip.remote() for r in ranks])
+
+
+def killed(handle) -> None:
+    """Kill a Ray actor and wait until it is gone (`ray.kill` returns at once)."""
+    import ray
+
+    ray.kill(handle, no_restart=True)
+    with pytest.raises(ray.exceptions.RayActorError):
+        while True:
+            ray.get(handle.node_ip.remote())
+
+
+def test_an_engine_that_died_between_steps_is_restarted_by_the_next_call_to_all_engines(ray_cluster):
+    """An engine killed after a step's end is met first by whatever the next step asks of every engine (the
+    driver pops their busy seconds before generating): restarted there when allowed, given the weights, and
+    asked again -- the others are asked once; not allowed, its death is raised (the run ends with exit 4)."""
+    import ray
+
+    push = RecordingPush(tasks=None)
+    engines = LiveEngines(1.5, 2.5)
+    fleet = EngineFleet(engines, push, max_restarts=1)
+    killed(engines.workers[1])
+    assert fleet.call_every("pop_busy") == [1.5, 0.0]  # engine 0's answer kept, engine 1 restarted
+    assert fleet.restarts_left == 0 and push.calls == [("push", engines.workers)]
+    killed(engines.workers[0])
+    with pytest.raises(ray.exceptions.ActorDiedError):
+        fleet.call_every("pop_busy")
+    fleet.group.kill = lambda: None
