@@ -302,7 +302,7 @@ def run_eval(cfg: EvalJobConfig) -> dict[str, Any]:
         init_distributed()
     lock = on_main_rank(lambda: _prepare_folder(out, cfg), env.rank == 0, share=False)  # a refusal ends every rank
     third_party_to("file", out / THIRD_PARTY_LOG)
-    dog = Watchdog(cfg.watchdog, out / "watchdog").start() if cfg.watchdog.enabled else None
+    dog = Watchdog.of_rank(cfg.watchdog, out / "watchdog", env.rank, env.world_size)
     try:
         try:
             stopped = _answer_all(cfg, out, env, targets, sets, tokenizer, flag)
@@ -500,15 +500,31 @@ def results_table(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def x_axis(targets: list[dict[str, Any]]) -> tuple[list[float], str | None]:
+    """Where each target goes on the plots' x axis, and its label: the training step when every target has
+    one (a run's checkpoints: spaced as trained), else its position (models of no run: named on the axis)."""
+    steps = [t["step"] for t in targets]
+    if steps and all(isinstance(s, int) for s in steps) and len(set(steps)) == len(steps):
+        return [float(s) for s in steps], "step"
+    return [float(i) for i in range(len(targets))], None
+
+
 def plot_results(results: dict[str, Any], path: Path) -> Path:
-    """A panel per (dataset, metric): each target's value, in the order evaluated (checkpoints by step)."""
+    """A panel per (dataset, metric): each target's value against its step (a run's checkpoints), or in the
+    order evaluated, named (other models)."""
     panels = [(d["name"], k) for d in results["datasets"] for k in _columns(results, d["name"])]
-    names = [t["name"] for t in results["targets"]]
+    order = sorted(range(len(results["targets"])), key=lambda i: x_axis(results["targets"])[0][i])
+    targets = [results["targets"][i] for i in order]
+    xs, label = x_axis(targets)
+    names = [t["name"] for t in targets]
     with figure(path, ncols=max(1, len(panels)), figsize=(3.6 * max(1, len(panels)), 3.2)) as (_, axes):
         for ax, (dataset, key) in zip(axes, panels):
             values = [results["results"][n][dataset].get(key, float("nan")) for n in names]
-            ax.plot(range(len(names)), values, marker="o")
-            ax.set_xticks(range(len(names)), names, rotation=30, ha="right", fontsize=7)
+            ax.plot(xs, values, marker="o")
+            if label is None:
+                ax.set_xticks(xs, names, rotation=30, ha="right", fontsize=7)
+            else:
+                ax.set_xlabel(label)
             ax.set_title(f"{dataset}: {key.removeprefix('eval/')}", fontsize=9)
             ax.grid(alpha=0.3)
     return path

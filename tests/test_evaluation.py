@@ -272,3 +272,13 @@ def test_sbatch_writes_an_mpi_eval_job_that_reads_the_run_and_writes_beside_it(t
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1] == ("hpcrlhf: error: launcher ray: an eval job runs as ranks of its own; "
                                                     "use --launcher mpi (one rank per GPU)")
+
+
+def test_a_runs_checkpoints_are_plotted_at_their_steps_other_models_in_order():
+    from hpcrlhf.evaluation import x_axis
+
+    checkpoints = [{"name": "step_000030", "step": 30}, {"name": "step_000010", "step": 10}]
+    assert x_axis(checkpoints) == ([30.0, 10.0], "step")  # spaced as trained (plot_results sorts them)
+    models = [{"name": "base", "step": None}, {"name": "step_000010", "step": 10}]
+    assert x_axis(models) == ([0.0, 1.0], None)  # a model of no run: by position, named on the axis
+    assert x_axis([{"name": "a", "step": 5}, {"name": "b", "step": 5}]) == ([0.0, 1.0], None)  # two runs' step 5

@@ -21,10 +21,9 @@ import secrets
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 from hpcrlhf.cluster.reservation import Reservation
-from hpcrlhf.cluster.worker_group import RoleWorker, busy
+from hpcrlhf.cluster.worker_group import RoleWorker, Workers, busy
 from hpcrlhf.config.schema import PPOConfig, RewardConfig, ServeRewardConfig
 from hpcrlhf.errors import HpcrlhfError
 from hpcrlhf.logs import get_logger
@@ -100,7 +99,7 @@ class RewardServerWorker(RoleWorker):
             self.server = None
 
 
-class RewardServers:
+class RewardServers(Workers):
     """The job's reward servers, one Ray actor each, placed as `reservation.node_map.reward_servers` says."""
 
     role = ROLE
@@ -108,6 +107,7 @@ class RewardServers:
     def __init__(self, cfg: PPOConfig, reservation: Reservation, run_dir: Path):
         import ray
 
+        super().__init__()
         self.plans = reservation.node_map.reward_servers
         self.reward: RewardConfig = cfg.reward
         self.timeout_s = cfg.placement.reward_server.start_timeout_s
@@ -165,18 +165,8 @@ class RewardServers:
                 out.setdefault(plan.source, ([], self.token))[0].append(url)
         return out
 
-    def call_async(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
-        """`method` on every server's actor (as `WorkerGroup.call_async`: whereabouts, pop_busy)."""
-        return [getattr(w, method).remote(*args, **kwargs) for w in self.workers]
-
-    def rank_of(self, actor_id: str | None) -> int | None:
-        """The server whose actor has hex id `actor_id`, else None (as `WorkerGroup.rank_of`)."""
-        return next((i for i, w in enumerate(self.workers) if w._actor_id.hex() == actor_id), None)
-
-    def owner(self, actor_id: str) -> str | None:
-        """The server whose actor has hex id `actor_id` (for `dead_worker_message`), else None."""
-        index = self.rank_of(actor_id)
-        return None if index is None else self.name(index)
+    def placed_name(self, index: int) -> str:
+        return self.name(index)
 
     def on_node(self, node: int) -> list[str]:
         return [self.name(p.index) for p in self.plans if p.node == node]

@@ -143,26 +143,65 @@ class RoleWorker:
                            os.getpid(), ray.get_runtime_context().get_node_id(), self.stacks_fd)
 
 
-class WorkerGroup:
+class Workers:
+    """Ray actors, one per rank, as the driver sees them: all of them called at once, one named by its
+    actor id (`owner`), where each runs (`locate`), the stacks of those stuck (`stuck_stacks`). Subclasses
+    hold `workers` and say how a rank is named where it runs (`placed_name`)."""
+
+    workers: list[Any]
+
+    def __init__(self) -> None:
+        self.located: dict[int, Whereabouts] = {}
+        """Where each rank runs, as it said (`locate`)."""
+        LIVE_GROUPS.add(self)  # a pending task of one of them is named by its worker (`task_owner`)
+
+    def placed_name(self, rank: int) -> str:
+        raise NotImplementedError
+
+    def call_async(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        return [getattr(w, method).remote(*args, **kwargs) for w in self.workers]
+
+    def rank_of(self, actor_id: str | None) -> int | None:
+        """The rank of this group's actor with hex id `actor_id`, else None."""
+        return next((rank for rank, w in enumerate(self.workers) if w._actor_id.hex() == actor_id), None)
+
+    def owner(self, actor_id: str) -> str | None:
+        """'critic rank 1 (node 2 GPU 1)' for the hex id of one of this group's actors, else None."""
+        rank = self.rank_of(actor_id)
+        return None if rank is None else self.placed_name(rank)
+
+    def locate(self, ranks: Sequence[int] | None = None) -> list[Whereabouts]:
+        """Ask ranks `ranks` (all: None) where they run, and keep it (`located`: the stacks of a stuck
+        worker are read where it runs)."""
+        ranks = range(len(self.workers)) if ranks is None else ranks
+        found = gather([self.workers[rank].whereabouts.remote() for rank in ranks])
+        self.located.update(zip(ranks, found))
+        return found
+
+    def stuck_stacks(self, parties: Sequence[str]) -> list[tuple[int, str]]:
+        """(rank, its stacks) of each of this group's workers named in `parties` (`placed_name`s)."""
+        ranks = [r for r in range(len(self.workers)) if self.placed_name(r) in parties and r in self.located]
+        return list(zip(ranks, worker_stacks([self.located[r] for r in ranks])))
+
+
+class WorkerGroup(Workers):
     """The Ray actors of one role (or of the vLLM engines: one actor per TP group)."""
 
     def __init__(self, role: str, worker_cls: type, reservation: Reservation, placements: Sequence[Sequence[Device]],
                  *args: Any, env: dict[str, str] | None = None, join: bool = True, **kwargs: Any) -> None:
         import ray
 
+        super().__init__()
         self.role, self.placements, self.reservation = role, [tuple(p) for p in placements], reservation
-        LIVE_GROUPS.add(self)
         remote_cls = ray.remote(worker_cls)
         world = len(self.placements)
         self._spawn = lambda rank: remote_cls.options(name=None, **reservation.actor_options(
             self.placements[rank], env=env)).remote(role, rank, world, *args, **kwargs)
         self.workers = [self._spawn(rank) for rank in range(world)]
-        self.located: dict[int, Whereabouts] = {}
-        """Where each rank runs, as it said (`locate`)."""
         self.joined = join
         if join and world > 0:
-            meeting = ray.get(self.workers[0].serve_rendezvous.remote())
-            ray.get([w.init_process_group.remote(meeting) for w in self.workers])
+            (meeting,) = gather([self.workers[0].serve_rendezvous.remote()])
+            gather([w.init_process_group.remote(meeting) for w in self.workers])
 
     @classmethod
     def for_role(cls, role: str, worker_cls: type, reservation: Reservation, *args: Any, **kwargs: Any) -> WorkerGroup:
@@ -190,23 +229,11 @@ class WorkerGroup:
         shards = batch.split(len(self.workers), pad_to_equal=pad_to_equal)
         return Scattered(self.scatter_async(method, shards, *args), [len(s) for s in shard_rows(len(batch), len(self))])
 
-    def call_async(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
-        return [getattr(w, method).remote(*args, **kwargs) for w in self.workers]
-
     def call(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
         return gather(self.call_async(method, *args, **kwargs))
 
     def name(self, rank: int) -> str:
         return f"vLLM engine {rank}" if self.role == "vllm" else f"{self.role} rank {rank}"
-
-    def rank_of(self, actor_id: str | None) -> int | None:
-        """The rank of this group's actor with hex id `actor_id`, else None."""
-        return next((rank for rank, w in enumerate(self.workers) if w._actor_id.hex() == actor_id), None)
-
-    def owner(self, actor_id: str) -> str | None:
-        """'critic rank 1 (node 2 GPU 1)' for the hex id of one of this group's actors, else None."""
-        rank = self.rank_of(actor_id)
-        return None if rank is None else self.placed_name(rank)
 
     def placed_name(self, rank: int) -> str:
         """'critic rank 1 (node 2 GPU 1)': rank `rank` and its devices in the node map."""
@@ -215,19 +242,6 @@ class WorkerGroup:
     def on_node(self, node: int) -> list[str]:
         """Names of this group's workers on map node `node`."""
         return [self.name(rank) for rank, devices in enumerate(self.placements) if devices[0].node == node]
-
-    def locate(self, ranks: Sequence[int] | None = None) -> list[Whereabouts]:
-        """Ask ranks `ranks` (all: None) where they run, and keep it (`located`: the stacks of a stuck
-        worker are read where it runs)."""
-        ranks = range(len(self.workers)) if ranks is None else ranks
-        found = gather([self.workers[rank].whereabouts.remote() for rank in ranks])
-        self.located.update(zip(ranks, found))
-        return found
-
-    def stuck_stacks(self, parties: Sequence[str]) -> list[tuple[int, str]]:
-        """(rank, its stacks) of each of this group's workers named in `parties` (`placed_name`s)."""
-        ranks = [r for r in range(len(self.workers)) if self.placed_name(r) in parties and r in self.located]
-        return list(zip(ranks, worker_stacks([self.located[r] for r in ranks])))
 
     def respawn(self, rank: int) -> Any:
         """A new worker in place of (dead) worker `rank`, on the same devices and built with the same
@@ -272,7 +286,7 @@ STOP_POLL_S = 0.5
 """How often a `gather(..., interruptible=True)` looks for a stop request while it waits."""
 WATCH_POLL_S = 1.0
 """How often a wait looks at its watchdog deadline (hpcrlhf.run.watchdog) while it waits."""
-LIVE_GROUPS: weakref.WeakSet[WorkerGroup] = weakref.WeakSet()
+LIVE_GROUPS: weakref.WeakSet[Workers] = weakref.WeakSet()
 """This process's worker groups (to name the worker a pending task runs on)."""
 
 

@@ -31,7 +31,8 @@ from collections.abc import Sequence
 from hpcrlhf.errors import HpcrlhfError
 from hpcrlhf.hpc.allocation import Allocation, check_fits, node_addresses
 from hpcrlhf.hpc.ray_slurm import run_node, start_node, stop_node
-from hpcrlhf.hpc.sbatch import SlurmOptions, container_setup, exec_prefix, offline_env, ray_token_env
+from hpcrlhf.hpc.sbatch import (NODES_GONE_GRACE_S, SlurmOptions, container_setup, exec_prefix, offline_env,
+                                 ray_token_env)
 from hpcrlhf.run.files import make_folders, require_safe
 from hpcrlhf.run.signals import EXIT_LOST, EXIT_REQUEUE
 
@@ -73,7 +74,7 @@ class ClusterTask:
         if self.launcher == "ray":
             head = start_node(alloc, 0)
             try:
-                status = self._run([self.python, "-m", "hpcrlhf.hpc.ray_slurm", "driver", *self.argv], {})
+                status = self._run([self.python, "-m", "hpcrlhf.hpc.ray_slurm", "driver", *self.argv], {}, head=head)
             finally:
                 stop_node(head)
         else:
@@ -83,11 +84,36 @@ class ClusterTask:
             status = self._run([self.python, "-m", "hpcrlhf", *self.argv], {k: str(v) for k, v in ranks.items()})
         return self._result(status, env.global_rank)
 
-    def _run(self, cmd: Sequence[str], env: dict[str, str]) -> int:
-        self._child = subprocess.Popen(list(cmd), env={**os.environ, **env}, stdin=subprocess.DEVNULL)
-        while self._child.poll() is None:  # poll, not wait(): the signal handler polls it too
+    def _run(self, cmd: Sequence[str], env: dict[str, str], *, head: subprocess.Popen | None = None,
+             grace_s: float = NODES_GONE_GRACE_S) -> int:
+        """Run `cmd` to its end; its status. With `head` (the Ray head node's `ray start --block`), a head that
+        ends while the driver runs ends the driver too, as the sbatch script does when the nodes' step ends:
+        `grace_s` for it to notice and exit by itself (naming what died), then TERM, KILL 30 s later; lost (4)."""
+        self._child = child = subprocess.Popen(list(cmd), env={**os.environ, **env}, stdin=subprocess.DEVNULL)
+        while child.poll() is None:  # poll, not wait(): the signal handler polls it too
             time.sleep(0.5)
-        return self._child.returncode
+            if head is not None and head.poll() is not None and child.poll() is None:
+                return self._head_gone(child, head.returncode, grace_s)
+        return child.returncode
+
+    @staticmethod
+    def _head_gone(child: subprocess.Popen, head_status: int, grace_s: float) -> int:
+        print(f"hpcrlhf: the Ray head node ended (status {head_status}) while the driver was running", flush=True)
+        deadline = time.monotonic() + grace_s
+        while child.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.5)
+        if child.poll() is None:
+            print(f"hpcrlhf: the driver still runs {grace_s:g} s later: stopping it", flush=True)
+            child.terminate()
+            try:
+                child.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                child.kill()
+                child.wait()
+        if child.returncode in (0, EXIT_REQUEUE, EXIT_LOST):
+            return child.returncode
+        print(f"hpcrlhf: the Ray head node was lost (driver status {child.returncode}, taken as {EXIT_LOST})", flush=True)
+        return EXIT_LOST
 
     def _result(self, status: int, rank: int) -> Any:
         run_dir = Path(self.argv[self.argv.index("--output-dir") + 1])

@@ -122,8 +122,7 @@ class Run:
         self.progress: Progress | None = None
         self.ended: str | None = None
         """How this attempt ended, once `finish` has run."""
-        w = cfg.watchdog
-        self.watchdog = Watchdog(w, self.dir / "watchdog").start() if w.enabled else None
+        self.watchdog = Watchdog.of_rank(cfg.watchdog, self.dir / "watchdog", env.rank, env.world_size)
         """Deadlines of this process's waits: every `timed` phase (and each `watched` one); on Ray the driver's
         gathers name the workers they still wait for and end at the deadline (hpcrlhf.cluster.worker_group.wait_any)."""
 

@@ -33,6 +33,7 @@ from pathlib import Path
 
 from hpcrlhf.config.schema import WatchdogConfig
 from hpcrlhf.logs import get_logger
+from hpcrlhf.run.heartbeats import Heartbeats
 from hpcrlhf.run.signals import RUNNING_WATCHDOGS
 from hpcrlhf.run.stacks import dump_stacks
 
@@ -101,6 +102,9 @@ class Watchdog:
     folder: Path | None = None
     clock: Callable[[], float] = time.monotonic
     exit: Callable[[int], None] = os._exit
+    heartbeats: Heartbeats | None = None
+    """This rank's heartbeats among its job's ranks (several ranks): an expiry with no one named names the
+    peers gone silent."""
 
     def __post_init__(self) -> None:
         self.history: dict[str, list[float]] = defaultdict(list)
@@ -115,6 +119,15 @@ class Watchdog:
         self._last: Expiry | None = None
 
     # -- lifetime -------------------------------------------------------------------------------
+    @classmethod
+    def of_rank(cls, deadlines: WatchdogConfig, folder: Path, rank: int, world_size: int) -> Watchdog | None:
+        """The started watchdog of rank `rank` of a job of `world_size` writing into `folder` (with heartbeats
+        when there are several ranks), or None when `deadlines.enabled` is off."""
+        if not deadlines.enabled:
+            return None
+        beats = Heartbeats(folder, rank, world_size) if world_size > 1 else None
+        return cls(deadlines, folder, heartbeats=beats).start()
+
     def start(self) -> Watchdog:
         if threading.current_thread() is threading.main_thread():
             self._handler = signal.signal(WATCHDOG_SIGNAL, self._interrupt)
@@ -122,6 +135,8 @@ class Watchdog:
         self._running = True
         self._thread = threading.Thread(target=self._watch, name="hpcrlhf-watchdog", daemon=True)
         self._thread.start()
+        if self.heartbeats is not None:
+            self.heartbeats.start(self._state)
         RUNNING_WATCHDOGS.append(self)
         return self
 
@@ -131,6 +146,8 @@ class Watchdog:
         group) can hang on the same stuck party, and nothing else would end it."""
         if self in RUNNING_WATCHDOGS:
             RUNNING_WATCHDOGS.remove(self)
+        if self.heartbeats is not None:
+            self.heartbeats.stop()
         if until_exit and self.expired:
             return
         with self._cond:
@@ -189,6 +206,11 @@ class Watchdog:
         return self._expired_at is not None
 
     # -- the watching thread ----------------------------------------------------------------------
+    def _state(self) -> dict:
+        """What this rank's heartbeat says: its step and the phases it is in."""
+        with self._cond:
+            return {"step": self.step, "phases": [p.kind for p in self._phases]}
+
     def _innermost(self, thread: int, expired: bool = False) -> _Phase | None:
         with self._cond:
             mine = [p for p in self._phases if p.thread == thread and (not expired or p.expired is not None)]
@@ -225,8 +247,10 @@ class Watchdog:
     def _expire(self, p: _Phase, now: float, seconds: float, formula: str) -> None:
         """(holding the lock) Mark `p` expired, write the stacks, say so, interrupt its thread."""
         stacks = None
+        if not p.parties and self.heartbeats is not None:  # a collective: the peers gone silent, if any
+            p.parties = tuple(self.heartbeats.silent())
         if self.folder is not None:
-            who = "-".join(part.replace(" ", "_") for part in p.parties[:1]) or p.kind
+            who = "-".join(part.split(":")[0].replace(" ", "_") for part in p.parties[:1]) or p.kind
             path = self.folder / f"hang-{time.strftime('%Y%m%d-%H%M%S')}-{who}.txt"
             stacks = str(dump_stacks(path))
         expiry = Expiry(p.kind, self.step, now - p.start + p.before_s, seconds, formula, p.parties, stacks)

@@ -53,10 +53,10 @@ def slurm_log(run: Path, job: int) -> str:
     return (run / f"slurm-{job}.out").read_text()
 
 
-def kill_task(job: int, task: int, *argv: str) -> list[int]:
-    """SIGKILL the processes of task `task` of the job's steps whose command line holds `argv`
-    (default: `-m hpcrlhf.hpc.mpi`; the test cluster's nodes share this host, so its /proc shows
-    every node's tasks). Returns their pids."""
+def kill_task(job: int, task: int, *argv: str, sig: int = signal.SIGKILL) -> list[int]:
+    """Send `sig` (SIGKILL; SIGSTOP: a rank that hangs alive) to the processes of task `task` of the
+    job's steps whose command line holds `argv` (default: `-m hpcrlhf.hpc.mpi`; the test cluster's
+    nodes share this host, so its /proc shows every node's tasks). Returns their pids."""
     want = {f"SLURM_JOB_ID={job}".encode(), f"SLURM_PROCID={task}".encode()}
     words = "\0".join(argv or ("-m", "hpcrlhf.hpc.mpi")).encode() + b"\0"
     pids = []
@@ -64,7 +64,7 @@ def kill_task(job: int, task: int, *argv: str) -> list[int]:
         try:
             if proc.name.isdigit() and words in (proc / "cmdline").read_bytes() \
                     and want <= set((proc / "environ").read_bytes().split(b"\0")):
-                os.kill(int(proc.name), signal.SIGKILL)
+                os.kill(int(proc.name), sig)
                 pids.append(int(proc.name))
         except (FileNotFoundError, ProcessLookupError, PermissionError):
             continue

@@ -6,6 +6,9 @@ from __future__ import annotations
 import json
 import pickle
 import re
+import subprocess
+import sys
+import time
 
 import pytest
 
@@ -105,3 +108,32 @@ def test_a_ray_node_that_ends_by_itself_fails_its_task(monkeypatch, capsys, inde
     monkeypatch.setattr(ray_slurm, "_port_open", lambda address: head_there)
     assert ray_slurm.run_node(alloc, poll_s=0.1) == (7 if status else 0)
     assert said in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(("driver", "status", "said"), [
+    ("import time; time.sleep(60)", 4, "the driver still runs 4 s later: stopping it"),  # waits on a gone cluster
+    ("import sys, time; time.sleep(2); sys.exit(4)", 4, None),  # notices by itself, names what died
+    ("import sys, time; time.sleep(2); sys.exit(1)", 4, "was lost (driver status 1, taken as 4)"),  # fails on it
+])
+def test_a_ray_head_that_ends_while_the_driver_runs_ends_the_driver(capsys, driver, status, said):
+    """`hpcrlhf submit`'s task 0 of a Ray job watches its head node beside the driver, as the sbatch script
+    watches the nodes' step: a head that ends gives the driver its grace, then stops it; the job is lost (4)."""
+    task = ClusterTask(["train", "ppo", "--output-dir", "run"], "ray", 0)
+    head = subprocess.Popen([sys.executable, "-c", "import sys; sys.exit(7)"])
+    started = time.monotonic()
+    assert task._run([sys.executable, "-c", driver], {}, head=head, grace_s=4.0) == status
+    assert time.monotonic() - started < 20
+    out = capsys.readouterr().out
+    assert "hpcrlhf: the Ray head node ended (status 7) while the driver was running" in out, out
+    assert said is None or said in out, out
+
+
+def test_a_driver_that_ends_first_leaves_the_head_alone():
+    task = ClusterTask(["train", "ppo", "--output-dir", "run"], "ray", 0)
+    head = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        assert task._run([sys.executable, "-c", "import sys; sys.exit(3)"], {}, head=head, grace_s=1.0) == 3
+        assert head.poll() is None
+    finally:
+        head.kill()
+        head.wait()

@@ -4,8 +4,11 @@ signal, and a job too big for its allocation. (`hpcrlhf submit` of Ray PPO: test
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import re
+import signal
 import sys
 import time
 
@@ -28,13 +31,20 @@ def test_two_nodes_with_their_own_names_addresses_and_gpus(slurm_cluster, tmp_pa
     assert lines == [f"0: n1 {node_address(1)} 0,1 0", f"1: n2 {node_address(2)} 0,1 1"]
 
 
+HANG_WATCH = ["--set", "watchdog.factor=3", "--set", "watchdog.floor_s=20"]
+"""A step may take 3 x its median + 20 s (its first ones: watchdog.first_s)."""
+
+
 @pytest.fixture(scope="module")
 def sft_requeued(slurm_cluster, tmp_path_factory):
     """The rendered 2-node MPI SFT script stopped by the time-limit signal after step 20 (requeued by
     the script itself, resumed from its checkpoint), then, after step 40, its rank 1 SIGKILLed (a
-    lost rank: requeued again, resumed from the same checkpoint)."""
+    lost rank: requeued again, resumed from the same checkpoint), then, after step 45 of that attempt,
+    its rank 1 SIGSTOPped (a rank that hangs alive: rank 0's watchdog ends its step's wait with 4,
+    the job requeues and resumes once more)."""
     run = tmp_path_factory.mktemp("sft-requeued") / "run"
-    script = render(run, "--kind", "sft", "--launcher", "mpi", "--nodes", "2", "--gpus-per-node", "1", *SFT, *TRACKED)
+    script = render(run, "--kind", "sft", "--launcher", "mpi", "--nodes", "2", "--gpus-per-node", "1", *SFT, *TRACKED,
+                    *HANG_WATCH)
     job = slurm_cluster.sbatch(script)
     wait_for_step(run, 20)
     slurm_cluster.run("scancel", "--batch", "--signal=USR1", str(job))  # what --signal=B:USR1@lead sends
@@ -42,7 +52,15 @@ def sft_requeued(slurm_cluster, tmp_path_factory):
     wait_for_step(run, 40)
     kill_task(job, 1)
     slurm_cluster.start_now(job)
-    return run, slurm_cluster.wait(job, 900), job
+    wait_for_step(run, 45)  # metrics.jsonl reached 40 in the attempt before
+    stopped = kill_task(job, 1, sig=signal.SIGSTOP)
+    try:
+        slurm_cluster.start_now(job)
+        return run, slurm_cluster.wait(job, 900), job
+    finally:
+        for pid in stopped:  # Slurm kills a stopped task with its step; were it left, it would stay forever
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
 
 @pytest.mark.distributed
@@ -52,11 +70,11 @@ def test_a_requeued_job_continues_one_tracked_run_and_sends_no_step_twice(sft_re
     run, state, job = sft_requeued
     assert state == "COMPLETED", slurm_log(run, job)[-4000:]
     ledger = json.loads((run / "trackers.json").read_text())
-    logged = mlflow_history(run, ledger)  # one MLflow run across the three attempts
+    logged = mlflow_history(run, ledger)  # one MLflow run across the four attempts
     want = [(m["step"], m["train/loss"]) for m in read_metrics(run) if "train/loss" in m]
     assert logged["train/loss"] == [(s, pytest.approx(v, rel=1e-5)) for s, v in want]
     fragments = wandb_rows(run, ledger["wandb"]["id"])
-    assert len(fragments) == 3, list((run / "wandb").iterdir())  # one offline fragment per attempt, one id
+    assert len(fragments) == 4, list((run / "wandb").iterdir())  # one offline fragment per attempt, one id
     steps = [row["_step"] for fragment in fragments for row in fragment]
     assert steps == sorted(set(steps)) and steps[-1] == 60, steps
 
@@ -77,7 +95,7 @@ def test_time_limit_signal_checkpoints_requeues_and_resumes_like_an_uninterrupte
     log = slurm_log(run, job)
     assert state == "COMPLETED", log[-4000:]
     assert "checkpointed on request (status" in log
-    assert f"requeueing job {job}" in log and log.count("the job fits the allocation") == 3  # three attempts, one log (--open-mode=append)
+    assert f"requeueing job {job}" in log and log.count("the job fits the allocation") == 4  # four attempts, one log (--open-mode=append)
     rows = [m["step"] for m in read_metrics(run) if "train/loss" in m]
     assert len(rows) == len(set(rows)), "a step was logged twice: the resumed run repeated samples"
     # every logged step trains on the uninterrupted run's samples; the one logging window the stop
@@ -102,7 +120,22 @@ def test_a_killed_rank_is_a_lost_worker_the_job_requeues_and_resumes(sft_requeue
     # 143 when srun TERMinated rank 0, 137 when rank 0 failed on its own first (gloo: "Connection closed by peer")
     assert re.search(r"hpcrlhf: n2: task 1: Killed: a rank was lost \(srun status 1(37|43), taken as 4\)", log), log[-4000:]
     assert f"hpcrlhf: lost a worker or node (status 4); requeueing job {job} to resume" in log
-    assert log.count("resumed from") == 2, log[-4000:]
+    assert log.count("resumed from") == 3, log[-4000:]  # this and the next test's interruption
+
+
+@pytest.mark.distributed
+def test_a_rank_that_hangs_alive_ends_the_attempt_by_its_peers_watchdog_and_the_job_resumes(sft_requeued):
+    """Rank 1 SIGSTOPped (alive, answering nothing): rank 0 waits for it in its step's collective until its
+    watchdog's deadline, exits 4 naming the hung step, the script takes the attempt as lost and requeues it,
+    and the job resumes from its last checkpoint (the losses are checked against the uninterrupted run above)."""
+    run, state, job = sft_requeued
+    log = slurm_log(run, job)
+    assert state == "COMPLETED", log[-4000:]
+    hung = re.search(r"hpcrlhf: error: step (\d+) hung: (\w+) did not finish within [\d.]+ s \(watchdog: 3 x median"
+                     r"[^;]*; still waiting for rank 1 \(n2, pid \d+\): no heartbeat for \d+ s", log)
+    assert hung and int(hung[1]) > 45, log[-4000:]  # the peer named by its silence (heartbeats)
+    assert "n1: task 0: Exited with exit code 4: a rank hung or lost a worker (srun status" in log, log[-4000:]
+    assert log.count("requeueing job") == 3 and log.count("the job fits the allocation") == 4, log[-4000:]
 
 
 @pytest.mark.distributed

@@ -5,7 +5,10 @@ reading another process's stacks."""
 
 from __future__ import annotations
 
+import json
 import os
+import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -14,6 +17,7 @@ import time
 
 import pytest
 
+from hpcrlhf.run.heartbeats import Heartbeats, node_name
 from hpcrlhf.run.stacks import py_spy, signalled_stacks
 from hpcrlhf.config.schema import WatchdogConfig
 from hpcrlhf.run.watchdog import WaitExpired, Watchdog
@@ -101,6 +105,60 @@ def test_after_an_expiry_the_checkpoint_and_the_teardown_are_not_interrupted_aga
         assert dog.expired and dog._last.kind == "generate"
     finally:
         dog.stop()
+
+
+def test_heartbeats_name_the_peers_gone_silent(tmp_path):
+    clock = FakeClock()
+    clock.now = 1000.0
+    beats = [Heartbeats(tmp_path, rank, 3, period_s=5, silent_after_s=30, clock=clock) for rank in range(3)]
+    beats[2].beat({"step": 7, "phases": []})  # a previous attempt's heartbeat
+    clock.now = 1100.0
+    beats[0]._started = beats[1]._started = clock.now  # this attempt's ranks 0 and 1 start (without threads)
+    beats[1].beat({"step": 1, "phases": ["step"]})
+    clock.now += 20
+    here = f"{node_name()}, pid {os.getpid()}"
+    assert beats[0].silent() == [f"rank 2 ({here}): no heartbeat in this attempt's 20 s"]
+    clock.now += 20  # rank 1 last beat 40 s ago
+    assert beats[0].silent() == [f"rank 1 ({here}): no heartbeat for 40 s", f"rank 2 ({here}): no heartbeat in this "
+                                 "attempt's 40 s"]
+    assert json.loads((tmp_path / "rank1.json").read_text())["phases"] == ["step"]
+
+
+PEER = """
+import sys, time
+from pathlib import Path
+from hpcrlhf.config.schema import WatchdogConfig
+from hpcrlhf.run.heartbeats import Heartbeats, node_name
+from hpcrlhf.run.watchdog import Watchdog
+beats = Heartbeats(Path(sys.argv[1]), 1, 2, period_s=0.2, silent_after_s=1.0)
+dog = Watchdog(WatchdogConfig(), heartbeats=beats).start()
+print("beating", flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_rank_whose_collective_hangs_names_the_stopped_peer(tmp_path):
+    """Rank 1 SIGSTOPped (its heartbeat thread too): rank 0's expired wait, which names no one itself (a
+    collective), names rank 1 and how long it has been silent."""
+    peer = subprocess.Popen([sys.executable, "-c", PEER, str(tmp_path)], cwd=ROOT, env=cli_env(), stdout=subprocess.PIPE,
+                            text=True)
+    try:
+        assert peer.stdout.readline().strip() == "beating"
+        beats = Heartbeats(tmp_path, 0, 2, period_s=0.2, silent_after_s=1.0)
+        dog = Watchdog(WatchdogConfig(first_s=3.0, grace_s=60.0), heartbeats=beats).start()
+        os.kill(peer.pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(WaitExpired) as hung, dog.phase("step"):
+                threading.Event().wait(30)
+        finally:
+            dog.stop()
+        (party,) = hung.value.expiry.parties
+        silent = re.fullmatch(rf"rank 1 \({re.escape(node_name())}, pid {peer.pid}\): no heartbeat for (\d+) s", party)
+        assert silent and 1 <= int(silent[1]) <= 5, party  # stopped about when the wait began: its deadline, 3 s
+        assert json.loads((tmp_path / "rank0.json").read_text())["pid"] == os.getpid()
+    finally:
+        peer.kill()
+        peer.wait()
 
 
 STUCK = """

@@ -18,6 +18,7 @@ import pytest
 from hpcrlhf.run.metrics import read_metrics
 
 from tests.launch_helpers import run_cli
+from tests.run.test_trackers import expected_by_step, mlflow_history, wandb_rows
 
 USER_MODULE = '''
 def reward(prompt, response, row):
@@ -76,7 +77,8 @@ def test_own_task_sft_then_grpo_with_vllm_improves_the_users_metric(tmp_path):
                     "--set", "rollout.backend=vllm", "--set", "rollout.vllm_kv_cache_gb=0.25",
                     "--set", "rollout.prompts_per_step=16", "--set", "rollout.samples_per_prompt=4",
                     "--set", "rollout.max_new_tokens=4", "--set", "optim.lr=2e-4", "--set", "train.max_steps=30",
-                    "--set", "eval.every_steps=0", "--set", "ppo.dynamic_sampling=true"], env=env)
+                    "--set", "eval.every_steps=0", "--set", "ppo.dynamic_sampling=true",
+                    "--set", "log.backends=[mlflow,wandb]", "--set", "log.wandb.mode=offline"], env=env)
     assert "starting a vLLM engine" in proc.stderr
     result = summary(grpo)
     before, after = result["before"]["eval/exact"], result["after"]["eval/exact"]
@@ -86,3 +88,11 @@ def test_own_task_sft_then_grpo_with_vllm_improves_the_users_metric(tmp_path):
     # with DAPO's dynamic sampling on the user's rule: refill rounds ran through the vLLM engine
     rounds = [m["rollout/generation_rounds"] for m in read_metrics(grpo) if "rollout/generation_rounds" in m]
     assert len(rounds) == 30 and max(rounds) > 1, rounds
+    # the trackers hold the user's metric and every step's figures, as metrics.jsonl does
+    ledger = json.loads((grpo / "trackers.json").read_text())
+    logged = mlflow_history(grpo, ledger)
+    for key in ("eval/exact", "eval/reward", "rollout/generation_rounds", "train/policy_loss"):
+        want = [(m["step"], m[key]) for m in read_metrics(grpo) if key in m]
+        assert logged[key] == [(step, pytest.approx(value, rel=1e-6)) for step, value in want], key
+    (rows,) = wandb_rows(grpo, ledger["wandb"]["id"])
+    assert [row["_step"] for row in rows] == sorted(expected_by_step(grpo))

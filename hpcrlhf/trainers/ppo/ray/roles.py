@@ -66,7 +66,7 @@ class RemoteRewards:
 
     def __init__(self, group: WorkerGroup) -> None:
         self.group = group
-        self.names = ray.get(group.workers[0].names.remote())
+        (self.names,) = gather([group.workers[0].names.remote()])
 
     def score(self, responses: list) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         # equal shards: a ZeRO-3 reward model's ranks run the same forward passes; rules may never return
@@ -212,7 +212,8 @@ class RayRoles:
         return {**busy, self.rollout.group.role: sum(engines) / max(len(engines), 1)}
 
     def optimizer_stats(self) -> dict[str, float | None]:
-        return ray.get(self.groups["actor"].workers[0].optimizer_stats.remote())
+        (stats,) = gather([self.groups["actor"].workers[0].optimizer_stats.remote()])
+        return stats
 
     def trained_weights(self) -> None:
         return None  # on the actor's workers
@@ -229,7 +230,7 @@ class RayRoles:
             for rank, text in group.stuck_stacks(parties):
                 w = group.located[rank]
                 make_folders(folder, "the watchdog's stacks folder")
-                name = group.name(rank).replace(" ", "_")
+                name = group.name(rank).split(" (")[0].replace(" ", "_")
                 path = folder / f"stacks-{time.strftime('%Y%m%d-%H%M%S')}-{name}-{w.pid}.txt"
                 replace_file(path, f"# {group.placed_name(rank)}: process {w.pid} on {w.node_ip}\n{text}")
                 lines.append(f"stacks of {group.placed_name(rank)}, process {w.pid} on {w.node_ip}: {path}")

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import ray
-
 from hpcrlhf.cluster.worker_group import WorkerGroup, gather
 from hpcrlhf.engines.weight_sync import SyncGroup
 from hpcrlhf.logs import get_logger
@@ -61,7 +59,7 @@ class WeightPush:
     def form(self, engines: list[Any]) -> None:
         self.members = None
         rank0 = self.actor.workers[0]
-        at = ray.get(rank0.serve_weight_group.remote())
+        (at,) = gather([rank0.serve_weight_group.remote()])
         self.formed += 1
         spec = SyncGroup(at, 1 + len(engines) * self.tp, f"hpcrlhf-weights-{self.formed}")
         chosen = gather([rank0.open_weight_group.remote(spec),
