@@ -10,9 +10,10 @@ one passes it writes the stacks of every thread of this process (`hpcrlhf.run.st
 wait hung, for how long and whom it still waited for (`waiting_for`), and interrupts the main thread
 with `WATCHDOG_SIGNAL`, whose handler raises `WaitExpired` there (a BaseException, as a stop request's
 `StopRequested` is): the job can then checkpoint what is safe to keep and exit with the status the
-Slurm script requeues. Polling loops call `check()` between polls to unwind at once. If the process
-is still alive `grace_s` after the expiry (its main thread stuck in C code that no signal reaches, or
-its clean-up hung), the thread ends it with `EXIT_LOST` (4).
+Slurm script requeues. Polling loops call `check()` between polls to unwind at once. If the main
+thread does not take the interruption within `answer_s` (stuck in a collective or other C code that
+no signal reaches: it could neither checkpoint nor clean up), or the process is still alive `grace_s`
+after the expiry (its checkpoint or clean-up hung), the thread ends it with `EXIT_LOST` (4).
 
 The TRL lesson (PR #6913: an NCCL broadcast cannot be interrupted): the waiter holds the clock, not
 the collective; the 30-minute collective timeouts stay as backstops beneath.
@@ -40,6 +41,8 @@ from hpcrlhf.run.stacks import dump_stacks
 WATCHDOG_SIGNAL = signal.SIGRTMIN + 6
 """Sent by the watchdog thread to the main thread when a wait expired (a real-time signal: no clash
 with Slurm's USR1/USR2/TERM, the SIGALRM of `hpcrlhf.run.usercode`, Ctrl-C, Ray or vLLM)."""
+ANSWER_S = 10.0
+"""How long the main thread has to take the watchdog's interruption (`Watchdog.answer_s`)."""
 EXIT_HUNG = 4
 """The status a process the watchdog ends itself exits with: `hpcrlhf.run.signals.EXIT_LOST`, requeued."""
 
@@ -102,6 +105,8 @@ class Watchdog:
     folder: Path | None = None
     clock: Callable[[], float] = time.monotonic
     exit: Callable[[int], None] = os._exit
+    answer_s: float = ANSWER_S
+    """How long the main thread has to take the interruption (its handler to run) before the process ends."""
     heartbeats: Heartbeats | None = None
     """This rank's heartbeats among its job's ranks (several ranks): an expiry with no one named names the
     peers gone silent."""
@@ -117,6 +122,8 @@ class Watchdog:
         self._handler = None
         self._expired_at: float | None = None
         self._last: Expiry | None = None
+        self._unanswered = False
+        """The main thread was interrupted and its handler has not run yet."""
 
     # -- lifetime -------------------------------------------------------------------------------
     @classmethod
@@ -226,7 +233,13 @@ class Watchdog:
             while self._running:
                 now = self.clock()
                 if self._expired_at is not None and now >= self._expired_at + self.deadlines.grace_s:
-                    self._hard_exit()
+                    self._hard_exit(f"the process did not end within watchdog.grace_s {self.deadlines.grace_s:g} s "
+                                    "of it")
+                    return
+                if self._unanswered and now >= self._expired_at + self.answer_s:
+                    self._hard_exit(f"the main thread did not take the interruption within {self.answer_s:g} s (stuck "
+                                    "in a collective or other code no signal reaches: it can neither checkpoint nor "
+                                    "clean up)")
                     return
                 # after an expiry the process is ending: what it still does (a checkpoint of the steps done,
                 # the teardown) has until the grace exit, and is not interrupted again
@@ -234,6 +247,8 @@ class Watchdog:
                 wake = [due for (due, _, _), _ in live]
                 if self._expired_at is not None:
                     wake.append(self._expired_at + self.deadlines.grace_s)
+                    if self._unanswered:
+                        wake.append(self._expired_at + self.answer_s)
                 if not wake:
                     self._cond.wait()
                     continue
@@ -259,6 +274,7 @@ class Watchdog:
         self._last = expiry
         log.error(expiry.message())
         if p.thread == threading.main_thread().ident and self._handler is not None:
+            self._unanswered = True
             signal.pthread_kill(p.thread, WATCHDOG_SIGNAL)
 
     def _interrupt(self, signum, frame) -> None:
@@ -266,14 +282,14 @@ class Watchdog:
         inside Ray's own code (a `ray.get`/`ray.wait` runs handlers in its signal check and turns what they
         raise into a SystemError): there the wait's poll raises at its next `check()`, and a wait that
         does not poll ends with the process, `grace_s` later."""
+        self._unanswered = False  # first: the thread is reachable (the watchdog need not end the process early)
         p = self._innermost(threading.main_thread().ident, expired=True)
         if p is not None and not _in_ray(frame):
             raise WaitExpired(p.expired)
 
-    def _hard_exit(self) -> None:
+    def _hard_exit(self, why: str) -> None:
         try:
-            print(f"hpcrlhf: error: {self._last.message()}; the process did not end within watchdog.grace_s "
-                  f"{self.deadlines.grace_s:g} s of it: ended with status {EXIT_HUNG} (requeued)", file=sys.stderr,
+            print(f"hpcrlhf: error: {self._last.message()}; {why}: ended with status {EXIT_HUNG} (requeued)", file=sys.stderr,
                   flush=True)
         finally:
             self.exit(EXIT_HUNG)

@@ -134,6 +134,8 @@ def test_a_rank_that_hangs_alive_ends_the_attempt_by_its_peers_watchdog_and_the_
     hung = re.search(r"hpcrlhf: error: step (\d+) hung: (\w+) did not finish within [\d.]+ s \(watchdog: 3 x median"
                      r"[^;]*; still waiting for rank 1 \(n2, pid \d+\): no heartbeat for \d+ s", log)
     assert hung and int(hung[1]) > 45, log[-4000:]  # the peer named by its silence (heartbeats)
+    # rank 0 waits inside gloo's all-reduce, where no signal reaches: it ends soon after, not grace_s later
+    assert "the main thread did not take the interruption within 10 s (stuck in a collective" in log, log[-4000:]
     assert "n1: task 0: Exited with exit code 4: a rank hung or lost a worker (srun status" in log, log[-4000:]
     assert log.count("requeueing job") == 3 and log.count("the job fits the allocation") == 4, log[-4000:]
 

@@ -186,6 +186,29 @@ def test_a_main_thread_no_signal_reaches_is_ended_with_4_after_the_grace_period(
     assert "never" not in proc.stdout
 
 
+IN_A_COLLECTIVE = """
+import signal, time
+from hpcrlhf.config.schema import WatchdogConfig
+from hpcrlhf.run.watchdog import WATCHDOG_SIGNAL, Watchdog
+dog = Watchdog(WatchdogConfig(first_s=0.3, grace_s=120.0), answer_s=1.0).start()
+signal.pthread_sigmask(signal.SIG_BLOCK, {WATCHDOG_SIGNAL})  # as a thread inside a gloo all-reduce: no handler runs
+with dog.phase("step"):
+    time.sleep(60)
+print("never")
+"""
+
+
+def test_a_main_thread_that_cannot_take_the_interruption_ends_the_process_without_waiting_for_grace():
+    """It could neither checkpoint nor clean up: waiting grace_s (120 s here) would only hold the allocation."""
+    started = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", IN_A_COLLECTIVE], cwd=ROOT, env=cli_env(), capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 4 and time.monotonic() - started < 20, proc.stderr[-2000:]
+    assert ("hung: step did not finish within 0.3 s (watchdog: first_s 0.3 s: none finished before in this attempt); "
+            "the main thread did not take the interruption within 1 s (stuck in a collective or other code no signal "
+            "reaches: it can neither checkpoint nor clean up): ended with status 4 (requeued)") in proc.stderr, proc.stderr
+
+
 HUNG_TEARDOWN = """
 import time
 from hpcrlhf.config.schema import WatchdogConfig
