@@ -12,15 +12,15 @@ import tempfile
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
-from hpcrlhf.engines.distributed import free_port
 from tests.cli_forks import ROOT, warm_process
 
 
 def cli_command(args: list[str], nproc: int = 1) -> list[str]:
     if nproc == 1:
         return [sys.executable, "-m", "hpcrlhf", *args]
-    return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-            f"--master_port={free_port()}", "-m", "hpcrlhf", *args]
+    # --standalone: torchrun's store binds a free port itself (no race with a port chosen here)
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+            "-m", "hpcrlhf", *args]
 
 
 DIST_VARS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")

@@ -90,9 +90,8 @@ def system_command(suite: Suite, system: System, run_dir: Path, prompts: Path,
     if suite.nodes > 1 and suite.hardware == "gpu":  # one rank per GPU of the allocation
         return ["srun", "--overlap", f"--nodes={suite.nodes}", f"--ntasks-per-node={suite.gpus_per_node}", "--mpi=pmix",
                 python, "-m", "hpcrlhf.hpc.mpi", *(["-m", module] if module != "hpcrlhf" else []), *args]
-    from hpcrlhf.engines.distributed import free_port  # torch
-
-    return [python, "-m", "torch.distributed.run", f"--nproc_per_node={suite.ranks}", f"--master_port={free_port()}",
+    # --standalone: the rendezvous store binds a port of its own (a port chosen here and bound later can be taken)
+    return [python, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={suite.ranks}",
             "-m", module, *args]
 
 

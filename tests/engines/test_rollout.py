@@ -28,7 +28,6 @@ import pytest
 import torch
 
 from hpcrlhf.algos.logprobs import IGNORE, token_logprobs
-from hpcrlhf.engines.distributed import free_port
 from hpcrlhf.engines.hf_generate import generate_greedy
 from hpcrlhf.engines.rollout import Generation, SamplingParams, build_rollout
 from hpcrlhf.engines.rollout.hf import HFRollout
@@ -368,8 +367,8 @@ def test_vllm_inside_a_gloo_process_group(tiny_llama, hf_model, tokenizer, tmp_p
     # VLLM_ALLOW_INSECURE_SERIALIZATION: collective_rpc takes the script's own function
     env = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", VLLM_ALLOW_INSECURE_SERIALIZATION="1")
     env.setdefault("OMP_NUM_THREADS", "1")
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1",
-                           f"--master_port={free_port()}", str(script), tiny_llama, str(state)], env=env,
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           "--nproc_per_node=1", str(script), tiny_llama, str(state)], env=env,
                           capture_output=True, text=True, timeout=300)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("REPORT ")]
     assert proc.returncode == 0 and lines, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
