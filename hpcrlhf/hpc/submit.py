@@ -217,11 +217,34 @@ def latest_metrics(run_dir: Path, keys: int = 6) -> str | None:
     return f"step {row.get('step', '?')}: " + " ".join(values)
 
 
-def follow(job, run_dir: str, *, poll_s: float = 10.0, out=sys.stdout) -> int:
-    """Print the job's state changes and latest metrics line until it ends; 0 when it completed."""
-    last_state, last_line = None, None
+ENDED_STATES = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "BOOT_FAIL", "DEADLINE")
+UNKNOWN_FOR_S = 300.0
+"""How long `follow` goes on while Slurm's accounting does not know the job and the queue no longer holds it (a
+job just submitted is briefly in neither; slurmdbd can lose one)."""
+
+
+def queue_state(job_id: str) -> str | None:
+    """The job's state in Slurm's queue (`squeue`), or None when the queue does not hold it (ended) or
+    cannot be asked."""
+    try:
+        proc = subprocess.run(["squeue", "--noheader", "--jobs", str(job_id), "--format", "%T"], capture_output=True,
+                              text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    states = proc.stdout.split() if proc.returncode == 0 else []
+    return states[0] if states else None
+
+
+def follow(job, run_dir: str, *, poll_s: float = 10.0, out=sys.stdout, unknown_for_s: float = UNKNOWN_FOR_S) -> int:
+    """Print the job's state changes and latest metrics line until it ends; 0 when it completed. The
+    state is Slurm's accounting's (submitit: sacct); where it does not know the job, the queue's; where
+    neither does for `unknown_for_s`, following stops with a line that says where to look (1)."""
+    last_state, last_line, unknown_since = None, None, None
     while True:
         state = job.watcher.get_state(job.job_id, mode="force")
+        if state == "UNKNOWN":
+            state = queue_state(job.job_id) or state
+        unknown_since = (unknown_since or time.monotonic()) if state == "UNKNOWN" else None
         line = latest_metrics(Path(run_dir))
         if state != last_state:
             print(f"job {job.job_id}: {state}", file=out, flush=True)
@@ -229,9 +252,13 @@ def follow(job, run_dir: str, *, poll_s: float = 10.0, out=sys.stdout) -> int:
         if line and line != last_line:
             print(f"  {line}", file=out, flush=True)
             last_line = line
-        if state in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "BOOT_FAIL",
-                     "DEADLINE") or state.startswith("CANCELLED"):
+        if state in ENDED_STATES or state.startswith("CANCELLED"):
             break
+        if unknown_since is not None and time.monotonic() - unknown_since >= unknown_for_s:
+            print(f"job {job.job_id}: neither Slurm's accounting (sacct) nor its queue (squeue) has known it for "
+                  f"{unknown_for_s:.0f} s; stopped following. Its log: {job.paths.stdout}; its metrics: {run_dir}/metrics.jsonl",
+                  file=out, flush=True)
+            return 1
         time.sleep(poll_s)
     if state == "COMPLETED":
         return 0

@@ -3,7 +3,9 @@ the submitit task's requeue bookkeeping, and the follower's metrics line."""
 
 from __future__ import annotations
 
+import io
 import json
+import os
 import pickle
 import re
 import subprocess
@@ -14,7 +16,7 @@ import pytest
 
 from hpcrlhf.errors import ConfigError
 from hpcrlhf.hpc.allocation import Allocation, expand_hostnames
-from hpcrlhf.hpc.submit import ClusterTask, latest_metrics
+from hpcrlhf.hpc.submit import ClusterTask, follow, latest_metrics, queue_state
 
 
 def test_allocation_from_slurm_variables():
@@ -137,3 +139,56 @@ def test_a_driver_that_ends_first_leaves_the_head_alone():
     finally:
         head.kill()
         head.wait()
+
+
+class Watched:
+    """A submitit job as `follow` reads it: sacct's states in turn (the last one repeats)."""
+
+    def __init__(self, states: list[str], stdout: str = "/runs/job.out") -> None:
+        self.job_id, self.states = "4242", list(states)
+        self.paths = type("Paths", (), {"stdout": stdout})()
+        self.watcher = self
+
+    def get_state(self, job_id: str, mode: str = "standard") -> str:
+        assert (job_id, mode) == (self.job_id, "force")
+        return self.states.pop(0) if len(self.states) > 1 else self.states[0]
+
+
+def fake_squeue(tmp_path, monkeypatch, states: list[str]) -> None:
+    """`squeue` on PATH answering `states` in turn ("" -- an ended job: slurm says 'Invalid job id', status 1)."""
+    (tmp_path / "answers").write_text("\n".join(states) + "\n")
+    script = tmp_path / "bin" / "squeue"
+    script.parent.mkdir()
+    script.write_text(f"""#!/bin/sh
+answer=$(head -n 1 {tmp_path}/answers); tail -n +2 {tmp_path}/answers > {tmp_path}/rest; mv {tmp_path}/rest {tmp_path}/answers
+[ -n "$answer" ] || {{ echo "slurm_load_jobs error: Invalid job id specified" >&2; exit 1; }}
+echo "$answer"
+""")
+    script.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{script.parent}:{os.environ['PATH']}")
+
+
+def test_follow_reads_the_queue_while_accounting_does_not_know_the_job(tmp_path, monkeypatch):
+    """sacct lost the job (UNKNOWN) while it runs: squeue's RUNNING is shown, and sacct's COMPLETED ends it."""
+    fake_squeue(tmp_path, monkeypatch, ["RUNNING", "RUNNING"])
+    said = io.StringIO()
+    status = follow(Watched(["UNKNOWN", "UNKNOWN", "COMPLETED"]), str(tmp_path), poll_s=0, out=said)
+    assert status == 0
+    assert said.getvalue().splitlines() == ["job 4242: RUNNING", "job 4242: COMPLETED"]
+
+
+def test_follow_stops_with_where_to_look_when_no_one_knows_the_job(tmp_path, monkeypatch):
+    """Neither sacct nor squeue knows the job (accounting lost it after it left the queue): following stops
+    after unknown_for_s instead of polling forever."""
+    fake_squeue(tmp_path, monkeypatch, ["PENDING"] + [""] * 1000)
+    started, said = time.monotonic(), io.StringIO()
+    status = follow(Watched(["UNKNOWN"]), str(tmp_path), poll_s=0.01, unknown_for_s=0.5, out=said)
+    assert status == 1 and time.monotonic() - started < 30
+    out = said.getvalue().splitlines()
+    assert out[:2] == ["job 4242: PENDING", "job 4242: UNKNOWN"], out
+    assert out[2] == ("job 4242: neither Slurm's accounting (sacct) nor its queue (squeue) has known it for 0 s; "
+                      f"stopped following. Its log: /runs/job.out; its metrics: {tmp_path}/metrics.jsonl"), out
+
+
+def test_the_queue_state_of_a_job_slurm_does_not_hold_is_none(slurm_cluster):
+    assert queue_state("987654") is None  # the real squeue: 'Invalid job id specified', status 1
