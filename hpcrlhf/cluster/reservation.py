@@ -12,6 +12,7 @@ gives it through CUDA_VISIBLE_DEVICES (Ray's own setting of it is switched off).
 from __future__ import annotations
 
 import ipaddress
+import os
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -85,6 +86,23 @@ def check_cluster(node_map: NodeMap, nodes: Sequence[RayNode], node_ips: Sequenc
         raise PlacementError("the Ray cluster does not match the node map:\n" + "\n".join(f"- {p}" for p in problems))
 
 
+WORKER_SETUP = "HPCRLHF_WORKER_SETUP"
+"""Environment variable: `package.module:function` that every Ray worker of a job calls with itself once its
+role and rank are set (`RoleWorker`), before it builds anything -- profilers, extra logging, the tests' fault
+injection. The driver's variables named HPCRLHF_WORKER_* reach the workers (`worker_env`)."""
+
+
+def worker_env() -> dict[str, str]:
+    """The driver's HPCRLHF_WORKER_* variables, for every worker's environment; a WORKER_SETUP that
+    does not import is a ConfigError here, in the driver, before any worker is started."""
+    env = {k: v for k, v in os.environ.items() if k.startswith("HPCRLHF_WORKER_")}
+    if env.get(WORKER_SETUP):
+        from hpcrlhf.run.usercode import load_named
+
+        load_named(env[WORKER_SETUP], f"{WORKER_SETUP}={env[WORKER_SETUP]!r}", "function")
+    return env
+
+
 @dataclass
 class Reservation:
     """The devices of a node map held on a Ray cluster; `actor_options` places a worker on one."""
@@ -110,7 +128,7 @@ class Reservation:
             "num_cpus": 0,
             "num_gpus": share,
             "scheduling_strategy": PlacementGroupSchedulingStrategy(self.groups[first.node], first.gpu),
-            "runtime_env": {"env_vars": {**(env or {}), "CUDA_VISIBLE_DEVICES": visible,
+            "runtime_env": {"env_vars": {**worker_env(), **(env or {}), "CUDA_VISIBLE_DEVICES": visible,
                                          "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}},
         }
 
@@ -125,7 +143,7 @@ class Reservation:
         return {"num_cpus": plan.cpus, "num_gpus": 0,
                 "scheduling_strategy": PlacementGroupSchedulingStrategy(self.groups[plan.node], cpu_bundle(self.node_map,
                                                                                                            server)),
-                "runtime_env": {"env_vars": {**(env or {}), "CUDA_VISIBLE_DEVICES": "",
+                "runtime_env": {"env_vars": {**worker_env(), **(env or {}), "CUDA_VISIBLE_DEVICES": "",
                                              "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}}}
 
     def ip_of(self, device: Device) -> str:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 from collections.abc import Callable, Sequence
 
-from hpcrlhf.cluster.reservation import Reservation
+from hpcrlhf.cluster.reservation import WORKER_SETUP, Reservation
 from hpcrlhf.data.batching import shard_rows
 from hpcrlhf.errors import RewardServerError
 from hpcrlhf.placement import Device
@@ -84,6 +84,10 @@ class RoleWorker:
     def __init__(self, role: str, rank: int, world_size: int) -> None:
         self.role, self.rank, self.world_size = role, rank, world_size
         self.busy_s = 0.0
+        if os.environ.get(WORKER_SETUP):  # checked in the driver (`worker_env`)
+            from hpcrlhf.run.usercode import load_named
+
+            load_named(os.environ[WORKER_SETUP], WORKER_SETUP, "function")(self)
         try:  # the driver's watchdog asks a stuck worker for its stacks (`worker_stacks`)
             self.stacks_fd: int | None = dump_on_signal()
         except (OSError, ValueError, RuntimeError):  # no writable temp folder, or no such signal here
@@ -145,7 +149,7 @@ class RoleWorker:
 
 class Workers:
     """Ray actors, one per rank, as the driver sees them: all of them called at once, one named by its
-    actor id (`owner`), where each runs (`locate`), the stacks of those stuck (`stuck_stacks`). Subclasses
+    actor id (`owner`), where each runs (`locate`), those a hung wait names (`stuck`). Subclasses
     hold `workers` and say how a rank is named where it runs (`placed_name`)."""
 
     workers: list[Any]
@@ -178,10 +182,10 @@ class Workers:
         self.located.update(zip(ranks, found))
         return found
 
-    def stuck_stacks(self, parties: Sequence[str]) -> list[tuple[int, str]]:
-        """(rank, its stacks) of each of this group's workers named in `parties` (`placed_name`s)."""
-        ranks = [r for r in range(len(self.workers)) if self.placed_name(r) in parties and r in self.located]
-        return list(zip(ranks, worker_stacks([self.located[r] for r in ranks])))
+    def stuck(self, parties: Sequence[str]) -> list[int]:
+        """The ranks of this group's located workers named in `parties` (`placed_name`s: a hung wait's);
+        `worker_stacks` reads theirs."""
+        return [r for r in range(len(self.workers)) if self.placed_name(r) in parties and r in self.located]
 
 
 class WorkerGroup(Workers):

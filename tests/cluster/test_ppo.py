@@ -29,6 +29,7 @@ from pathlib import Path
 
 import pytest
 
+from hpcrlhf.cluster.reservation import WORKER_SETUP
 from hpcrlhf.run.metrics import read_metrics
 from hpcrlhf.trainers.loop import CHECKPOINTABLE
 from tests.cluster.stores import assert_stores_sealed_in_the_block, survey
@@ -36,6 +37,7 @@ from tests.hpc.slurm_jobs import TRACKED, attempts, render, slurm_log, wait_for_
 from tests.launch_helpers import ROOT, cli_command, cli_env, run_cli
 from tests.slurm_cluster import node_address
 from tests.test_rewards import _make_rm
+from tests.trainers.faults import WORKER_HANG
 
 STEPS = 15
 """Steps of the learning runs: from the half-trained policy (0.53 held out) the colocated run reached 0.74 in
@@ -384,16 +386,17 @@ def driver_story(output: str) -> str:
 
 
 def run_until_killed(ray_cluster, folder, args, kills: list[tuple[int, tuple[str, int]]],
-                     sig: int = signal.SIGKILL) -> dict:
-    """Start the colocated run, send `sig` (SIGKILL; SIGSTOP: a worker that hangs alive) to the process of
-    each victim (role, rank) once its step is logged, and wait for the driver to end. Returns its exit
-    status, output, the killed pids and seconds from the last kill to the driver's exit."""
+                     sig: int = signal.SIGKILL, env: dict[str, str] | None = None) -> dict:
+    """Start the colocated run (with `env` added to its environment), send `sig` (SIGKILL; SIGSTOP: a worker
+    that hangs alive) to the process of each victim (role, rank) once its step is logged, and wait for the
+    driver to end. Returns its exit status, output, the killed pids and seconds from the last kill to the
+    driver's exit."""
     placed = folder / "placement.json"
     placed.unlink(missing_ok=True)  # an earlier launch's: its workers (and pids) are gone
     said = folder.parent / f"launch-{len(list(folder.parent.glob('launch-*.log'))) + 1}.log"  # kept for a post-mortem
     with said.open("w") as sink:
         proc = subprocess.Popen(cli_command(["train", "ppo", "--config", COLOCATED, "-o", str(folder), *args]),
-                                cwd=ROOT, env=cli_env(RAY_ADDRESS=ray_cluster.address), stdout=sink,
+                                cwd=ROOT, env=cli_env(RAY_ADDRESS=ray_cluster.address, **(env or {})), stdout=sink,
                                 stderr=subprocess.STDOUT)
 
     def output() -> str:
@@ -417,7 +420,7 @@ def run_until_killed(ray_cluster, folder, args, kills: list[tuple[int, tuple[str
                                      + driver_story(output())) from None
         killed = time.monotonic()
         text = output()
-        return {"status": proc.returncode, "output": text, "exit_s": time.monotonic() - killed, "pid": pids[-1],
+        return {"status": proc.returncode, "output": text, "exit_s": time.monotonic() - killed, "pid": pids[-1] if pids else None,
                 "pids": pids}
     finally:
         proc.kill()
@@ -472,6 +475,94 @@ def test_an_engine_that_stops_answering_ends_the_run_with_4_naming_it(killed_run
     every = KILL_CHECKPOINT_EVERY  # a phase that applies nothing of its step keeps the steps done, else the periodic one
     resumes_from = step - 1 if phase in CHECKPOINTABLE else (step - 1) // every * every
     assert line.endswith(f"rerun the same command to resume from its checkpoint step_{resumes_from:06d}"), line
+    assert "Traceback" not in out, out[-4000:]
+
+
+WORKER_HANGS = {"critic": "critic:1:update:3", "engine": "vllm:0:receive_weights:3"}
+"""The hangs of `hung_workers`' two launches (HPCRLHF_WORKER_HANG: role, rank, method, call)."""
+HUNG_EVERY = 2
+"""`hung_workers`' checkpoints: every 2 steps."""
+
+
+@pytest.fixture(scope="module")
+def hung_workers(ray_cluster, policy_model, tmp_path_factory) -> dict:
+    """One colocated run whose Ray workers hang by the worker setup hook (`tests.trainers.faults.hang_in_worker`),
+    nothing signalled from outside: critic rank 1's learner never returns from its third update (step 3); then,
+    resumed, vLLM engine 0 never takes its third weight broadcast (a receiver that never joins the sync)."""
+    folder = tmp_path_factory.mktemp("ppo-hung-workers") / "run"
+    args = ["--set", f"model.path={policy_model}", *RUN, "--set", "train.max_steps=6",
+            "--set", f"checkpoint.every_steps={HUNG_EVERY}", *HANG_WATCH]
+    launches = {}
+    for name, hang in WORKER_HANGS.items():
+        launch = run_until_killed(ray_cluster, folder, args, [], env={WORKER_SETUP: "tests.trainers.faults:hang_in_worker",
+                                                                      WORKER_HANG: hang})
+        launch["workers"] = json.loads((folder / "placement.json").read_text())["workers"]
+        launch["checkpoints"] = sorted(p.name for p in (folder / "checkpoints").glob("step_*"))
+        launches[name] = launch
+    return {"folder": folder, **launches}
+
+
+def hung_line(out: str) -> tuple[str, int, str, float]:
+    """The driver's watchdog line: (the line, its step, the phase that hung, its deadline in seconds)."""
+    found = [m for x in out.splitlines()
+             if (m := re.match(r"hpcrlhf: error: step (\d+) hung: (\w+) did not finish within ([\d.]+) s", x))]
+    assert found, out[-4000:]
+    return found[0].string, int(found[0][1]), found[0][2], float(found[0][3])
+
+
+def stacks_of(out: str, name: str, pid: int) -> str:
+    """What the driver read of worker `name`'s stacks (process `pid`) and logged the file of."""
+    found = re.search(rf"stacks of {re.escape(name)}, process {pid} on [\d.]+: (\S+)", out)
+    assert found, out[-4000:]
+    return Path(found[1]).read_text()
+
+
+@pytest.mark.slow
+def test_a_role_rank_that_never_returns_from_its_update_ends_the_run_with_4_naming_it(hung_workers):
+    """Critic rank 1 sleeps in its third update (its peer waits for it in the gradients' all-reduce): the
+    driver's wait for the step's updates passes its deadline (3 x the median of the first two + 20 s, not the
+    600 s of a first wait), names the rank, shows where it is stuck (its own stacks, read in its process) and
+    exits 4 keeping no checkpoint of step 3 (the actor may have applied its update): the resume is from step 2."""
+    hung = hung_workers["critic"]
+    out = hung["output"]
+    assert hung["status"] == 4, out[-4000:]
+    line, step, phase, deadline = hung_line(out)
+    assert (step, phase) == (3, "train") and deadline < 200, line
+    waiting = line.split("; still waiting for ")[1].split("; stacks: ")[0]
+    assert "critic rank 1 (node 0 GPU 1)" in waiting, line
+    assert "no checkpoint: train may have applied part of step 3" in line, line
+    assert line.endswith("rerun the same command to resume from its checkpoint step_000002"), line
+    assert hung["checkpoints"] == ["step_000002"], hung["checkpoints"]
+    pid = next(w["pid"] for w in hung["workers"] if (w["role"], w["rank"]) == ("critic", 1))
+    stacks = stacks_of(out, "critic rank 1 (node 0 GPU 1)", pid)
+    assert "hanging" in stacks and "update" in stacks, stacks  # the fault's sleep, inside the worker's update
+    peer = next(w["pid"] for w in hung["workers"] if (w["role"], w["rank"]) == ("critic", 0))
+    assert "all_reduce" in stacks_of(out, "critic rank 0 (node 0 GPU 0)", peer)  # its peer: waiting for it
+    assert "Traceback" not in out, out[-4000:]
+
+
+@pytest.mark.slow
+def test_a_weight_sync_receiver_that_never_joins_the_broadcast_ends_the_run_with_4_naming_it(hung_workers):
+    """Resumed from step 2, vLLM engine 0 never takes its third weight broadcast (actor rank 0 waits for it in the
+    sync group): the step's weight sync passes its deadline, the engine is named with its stacks (stuck in
+    receive_weights) and the sender's (in its broadcast), exit 4; the update was applied, so the resume is from
+    the last periodic checkpoint."""
+    hung = hung_workers["engine"]
+    out = hung["output"]
+    assert hung["status"] == 4, out[-4000:]
+    assert "resumed from" in out and "at step 2" in out, out[-4000:]
+    line, step, phase, deadline = hung_line(out)
+    assert phase == "weight_sync" and step in (4, 5) and deadline < 200, line  # 4: the start's push is a receipt
+    waiting = line.split("; still waiting for ")[1].split("; stacks: ")[0]
+    assert "vLLM engine 0 (node 0 GPU 0, node 0 GPU 1)" in waiting, line
+    resumes_from = (step - 1) // HUNG_EVERY * HUNG_EVERY
+    assert line.endswith(f"rerun the same command to resume from its checkpoint step_{resumes_from:06d}"), line
+    assert f"step_{step:06d}" not in hung["checkpoints"], hung["checkpoints"]
+    pid = next(w["pid"] for w in hung["workers"] if (w["role"], w["rank"]) == ("vllm", 0))
+    stacks = stacks_of(out, "vLLM engine 0 (node 0 GPU 0, node 0 GPU 1)", pid)
+    assert "hanging" in stacks and "receive_weights" in stacks, stacks
+    sender = next(w["pid"] for w in hung["workers"] if (w["role"], w["rank"]) == ("actor", 0))
+    assert "broadcast_weights" in stacks_of(out, "actor rank 0 (node 0 GPU 0)", sender)  # the sender, waiting for it
     assert "Traceback" not in out, out[-4000:]
 
 

@@ -13,12 +13,12 @@ import time
 import pytest
 
 from hpcrlhf.cluster.bootstrap import RayPorts, ray_start_args, wait_for_nodes
-from hpcrlhf.cluster.reservation import RayNode, check_cluster, order_nodes, reserve
+from hpcrlhf.cluster.reservation import WORKER_SETUP, RayNode, check_cluster, order_nodes, reserve, worker_env
 from hpcrlhf.cluster.worker_group import (RoleWorker, WorkerGroup, dead_worker_message, death_verdict,
                                           lost_worker_error, unreachable)
 from hpcrlhf.config.loader import load_config
 from hpcrlhf.config.schema import PPOConfig
-from hpcrlhf.errors import HpcrlhfError, PlacementError
+from hpcrlhf.errors import ConfigError, HpcrlhfError, PlacementError
 from hpcrlhf.placement import Device, build_node_map
 from hpcrlhf.config.jobspec import resolve_recipe
 
@@ -166,3 +166,16 @@ def test_ray_start_commands_use_explicit_ports():
     assert len(used) == len(set(used))  # no two services share a port
     with pytest.raises(HpcrlhfError, match="out of range"):
         RayPorts.from_base(65500)
+
+
+def test_the_drivers_worker_variables_reach_every_worker_and_a_bad_setup_hook_fails_in_the_driver(monkeypatch):
+    """HPCRLHF_WORKER_* (and nothing else of the driver's) goes into each worker's runtime environment; a setup
+    hook that does not import is a ConfigError naming the variable and the value before any worker starts."""
+    monkeypatch.setenv(WORKER_SETUP, "tests.trainers.faults:hang_in_worker")
+    monkeypatch.setenv("HPCRLHF_WORKER_HANG", "critic:1:update:3")
+    monkeypatch.setenv("HPCRLHF_CACHE", "/elsewhere")
+    assert worker_env() == {WORKER_SETUP: "tests.trainers.faults:hang_in_worker", "HPCRLHF_WORKER_HANG": "critic:1:update:3"}
+    monkeypatch.setenv(WORKER_SETUP, "tests.trainers.faults:no_such_hook")
+    with pytest.raises(ConfigError, match=r"HPCRLHF_WORKER_SETUP='tests.trainers.faults:no_such_hook' cannot be "
+                                          r"imported \(module 'tests.trainers.faults' has no 'no_such_hook'\)"):
+        worker_env()

@@ -20,11 +20,19 @@ whose third call of that method never returns (the watchdog's tests), and
 
 which sends the run the stop signal (SIGUSR1, what Slurm sends before a time limit) itself as its
 step 6 ends: the stop lands at that step however fast the host runs the steps after it.
+
+A job on Ray reaches its workers through the worker setup hook (hpcrlhf.cluster.reservation.WORKER_SETUP):
+
+    HPCRLHF_WORKER_SETUP=tests.trainers.faults:hang_in_worker HPCRLHF_WORKER_HANG=critic:1:update:3 hpcrlhf train ppo ...
+
+makes the third `update` of critic rank 1's learner never return (role `vllm` for an engine: its
+`receive_weights`, a weight-sync receiver that never takes the broadcast).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 from hpcrlhf.data.tasks import ArithmeticTask
@@ -105,8 +113,13 @@ def engine_skip_report(stage: int, precision: str) -> dict:
 
 
 HANGS = {"make_experience": ("hpcrlhf.trainers.ppo.driver", "PPOTrainer"), "train_step": ("hpcrlhf.trainers.sft", "SFTTrainer"),
-         "generate": ("hpcrlhf.engines.rollout.hf", "HFRollout")}
+         "generate": ("hpcrlhf.engines.rollout.hf", "HFRollout"),
+         "update": ("hpcrlhf.trainers.ppo.learner", "PPOLearner"),  # in a Ray worker: `hang_in_worker`
+         "receive_weights": ("hpcrlhf.engines.rollout.vllm", "VLLMRollout")}
 """The methods `hang` can make hang, and their classes."""
+
+WORKER_HANG = "HPCRLHF_WORKER_HANG"
+"""ROLE:RANK:METHOD:CALL, read by `hang_in_worker` in every Ray worker of the job."""
 
 
 def inject_hang(method: str, call: int) -> None:
@@ -126,6 +139,15 @@ def inject_hang(method: str, call: int) -> None:
         return original(self, *args, **kwargs)
 
     setattr(owner, method, hanging)
+
+
+def hang_in_worker(worker) -> None:
+    """The worker setup hook (HPCRLHF_WORKER_SETUP): in the worker WORKER_HANG names, its METHOD's CALL-th call
+    never returns. (A Ray actor's own methods are bound when it is created, so the hang goes into a class
+    they call: the learner, the vLLM engine.)"""
+    role, rank, method, call = os.environ[WORKER_HANG].split(":")
+    if (worker.role, worker.rank) == (role, int(rank)):
+        inject_hang(method, int(call))
 
 
 def inject_stop(step: int) -> None:

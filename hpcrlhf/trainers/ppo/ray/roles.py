@@ -43,7 +43,7 @@ import torch
 from hpcrlhf.cluster.engines import EngineFleet, EngineWorker
 from hpcrlhf.cluster.reservation import Reservation
 from hpcrlhf.cluster.reward_servers import RewardServers
-from hpcrlhf.cluster.worker_group import WorkerGroup, gather, gather_rows, wait_any
+from hpcrlhf.cluster.worker_group import WorkerGroup, gather, gather_rows, wait_any, worker_stacks
 from hpcrlhf.data.batching import RowList
 from hpcrlhf.engines.rollout.settings import vllm_engine_args
 from hpcrlhf.errors import PlacementError
@@ -225,15 +225,14 @@ class RayRoles:
     def stuck_stacks(self, parties: Sequence[str], folder: Path) -> list[str]:
         """Write the stacks of the workers among `parties` (a hung wait's, by their placed names) into
         `folder`, each read where it runs; a line per worker naming its file."""
-        lines = []
-        for group in self.all_groups:
-            for rank, text in group.stuck_stacks(parties):
-                w = group.located[rank]
-                make_folders(folder, "the watchdog's stacks folder")
-                name = group.name(rank).split(" (")[0].replace(" ", "_")
-                path = folder / f"stacks-{time.strftime('%Y%m%d-%H%M%S')}-{name}-{w.pid}.txt"
-                replace_file(path, f"# {group.placed_name(rank)}: process {w.pid} on {w.node_ip}\n{text}")
-                lines.append(f"stacks of {group.placed_name(rank)}, process {w.pid} on {w.node_ip}: {path}")
+        lines, stuck = [], [(group, rank) for group in self.all_groups for rank in group.stuck(parties)]
+        for (group, rank), text in zip(stuck, worker_stacks([group.located[rank] for group, rank in stuck])):
+            w = group.located[rank]
+            make_folders(folder, "the watchdog's stacks folder")
+            name = group.name(rank).split(" (")[0].replace(" ", "_")
+            path = folder / f"stacks-{time.strftime('%Y%m%d-%H%M%S')}-{name}-{w.pid}.txt"
+            replace_file(path, f"# {group.placed_name(rank)}: process {w.pid} on {w.node_ip}\n{text}")
+            lines.append(f"stacks of {group.placed_name(rank)}, process {w.pid} on {w.node_ip}: {path}")
         return lines
 
     def abandon(self) -> None:
