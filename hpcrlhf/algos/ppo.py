@@ -1,5 +1,6 @@
 """The PPO losses on per-token tensors: the clipped policy surrogate and the value loss, their
-aggregation to a scalar, the policy's entropy and truncated importance weights.
+aggregation to a scalar, the policy's entropy and the importance weights that correct for the
+rollout engine's policy (truncated or masked).
 
 Algorithms, as implemented here:
 
@@ -93,7 +94,7 @@ def policy_loss(
     [-20, 20] before exp so an extreme token gives a large finite ratio instead of inf (whose
     0 * inf gradients would be NaN); tokens that far off are clipped anyway. old_logp and
     advantages are detached. `token_weights` (detached) multiply l token by token: the truncated
-    importance weights of `truncated_is_weights`. The scalar loss is `aggregate_loss(l, mask,
+    importance weights of `importance_weights`. The scalar loss is `aggregate_loss(l, mask,
     aggregation, normalizer)`.
 
     ratio_level="sequence" is GSPO (Zheng et al. 2025): one ratio per response, the geometric
@@ -146,16 +147,62 @@ def policy_loss(
     return total.to(out), stats
 
 
-def truncated_is_weights(old_logp: torch.Tensor, behaviour_logp: torch.Tensor, mask: torch.Tensor,
-                         cap: float) -> torch.Tensor:
-    """Truncated importance sampling (Yao et al. 2025, "Your efficient RL framework secretly brings
-    you off-policy RL training"): per token min(pi_old(y_t) / pi_behaviour(y_t), cap), pi_behaviour
-    the policy that generated the token (the rollout engine: other numerics, or weights an update
-    behind), pi_old the trainer's recomputation the PPO ratio is taken against. 0 off the mask."""
-    if not cap > 0:
-        raise ValueError(f"cap must be > 0, got {cap}")
-    log_w = (old_logp.detach().double() - behaviour_logp.detach().double()).clamp(max=math.log(cap))
-    return torch.where(mask.bool(), torch.exp(log_w), torch.zeros_like(log_w)).to(old_logp.dtype)
+IS_MODES = ("truncate", "mask", "seq_mask")
+
+
+def importance_weights(old_logp: torch.Tensor, behaviour_logp: torch.Tensor, mask: torch.Tensor, *, cap: float,
+                       floor: float | None = None, mode: str = "truncate") -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Per-token weights correcting the policy loss for the policy that generated each token.
+
+    With r_t = pi_old(y_t) / pi_behaviour(y_t) -- pi_behaviour the rollout engine's policy (other numerics,
+    or weights some updates behind), pi_old the trainer's recomputation the PPO ratio is taken against --
+    C = `cap` and L = `floor`:
+        truncate  w_t = min(r_t, C), and max(., L) with a floor: truncated importance sampling (Yao et al.
+                  2025, "Your efficient RL framework secretly brings you off-policy RL training"; the floor
+                  is slime's tis_clip_low)
+        mask      w_t = r_t 1[L <= r_t <= C], L = floor or 1/C: tokens whose ratio left the band count nothing
+                  (masked importance sampling, token level; verl's rollout_is "token" mask mode, icepop)
+        seq_mask  g_i = exp(mean_t log r_t) over the response's tokens; w_t = min(r_t, C) 1[L <= g_i <= C]: a
+                  response whose geometric-mean ratio left the band counts nothing (verl's "geometric" mode)
+    A masked token keeps its place in the loss's denominator (the caller's mask is unchanged): it adds 0,
+    and the kept tokens' gradients are not inflated (AReaL's choice). Computed in float64 on detached
+    inputs; 0 off the mask; a token both policies give log-prob -inf has r = 1.
+
+    Stats (float64 sums, so micro-batches and ranks add up): weight_sum (of w over the mask), truncated
+    (tokens whose w was cut to C or L: truncate and seq_mask), masked (tokens set to 0 by the band, either mask
+    mode), masked_seqs (responses masked by seq_mask), tokens, seqs (responses with a masked-in token)."""
+    if mode not in IS_MODES:
+        raise ValueError(f"importance weight mode must be one of {IS_MODES}, got {mode!r}")
+    if not cap >= 1:
+        raise ValueError(f"cap must be >= 1, got {cap}")
+    if floor is not None and not 0 < floor <= 1:
+        raise ValueError(f"floor must be in (0, 1] or None, got {floor}")
+    keep = mask.bool()
+    log_r = old_logp.detach().double() - behaviour_logp.detach().double()
+    log_r = torch.where(keep & ~log_r.isnan(), log_r, torch.zeros_like(log_r))  # -inf - -inf: the same policy there
+    high = math.log(cap)
+    floor_low = math.log(floor) if floor is not None else -math.inf  # a weight's own lower bound: the floor only
+    band_low = math.log(floor) if floor is not None else -high  # the masks' band: [1/C, C] without a floor
+    zero, kept_rows = torch.zeros_like(log_r), keep.any(-1)
+    masked_seqs = log_r.new_zeros(())
+    if mode == "mask":
+        band = (log_r >= band_low) & (log_r <= high)
+        w = torch.where(keep & band, torch.exp(log_r), zero)
+        masked, cut = (keep & ~band).sum().double(), torch.zeros_like(keep)
+    else:
+        w = torch.where(keep, torch.exp(log_r.clamp(min=floor_low, max=high)), zero)
+        cut = keep & ((log_r > high) | (log_r < floor_low))
+        out_rows = torch.zeros_like(kept_rows)
+        if mode == "seq_mask":
+            log_g = torch.where(keep, log_r, zero).sum(-1) / keep.sum(-1).clamp(min=1)
+            out_rows = kept_rows & ~((log_g >= band_low) & (log_g <= high))  # NaN (inf - inf) leaves the band too
+            w = torch.where(out_rows.unsqueeze(-1), zero, w)
+            cut = cut & ~out_rows.unsqueeze(-1)
+        masked, masked_seqs = (keep & out_rows.unsqueeze(-1)).sum().double(), out_rows.sum().double()
+    truncated = cut.sum().double()
+    stats = {"weight_sum": w.sum(), "truncated": truncated, "masked": masked, "masked_seqs": masked_seqs,
+             "tokens": keep.sum().double(), "seqs": kept_rows.sum().double()}
+    return w.to(old_logp.dtype), stats
 
 
 def value_loss(

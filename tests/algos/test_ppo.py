@@ -15,7 +15,8 @@ from hpcrlhf.algos.ppo import (
     aggregate_loss,
     entropy_from_logits,
     policy_loss,
-    truncated_is_weights,
+    IS_MODES,
+    importance_weights,
     value_loss,
 )
 from tests.algos.helpers import DTYPES, close, make_masks, rows
@@ -128,17 +129,105 @@ def test_policy_loss_matches_reference(dtype, mode, low, high, dual):
             close(leaf.grad, grads, dtype)
 
 
-def test_truncated_is_weights_by_hand_and_in_the_loss():
-    """min(exp(old - behaviour), cap) per token, 0 off the mask; the loss takes them as per-token
-    multipliers of the clipped surrogate (value and gradient), whatever the aggregation."""
-    old = torch.tensor([[-1.0, -2.0, -0.5, -3.0]], dtype=torch.float64)
-    behaviour = torch.tensor([[-1.2, -1.0, -0.5, -9.0]], dtype=torch.float64)
-    mask = torch.tensor([[True, True, True, False]])
-    w = truncated_is_weights(old, behaviour, mask, cap=2.0)
-    assert w[0].tolist() == pytest.approx([math.exp(0.2), math.exp(-1.0), 1.0, 0.0], abs=1e-15)
-    assert truncated_is_weights(old, behaviour - 5, mask, cap=2.0)[0, :3].tolist() == pytest.approx([2.0] * 3)
-    with pytest.raises(ValueError, match="cap must be > 0"):
-        truncated_is_weights(old, behaviour, mask, cap=0.0)
+def ref_importance_weights(old, behaviour, mask, cap, floor, mode):
+    """Plain-Python importance weights and counts, row by row with `math` (the bands spelled out)."""
+    lo_band = math.log(floor) if floor is not None else -math.log(cap)
+    lo_floor = math.log(floor) if floor is not None else -math.inf
+    hi = math.log(cap)
+    out, counts = [], {"truncated": 0, "masked": 0, "masked_seqs": 0, "tokens": 0, "seqs": 0}
+    for ro, rb, rm in zip(old, behaviour, mask):
+        logs = []
+        for o, b, m in zip(ro, rb, rm):
+            d = o - b if m else 0.0
+            logs.append(0.0 if math.isnan(d) else d)  # -inf - -inf
+        kept = [lr for lr, m in zip(logs, rm) if m]
+        counts["tokens"] += len(kept)
+        counts["seqs"] += bool(kept)
+        row_in = not kept or lo_band <= (sum(kept) / len(kept) if kept else 0.0) <= hi
+        if mode == "seq_mask" and kept and not row_in:
+            counts["masked_seqs"] += 1
+            counts["masked"] += len(kept)
+            out.append([0.0] * len(logs))
+            continue
+        row = []
+        for lr, m in zip(logs, rm):
+            if not m:
+                row.append(0.0)
+            elif mode == "mask":
+                inside = lo_band <= lr <= hi
+                counts["masked"] += not inside
+                row.append(math.exp(lr) if inside else 0.0)
+            else:
+                counts["truncated"] += lr > hi or lr < lo_floor
+                row.append(math.exp(min(max(lr, lo_floor), hi)))
+        out.append(row)
+    return out, counts
+
+
+@pytest.mark.parametrize("mode", IS_MODES)
+@pytest.mark.parametrize("floor", [None, 0.7])
+def test_importance_weights_match_a_float64_reference(mode, floor):
+    """Every mode and band against the plain-Python reference, on every mask shape, with ratios spread
+    around the band (and -inf log-probs: a token one policy cannot produce, both cannot)."""
+    g = torch.Generator().manual_seed(40)
+    for dtype in DTYPES:
+        for mask in make_masks(g).values():
+            old = -torch.rand(mask.shape, generator=g, dtype=torch.float64) * 3
+            behaviour = old + torch.randn(mask.shape, generator=g, dtype=torch.float64) * 0.8
+            old[0, 0], behaviour[0, 1], old[1, 2], behaviour[1, 2] = -math.inf, -math.inf, -math.inf, -math.inf
+            w, stats = importance_weights(old.to(dtype), behaviour.to(dtype), mask, cap=2.0, floor=floor, mode=mode)
+            want, counts = ref_importance_weights(rows(old.to(dtype).double()), rows(behaviour.to(dtype).double()),
+                                                  rows(mask), 2.0, floor, mode)
+            assert w.dtype == dtype
+            close(w, want, dtype)
+            assert {k: float(v) for k, v in stats.items() if k != "weight_sum"} == counts
+            assert float(stats["weight_sum"]) == pytest.approx(sum(map(sum, want)), abs=1e-9)
+
+
+def test_importance_weights_by_hand():
+    """r = exp(old - behaviour) per token: truncate cuts at the cap (and a floor), mask drops tokens outside
+    [1/cap, cap], seq_mask drops a response whose geometric-mean ratio leaves the band."""
+    old = torch.tensor([[-1.0, -2.0, -0.5, -3.0], [-1.0, -1.0, -1.0, -1.0]], dtype=torch.float64)
+    behaviour = torch.tensor([[-1.2, -1.0, -0.5, -9.0], [-2.0, -2.0, -2.0, -1.0]], dtype=torch.float64)
+    mask = torch.tensor([[True, True, True, False], [True, True, True, True]])
+    e = math.exp
+    w, stats = importance_weights(old, behaviour, mask, cap=2.0)  # r: e^0.2, e^-1, 1, - | e, e, e, 1
+    close(w, [[e(0.2), e(-1.0), 1.0, 0.0], [2.0, 2.0, 2.0, 1.0]], torch.float64)
+    assert float(stats["truncated"]) == 3 and float(stats["tokens"]) == 7
+    w, _ = importance_weights(old, behaviour, mask, cap=2.0, floor=0.5)
+    assert w[0, 1] == pytest.approx(0.5)  # e^-1 = 0.37 raised to the floor
+    w, stats = importance_weights(old, behaviour, mask, cap=2.0, mode="mask")  # band [0.5, 2]: e^-1 and e out
+    close(w, [[e(0.2), 0.0, 1.0, 0.0], [0.0, 0.0, 0.0, 1.0]], torch.float64)
+    assert float(stats["masked"]) == 4
+    # row 2's geometric mean e^0.75 = 2.1 > 2: the whole response goes; row 1's e^(-0.8/3) stays, truncated
+    w, stats = importance_weights(old, behaviour, mask, cap=2.0, mode="seq_mask")
+    close(w, [[e(0.2), e(-1.0), 1.0, 0.0], [0.0] * 4], torch.float64)
+    assert (float(stats["masked_seqs"]), float(stats["masked"]), float(stats["seqs"])) == (1, 4, 2)
+    with pytest.raises(ValueError, match="cap must be >= 1"):
+        importance_weights(old, behaviour, mask, cap=0.5)
+    with pytest.raises(ValueError, match="floor must be in"):
+        importance_weights(old, behaviour, mask, cap=2.0, floor=1.5)
+
+
+def test_masked_tokens_keep_their_place_in_the_denominator():
+    """Mask-mode weights in the loss: the dropped tokens add 0 to the sum and still count in its
+    denominator, for every aggregation (the kept tokens' gradients are not inflated)."""
+    old = torch.tensor([[-1.0, -1.0, -1.0], [-1.0, -1.0, -1.0]], dtype=torch.float64)
+    behaviour = torch.tensor([[-1.0, -3.0, -1.0], [-1.0, -1.0, -1.0]], dtype=torch.float64)  # token (0, 1): r = e^2
+    mask = torch.ones(2, 3, dtype=torch.bool)
+    w, _ = importance_weights(old, behaviour, mask, cap=2.0, mode="mask")
+    adv = torch.tensor([[1.0, 1.0, 1.0], [-1.0, 2.0, 0.5]], dtype=torch.float64)
+    per_tok = [[-a * wt for a, wt in zip(ra, rw)] for ra, rw in zip(rows(adv), rows(w))]  # ratio 1: l = -A w
+    for mode in LOSS_AGGREGATIONS:
+        loss, _ = policy_loss(old.clone(), old, adv, mask, clip_eps_low=0.2, aggregation=mode, token_weights=w)
+        close(loss, ref_aggregate(per_tok, rows(mask), mode), torch.float64)
+    token_mean, _ = policy_loss(old.clone(), old, adv, mask, clip_eps_low=0.2, token_weights=w)
+    assert float(token_mean) == pytest.approx(-(1 + 0 + 1 - 1 + 2 + 0.5) / 6)  # 6 tokens, not 5
+
+
+def test_importance_weights_multiply_the_loss_token_by_token():
+    """The loss takes the weights as per-token multipliers of the clipped surrogate (value and gradient),
+    whatever the aggregation."""
     g = torch.Generator().manual_seed(12)
     for mode in LOSS_AGGREGATIONS:
         for mask in make_masks(g).values():

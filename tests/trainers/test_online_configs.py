@@ -26,6 +26,12 @@ from hpcrlhf.trainers.batches import PPOPlan
     (["reward.sources=[]"], "reward.sources: [] is invalid: give at least one"),
     (["reward.sources=[{model: a, rule: task}]"], "exactly one of `model`"),
     (["ppo.tis_cap=0.5"], "ppo.tis_cap: 0.5 is invalid: use null"),
+    (["ppo.is_mode=mask"], "ppo.is_mode: 'mask' is invalid: it drops tokens whose weight pi_old/pi_rollout lies "
+     "outside [ppo.is_floor, ppo.tis_cap], but ppo.tis_cap is null (no correction): set ppo.tis_cap=2"),
+    (["ppo.is_mode=clip", "ppo.tis_cap=2"], "'clip' is not one of 'truncate', 'mask', 'seq_mask'"),
+    (["ppo.is_floor=1.5", "ppo.tis_cap=2"], "ppo.is_floor: 1.5 is invalid: use a value in (0, 1]"),
+    (["ppo.is_floor=0.5"], "ppo.is_floor: 0.5 is invalid: it bounds the importance weights from below, but "
+     "ppo.tis_cap is null"),
     (["rollout.max_staleness=2"], "rollout.max_staleness: 2 is invalid: use 0 "),
     (["rollout.max_staleness=-1"], "rollout.max_staleness: -1 is invalid"),
     (["rollout.max_staleness=1", "ppo.dynamic_sampling=true"],

@@ -88,6 +88,16 @@ class PPOSectionConfig:
     differs from the trainer's recomputation by the engine's numerics -- bf16 vLLM on GPU -- and,
     with rollout.max_staleness 1, by the update the generating weights missed). null: off; 2 is
     usual. Logged: rollout/is_weight (mean), rollout/is_truncated (share of tokens at the cap)."""
+    is_mode: Literal["truncate", "mask", "seq_mask"] = "truncate"
+    """How tis_cap corrects (hpcrlhf.algos.ppo.importance_weights), r = pi_old / pi_rollout per token:
+    "truncate" weights each token by min(r, tis_cap) (TIS); "mask" weights it by r where r lies in
+    [is_floor, tis_cap] and drops it (weight 0) elsewhere (masked IS, verl's token mode); "seq_mask"
+    drops a whole response whose geometric-mean r leaves that band and truncates the others' tokens
+    (verl's geometric mode). A dropped token still counts in the loss's denominator. Logged with a
+    mask: rollout/is_masked (share of tokens dropped), rollout/is_masked_seq (share of responses)."""
+    is_floor: float | None = None
+    """Lower bound of r, in (0, 1]: "truncate" raises smaller weights to it (slime's tis_clip_low);
+    the mask modes' band starts there. null: no floor for "truncate", 1 / tis_cap for the masks."""
     dynamic_sampling: bool = False
     """DAPO's dynamic sampling (Yu et al. 2025): drop every prompt whose samples all got the same
     score (a group-relative estimator learns nothing from it) and refill the step with the groups of
@@ -111,6 +121,14 @@ class PPOSectionConfig:
                 self.dynamic_sampling_max_rounds, "use at least 1 (the step's first round)")
         require(self.tis_cap is None or self.tis_cap >= 1, "ppo.tis_cap", self.tis_cap,
                 "use null (off) or a cap >= 1 such as 2 (a cap below 1 would down-weight every token)")
+        require(self.is_mode == "truncate" or self.tis_cap is not None, "ppo.is_mode", self.is_mode,
+                "it drops tokens whose weight pi_old/pi_rollout lies outside [ppo.is_floor, ppo.tis_cap], but "
+                "ppo.tis_cap is null (no correction): set ppo.tis_cap=2, or ppo.is_mode=truncate")
+        require(self.is_floor is None or 0 < self.is_floor <= 1, "ppo.is_floor", self.is_floor,
+                "use a value in (0, 1], or null (none for truncate, 1/tis_cap for the mask modes)")
+        require(self.is_floor is None or self.tis_cap is not None, "ppo.is_floor", self.is_floor,
+                "it bounds the importance weights from below, but ppo.tis_cap is null (no correction): set "
+                "ppo.tis_cap=2, or ppo.is_floor=null")
         require(self.epochs >= 1, "ppo.epochs", self.epochs, "use at least 1")
         require(0 < self.clip_eps < 1, "ppo.clip_eps", self.clip_eps, "use a value in (0, 1), typically 0.2")
         require(self.clip_eps_high is None or self.clip_eps_high > 0, "ppo.clip_eps_high", self.clip_eps_high,

@@ -44,7 +44,7 @@ from hpcrlhf.algos.advantages import compute_advantages
 from hpcrlhf.algos.kl import build_kl_controller, kl_estimate
 from hpcrlhf.algos.logprobs import IGNORE
 from hpcrlhf.algos.masked import masked_sum
-from hpcrlhf.algos.ppo import truncated_is_weights
+from hpcrlhf.algos.ppo import importance_weights
 from hpcrlhf.algos.reward_shaping import (RunningMoments, clip_rewards, normalize_scores, place_turn_rewards,
                                           shape_rewards)
 from hpcrlhf.config.schema import PPOConfig
@@ -280,15 +280,21 @@ class PPOTrainer(OnlineTrainer):
         for i, (g, r) in enumerate(zip(rollout.generations, rollout.responses)):
             start = len(r.sequence_ids) - len(g.response_ids)
             rollout_logps[i, start - 1 : start - 1 + len(g.logprobs)] = torch.tensor(g.logprobs)
-        is_weights = truncated_is_weights(old, rollout_logps, mask, ppo.tis_cap) if ppo.tis_cap else None
+        stats = self.rollout_stats(rollout)
+        is_weights = None
+        if ppo.tis_cap:
+            is_weights, w = importance_weights(old, rollout_logps, mask, cap=ppo.tis_cap, floor=ppo.is_floor,
+                                               mode=ppo.is_mode)
+            tokens = float(w["tokens"])
+            stats["rollout/is_weight"] = (float(w["weight_sum"]), tokens)
+            stats["rollout/is_truncated"] = (float(w["truncated"]), tokens)
+            if ppo.is_mode != "truncate":
+                stats["rollout/is_masked"] = (float(w["masked"]), tokens)
+            if ppo.is_mode == "seq_mask":
+                stats["rollout/is_masked_seq"] = (float(w["masked_seqs"]), float(w["seqs"]))
         experience = scored.with_tensors(advantages=advantages, returns=returns, values=values,
                                          ref_logps=ref if ppo.kl_loss_coef > 0 else None, is_weights=is_weights)
         n = len(experience)
-        stats = self.rollout_stats(rollout)
-        if is_weights is not None:
-            tokens = float(mask.sum())
-            stats["rollout/is_weight"] = (float(masked_sum(is_weights, mask)), tokens)
-            stats["rollout/is_truncated"] = (float((mask & (is_weights >= ppo.tis_cap * (1 - 1e-6))).sum()), tokens)
         stats["rollout/kl"] = (float(masked_sum(kl, mask)), n)
         stats["rollout/logprob_max_diff"] = (float(((rollout_logps - old).abs() * mask).amax(dim=-1).sum()), n)
         stats["rollout/advantage"] = (float(masked_sum(advantages, mask)), float(mask.sum()))
