@@ -118,9 +118,29 @@ def _seconds(text: str) -> float:
 def cmd_plan(args: argparse.Namespace) -> int:
     from hpcrlhf.placement import build_node_map, render_text  # start-up: +40 ms
 
-    node_map = build_node_map(build_config("ppo", args.recipe, args.set, None), args.nodes, args.gpus_per_node,
-                              args.cpus_per_node)
-    print(node_map.to_json() if args.json else render_text(node_map), end="")
+    cfg = build_config("ppo", args.recipe, args.set, None)
+    node_map = build_node_map(cfg, args.nodes, args.gpus_per_node, args.cpus_per_node)
+    schedule = None
+    if args.schedule:
+        from hpcrlhf.bench.schedule import HARDWARE, LengthDist, plan_schedules  # start-up: +10 ms
+
+        try:
+            schedule = plan_schedules(cfg, node_map, HARDWARE[args.hardware], LengthDist.parse(args.lengths))
+        except ValueError as e:
+            raise ConfigError(f"--schedule: {e}") from None
+    if args.json and schedule is not None:
+        import json
+
+        print(json.dumps({**json.loads(node_map.to_json()), "schedule": schedule}, indent=2))
+        return 0
+    if args.json:
+        print(node_map.to_json(), end="")
+        return 0
+    print(render_text(node_map), end="")
+    if schedule is not None:
+        from hpcrlhf.bench.schedule import render_schedules
+
+        print("\n" + render_schedules(schedule), end="")
     return 0
 
 
@@ -358,6 +378,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--set", "-s", action="append", default=[], metavar="KEY=VALUE",
                    help="override one setting, e.g. --set placement.vllm.engines=8 (repeatable)")
     p.add_argument("--json", action="store_true", help="print the node map as JSON")
+    p.add_argument("--schedule", action="store_true",
+                   help="also predict the step under long-tail response lengths, synchronous and k = 1, 2, 4 steps "
+                        "ahead with and without partial rollouts (the step-time model, hpcrlhf/bench/schedule.py)")
+    p.add_argument("--hardware", choices=("a800", "h100"), default="a800", help="GPUs of --schedule (default a800)")
+    p.add_argument("--lengths", default="lognormal", metavar="DIST",
+                   help="response lengths of --schedule: lognormal (median limit/8, sigma 1), "
+                        "lognormal:MEDIAN_FRAC,SIGMA or fixed (default lognormal)")
     p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("sbatch", help="write the sbatch script of a cluster job (Ray PPO, or MPI ranks)",

@@ -100,11 +100,11 @@ def predict(w: Workload, lay: SystemShape, hw: Hardware, eff: Efficiency) -> dic
     tokens = w.samples * (w.prompt + w.response)
     train_factor = 8 if w.recompute else 6
 
-    def fwd(params: float, devices: int) -> float:
-        return 2 * params * tokens / (devices * hw.peak_flops * eff.forward_mfu)
+    def fwd(params: float, devices: int) -> float:  # a role without devices (no critic: GRPO) costs nothing
+        return 2 * params * tokens / (devices * hw.peak_flops * eff.forward_mfu) if devices else 0.0
 
     def train(params: float, devices: int) -> float:
-        return train_factor * params * tokens / (devices * hw.peak_flops * eff.train_mfu)
+        return train_factor * params * tokens / (devices * hw.peak_flops * eff.train_mfu) if devices else 0.0
 
     kv_row = w.kv_bytes_per_token * (w.prompt + w.response / 2)  # KV bytes a row reads per decode step
     if lay.kind in ("distributed", "colocated"):
@@ -220,7 +220,11 @@ if __name__ == "__main__":
     import json
     from pathlib import Path
 
+    from hpcrlhf.bench.schedule import paper_schedules
+
     parser = argparse.ArgumentParser(description="Fit the step-time model on the published DSChat runs and predict "
-                                                 "the shipped layouts (benchmarks/results/step-model.json)")
+                                                 "the shipped layouts, synchronous and asynchronous under long-tail "
+                                                 "lengths (benchmarks/results/step-model.json)")
     parser.add_argument("-o", "--output", default="benchmarks/results/step-model.json")
-    Path(parser.parse_args().output).write_text(json.dumps(paper_predictions(), indent=2) + "\n")
+    doc = {**paper_predictions(), "schedules": paper_schedules()}
+    Path(parser.parse_args().output).write_text(json.dumps(doc, indent=2) + "\n")

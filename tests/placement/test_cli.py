@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from hpcrlhf.cli import main
+from hpcrlhf.config.jobspec import build_config
 from hpcrlhf.placement import render_text
 
 from .helpers import RECIPES, plan
@@ -69,3 +72,35 @@ def test_plan_says_what_the_estimator_needs_from_its_record(capsys):
                      *no_critic]) == 0
         record = json.loads(capsys.readouterr().out)["estimator"]
         assert record["name"] == name and record["needs_critic"] == (name == "gae") and record["samples_per_prompt"] == 4
+
+
+def test_plan_schedule_with_fixed_lengths_is_the_step_time_model(capsys):
+    """--schedule --lengths fixed on ppo-7b (the modelled 7B layout: 16 A800s, 4 engines of TP 1): the synchronous
+    row is the step-time model's step of 1024 x (1024 + 1024) tokens with the efficiencies fitted on DSChat's
+    published runs, one step ahead its overlapped step; the text shows the same rows."""
+    from hpcrlhf.bench.schedule import plan_schedules, LengthDist, render_schedules
+    from hpcrlhf.bench.stepmodel import (A800_80GB, LLAMA2_KV_BYTES, LLAMA2_PARAMS, PAPER_LAYOUTS, Efficiency, Workload,
+                                         overlapped_step, paper_predictions, predict)
+
+    assert main(["plan", "ppo-7b", "--schedule", "--lengths", "fixed", "--json"]) == 0
+    rows = {(r["k"], r["partial"]): r for r in json.loads(capsys.readouterr().out)["schedule"]["rows"]}
+    w = Workload(LLAMA2_PARAMS["7b"], LLAMA2_PARAMS["7b"], 1024, 1024, 1024, LLAMA2_KV_BYTES["7b"])
+    phases = predict(w, PAPER_LAYOUTS["7b"]["distributed"], A800_80GB, Efficiency(**paper_predictions()["efficiency"]))
+    assert rows[0, False]["step_s"] == pytest.approx(phases["step"], rel=2e-3)  # 6.738e9 counted vs 6.74e9 rounded
+    assert rows[1, False]["step_s"] == pytest.approx(overlapped_step(phases), rel=2e-3)
+    assert main(["plan", "ppo-7b", "--schedule"]) == 0
+    out = capsys.readouterr().out
+    node_map = plan("ppo-7b")
+    assert out == render_text(node_map) + "\n" + render_schedules(plan_schedules(
+        build_config("ppo", "ppo-7b", [], None), node_map, A800_80GB, LengthDist()))
+    assert "  synchronous " in out and out.count(" + partial ") == 3 and "  NeMo-RL one step off: " in out
+
+
+def test_plan_schedule_says_why_a_layout_has_none(capsys):
+    assert main(["plan", "ppo-tiny-ray-colocated", "--schedule"]) == 0
+    assert "  none: the engines share the roles' GPUs: generation and training take turns" in capsys.readouterr().out
+    assert main(["plan", "ppo-7b", "--schedule", "--set", "rollout.backend=hf", "--set", "placement.runtime=local",
+                 "--set", "placement.vllm.engines=0", "--set", "placement.allow_idle_gpus=true"]) == 0
+    assert "  none: rollout.backend is hf: the actor generates itself" in capsys.readouterr().out
+    assert main(["plan", "ppo-7b", "--schedule", "--lengths", "pareto"]) == 2
+    assert "--schedule: lengths 'pareto': use fixed, lognormal" in capsys.readouterr().err
