@@ -20,6 +20,7 @@ from collections.abc import Sequence
 
 from hpcrlhf.errors import PlacementError
 from hpcrlhf.placement import Device, NodeMap
+from hpcrlhf.run.usercode import load_named
 
 NODE_PIN = 0.001
 """Amount of a node's `node:<ip>` resource a bundle asks for: pins the bundle to that node."""
@@ -97,8 +98,6 @@ def worker_env() -> dict[str, str]:
     does not import is a ConfigError here, in the driver, before any worker is started."""
     env = {k: v for k, v in os.environ.items() if k.startswith("HPCRLHF_WORKER_")}
     if env.get(WORKER_SETUP):
-        from hpcrlhf.run.usercode import load_named
-
         load_named(env[WORKER_SETUP], f"{WORKER_SETUP}={env[WORKER_SETUP]!r}", "function")
     return env
 

@@ -22,6 +22,7 @@ from hpcrlhf.data.batching import shard_rows
 from hpcrlhf.errors import RewardServerError
 from hpcrlhf.placement import Device
 from hpcrlhf.run.signals import StopRequested, active_watchdog, stop_requested_here
+from hpcrlhf.run.usercode import load_named
 from hpcrlhf.run.stacks import PY_SPY_TIMEOUT_S, SIGNALLED_WAIT_S, dump_on_signal, signalled_stacks
 
 
@@ -85,8 +86,6 @@ class RoleWorker:
         self.role, self.rank, self.world_size = role, rank, world_size
         self.busy_s = 0.0
         if os.environ.get(WORKER_SETUP):  # checked in the driver (`worker_env`)
-            from hpcrlhf.run.usercode import load_named
-
             load_named(os.environ[WORKER_SETUP], WORKER_SETUP, "function")(self)
         try:  # the driver's watchdog asks a stuck worker for its stacks (`worker_stacks`)
             self.stacks_fd: int | None = dump_on_signal()
