@@ -122,7 +122,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     node_map = build_node_map(cfg, args.nodes, args.gpus_per_node, args.cpus_per_node)
     schedule = None
     if args.schedule:
-        from hpcrlhf.bench.schedule import HARDWARE, LengthDist, plan_schedules  # start-up: +10 ms
+        from hpcrlhf.bench.schedule import HARDWARE, LengthDist, plan_schedules, render_schedules  # start-up: +10 ms
 
         try:
             schedule = plan_schedules(cfg, node_map, HARDWARE[args.hardware], LengthDist.parse(args.lengths))
@@ -138,8 +138,6 @@ def cmd_plan(args: argparse.Namespace) -> int:
         return 0
     print(render_text(node_map), end="")
     if schedule is not None:
-        from hpcrlhf.bench.schedule import render_schedules
-
         print("\n" + render_schedules(schedule), end="")
     return 0
 

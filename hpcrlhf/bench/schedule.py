@@ -40,6 +40,7 @@ from typing import Literal
 
 from hpcrlhf.bench.stepmodel import (A800_80GB, H100_SXM, LLAMA2_KV_BYTES, LLAMA2_PARAMS, PAPER_LAYOUTS, Efficiency,
                                      Hardware, SystemShape, Workload, paper_predictions, predict)
+from hpcrlhf.placement.shapes import shape_of
 
 MAX_NUM_SEQS = 256
 """vLLM's default cap on running requests per engine (`max_num_seqs`)."""
@@ -294,8 +295,6 @@ def plan_shape(cfg, node_map) -> tuple[Workload, SystemShape]:
     """The workload and layout of a PPO job's node map with vLLM engines (`hpcrlhf plan`): the actor's and
     critic's (else the reward model's) parameters, data.max_length prompt tokens, rollout.max_new_tokens, the
     step's samples, the actor's KV bytes per token; `colocated` when a role shares the engines' GPUs."""
-    from hpcrlhf.placement.shapes import shape_of
-
     engine_gpus = {d for e in node_map.engines for d in e}
     shared = any(d in engine_gpus for ranks in node_map.ranks.values() for d in ranks)
     actor = node_map.roles["actor"]
@@ -360,3 +359,16 @@ PUBLISHED_ASYNC = {
     "ROLL Flash": "2.24x (RLVR), 2.72x (agentic)",
 }
 """The anchors' published asynchronous speed-ups, as issue 40 gathered them from their papers and docs."""
+
+
+if __name__ == "__main__":
+    import argparse
+    import json
+    from pathlib import Path
+
+    parser = argparse.ArgumentParser(description="Fit the step-time model on the published DSChat runs and predict "
+                                                 "the shipped layouts, synchronous and asynchronous under long-tail "
+                                                 "lengths (benchmarks/results/step-model.json)")
+    parser.add_argument("-o", "--output", default="benchmarks/results/step-model.json")
+    doc = {**paper_predictions(), "schedules": paper_schedules()}
+    Path(parser.parse_args().output).write_text(json.dumps(doc, indent=2) + "\n")

@@ -214,17 +214,3 @@ def paper_predictions(hw: Hardware = A800_80GB) -> dict:
 def as_dict(eff: Efficiency) -> dict[str, float]:
     return asdict(eff)
 
-
-if __name__ == "__main__":
-    import argparse
-    import json
-    from pathlib import Path
-
-    from hpcrlhf.bench.schedule import paper_schedules
-
-    parser = argparse.ArgumentParser(description="Fit the step-time model on the published DSChat runs and predict "
-                                                 "the shipped layouts, synchronous and asynchronous under long-tail "
-                                                 "lengths (benchmarks/results/step-model.json)")
-    parser.add_argument("-o", "--output", default="benchmarks/results/step-model.json")
-    doc = {**paper_predictions(), "schedules": paper_schedules()}
-    Path(parser.parse_args().output).write_text(json.dumps(doc, indent=2) + "\n")
