@@ -51,8 +51,8 @@ def test_ray_ppo_runs_its_trajectories_beside_the_tp_2_engine_while_it_trains_an
     # the checkpoint at step 2 keeps step 3's trajectories, run ahead, with their batch's figures (a resume scores them)
     import torch
 
-    ahead = torch.load(out / "checkpoints" / "step_000002" / "ahead_rank0.pt", weights_only=False)
-    assert ahead["step"] == 2 and [len(g) for g in ahead["generations"]] == [4] * 4
+    (ahead,) = torch.load(out / "checkpoints" / "step_000002" / "ahead_rank0.pt", weights_only=False)["ahead"]
+    assert ahead["step"] == 2 and ahead["launched_at"] == 1 and [len(g) for g in ahead["generations"]] == [4] * 4
     assert all(s.episode is not None for g in ahead["generations"] for s in g)
     assert ahead["agent_batch"]["agent/env_calls"][1] == 16 and ahead["agent_batch"]["agent/env_calls"][0] > 16
     workers = json.loads((out / "placement.json").read_text())["workers"]

@@ -181,8 +181,9 @@ def test_one_step_stale_ray_ppo_generates_the_next_rollout_while_it_trains_and_l
     # the driver keeps the rollout generated ahead in the checkpoint (step 11's, at step 10; none after the last)
     import torch
 
-    ahead = torch.load(folder / "checkpoints" / f"step_{AHEAD_KEPT_AT:06d}" / "ahead_rank0.pt", weights_only=False)
-    assert ahead["step"] == AHEAD_KEPT_AT and len(ahead["generations"]) == 32
+    (ahead,) = torch.load(folder / "checkpoints" / f"step_{AHEAD_KEPT_AT:06d}" / "ahead_rank0.pt",
+                          weights_only=False)["ahead"]
+    assert (ahead["step"], ahead["launched_at"]) == (AHEAD_KEPT_AT, AHEAD_KEPT_AT - 1) and len(ahead["generations"]) == 32
     assert all(len(g) == 4 for g in ahead["generations"])
     assert not (folder / "checkpoints" / f"step_{STEPS:06d}" / "ahead_rank0.pt").exists()
 
@@ -488,10 +489,13 @@ HUNG_EVERY = 2
 def hung_workers(ray_cluster, policy_model, tmp_path_factory) -> dict:
     """One colocated run whose Ray workers hang by the worker setup hook (`tests.trainers.faults.hang_in_worker`),
     nothing signalled from outside: critic rank 1's learner never returns from its third update (step 3); then,
-    resumed, vLLM engine 0 never takes its third weight broadcast (a receiver that never joins the sync)."""
+    resumed, vLLM engine 0 never takes its third weight broadcast (a receiver that never joins the sync). Its
+    rollouts are generated two steps ahead (rollout.max_staleness 2: two batches queued on the engine at once,
+    both kept in the checkpoint)."""
     folder = tmp_path_factory.mktemp("ppo-hung-workers") / "run"
     args = ["--set", f"model.path={policy_model}", *RUN, "--set", "train.max_steps=6",
-            "--set", f"checkpoint.every_steps={HUNG_EVERY}", *HANG_WATCH]
+            "--set", f"checkpoint.every_steps={HUNG_EVERY}", *HANG_WATCH,
+            "--set", "rollout.max_staleness=2", "--set", "ppo.tis_cap=2"]
     launches = {}
     for name, hang in WORKER_HANGS.items():
         launch = run_until_killed(ray_cluster, folder, args, [], env={WORKER_SETUP: "tests.trainers.faults:hang_in_worker",
@@ -551,6 +555,9 @@ def test_a_weight_sync_receiver_that_never_joins_the_broadcast_ends_the_run_with
     out = hung["output"]
     assert hung["status"] == 4, out[-4000:]
     assert "resumed from" in out and "at step 2" in out, out[-4000:]
+    rows = train_rows(hung_workers["folder"])  # steps 1-2 of the first launch, 3.. of the resumed one
+    assert [r["step"] for r in rows] == list(range(1, len(rows) + 1)) and len(rows) >= 3
+    assert [r["rollout/staleness"] for r in rows] == [min(s, 2) for s in range(len(rows))]  # the kept batches lag 2
     line, step, phase, deadline = hung_line(out)
     assert phase == "weight_sync" and step in (4, 5) and deadline < 200, line  # 4: the start's push is a receipt
     waiting = line.split("; still waiting for ")[1].split("; stacks: ")[0]

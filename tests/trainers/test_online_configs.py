@@ -32,10 +32,11 @@ from hpcrlhf.trainers.batches import PPOPlan
     (["ppo.is_floor=1.5", "ppo.tis_cap=2"], "ppo.is_floor: 1.5 is invalid: use a value in (0, 1]"),
     (["ppo.is_floor=0.5"], "ppo.is_floor: 0.5 is invalid: it bounds the importance weights from below, but "
      "ppo.tis_cap is null"),
-    (["rollout.max_staleness=2"], "rollout.max_staleness: 2 is invalid: use 0 "),
+    (["rollout.max_staleness=2"], "rollout.max_staleness: 2 trains on samples up to 2 updates old without "
+     "correcting their per-token ratios: set ppo.tis_cap=2"),
     (["rollout.max_staleness=-1"], "rollout.max_staleness: -1 is invalid"),
     (["rollout.max_staleness=1", "ppo.dynamic_sampling=true"],
-     "rollout.max_staleness: 1 generates the next step's rollout ahead, but ppo.dynamic_sampling"),
+     "rollout.max_staleness: 1 generates the next steps' rollouts ahead, but ppo.dynamic_sampling"),
     (["rollout.backend=vllm", "placement.vllm.sleep=true", "rollout.max_staleness=1"],
      "placement.vllm.sleep: true swaps GPU memory between generation and training, but rollout.max_staleness 1 runs "
      "them at the same time: use rollout.max_staleness=0 with sleep, or placement.vllm.sleep=false"),
@@ -88,8 +89,21 @@ def test_ppo_plan_rejects_impossible_shapes(kwargs, message):
 
 
 def test_rollouts_are_generated_ahead_only_within_the_run():
-    from hpcrlhf.trainers.ppo.staleness import generate_ahead
+    from hpcrlhf.trainers.ppo.staleness import ahead_steps
 
-    # 5 steps: step i's rollout (0-based) may be generated during step i-1, never one past the last step
-    assert [i for i in range(7) if generate_ahead(i, 5, 1)] == [1, 2, 3, 4]
-    assert not any(generate_ahead(i, 5, 0) for i in range(7))  # synchronous
+    def launches(k: int, total: int = 5, launched: set[int] | None = None) -> list[list[int]]:
+        """What each step launches ahead, given what the steps before it launched."""
+        launched, out = set(launched or ()), []
+        for step in range(total):
+            out.append(ahead_steps(step, total, k, launched))
+            launched.update(out[-1])
+        return out
+
+    # 5 steps: step i's rollout (0-based) is launched during step i - k (step 0 launches 1..k), never past the last
+    assert launches(1) == [[1], [2], [3], [4], []]
+    assert launches(2) == [[1, 2], [3], [4], [], []]
+    assert launches(4) == [[1, 2, 3, 4], [], [], [], []]
+    assert launches(2, launched={1, 2})[:2] == [[], [3]]  # resumed with steps 1 and 2 kept by the checkpoint
+    assert not any(launches(0))  # synchronous
+    launched_at = {0: 0, **{t: i for i, ts in enumerate(launches(2)) for t in ts}}  # plan order: lag min(s, k)
+    assert [s - launched_at[s] for s in range(5)] == [0, 1, 2, 2, 2]

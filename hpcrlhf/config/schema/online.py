@@ -71,11 +71,13 @@ class RolloutConfig:
     1 overlaps: the engines generate step n+1's rollout -- with the weights step n starts from, one
     update behind -- while the roles score and train on step n (the Ray runtime's engines then stop
     idling during training; engines that generate in the training process gain nothing but keep
-    the same samples). The PPO ratio is taken against the log-probs of the weights being trained
-    (recomputed), `rollout/logprob_max_diff` shows how far the generating weights were; see
-    ppo.tis_cap. Checkpoints keep the rollout generated ahead, so a resumed run (after a stop signal
-    too) equals an uninterrupted one. Logged: rollout/staleness, timing/overlap (seconds generation
-    ran while the step trained)."""
+    the same samples); k generates step n's rollout with the weights of step n - k (plan order:
+    the first step launches steps 1..k, every later one the step k ahead; 1-4 usual, AReaL uses
+    2-8). The PPO ratio is taken against the log-probs of the weights being trained (recomputed),
+    `rollout/logprob_max_diff` shows how far the generating weights were; 2 or more needs
+    ppo.tis_cap. Checkpoints keep the rollouts generated ahead, so a resumed run (after a stop signal
+    too) equals an uninterrupted one. Logged: rollout/staleness (updates the step's samples lag),
+    timing/overlap (seconds generation ran while the step trained)."""
 
     def __post_init__(self) -> None:
         require_finite(self, "rollout")
@@ -91,9 +93,8 @@ class RolloutConfig:
             require(0 <= self.min_new_tokens <= self.max_new_tokens, "rollout.min_new_tokens", self.min_new_tokens,
                     f"use a value from 0 to rollout.max_new_tokens ({shown(self.max_new_tokens)})")
         require(self.hf_batch_size >= 1, "rollout.hf_batch_size", self.hf_batch_size, "use at least 1")
-        require(self.max_staleness in (0, 1), "rollout.max_staleness", self.max_staleness,
-                "use 0 (synchronous) or 1 (the next rollout generated during the current step's training); more "
-                "steps ahead are not supported")
+        require(self.max_staleness >= 0, "rollout.max_staleness", self.max_staleness,
+                "use 0 (synchronous) or the number of updates a sample may lag (1-4 usual; AReaL uses 2-8)")
         require(self.vllm_kv_cache_gb > 0, "rollout.vllm_kv_cache_gb", self.vllm_kv_cache_gb, "use a positive size")
         for name in ("vllm_max_num_seqs", "vllm_max_num_batched_tokens"):
             value = getattr(self, name)

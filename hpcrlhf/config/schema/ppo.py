@@ -213,8 +213,13 @@ class PPOConfig(OnlineJobConfig):
             raise ConfigError(f"ppo.dynamic_sampling: true drops prompts whose samples all scored the same, but "
                               f"rollout.samples_per_prompt is {n}: use at least 2 samples per prompt (e.g. 4), or "
                               "ppo.dynamic_sampling=false")
-        if self.ppo.dynamic_sampling and self.rollout.max_staleness:
-            raise ConfigError("rollout.max_staleness: 1 generates the next step's rollout ahead, but ppo.dynamic_sampling "
+        k = self.rollout.max_staleness
+        if k >= 2 and self.ppo.tis_cap is None:
+            raise ConfigError(f"rollout.max_staleness: {k} trains on samples up to {k} updates old without correcting "
+                              "their per-token ratios: set ppo.tis_cap=2 (truncated importance weights; "
+                              "ppo.is_mode=mask to drop outlying tokens instead), or rollout.max_staleness=1")
+        if self.ppo.dynamic_sampling and k:
+            raise ConfigError(f"rollout.max_staleness: {k} generates the next steps' rollouts ahead, but ppo.dynamic_sampling "
                               "decides how many rounds a step generates only once the step's first round is scored: "
                               "use rollout.max_staleness=0 with dynamic sampling, or ppo.dynamic_sampling=false")
         sequences = self.rollout.prompts_per_step * n

@@ -60,7 +60,7 @@ from hpcrlhf.trainers.online import LaunchedRollout, OnlineTrainer, Rollout
 from hpcrlhf.trainers.ppo.dynamic_sampling import fill_step
 from hpcrlhf.trainers.ppo.experience import ExperienceBatch, rollout_batch
 from hpcrlhf.trainers.ppo.roles import LocalRoles, PPORoles, RoleContext
-from hpcrlhf.trainers.ppo.staleness import generate_ahead, load_ahead, save_ahead
+from hpcrlhf.trainers.ppo.staleness import Ahead, ahead_steps, load_ahead, save_ahead
 from hpcrlhf.trainers.seeds import refill_seed
 
 log = get_logger()
@@ -92,8 +92,8 @@ class PPOTrainer(OnlineTrainer):
         ppo = self.cfg.ppo
         self.kl_ctl = build_kl_controller(ppo.init_kl_coef, ppo.kl_target, ppo.kl_horizon)
         self.moments = RunningMoments()
-        self.ahead: tuple[int, LaunchedRollout] | None = None
-        """(step, its rollout) generated ahead (rollout.max_staleness 1), to be scored at that step."""
+        self.ahead: dict[int, Ahead] = {}
+        """Step -> its rollout generated ahead (rollout.max_staleness k >= 1), to be scored at that step."""
 
     # -- checkpoints -------------------------------------------------------------------------
     def save_checkpoint(self, folder: Path, client_state: dict[str, Any]) -> None:
@@ -103,7 +103,7 @@ class PPOTrainer(OnlineTrainer):
         PPO's randomness (sampling, mini-batch order) is seeded per step (`trainers.seeds`)."""
         controllers = {"kl_controller": self.kl_ctl.state_dict(), "reward_moments": self.moments.state_dict()}
         self.roles.save(folder, {**client_state, **controllers})
-        save_ahead(self.ahead, folder, self.env.rank)
+        save_ahead(list(self.ahead.values()), folder, self.env.rank)
 
     def load_checkpoint(self, folder: Path) -> dict[str, Any]:
         state = self.roles.load(folder)
@@ -184,8 +184,8 @@ class PPOTrainer(OnlineTrainer):
     def step_rollout(self, step: int) -> tuple[Rollout, dict[str, float]]:
         """The step's scored rollout: its prompts' groups, or with ppo.dynamic_sampling the step's
         quota of informative groups gathered over rounds (and what that took). With
-        rollout.max_staleness 1 the rollout may have been generated during the step before, and
-        the next step's is started here, once this one's generations are in."""
+        rollout.max_staleness k the rollout may have been generated up to k steps before (`rollout/staleness`:
+        the updates it lags), and the next steps' are started here, once this one's generations are in."""
         n = self.cfg.rollout.samples_per_prompt
         if self.cfg.ppo.dynamic_sampling:
             filled = fill_step(lambda r: self.rollout_step(self.step_prompts(step, r), self.sampling(step, n, r)),
@@ -193,45 +193,45 @@ class PPOTrainer(OnlineTrainer):
                                missing_anywhere=lambda missing: int(all_reduce_sum([missing])[0]),
                                what=self.cfg.ppo.dynamic_sampling_filter)
             return filled.rollout, filled.metrics(reduce=all_reduce_sum)
-        ahead, self.ahead = self.ahead, None
-        launched = ahead[1] if ahead is not None and ahead[0] == step else None
-        stale = launched is not None
-        if launched is None:
-            launched = self.launch_rollout(self.step_prompts(step), self.sampling(step, n))
-        ahead_next = generate_ahead(step + 1, self.plan.total_steps, self.cfg.rollout.max_staleness)
-        if ahead_next:  # the engines take the next rollout once this one is out (then scored meanwhile)
+        before = dict(self.ahead)
+        kept = self.ahead.pop(step, None)
+        launched = kept.rollout if kept is not None else self.launch_rollout(self.step_prompts(step),
+                                                                             self.sampling(step, n))
+        targets = ahead_steps(step, self.plan.total_steps, self.cfg.rollout.max_staleness, self.ahead)
+        if targets:  # the engines take the next rollouts once this one is out (then scored meanwhile)
             with self.run.timed("generate"):
                 launched.pending.result()
         try:
-            if ahead_next:
-                self.ahead = (step + 1, self.launch_rollout(self.step_prompts(step + 1), self.sampling(step + 1, n)))
-            metrics = {"rollout/staleness": float(stale)} if self.cfg.rollout.max_staleness else {}
+            for target in targets:
+                self.ahead[target] = Ahead(target, step, self.launch_rollout(self.step_prompts(target),
+                                                                             self.sampling(target, n)))
+            staleness = step - (kept.launched_at if kept is not None else step)
+            metrics = {"rollout/staleness": float(staleness)} if self.cfg.rollout.max_staleness else {}
             return self.score_rollout(launched), metrics
-        except StepAbandoned:  # the step is redone on resume: its checkpoint keeps the rollout it was given
-            self.ahead = ahead
+        except StepAbandoned:  # the step is redone on resume: its checkpoint keeps the rollouts it was given
+            self.ahead = before
             raise
 
     def restore_ahead(self, folder: Path, rank: int) -> None:
-        """The rollout generated ahead that a checkpoint holds (`staleness.save_ahead`), if any."""
-        saved = load_ahead(folder, rank)
-        self.ahead = None
-        if saved is not None:
-            step, generations, agent_batch = saved
-            self.ahead = (step, LaunchedRollout(self.step_prompts(step),
-                                                self.sampling(step, self.cfg.rollout.samples_per_prompt),
-                                                Done(generations), None if agent_batch is None else lambda: agent_batch))
+        """The rollouts generated ahead that a checkpoint holds (`staleness.save_ahead`), if any."""
+        n = self.cfg.rollout.samples_per_prompt
+        self.ahead = {step: Ahead(step, launched_at, LaunchedRollout(
+            self.step_prompts(step), self.sampling(step, n), Done(generations),
+            None if agent_batch is None else (lambda batch=agent_batch: batch)))
+            for step, launched_at, generations, agent_batch in load_ahead(folder, rank)}
 
     def await_ahead(self) -> None:
-        """Wait for the rollout generated ahead (before new weights go into its engines) and log
-        `timing/overlap`: the seconds it was generated while this step scored and trained."""
-        if self.ahead is None:
+        """Wait for the rollouts generated ahead (before new weights go into their engines) and log
+        `timing/overlap`: the seconds the last one launched was generated while this step scored and trained."""
+        if not self.ahead:
             if self.cfg.rollout.max_staleness:
                 self.run.add_timing("overlap", 0.0)
             return
         waited = time.monotonic()
-        pending = self.ahead[1].pending
         with self.run.timed("generate_ahead_wait"):
-            pending.result()
+            for kept in self.ahead.values():
+                kept.rollout.pending.result()
+        pending = self.ahead[max(self.ahead)].rollout.pending
         self.run.add_timing("overlap", max(0.0, min(pending.finished() or waited, waited) - pending.launched))
 
     def step_prompts(self, step: int, round: int = 0) -> list[Prompt]:
@@ -325,7 +325,7 @@ class PPOTrainer(OnlineTrainer):
         to the role's end, where roles train at once). The weight sync that follows may start
         as soon as the actor is done, unless the engines are generating the next rollout."""
         roles = [r for r in self.roles.trained if not (r == "actor" and step < self.cfg.ppo.freeze_actor_steps)]
-        push = self.rollout is not self.hf_rollout and self.ahead is None
+        push = self.rollout is not self.hf_rollout and not self.ahead
         sums, seconds = self.roles.learn(experience, step, roles, push=push)
         for role, s in seconds.items():
             self.run.add_timing(f"train_{role}", s)

@@ -1,18 +1,22 @@
-"""Bounded staleness (rollout.max_staleness 1): which steps' rollouts are generated ahead, and the
-rollout generated ahead in a checkpoint.
+"""Bounded staleness (rollout.max_staleness k), in plan order: which steps' rollouts are generated ahead,
+and the rollouts generated ahead in a checkpoint.
 
-With staleness 1, step n's rollout is scored, and while the roles make experience and train on it,
-the engines already generate step n+1's -- with the weights step n started from, one update behind
-the weights that will learn from it. The new weights go into the engines once that generation is
-done (`PPOTrainer.await_ahead`), ready for step n+2's.
+Step s trains on its planned prompts, generated with the weights of step max(0, s - k) (`ahead_steps`): with
+k = 1, step n's rollout is scored, and while the roles make experience and train on it, the engines
+already generate step n+1's -- with the weights step n started from, one update behind the weights
+that will learn from it; with k = 2 the first step launches steps 1 and 2 as well, and every later step
+n launches step n+2's. The new weights go into the engines once what they generate is done
+(`PPOTrainer.await_ahead`): each sample is exactly min(s, k) updates old (`rollout/staleness`).
 
-A checkpoint holds the rollout generated ahead (`save_ahead`; it is done by then), so a run resumed
+A checkpoint holds the rollouts generated ahead (`save_ahead`; they are done by then), so a run resumed
 from it -- after a time limit or a stop signal as well -- scores the samples the uninterrupted run
 does.
 """
 
 from __future__ import annotations
 
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -21,30 +25,40 @@ from hpcrlhf.engines.rollout import Generation
 from hpcrlhf.trainers.online import LaunchedRollout
 
 
-def generate_ahead(step: int, total_steps: int, max_staleness: int) -> bool:
-    """Whether step `step`'s rollout (0-based) is generated during step `step - 1`: staleness
-    allowed and a step that will run."""
-    return max_staleness >= 1 and 0 < step < total_steps
+def ahead_steps(step: int, total_steps: int, max_staleness: int, launched: Collection[int] = ()) -> list[int]:
+    """The steps (0-based) whose rollouts step `step` launches ahead, before it trains: those of the next
+    `max_staleness` steps that will run and are not `launched` yet -- at step 0 all of them, later the last."""
+    return [s for s in range(step + 1, min(step + max_staleness, total_steps - 1) + 1) if s not in launched]
+
+
+@dataclass
+class Ahead:
+    """A rollout generated ahead: for step `step`, launched when `launched_at` updates were done."""
+
+    step: int
+    launched_at: int
+    rollout: LaunchedRollout
 
 
 def ahead_file(folder: Path, rank: int) -> Path:
     return folder / f"ahead_rank{rank}.pt"
 
 
-def save_ahead(ahead: tuple[int, LaunchedRollout] | None, folder: Path, rank: int) -> None:
-    """Into a checkpoint folder: (step, rollout) generated ahead for the next step (done by now: the
-    step's sync waited for it), so that a run resumed there scores the samples an uninterrupted one does."""
-    if ahead is not None:
-        step, launched = ahead
-        torch.save({"step": step, "generations": launched.pending.result(), "agent_batch": launched.agent_batch()},
-                   ahead_file(folder, rank))
+def save_ahead(ahead: Sequence[Ahead], folder: Path, rank: int) -> None:
+    """Into a checkpoint folder: the rollouts generated ahead for the next steps (done by now: the step's
+    sync waited for them), so that a run resumed there scores the samples an uninterrupted one does."""
+    if ahead:
+        torch.save({"ahead": [{"step": a.step, "launched_at": a.launched_at, "generations": a.rollout.pending.result(),
+                               "agent_batch": a.rollout.agent_batch()} for a in ahead]}, ahead_file(folder, rank))
 
 
-def load_ahead(folder: Path, rank: int) -> tuple[int, list[list[Generation]], dict | None] | None:
-    """(step, its generations, a multi-turn batch's scheduling figures) that `save_ahead` kept in a
-    checkpoint folder, else None."""
+def load_ahead(folder: Path, rank: int) -> list[tuple[int, int, list[list[Generation]], dict | None]]:
+    """(step, updates done at its launch, its generations, a multi-turn batch's scheduling figures) of each
+    rollout `save_ahead` kept in a checkpoint folder; a checkpoint of before max_staleness > 1 holds one,
+    launched a step before its own."""
     path = ahead_file(folder, rank)
     if not path.exists():
-        return None
+        return []
     state = torch.load(path, weights_only=False)
-    return state["step"], state["generations"], state.get("agent_batch")
+    kept = state.get("ahead", [state])
+    return [(a["step"], a.get("launched_at", a["step"] - 1), a["generations"], a.get("agent_batch")) for a in kept]

@@ -77,21 +77,24 @@ def test_estimator_with_rule_reward_raises_the_task_score(estimator, extra, poli
 
 
 @pytest.mark.slow
-def test_a_rollout_generated_ahead_comes_from_the_weights_one_update_behind(policy_model, tmp_path):
-    """rollout.max_staleness 1: step 2's rollout is generated during step 1, with the initial weights,
-    so it is the rollout of a synchronous run whose actor did not learn at step 1
-    (ppo.freeze_actor_steps=1); step 3's comes from the weights after one update. A run stopped by
-    the time-limit signal and resumed scores the rollout it had generated ahead (kept in the
-    checkpoint): it equals the uninterrupted run."""
+@pytest.mark.parametrize("k", [1, 2])
+def test_a_rollout_generated_ahead_comes_from_the_weights_k_updates_behind(k, policy_model, tmp_path):
+    """rollout.max_staleness k (plan order): steps 1..k+1's rollouts are generated with the initial weights,
+    so they are the rollouts of a synchronous run whose actor did not learn in its first k steps
+    (ppo.freeze_actor_steps=k); step k+2's comes from the weights after one update. Every sample lags
+    min(s, k) updates. A run stopped by the time-limit signal and resumed scores the rollouts it had
+    generated ahead (kept in the checkpoint): it equals the uninterrupted run."""
     args = ["train", "ppo", "--set", f"model.path={policy_model}", "--set", "train.max_steps=5", "--set",
             "ppo.advantage_estimator=grpo", "--set", "rollout.samples_per_prompt=4", "--set", "optim.lr=1e-4", *RL]
-    stale = [*args, "--set", "rollout.max_staleness=1", "--set", "checkpoint.every_steps=100"]
+    stale = [*args, "--set", f"rollout.max_staleness={k}", "--set", "checkpoint.every_steps=100",
+             *(["--set", "ppo.tis_cap=2"] if k > 1 else [])]
     run_cli([*stale, "-o", str(tmp_path / "stale")])
-    run_cli([*args, "-o", str(tmp_path / "frozen"), "--set", "ppo.freeze_actor_steps=1", "--set", "train.max_steps=3"])
+    run_cli([*args, "-o", str(tmp_path / "frozen"), "--set", f"ppo.freeze_actor_steps={k}", "--set",
+             f"train.max_steps={k + 2}"])
     whole, frozen = train_rows(tmp_path / "stale"), train_rows(tmp_path / "frozen")
-    assert [r["rollout/staleness"] for r in whole] == [0, 1, 1, 1, 1]
-    assert [r["rollout/score"] for r in whole[:2]] == [r["rollout/score"] for r in frozen[:2]]
-    assert whole[2]["rollout/score"] != frozen[2]["rollout/score"]
+    assert [r["rollout/staleness"] for r in whole] == [min(s, k) for s in range(5)]
+    assert [r["rollout/score"] for r in whole[:k + 1]] == [r["rollout/score"] for r in frozen[:k + 1]]
+    assert whole[k + 1]["rollout/score"] != frozen[k + 1]["rollout/score"]
     assert whole[0]["rollout/logprob_max_diff"] < 1e-4 < min(r["rollout/logprob_max_diff"] for r in whole[1:3])
     assert all(r["timing/overlap"] == 0 for r in whole)  # the HF engine generates in the training process
     parts = tmp_path / "parts"
