@@ -207,7 +207,8 @@ def test_a_dead_ray_node_step_ends_the_job_instead_of_holding_the_allocation(slu
     job = slurm_cluster.sbatch(render(run, "ppo-tiny-ray", "--python", str(python), "--max-requeues", "0"))
     state, log = slurm_cluster.wait(job, 180), slurm_log(run, job)
     assert state == "FAILED" and time.monotonic() - started < NODES_GONE_GRACE_S + 60, (state, log[-4000:])
-    assert "hpcrlhf: the Ray nodes' step ended (status 1) while the driver was running" in log, log
+    # srun's status: 1 (a node's Ray exited 1), or 143 when srun ended the other node's task first (seen under load)
+    assert re.search(r"hpcrlhf: the Ray nodes' step ended \(status (1|143)\) while the driver was running", log), log
     assert f"hpcrlhf: the driver still runs {NODES_GONE_GRACE_S} s later: stopping it" in log, log
     assert "hpcrlhf: a Ray node was lost (driver status 143, taken as 4)" in log, log
     assert "hpcrlhf: not requeued: already requeued 0 time(s) (--max-requeues)" in log, log
