@@ -35,8 +35,6 @@ from hpcrlhf.trainers.batches import PPOPlan
     (["rollout.max_staleness=2"], "rollout.max_staleness: 2 trains on samples up to 2 updates old without "
      "correcting their per-token ratios: set ppo.tis_cap=2"),
     (["rollout.max_staleness=-1"], "rollout.max_staleness: -1 is invalid"),
-    (["rollout.max_staleness=1", "ppo.dynamic_sampling=true"],
-     "rollout.max_staleness: 1 generates the next steps' rollouts ahead, but ppo.dynamic_sampling"),
     (["rollout.backend=vllm", "placement.vllm.sleep=true", "rollout.max_staleness=1"],
      "placement.vllm.sleep: true swaps GPU memory between generation and training, but rollout.max_staleness 1 runs "
      "them at the same time: use rollout.max_staleness=0 with sleep, or placement.vllm.sleep=false"),

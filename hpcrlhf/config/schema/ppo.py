@@ -102,7 +102,9 @@ class PPOSectionConfig:
     """DAPO's dynamic sampling (Yu et al. 2025): drop every prompt whose samples all got the same
     score (a group-relative estimator learns nothing from it) and refill the step with the groups of
     further prompts, generated in more rounds, until the step has rollout.prompts_per_step
-    informative prompts. Needs rollout.samples_per_prompt >= 2. Logged: rollout/generation_rounds,
+    informative prompts. Needs rollout.samples_per_prompt >= 2. With rollout.max_staleness k the first
+    round is the step's batch generated k steps ahead, the refills are generated with the current
+    weights. Logged: rollout/generation_rounds,
     rollout/dropped_groups, rollout/extra_samples, rollout/uninformative_kept."""
     dynamic_sampling_filter: str = "score"
     """What must differ within a group for dynamic sampling to keep it: "score" (the reward sources'
@@ -218,10 +220,6 @@ class PPOConfig(OnlineJobConfig):
             raise ConfigError(f"rollout.max_staleness: {k} trains on samples up to {k} updates old without correcting "
                               "their per-token ratios: set ppo.tis_cap=2 (truncated importance weights; "
                               "ppo.is_mode=mask to drop outlying tokens instead), or rollout.max_staleness=1")
-        if self.ppo.dynamic_sampling and k:
-            raise ConfigError(f"rollout.max_staleness: {k} generates the next steps' rollouts ahead, but ppo.dynamic_sampling "
-                              "decides how many rounds a step generates only once the step's first round is scored: "
-                              "use rollout.max_staleness=0 with dynamic sampling, or ppo.dynamic_sampling=false")
         sequences = self.rollout.prompts_per_step * n
         if self.train.global_batch_size is None:
             fill_derived(self, "train", global_batch_size=largest_divisor(sequences, MICRO_BATCH_CAP))

@@ -184,33 +184,45 @@ class PPOTrainer(OnlineTrainer):
     def step_rollout(self, step: int) -> tuple[Rollout, dict[str, float]]:
         """The step's scored rollout: its prompts' groups, or with ppo.dynamic_sampling the step's
         quota of informative groups gathered over rounds (and what that took). With
-        rollout.max_staleness k the rollout may have been generated up to k steps before (`rollout/staleness`:
-        the updates it lags), and the next steps' are started here, once this one's generations are in."""
+        rollout.max_staleness k the step's planned batch (its first round) may have been generated up to
+        k steps before (`rollout/staleness`: the updates it lags; refill rounds are generated now), and the
+        next steps' batches are started here (`launch_ahead`) once this step's generations are in."""
         n = self.cfg.rollout.samples_per_prompt
-        if self.cfg.ppo.dynamic_sampling:
-            filled = fill_step(lambda r: self.rollout_step(self.step_prompts(step, r), self.sampling(step, n, r)),
-                               n=n, max_rounds=self.cfg.ppo.dynamic_sampling_max_rounds,
-                               missing_anywhere=lambda missing: int(all_reduce_sum([missing])[0]),
-                               what=self.cfg.ppo.dynamic_sampling_filter)
-            return filled.rollout, filled.metrics(reduce=all_reduce_sum)
         before = dict(self.ahead)
         kept = self.ahead.pop(step, None)
-        launched = kept.rollout if kept is not None else self.launch_rollout(self.step_prompts(step),
-                                                                             self.sampling(step, n))
-        targets = ahead_steps(step, self.plan.total_steps, self.cfg.rollout.max_staleness, self.ahead)
-        if targets:  # the engines take the next rollouts once this one is out (then scored meanwhile)
-            with self.run.timed("generate"):
-                launched.pending.result()
         try:
-            for target in targets:
-                self.ahead[target] = Ahead(target, step, self.launch_rollout(self.step_prompts(target),
-                                                                             self.sampling(target, n)))
-            staleness = step - (kept.launched_at if kept is not None else step)
-            metrics = {"rollout/staleness": float(staleness)} if self.cfg.rollout.max_staleness else {}
-            return self.score_rollout(launched), metrics
+            launched = kept.rollout if kept is not None else self.launch_rollout(self.step_prompts(step),
+                                                                                 self.sampling(step, n))
+            if not self.cfg.ppo.dynamic_sampling:
+                self.launch_ahead(step, launched)  # generated while this one is scored
+                rollout, metrics = self.score_rollout(launched), {}
+            else:
+                first = self.score_rollout(launched)
+                filled = fill_step(lambda r: first if r == 0 else self.rollout_step(self.step_prompts(step, r),
+                                                                                     self.sampling(step, n, r)),
+                                   n=n, max_rounds=self.cfg.ppo.dynamic_sampling_max_rounds,
+                                   missing_anywhere=lambda missing: int(all_reduce_sum([missing])[0]),
+                                   what=self.cfg.ppo.dynamic_sampling_filter)
+                self.launch_ahead(step, launched)  # after the refills: they need the engines first
+                rollout, metrics = filled.rollout, filled.metrics(reduce=all_reduce_sum)
         except StepAbandoned:  # the step is redone on resume: its checkpoint keeps the rollouts it was given
             self.ahead = before
             raise
+        if self.cfg.rollout.max_staleness:
+            metrics["rollout/staleness"] = float(step - (kept.launched_at if kept is not None else step))
+        return rollout, metrics
+
+    def launch_ahead(self, step: int, launched: LaunchedRollout) -> None:
+        """Once this step's batch (`launched`) is generated, launch the batches of the steps due ahead
+        (`staleness.ahead_steps`), with the weights this step trains."""
+        n = self.cfg.rollout.samples_per_prompt
+        targets = ahead_steps(step, self.plan.total_steps, self.cfg.rollout.max_staleness, self.ahead)
+        if targets:
+            with self.run.timed("generate"):
+                launched.pending.result()
+        for target in targets:
+            self.ahead[target] = Ahead(target, step, self.launch_rollout(self.step_prompts(target),
+                                                                         self.sampling(target, n)))
 
     def restore_ahead(self, folder: Path, rank: int) -> None:
         """The rollouts generated ahead that a checkpoint holds (`staleness.save_ahead`), if any."""

@@ -132,6 +132,33 @@ def test_dapo_dynamic_sampling_trains_on_informative_groups_and_raises_the_task_
     assert all(0 < r["rollout/task_score"] < 1 for r in rows if r["rollout/uninformative_kept"] == 0)
 
 
+@pytest.mark.slow
+def test_dynamic_sampling_one_step_ahead_refills_with_the_current_weights_and_resumes_exactly(policy_model, tmp_path):
+    """DAPO's dynamic sampling with rollout.max_staleness 1 (plan order): each step's planned batch (its first
+    round) is generated a step ahead, its refill rounds now; the first step, generated with nothing ahead,
+    is the synchronous run's; a run stopped by the time-limit signal and resumed equals the uninterrupted one."""
+    args = ["train", "ppo", "--set", f"model.path={policy_model}", "--set", "train.max_steps=4", "--set",
+            "ppo.advantage_estimator=grpo", "--set", "rollout.samples_per_prompt=4", "--set", "ppo.init_kl_coef=0",
+            "--set", "ppo.dynamic_sampling=true", "--set", "ppo.dynamic_sampling_max_rounds=3", *RL]
+    stale = [*args, "--set", "rollout.max_staleness=1", "--set", "checkpoint.every_steps=100"]
+    run_cli([*stale, "-o", str(tmp_path / "stale")])
+    run_cli([*args, "-o", str(tmp_path / "sync"), "--set", "train.max_steps=1"])
+    whole, sync = train_rows(tmp_path / "stale"), train_rows(tmp_path / "sync")
+    assert [r["rollout/staleness"] for r in whole] == [0, 1, 1, 1]
+    keys = ("rollout/score", "rollout/generation_rounds", "rollout/dropped_groups", "train/policy_loss")
+    assert {k: whole[0][k] for k in keys} == pytest.approx({k: sync[0][k] for k in keys}, rel=1e-5, abs=1e-6)
+    assert any(r["rollout/generation_rounds"] > 1 for r in whole), whole  # refills ran (groups of 4 often agree)
+    assert whole[1]["rollout/logprob_max_diff"] > 1e-3  # the planned batch came from the weights before the update
+    parts = tmp_path / "parts"
+    stopped = stop_after([*stale, "-o", str(parts)], parts, 2, key="rollout/score")
+    assert 2 <= stopped < 4 and (parts / "checkpoints" / f"step_{stopped:06d}" / "ahead_rank0.pt").exists()
+    run_cli([*stale, "-o", str(parts)])
+    resumed = train_rows(parts)
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4]
+    for key in (*keys, "rollout/staleness"):
+        assert [r[key] for r in resumed] == pytest.approx([r[key] for r in whole], rel=1e-5, abs=1e-6), key
+
+
 @pytest.fixture(scope="module")
 def task_reward_model(full_sft_run, tmp_path_factory) -> str:
     """A reward model that tells the policy's own mistakes from right answers: trained from a fully
