@@ -161,40 +161,41 @@ def simulate_schedule(w: Workload, lay: SystemShape, hw: Hardware, eff: Efficien
             raise ValueError(f"lengths: give {steps} batches of {w.samples} lengths in [1, {w.response}] each")
     left_in_batch = [w.samples] * steps
     engines = [_Engine() for _ in range(lay.engines)]
-    clock = {"t": 0.0, "version": 0, "queued": 0, "admitting": True, "order": 0}
+    now, version, queued, admitting, order = 0.0, 0, 0, True, 0  # the clock, the weights, batches queued
     trainer_step, train_end, sync_end, waiting_sync = 0, None, None, False
     update_ends, trainer_busy = [], 0.0
 
     def queue_batches() -> None:
-        while clock["queued"] < steps and clock["version"] >= clock["queued"] - k:
-            b = clock["queued"]
+        nonlocal queued
+        while queued < steps and version >= queued - k:
+            b = queued
             for i, length in enumerate(batches[b]):
                 kv = w.kv_bytes_per_token * (w.prompt + length / 2)
                 engines[i % len(engines)].queue.append((_Request(b, length, float(length), kv), w.prompt))
-            clock["queued"] += 1
+            queued += 1
 
     def admit(e: _Engine) -> None:
-        tokens, t = 0.0, clock["t"]
-        while clock["admitting"] and e.queue and len(e.running) < max_num_seqs:
+        nonlocal order
+        tokens = 0.0
+        while admitting and e.queue and len(e.running) < max_num_seqs:
             request, context = e.queue.popleft()
-            clock["order"] += 1
-            heapq.heappush(e.running, (e.decoded + request.left, clock["order"], request))
+            order += 1
+            heapq.heappush(e.running, (e.decoded + request.left, order, request))
             e.kv += request.kv
             tokens += context
         if tokens:
-            e.blocked_until = max(e.blocked_until, t) + 2 * w.params * tokens / fwd_flops
+            e.blocked_until = max(e.blocked_until, now) + 2 * w.params * tokens / fwd_flops
 
     def next_finish(e: _Engine) -> float:
         if not e.running:
             return math.inf
-        return max(e.blocked_until, clock["t"]) + max(0.0, e.running[0][0] - e.decoded) * decode_step(e)
+        return max(e.blocked_until, now) + max(0.0, e.running[0][0] - e.decoded) * decode_step(e)
 
     def advance(e: _Engine, until: float) -> None:
-        t = clock["t"]
-        e.rows_time += len(e.running) * (until - t)
-        if e.running or e.blocked_until > t:
-            e.busy_time += until - t
-        start = max(e.blocked_until, t)
+        e.rows_time += len(e.running) * (until - now)
+        if e.running or e.blocked_until > now:
+            e.busy_time += until - now
+        start = max(e.blocked_until, now)
         if until > start and e.running:
             e.decoded += (until - start) / decode_step(e)
 
@@ -211,7 +212,7 @@ def simulate_schedule(w: Workload, lay: SystemShape, hw: Hardware, eff: Efficien
     def start_training() -> None:
         nonlocal train_end, trainer_busy
         seconds = per_token_train * sum(w.prompt + n for n in batches[trainer_step])
-        train_end, trainer_busy = clock["t"] + seconds, trainer_busy + seconds
+        train_end, trainer_busy = now + seconds, trainer_busy + seconds
 
     queue_batches()
     for e in engines:
@@ -225,16 +226,16 @@ def simulate_schedule(w: Workload, lay: SystemShape, hw: Hardware, eff: Efficien
             raise RuntimeError("the simulated schedule stalled (nothing running, nothing due): a bug in the model")
         for e in engines:
             advance(e, when)
-        clock["t"] = when
+        now = when
         if what == "trained":
             update_ends.append(when)
-            train_end, clock["admitting"], waiting_sync = None, False, True
+            train_end, admitting, waiting_sync = None, False, True
             if partial:
                 for e in engines:
                     pause(e)
         elif what == "synced":
-            sync_end, clock["admitting"] = None, True
-            clock["version"] += 1
+            sync_end, admitting = None, True
+            version += 1
             trainer_step += 1
             queue_batches()
         for e in engines:  # the requests that ended now, and what takes their places
@@ -248,14 +249,14 @@ def simulate_schedule(w: Workload, lay: SystemShape, hw: Hardware, eff: Efficien
         if (train_end is None and sync_end is None and not waiting_sync and trainer_step < steps
                 and left_in_batch[trainer_step] == 0):
             start_training()
-    t, warm = clock["t"], k + 2
+    warm = k + 2
     step_s = statistics.median(b - a for a, b in zip(update_ends[warm - 1:], update_ends[warm:]))
     trained = statistics.mean(sum(w.prompt + n for n in batch) for batch in batches[warm:])
     generated = statistics.mean(sum(batch) for batch in batches[warm:])
     share = min(max_num_seqs, math.ceil(w.samples / lay.engines))
     return Schedule(k, partial, step_s, trained / step_s / lay.devices, generated / step_s / lay.devices,
-                    sum(e.rows_time for e in engines) / (share * t * len(engines)),
-                    sum(e.busy_time for e in engines) / (t * len(engines)), 1 - trainer_busy / t, steps)
+                    sum(e.rows_time for e in engines) / (share * now * len(engines)),
+                    sum(e.busy_time for e in engines) / (now * len(engines)), 1 - trainer_busy / now, steps)
 
 
 SCHEDULES = ((0, False), (1, False), (2, False), (4, False), (1, True), (2, True), (4, True))

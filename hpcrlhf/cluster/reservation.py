@@ -14,7 +14,7 @@ from __future__ import annotations
 import ipaddress
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 from collections.abc import Sequence
 
@@ -95,7 +95,7 @@ injection. The driver's variables named HPCRLHF_WORKER_* reach the workers (`wor
 
 def worker_env() -> dict[str, str]:
     """The driver's HPCRLHF_WORKER_* variables, for every worker's environment; a WORKER_SETUP that
-    does not import is a ConfigError here, in the driver, before any worker is started."""
+    does not import is a ConfigError here, in the driver (`reserve` calls it before it holds anything)."""
     env = {k: v for k, v in os.environ.items() if k.startswith("HPCRLHF_WORKER_")}
     if env.get(WORKER_SETUP):
         load_named(env[WORKER_SETUP], f"{WORKER_SETUP}={env[WORKER_SETUP]!r}", "function")
@@ -111,6 +111,8 @@ class Reservation:
     """Ray node of each map node."""
     groups: list[Any]
     """One placement group per map node; bundle g is GPU g, then one bundle per reward server on its cores."""
+    worker_vars: dict[str, str] = field(default_factory=dict)
+    """The driver's HPCRLHF_WORKER_* variables (`worker_env`, checked once by `reserve`): in every worker's environment."""
 
     def actor_options(self, devices: Sequence[Device], *, env: dict[str, str] | None = None) -> dict[str, Any]:
         """`.options(...)` for a Ray actor on `devices` (one GPU, or a vLLM engine's TP group): it
@@ -127,7 +129,7 @@ class Reservation:
             "num_cpus": 0,
             "num_gpus": share,
             "scheduling_strategy": PlacementGroupSchedulingStrategy(self.groups[first.node], first.gpu),
-            "runtime_env": {"env_vars": {**worker_env(), **(env or {}), "CUDA_VISIBLE_DEVICES": visible,
+            "runtime_env": {"env_vars": {**self.worker_vars, **(env or {}), "CUDA_VISIBLE_DEVICES": visible,
                                          "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}},
         }
 
@@ -142,7 +144,7 @@ class Reservation:
         return {"num_cpus": plan.cpus, "num_gpus": 0,
                 "scheduling_strategy": PlacementGroupSchedulingStrategy(self.groups[plan.node], cpu_bundle(self.node_map,
                                                                                                            server)),
-                "runtime_env": {"env_vars": {**worker_env(), **(env or {}), "CUDA_VISIBLE_DEVICES": "",
+                "runtime_env": {"env_vars": {**self.worker_vars, **(env or {}), "CUDA_VISIBLE_DEVICES": "",
                                              "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}}}
 
     def ip_of(self, device: Device) -> str:
@@ -175,10 +177,12 @@ def cpu_bundle(node_map: NodeMap, server: int) -> int:
 
 
 def reserve(node_map: NodeMap, node_ips: Sequence[str] | None = None, timeout_s: float = 60.0) -> Reservation:
-    """Hold every GPU of `node_map` on the connected Ray cluster (all nodes or none)."""
+    """Hold every GPU of `node_map` on the connected Ray cluster (all nodes or none); a worker setup hook
+    that does not import fails here, before anything is held."""
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
 
+    worker_vars = worker_env()
     nodes = order_nodes(live_nodes(), node_ips)
     check_cluster(node_map, nodes, node_ips)
     nodes = nodes[:node_map.nodes]
@@ -194,4 +198,4 @@ def reserve(node_map: NodeMap, node_ips: Sequence[str] | None = None, timeout_s:
             remove_placement_group(g)
         raise PlacementError(f"could not reserve the node map's GPUs within {timeout_s:.0f} s on "
                              f"{', '.join(stuck) or 'some nodes'}: are other jobs holding GPUs there?")
-    return Reservation(node_map, nodes, groups)
+    return Reservation(node_map, nodes, groups, worker_vars)

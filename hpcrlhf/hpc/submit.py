@@ -218,6 +218,7 @@ def latest_metrics(run_dir: Path, keys: int = 6) -> str | None:
 
 
 ENDED_STATES = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "BOOT_FAIL", "DEADLINE")
+"""Slurm's final job states; sacct may add who cancelled ("CANCELLED by 1000"): `follow` reads the first word."""
 UNKNOWN_FOR_S = 300.0
 """How long `follow` goes on while Slurm's accounting does not know the job and the queue no longer holds it (a
 job just submitted is briefly in neither; slurmdbd can lose one)."""
@@ -252,7 +253,7 @@ def follow(job, run_dir: str, *, poll_s: float = 10.0, out=sys.stdout, unknown_f
         if line and line != last_line:
             print(f"  {line}", file=out, flush=True)
             last_line = line
-        if state in ENDED_STATES or state.startswith("CANCELLED"):
+        if state.split(" ")[0] in ENDED_STATES:
             break
         if unknown_since is not None and time.monotonic() - unknown_since >= unknown_for_s:
             print(f"job {job.job_id}: neither Slurm's accounting (sacct) nor its queue (squeue) has known it for "
