@@ -11,6 +11,7 @@ the node map, the benchmark and the Slurm modules (140 ms together). What the pa
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from pathlib import Path
@@ -82,7 +83,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
     return chat(args.model, backend=args.backend, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                 greedy=args.greedy, system=args.system, history=not args.no_history, raw=args.raw, seed=args.seed,
                 tools=args.tool, tool_parser=args.tool_parser, max_tool_rounds=args.max_tool_rounds,
-                tool_timeout_s=args.tool_timeout, stdin=Utf8Lines(sys.stdin.buffer))
+                tool_timeout_s=args.tool_timeout, environment=args.environment, environment_args=args.environment_args,
+                max_turns=args.max_turns, stdin=Utf8Lines(sys.stdin.buffer))
 
 
 def _number(text: str, kind: type, what: str, fix: str) -> int | float:
@@ -115,6 +117,20 @@ def _seconds(text: str) -> float:
     return _number(text, float, "a number of seconds", "use a finite number above 0, e.g. 10")
 
 
+def _turns(text: str) -> int:
+    return _number(text, int, "a number of model turns", "use 1 or more, e.g. 4")
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"{text!r} is no JSON ({e.msg}); use an object, e.g. '{{\"high\": 50}}'") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"{text!r} is no JSON object; use one, e.g. '{{\"high\": 50}}'")
+    return value
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     from hpcrlhf.placement import build_node_map, render_text  # start-up: +40 ms
 
@@ -129,8 +145,6 @@ def cmd_plan(args: argparse.Namespace) -> int:
         except ValueError as e:
             raise ConfigError(f"--schedule: {e}") from None
     if args.json and schedule is not None:
-        import json
-
         print(json.dumps({**json.loads(node_map.to_json()), "schedule": schedule}, indent=2))
         return 0
     if args.json:
@@ -354,10 +368,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tool-parser", default="hermes", metavar="NAME",
                    help="how tool calls are read from the model's turn: hermes (<tool_call>{json}</tool_call>, "
                         "default) or package.module:function")
-    p.add_argument("--max-tool-rounds", type=_rounds, default=4, metavar="N",
+    p.add_argument("--max-tool-rounds", type=_rounds, metavar="N",
                    help="tool rounds per message before the model's turn is shown as it is (default: 4)")
     p.add_argument("--tool-timeout", type=_seconds, default=30.0, metavar="S",
-                   help="seconds one tool call may take; a slower one is answered with a timeout error (default: 30)")
+                   help="seconds one tool call (with --environment: one environment step) may take; a slower one is "
+                        "answered with a timeout error (default: 30)")
+    p.add_argument("--environment", metavar="MODULE:CLASS",
+                   help="an environment (as agent.environment: docs/agents.md): each message is then a row an episode "
+                        "starts from (a JSON object, or the prompt), run to its end and shown with its outcome")
+    p.add_argument("--environment-args", type=_json_object, metavar="JSON",
+                   help="the environment's keyword arguments, a JSON object (as agent.environment_args)")
+    p.add_argument("--max-turns", type=_turns, metavar="N",
+                   help="model turns per episode with --environment (default: 4)")
     p.set_defaults(func=cmd_chat)
 
     p = sub.add_parser("plan", help="print the node map of a PPO recipe on a cluster allocation (no GPUs needed)",

@@ -16,7 +16,7 @@ import json
 import sys
 from dataclasses import replace
 from pathlib import Path
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, BinaryIO, TextIO
 
 import torch
@@ -28,6 +28,7 @@ from hpcrlhf.agents.runner import AgentRunner
 from hpcrlhf.agents.tools import ToolAnswer, ToolBox, load_tools
 from hpcrlhf.agents.scheduler import mixed_seed
 from hpcrlhf.config.schema import GenerateConfig, RolloutConfig
+from hpcrlhf.config.schema.agent import AgentConfig
 from hpcrlhf.data.loading import held_out_prompt_rows, load_train_rows, require_task_prompts, task_note
 from hpcrlhf.data.prompts import encode_prompt_rows, episode_rows
 from hpcrlhf.data.sft import encode_prompt
@@ -39,7 +40,7 @@ from hpcrlhf.engines.rollout import SamplingParams
 from hpcrlhf.engines.rollout.hf import HFRollout
 from hpcrlhf.engines.rollout.settings import sampling_params, vllm_rollout_args
 from hpcrlhf.engines.rollout.vllm import VLLMRollout
-from hpcrlhf.errors import ConfigError, DataError
+from hpcrlhf.errors import AgentEnvError, ConfigError, DataError
 from hpcrlhf.logs import Progress, get_logger
 from hpcrlhf.models.context import ContextWindow, require_generation_fits
 from hpcrlhf.models.loading import load_causal_lm, load_tokenizer, resolve_model_path
@@ -278,10 +279,28 @@ def read_message(stdin: TextIO, stdout: TextIO, interactive: bool) -> str | None
     return "\n".join(parts)
 
 
+RESET = "/reset"
+"""What `chat_messages` yields for the /reset command."""
+
+
+def chat_messages(stdin: TextIO, stdout: TextIO, interactive: bool) -> Iterator[str]:
+    """The user's messages (`read_message`), and RESET (the very object) for /reset, up to /quit, /exit
+    or the end of input; blank ones skipped."""
+    while True:
+        text = read_message(stdin, stdout, interactive)
+        if text is None or text.strip() in ("/quit", "/exit"):
+            return
+        if text.strip() == "/reset":
+            yield RESET
+        elif text.strip():
+            yield text
+
+
 def chat(model_path: str, *, backend: str = "hf", max_new_tokens: int = 128, temperature: float = 0.7,
          greedy: bool = False, system: str | None = None, history: bool = True, raw: bool = False, seed: int = 0,
-         tools: Sequence[str] = (), tool_parser: str = "hermes", max_tool_rounds: int = 4, tool_timeout_s: float = 30.0,
-         stdin: TextIO = sys.stdin, stdout: TextIO = sys.stdout, engine: Any = None) -> int:
+         tools: Sequence[str] = (), tool_parser: str = "hermes", max_tool_rounds: int | None = None,
+         tool_timeout_s: float = 30.0, environment: str | None = None, environment_args: dict[str, Any] | None = None,
+         max_turns: int | None = None, stdin: TextIO = sys.stdin, stdout: TextIO = sys.stdout, engine: Any = None) -> int:
     """Read user messages from `stdin` (`read_message`: one line, or several joined by trailing
     backslashes or inside a `BLOCK`), answer each with the model. `/reset` forgets the
     conversation, `/quit` (or end of input) leaves. Models with a chat template see the whole
@@ -290,7 +309,13 @@ def chat(model_path: str, *, backend: str = "hf", max_new_tokens: int = 128, tem
     `tools` (`package.module:function` each, as `agent.tools`) reach the model through its chat
     template: a turn that calls them (`tool_parser`) is answered by running them (each within
     `tool_timeout_s`; a failed call is answered with its error, as in training), shown as `tool>`
-    lines, and the model goes on from its own tokens, up to `max_tool_rounds` times per message.
+    lines, and the model goes on from its own tokens, up to `max_tool_rounds` (4) times per message.
+
+    `environment` (`package.module:Class`, as `agent.environment`, with `environment_args`): each
+    message is a row an episode starts from instead (`{"prompt": message}`, or the row itself when
+    the message is a JSON object), run to its end as in training (`AgentRunner`: up to `max_turns`
+    (4) model turns, the tools, `tool_timeout_s` per environment step) and shown as its transcript
+    and its outcome (`chat_episodes`).
 
     A message that does not fit the model's positions with `max_new_tokens` (`ContextWindow`) is
     refused: at a terminal with a message on stderr, and the chat goes on; piped input is a script,
@@ -298,6 +323,18 @@ def chat(model_path: str, *, backend: str = "hf", max_new_tokens: int = 128, tem
     `engine`: a rollout engine to answer with instead of loading one (tests)."""
     window = ContextWindow.of(model_path, "--model", say_unlimited=True)
     window.require_response_fits("--max-new-tokens", max_new_tokens)  # before the model loads
+    if environment is not None:
+        return chat_episodes(model_path, window, environment_agent(window, environment, environment_args, tools,
+                                                                   tool_parser, tool_timeout_s, max_turns,
+                                                                   max_new_tokens, system=system, history=history,
+                                                                   max_tool_rounds=max_tool_rounds),
+                             backend=backend, raw=raw, seed=seed, stdin=stdin, stdout=stdout, engine=engine,
+                             params=SamplingParams(n=1, temperature=temperature, max_new_tokens=max_new_tokens,
+                                                   greedy=greedy))
+    for flag, given in (("--max-turns", max_turns is not None), ("--environment-args", bool(environment_args))):
+        if given:
+            raise ConfigError(f"{flag}: for an episode with --environment; name the environment, or drop {flag}")
+    max_tool_rounds = 4 if max_tool_rounds is None else max_tool_rounds
     box = ToolBox(load_tools(tools, "--tool")) if tools else None  # the user's code: before the model too
     parser = load_parser(tool_parser, "--tool-parser") if tools else None
     if engine is None:
@@ -314,15 +351,10 @@ def chat(model_path: str, *, backend: str = "hf", max_new_tokens: int = 128, tem
     interactive = stdin.isatty()
     turn = sent = 0
     try:
-        while True:
-            text = read_message(stdin, stdout, interactive)
-            if text is None or text.strip() in ("/quit", "/exit"):
-                return 0
-            if text.strip() == "/reset":
+        for text in chat_messages(stdin, stdout, interactive):
+            if text is RESET:
                 messages = messages[:1] if system else []
                 stdout.write("(conversation reset)\n")
-                continue
-            if not text.strip():
                 continue
             messages.append({"role": "user", "content": text})
             sent += 1
@@ -368,10 +400,110 @@ def chat(model_path: str, *, backend: str = "hf", max_new_tokens: int = 128, tem
             stdout.write(("model> " if interactive else "") + reply + "\n")
             stdout.flush()
             turn += 1
+        return 0
     finally:
         engine.close()
         if caller is not None:
             caller.close()
+
+
+CHAT_POSITIONS = 4096
+"""The positions `chat`'s engine holds (vLLM's max_model_len), when the model's own window is not smaller."""
+
+
+def environment_agent(window: ContextWindow, environment: str, environment_args: dict[str, Any] | None,
+                      tools: Sequence[str], tool_parser: str, tool_timeout_s: float, max_turns: int | None,
+                      max_new_tokens: int, *, system: str | None, history: bool,
+                      max_tool_rounds: int | None) -> tuple[AgentConfig, int]:
+    """`chat --environment`'s agent section, and the longest first render of an episode: half the
+    positions for it, half for the episode's turns (`agent.max_tokens`). A trajectory step that raises
+    ends its episode (status env_error, shown) rather than the chat."""
+    for flag, given in (("--system", system is not None), ("--no-history", not history),
+                        ("--max-tool-rounds", max_tool_rounds is not None)):
+        if given:
+            raise ConfigError(f"{flag}: with --environment each message starts an episode of its own, whose "
+                              f"environment gives its first messages and --max-turns its length; drop {flag}")
+    positions = min(window.positions or CHAT_POSITIONS, CHAT_POSITIONS)
+    if max_new_tokens > positions // 2:
+        raise ConfigError(f"--max-new-tokens: {max_new_tokens} leaves no room for an episode's other turns in half of "
+                          f"the {positions} positions (the other half is its first messages'); use at most "
+                          f"{positions // 2}")
+    try:
+        cfg = AgentConfig(environment=environment, environment_args=dict(environment_args or {}), tools=tuple(tools),
+                          tool_parser=tool_parser, max_turns=4 if max_turns is None else max_turns,
+                          max_tokens=positions // 2, step_timeout_s=tool_timeout_s, env_workers=2,
+                          on_env_error="end", max_failed_share=1.0)
+    except ConfigError as e:  # the agent section's field names, as the chat's options
+        raise ConfigError(str(e).replace("agent.environment", "--environment").replace("agent.tools", "--tool")
+                          .replace("agent.tool_parser", "--tool-parser")) from None
+    return cfg, positions - cfg.max_tokens
+
+
+def chat_episodes(model_path: str, window: ContextWindow, agent: tuple[AgentConfig, int], *, backend: str, raw: bool,
+                  seed: int, params: SamplingParams, stdin: TextIO, stdout: TextIO, engine: Any = None) -> int:
+    """`chat --environment`: each message (a JSON object: the row itself; else `{"prompt": message}`)
+    starts an episode (its environment seeded by `seed` and the message's number), run to its end on
+    the model and shown as its transcript -- `env`, `model` and `tool` lines -- and one line of its
+    outcome. A row the environment refuses (its reset raises) is an error: at a terminal it is shown
+    and the chat goes on; piped input ends there (exit 2)."""
+    cfg, max_prompt = agent
+    tokenizer = load_tokenizer(model_path)
+    templated = tokenizer.chat_template is not None and not raw
+    runner = AgentRunner(cfg, tokenizer, chat=templated, max_prompt_tokens=max_prompt)  # the user's code: first
+    if engine is None:
+        engine, tokenizer = load_generator(model_path, backend, max_model_len=max_prompt + cfg.max_tokens, seed=seed,
+                                           tokenizer=tokenizer)
+    interactive, sent = stdin.isatty(), 0
+    mark = "> " if interactive else ": "
+    try:
+        for text in chat_messages(stdin, stdout, interactive):
+            if text is RESET:
+                stdout.write("(each message starts an episode of its own)\n")
+                continue
+            sent += 1
+            try:
+                row = message_row(text, sent)
+                gens, _ = runner.run(engine, [row], replace(params, seed=None if params.greedy else seed + sent),
+                                     env_seed=mixed_seed(seed, sent), origins=[f"message {sent}"])
+            except (AgentEnvError, DataError) as e:
+                if not interactive:
+                    raise
+                print(f"hpcrlhf: {e}; no episode ran", file=sys.stderr, flush=True)
+                continue
+            e = gens[0][0].episode
+            for m in e.messages:
+                who = {"user": "env", "assistant": "model"}.get(m["role"], m["role"])
+                name = f"{m['name']}: " if m["role"] == "tool" and m.get("name") else ""
+                stdout.write(f"{who}{mark}{name}{m['content']}\n")
+            stdout.write(f"(episode: {episode_outcome(e)})\n")
+            stdout.flush()
+        return 0
+    finally:
+        engine.close()
+        runner.close()
+
+
+def message_row(text: str, number: int) -> dict[str, Any]:
+    """The row chat message `number` starts an episode from: a JSON object as it is, else `{"prompt": text}`."""
+    if not text.lstrip().startswith("{"):
+        return {"prompt": text}
+    try:
+        row = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise DataError(f"message {number}: it starts with '{{' but is no JSON object ({e.msg} at character "
+                        f"{e.pos}); send a row as one JSON object, or a prompt that does not start with '{{'") from None
+    if not isinstance(row, dict):
+        raise DataError(f"message {number}: a row is a JSON object, got {type(row).__name__}")
+    return row
+
+
+def episode_outcome(e) -> str:
+    """One line of what an episode (`EpisodeRecord`) came to, as `generate`'s line holds it."""
+    calls = sum(e.tool_calls.values())
+    parts = [e.status, f"{e.turns} turn(s)", f"{calls} tool call(s)", f"reward {e.reward:g}"]
+    parts += [] if e.success is None else ["success" if e.success else "no success"]
+    parts += [f"error: {e.error}"] if e.error else []
+    return ", ".join(parts)
 
 
 class ToolCaller:

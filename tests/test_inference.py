@@ -17,7 +17,7 @@ from hpcrlhf.config.loader import load_config
 from hpcrlhf.config.schema import GenerateConfig
 from hpcrlhf.data.tasks import ArithmeticTask
 from hpcrlhf.engines.rollout.contract import Generation
-from hpcrlhf.errors import ConfigError
+from hpcrlhf.errors import AgentEnvError, ConfigError, DataError
 from hpcrlhf.inference import chat
 from hpcrlhf.models.loading import load_tokenizer
 from tests.launch_helpers import ROOT, cli_command, cli_env, run_cli
@@ -151,6 +151,21 @@ def test_chat_answers_each_line_and_resets(policy_model, tmp_path):
     assert proc.stdout.splitlines() == [expected[0], "(conversation reset)", expected[1]]
 
 
+def test_chat_with_an_environment_through_the_cli(tiny_llama):
+    """`hpcrlhf chat --environment` on the real engine: piped rows, the environment's arguments as JSON
+    (Countdown ends after one judged turn, not its default 3: the untrained model's first turn ends with EOS)."""
+    proc = subprocess.run(cli_command(["chat", "-m", tiny_llama, "--greedy", "--max-new-tokens", "4",
+                                       "--environment", "tests.agents.envs:Countdown", "--environment-args",
+                                       '{"turns": 1}', "--max-turns", "3"]),
+                          cwd=ROOT, env=cli_env(), input='{"id": "a"}\n{"id": "b"}\n', capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert len(lines) == 8 and [lines[i] for i in (0, 4)] == ["system: Count."] * 2, proc.stdout
+    assert all(re.fullmatch(r"env: start \d", lines[i]) and lines[i + 1].startswith("model: ") for i in (1, 5))
+    assert [lines[i] for i in (3, 7)] == ["(episode: done, 1 turn(s), 0 tool call(s), reward 1.1, no success)"] * 2
+
+
 def test_chat_reads_a_message_of_several_lines(tiny_llama):
     """A `\"""` block and lines joined by trailing backslashes are one message each (the same text,
     so the same greedy answer); before, each of these 6 lines was a message of its own."""
@@ -215,6 +230,55 @@ def test_chat_answers_a_hung_tool_with_a_timeout_and_refuses_tools_without_a_tem
         chat(tiny_llama, tools=["tests.agents.envs:nosuch"], stdin=io.StringIO(""), engine=ScriptedChat(tok, []))
 
 
+def test_chat_with_an_environment_runs_each_message_as_an_episode_and_shows_its_transcript(tiny_llama):
+    """A message that is a JSON object is the row (tests.agents.envs:Calculator reads its answer), the model's
+    call of the environment's tool is answered, its answer judged by `step`; an environment step that raises
+    ends that episode (env_error), shown, and the chat goes on; a message whose row the environment's reset
+    refuses ends piped input with the reset's error."""
+    tok = load_tokenizer(tiny_llama)
+    engine = ScriptedChat(tok, [CALL, "= 42", CALL, "= 40"])
+    out = io.StringIO()
+    rows = '{"prompt": "what is 6*7?", "answer": "42"}\n/reset\n{"prompt": "and 6*7?", "answer": "41"}\n'
+    chat(tiny_llama, environment="tests.agents.envs:Calculator", greedy=True, stdin=io.StringIO(rows), stdout=out,
+         engine=engine)
+    transcript = ["env: what is 6*7?", f"model: {CALL}", "tool: multiply: 42", "model: = 42",
+                  "(episode: done, 2 turn(s), 1 tool call(s), reward 1, success)"]
+    assert out.getvalue().splitlines() == [
+        *transcript, "(each message starts an episode of its own)", "env: and 6*7?", *transcript[1:3], "model: = 40",
+        "(episode: done, 2 turn(s), 1 tool call(s), reward 0, no success)"] and engine.closed
+    out = io.StringIO()
+    chat(tiny_llama, environment="tests.agents.envs:Broken", max_turns=3, greedy=True,
+         stdin=io.StringIO('{"id": 1}\n'), stdout=out, engine=ScriptedChat(tok, ["a", "b"]))
+    *lines, outcome = out.getvalue().splitlines()
+    assert lines == ["env: go", "model: a", "env: more", "model: b"], out.getvalue()
+    assert outcome.startswith("(episode: env_error, 2 turn(s), 0 tool call(s), reward 0, error: agent.environment "
+                              "'tests.agents.envs:Broken' (row message 1, seed ") and \
+        re.search(r"\.step raised RuntimeError: the simulator crashed at \S+envs\.py:\d+ in step on turn 2; fix the "
+                  r"class\)$", outcome), outcome
+    with pytest.raises(AgentEnvError, match=r"KeyError: 'no such puzzle'"):
+        chat(tiny_llama, environment="tests.agents.envs:Broken", stdin=io.StringIO('{"id": "bad-reset"}\n'),
+             stdout=io.StringIO(), engine=ScriptedChat(tok, []))
+    with pytest.raises(DataError, match=r"message 1: it starts with '\{' but is no JSON object"):
+        chat(tiny_llama, environment="tests.agents.envs:Broken", stdin=io.StringIO('{"id": \n'),
+             stdout=io.StringIO(), engine=ScriptedChat(tok, []))
+
+
+@pytest.mark.parametrize("kwargs, expected", [
+    ({"environment": "tests.agents.envs:Calculator", "system": "Be brief."}, "--system: with --environment each message "
+     "starts an episode of its own"),
+    ({"environment": "tests.agents.envs:Calculator", "max_tool_rounds": 2}, "--max-tool-rounds: with --environment"),
+    ({"environment": "tests.agents.envs:Calculator", "max_new_tokens": 400}, r"--max-new-tokens: 400 leaves no room "
+     r"for an episode's other turns in half of the 512 positions .*; use at most 256"),
+    ({"environment": "tests.agents.envs"}, "--environment: 'tests.agents.envs' .*package.module:Class"),
+    ({"environment": "tests.agents.envs:Nope"}, "tests.agents.envs' has no 'Nope'"),
+    ({"max_turns": 3}, "--max-turns: for an episode with --environment; name the environment, or drop --max-turns"),
+])
+def test_chat_with_an_environment_refuses_what_it_cannot_honour_before_a_model_loads(tiny_llama, kwargs, expected):
+    with pytest.raises(ConfigError, match=expected):
+        chat(tiny_llama, stdin=io.StringIO("hi\n"), stdout=io.StringIO(), engine=ScriptedChat(load_tokenizer(tiny_llama),
+                                                                                               []), **kwargs)
+
+
 @pytest.mark.parametrize("option, value, expected", [
     ("--max-new-tokens", "0", "argument --max-new-tokens: 0 is not a number of tokens to generate: use 1 or more"),
     ("--max-new-tokens", "-5", "argument --max-new-tokens: -5 is not a number of tokens to generate: use 1 or more"),
@@ -224,6 +288,10 @@ def test_chat_answers_a_hung_tool_with_a_timeout_and_refuses_tools_without_a_tem
     ("--temperature", "inf", "argument --temperature: inf is not a sampling temperature: use a finite number above 0"),
     ("--max-tool-rounds", "0", "argument --max-tool-rounds: 0 is not a number of tool rounds: use 1 or more"),
     ("--tool-timeout", "-1", "argument --tool-timeout: -1 is not a number of seconds: use a finite number above 0"),
+    ("--max-turns", "0", "argument --max-turns: 0 is not a number of model turns: use 1 or more"),
+    ("--environment-args", "[1]", """argument --environment-args: '[1]' is no JSON object; use one, e.g. '{"high": 50}'"""),
+    ("--environment-args", "{high: 1}", "argument --environment-args: '{high: 1}' is no JSON (Expecting property name "
+                                        "enclosed in double quotes); use an object"),
 ])
 def test_chat_arguments_out_of_range_are_refused_before_a_model_loads(option, value, expected, tmp_path, capsys):
     """Each was a ValueError traceback from SamplingParams once the model had loaded (rc 1); inf sampled noise."""

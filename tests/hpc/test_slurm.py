@@ -1,6 +1,6 @@
 """Jobs on the real local Slurm cluster (tests/slurm_cluster.py): the cluster itself, and jobs from
 scripts rendered by `hpcrlhf sbatch` -- MPI SFT across two nodes, its requeue on the time-limit
-signal, and a job too big for its allocation. (`hpcrlhf submit` of Ray PPO: tests/cluster/test_ppo.py.)"""
+signal, an agent PPO job's requeue, and a job too big for its allocation. (`hpcrlhf submit` of Ray PPO: tests/cluster/test_ppo.py.)"""
 
 from __future__ import annotations
 
@@ -212,6 +212,33 @@ def test_a_dead_ray_node_step_ends_the_job_instead_of_holding_the_allocation(slu
     assert f"hpcrlhf: the driver still runs {NODES_GONE_GRACE_S} s later: stopping it" in log, log
     assert "hpcrlhf: a Ray node was lost (driver status 143, taken as 4)" in log, log
     assert "hpcrlhf: not requeued: already requeued 0 time(s) (--max-requeues)" in log, log
+
+
+@pytest.mark.distributed
+def test_an_agent_job_stopped_by_the_time_limit_requeues_and_resumes_like_an_uninterrupted_run(slurm_cluster, tmp_path):
+    """The rendered PPO job with multi-turn rollouts (the local runtime, one MPI rank, the hf backend; the
+    environment's trajectories generated one update ahead): the time-limit signal after step 2 checkpoints it
+    with its trajectories ahead, the script requeues it, and its steps equal those of the run never stopped (had
+    the resumed run generated them again, with the weights of its checkpoint, they would differ)."""
+    from tests.trainers.ppo.test_agent_e2e import assert_same_steps, train_rows, wordy_job
+
+    args = [*wordy_job(tmp_path), "--set", "rollout.max_staleness=1", "--set", "train.max_steps=16",
+            "--set", "log.progress=false"]  # 16: its steps take a fraction of a second, the signal comes a few later
+    run = tmp_path / "run"
+    job = slurm_cluster.sbatch(render(run, "--kind", "ppo", "--launcher", "mpi", "--nodes", "1", "--gpus-per-node", "1",
+                                      *args))
+    wait_for_step(run, 2)
+    slurm_cluster.run("scancel", "--batch", "--signal=USR1", str(job))  # what --signal=B:USR1@lead sends
+    slurm_cluster.start_now(job)
+    state, log = slurm_cluster.wait(job, 600), slurm_log(run, job)
+    assert state == "COMPLETED" and f"requeueing job {job}" in log, log[-4000:]
+    stop = int(re.search(r"checkpointed at step (\d+)", log).group(1))
+    assert 2 <= stop < 16 and f"step_{stop:06d} at step {stop}" in log, log[-4000:]  # resumed from there
+    whole = tmp_path / "whole"
+    run_cli(["train", "ppo", *args, "-o", str(whole)])
+    resumed = train_rows(run)
+    assert [r["step"] for r in resumed] == list(range(1, 17)) and max(r["agent/turns"] for r in resumed) > 1, resumed
+    assert_same_steps(train_rows(whole), resumed, "requeued")
 
 
 def test_a_job_bigger_than_its_allocation_fails_before_the_driver_starts(slurm_cluster, tmp_path):

@@ -126,6 +126,32 @@ def test_a_second_family_trains_through_tools_that_fail_in_every_way(tmp_path):
     assert rows[-1]["train/value_loss"] > 0 and "timing/train_critic" in rows[-1]
 
 
+def wordy_job(folder) -> list[str]:
+    """`train ppo` settings of a multi-turn run whose resumes are exact: GRPO on 4 x 4 trajectories of
+    tests.agents.envs:Wordy (2 turns; rewards by what each turn wrote and at the end) by the tiny llama made to
+    end its turns early (saved in `folder`, with the 48 rows), a checkpoint every 2 steps."""
+    rows = folder / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"prompt": f"count {i}", "id": f"row{i}"}) + "\n" for i in range(48)))
+    model = short_turned("llama", None, folder / "model")
+    return ["--set", f"model.path={model}", "--set", f"data.train_path={rows}", "--set", "data.apply_chat_template=true",
+            "--set", "task.name=null", "--set", "ppo.advantage_estimator=grpo", "--set", "rollout.prompts_per_step=4",
+            "--set", "rollout.samples_per_prompt=4", "--set", "rollout.max_new_tokens=8", "--set", "optim.lr=1e-4",
+            "--set", "checkpoint.every_steps=2",
+            "--set", "agent={environment: 'tests.agents.envs:Wordy', environment_args: {turns: 2}, max_turns: 3, "
+                     "max_tokens: 48}", "--set", "reward.sources=[{env: true}]", *QUIET]
+
+
+RESUMED_KEYS = ("rollout/score", "train/policy_loss", "agent/turns", "agent/env_tokens", "agent/truncated",
+                "agent/env_calls")
+
+
+def assert_same_steps(whole: list[dict], parts: list[dict], name: str) -> None:
+    """The training rows of a run stopped and resumed (`parts`) equal the uninterrupted run's (`whole`)."""
+    assert [r["step"] for r in parts] == [r["step"] for r in whole], name
+    for key in RESUMED_KEYS:
+        assert [r[key] for r in parts] == pytest.approx([r[key] for r in whole], rel=1e-5, abs=1e-6), (name, key)
+
+
 @pytest.mark.slow
 def test_resumed_agent_runs_equal_uninterrupted_ones(tmp_path):
     """Multi-turn rollouts resume exactly: with dynamic sampling's refill rounds (stopped after step 2,
@@ -133,16 +159,7 @@ def test_resumed_agent_runs_equal_uninterrupted_ones(tmp_path):
     after step 2 of 6: the trajectories generated ahead are in the checkpoint). The environments are seeded
     by step, round and row, each trajectory's turns by its sample and turn (tests.agents.envs:Wordy:
     rewards by what each turn wrote and at the end, on the tiny llama made to end its turns early)."""
-    rows = tmp_path / "rows.jsonl"
-    rows.write_text("".join(json.dumps({"prompt": f"count {i}", "id": f"row{i}"}) + "\n" for i in range(48)))
-    model = short_turned("llama", None, tmp_path / "model")
-    common = ["train", "ppo", "--set", f"model.path={model}", "--set", f"data.train_path={rows}",
-              "--set", "data.apply_chat_template=true", "--set", "task.name=null", "--set", "ppo.advantage_estimator=grpo",
-              "--set", "rollout.prompts_per_step=4", "--set", "rollout.samples_per_prompt=4", "--set",
-              "rollout.max_new_tokens=8", "--set", "optim.lr=1e-4", "--set", "checkpoint.every_steps=2",
-              "--set", "agent={environment: 'tests.agents.envs:Wordy', environment_args: {turns: 2}, max_turns: 3, "
-                       "max_tokens: 48}", "--set", "reward.sources=[{env: true}]", *QUIET]
-    keys = ("rollout/score", "train/policy_loss", "agent/turns", "agent/env_tokens", "agent/truncated", "agent/env_calls")
+    common = ["train", "ppo", *wordy_job(tmp_path)]
     # the signalled run has 6 steps: its steps take a fraction of a second on a fast host, and the
     # signal sent after step 2 once came as step 4 of 4 ended (nothing left to resume)
     for name, steps, extra in (("refill", 4, ["--set", "ppo.dynamic_sampling=true", "--set",
@@ -159,8 +176,7 @@ def test_resumed_agent_runs_equal_uninterrupted_ones(tmp_path):
         run_cli([*args, "-o", str(parts)])
         a, b = train_rows(whole), train_rows(parts)
         assert [r["step"] for r in b] == list(range(1, steps + 1)), name
-        for key in keys:
-            assert [r[key] for r in b] == pytest.approx([r[key] for r in a], rel=1e-5, abs=1e-6), (name, key)
+        assert_same_steps(a, b, name)
         assert len({r["rollout/score"] for r in a}) > 1 and max(r["agent/turns"] for r in a) > 1, a
         assert all("agent/engine_idle_share" in r for r in b)  # the batch's figures: kept with a rollout ahead too
         if name == "refill":
