@@ -2,7 +2,7 @@
 terminal holds hpcrlhf's lines (and the libraries' errors), the run folder's third_party.log the
 rest -- transformers' LOAD REPORT, DeepSpeed's accelerator warning, Python warnings; the setting
 `log.third_party=console` and HPCRLHF_VERBOSE=1 show them on the terminal again. (The vLLM
-engine's processes: tests/trainers/ppo/test_agent_e2e.py::test_grpo_teaches_the_tiny_model_to_call_its_calculator[vllm].)"""
+engine's processes: tests/trainers/ppo/test_agent_e2e.py::test_the_agent_recipe_teaches_the_tiny_model_to_call_its_calculator[vllm].)"""
 
 from __future__ import annotations
 
