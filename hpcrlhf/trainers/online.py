@@ -27,6 +27,7 @@ from hpcrlhf.config.schema.agent import AgentConfig
 from hpcrlhf.data.prompts import Prompt, encode_prompt_rows, episode_rows, load_train_prompts
 from hpcrlhf.engines.distributed import all_reduce_sum
 from hpcrlhf.engines.rollout import Done, Generation, Groups, Pending, SamplingParams, launch
+from hpcrlhf.engines.rollout.contract import stamp_version
 from hpcrlhf.engines.rollout.hf import HFRollout
 from hpcrlhf.engines.rollout.settings import sampling_params, vllm_engine_args
 from hpcrlhf.engines.rollout.shared import Rank0Rollout
@@ -122,6 +123,9 @@ class LaunchedRollout:
     figures: Callable[[], Stats] | None = None
     """Multi-turn rollouts: what gives the scheduling figures of the batch (`agents.metrics.batch_stats`)
     once `pending` is done."""
+    version: int | None = None
+    """The policy version (updates done) the engines held at the launch: each generation's, where its
+    engine recorded none (`stamp_version`, when the batch is scored)."""
 
     def agent_batch(self) -> Stats | None:
         """Multi-turn rollouts: the batch's scheduling figures (waits for its generations); else None."""
@@ -225,20 +229,23 @@ class OnlineTrainer(TrainingLoop):
     def sampling(self, step: int, n: int, round: int = 0) -> SamplingParams:
         return sampling_params(self.cfg.rollout, n=n, seed=sampling_seed(self.cfg.seed, step, self.env.rank, round))
 
-    def rollout_step(self, prompts: Sequence[Prompt], params: SamplingParams) -> Rollout:
+    def rollout_step(self, prompts: Sequence[Prompt], params: SamplingParams, version: int) -> Rollout:
         """Generate `params.n` responses per prompt and score them."""
-        return self.score_rollout(self.launch_rollout(prompts, params))
+        return self.score_rollout(self.launch_rollout(prompts, params, version))
 
-    def launch_rollout(self, prompts: Sequence[Prompt], params: SamplingParams) -> LaunchedRollout:
+    def launch_rollout(self, prompts: Sequence[Prompt], params: SamplingParams, version: int) -> LaunchedRollout:
         """Start generating `params.n` responses per prompt (under way when this returns on engines
-        that run elsewhere, done on the others): `score_rollout` collects and scores them."""
+        that run elsewhere, done on the others) with the policy after `version` updates (the engines'
+        weights, synced first): `score_rollout` collects and scores them."""
         if not self.rollout_synced:
             self.sync_rollout()
         self.ready_to_generate()
         with self.run.timed("generate"):
             if self.agent is None:
-                return LaunchedRollout(list(prompts), params, launch(self.rollout, [list(p.ids) for p in prompts], params))
-            return LaunchedRollout(list(prompts), params, *self._launch_episodes(self.rollout, prompts, params))
+                return LaunchedRollout(list(prompts), params, launch(self.rollout, [list(p.ids) for p in prompts], params),
+                                       version=version)
+            return LaunchedRollout(list(prompts), params, *self._launch_episodes(self.rollout, prompts, params),
+                                   version=version)
 
     def _launch_episodes(self, engine, prompts: Sequence[Prompt], params: SamplingParams
                          ) -> tuple[Pending, Callable[[], Stats]]:
@@ -289,6 +296,8 @@ class OnlineTrainer(TrainingLoop):
             if groups is None:
                 break
             began = arrived = time.monotonic()
+            if launched.version is not None:
+                stamp_version((g for _, gens in groups for g in gens), launched.version)
             flat = flatten_generations([prompts[i] for i, _ in groups], [g for _, g in groups], self.tokenizer)
             rows = [i for i, generations in groups for _ in generations]  # each row's prompt
             with self.run.watched("reward"):  # (its own deadline: timed below, with the overlap told apart)

@@ -131,7 +131,7 @@ class RSTrainer(OnlineTrainer, SingleModelTrainer):
             idx = rows_for_step(len(self.prompts), k, cfg.seed, self.env.rank,
                                 steps_per_epoch=len(self.prompts) // cfg.rs.prompts_per_iteration,
                                 global_rows=cfg.rs.prompts_per_iteration, rows_per_rank=per_rank)
-            rollout = self.rollout_step([self.prompts[i] for i in idx], self.sampling(step, n))
+            rollout = self.rollout_step([self.prompts[i] for i in idx], self.sampling(step, n), version=step)
             local = select_pairs(rollout, n) if cfg.rs.mode == "dpo" else select_best(rollout, n, cfg.rs.min_score)
             gathered: list = [None] * self.env.world_size
             dist.all_gather_object(gathered, local)

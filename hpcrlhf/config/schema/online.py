@@ -76,7 +76,9 @@ class RolloutConfig:
     2-8). The PPO ratio is taken against the log-probs of the weights being trained (recomputed),
     `rollout/logprob_max_diff` shows how far the generating weights were; 2 or more needs
     ppo.tis_cap. Checkpoints keep the rollouts generated ahead, so a resumed run (after a stop signal
-    too) equals an uninterrupted one. Logged: rollout/staleness (updates the step's samples lag),
+    too) equals an uninterrupted one. Logged, from the policy version each sample records:
+    rollout/staleness (the updates the step's samples lag, their mean), rollout/staleness_tokens (the
+    same per model token), rollout/staleness_share/<a> (the share a updates old, a = 0..k);
     timing/overlap (seconds generation ran while the step trained)."""
 
     def __post_init__(self) -> None:

@@ -83,7 +83,38 @@ class Generation:
     response token is the model's."""
     episode: Any = None
     """A multi-turn trajectory's `hpcrlhf.agents.record.EpisodeRecord`: how it ended, its turns,
-    rewards and tool calls. (Both default at class level: generations pickled before load.)"""
+    rewards and tool calls. (These three default at class level: generations pickled before load.)"""
+    versions: list[tuple[int, int]] | None = None
+    """The policy versions (updates done) that sampled the response: (first response index, version)
+    per span, in order -- one span, (0, v), unless the generation was paused across a weight sync and
+    continued. None: not recorded (the trainer stamps its batch's launch version: `stamp_version`)."""
+
+
+def head_version(g: Generation) -> int:
+    """The version of the response's first token: a sample's age is that of its oldest token."""
+    if not g.versions:
+        raise ValueError("the generation's versions were not recorded")
+    return g.versions[0][1]
+
+
+def token_versions(g: Generation) -> list[int]:
+    """The version of each response token (an environment's tokens: that of the span they lie in)."""
+    if not g.versions or g.versions[0][0] != 0:
+        raise ValueError(f"versions must start at response index 0, got {g.versions!r}")
+    bounds = [start for start, _ in g.versions[1:]] + [len(g.response_ids)]
+    out: list[int] = []
+    for (start, version), end in zip(g.versions, bounds):
+        if not start <= end <= len(g.response_ids):
+            raise ValueError(f"versions {g.versions!r} do not split the {len(g.response_ids)} response tokens in order")
+        out += [version] * (end - start)
+    return out
+
+
+def stamp_version(generations: Iterable[Generation], version: int) -> None:
+    """Record `version` as the one span of each generation whose engine recorded none."""
+    for g in generations:
+        if g.versions is None:
+            g.versions = [(0, version)]
 
 
 Groups = list[tuple[int, list[Generation]]]

@@ -60,7 +60,7 @@ from hpcrlhf.trainers.online import LaunchedRollout, OnlineTrainer, Rollout
 from hpcrlhf.trainers.ppo.dynamic_sampling import fill_step
 from hpcrlhf.trainers.ppo.experience import ExperienceBatch, rollout_batch
 from hpcrlhf.trainers.ppo.roles import LocalRoles, PPORoles, RoleContext
-from hpcrlhf.trainers.ppo.staleness import Ahead, ahead_steps, load_ahead, save_ahead
+from hpcrlhf.trainers.ppo.staleness import Ahead, ahead_steps, load_ahead, save_ahead, staleness_stats
 from hpcrlhf.trainers.seeds import refill_seed
 
 log = get_logger()
@@ -192,14 +192,14 @@ class PPOTrainer(OnlineTrainer):
         kept = self.ahead.pop(step, None)
         try:
             launched = kept.rollout if kept is not None else self.launch_rollout(self.step_prompts(step),
-                                                                                 self.sampling(step, n))
+                                                                                 self.sampling(step, n), step)
             if not self.cfg.ppo.dynamic_sampling:
                 self.launch_ahead(step, launched)  # generated while this one is scored
                 rollout, metrics = self.score_rollout(launched), {}
             else:
                 first = self.score_rollout(launched)
                 filled = fill_step(lambda r: first if r == 0 else self.rollout_step(self.step_prompts(step, r),
-                                                                                     self.sampling(step, n, r)),
+                                                                                     self.sampling(step, n, r), step),
                                    n=n, max_rounds=self.cfg.ppo.dynamic_sampling_max_rounds,
                                    missing_anywhere=lambda missing: int(all_reduce_sum([missing])[0]),
                                    what=self.cfg.ppo.dynamic_sampling_filter)
@@ -209,7 +209,7 @@ class PPOTrainer(OnlineTrainer):
             self.ahead = before
             raise
         if self.cfg.rollout.max_staleness:
-            metrics["rollout/staleness"] = float(step - (kept.launched_at if kept is not None else step))
+            metrics.update(reduce_means(staleness_stats(rollout.generations, step, self.cfg.rollout.max_staleness)))
         return rollout, metrics
 
     def launch_ahead(self, step: int, launched: LaunchedRollout) -> None:
@@ -221,15 +221,15 @@ class PPOTrainer(OnlineTrainer):
             with self.run.timed("generate"):
                 launched.pending.result()
         for target in targets:
-            self.ahead[target] = Ahead(target, step, self.launch_rollout(self.step_prompts(target),
-                                                                         self.sampling(target, n)))
+            self.ahead[target] = Ahead(target, self.launch_rollout(self.step_prompts(target), self.sampling(target, n),
+                                                                   step))
 
     def restore_ahead(self, folder: Path, rank: int) -> None:
         """The rollouts generated ahead that a checkpoint holds (`staleness.save_ahead`), if any."""
         n = self.cfg.rollout.samples_per_prompt
-        self.ahead = {step: Ahead(step, launched_at, LaunchedRollout(
+        self.ahead = {step: Ahead(step, LaunchedRollout(
             self.step_prompts(step), self.sampling(step, n), Done(generations),
-            None if agent_batch is None else (lambda batch=agent_batch: batch)))
+            None if agent_batch is None else (lambda batch=agent_batch: batch), launched_at))
             for step, launched_at, generations, agent_batch in load_ahead(folder, rank)}
 
     def await_ahead(self) -> None:

@@ -6,7 +6,8 @@ k = 1, step n's rollout is scored, and while the roles make experience and train
 already generate step n+1's -- with the weights step n started from, one update behind the weights
 that will learn from it; with k = 2 the first step launches steps 1 and 2 as well, and every later step
 n launches step n+2's. The new weights go into the engines once what they generate is done
-(`PPOTrainer.await_ahead`): each sample is exactly min(s, k) updates old (`rollout/staleness`).
+(`PPOTrainer.await_ahead`): each sample of a planned batch is exactly min(s, k) updates old; the samples'
+ages (their recorded versions, `Generation.versions`) are logged by `staleness_stats`.
 
 A checkpoint holds the rollouts generated ahead (`save_ahead`; they are done by then), so a run resumed
 from it -- after a time limit or a stop signal as well -- scores the samples the uninterrupted run
@@ -22,6 +23,8 @@ from pathlib import Path
 import torch
 
 from hpcrlhf.engines.rollout import Generation
+from hpcrlhf.engines.rollout.contract import head_version, token_versions
+from hpcrlhf.run.stats import Stats
 from hpcrlhf.trainers.online import LaunchedRollout
 
 
@@ -33,10 +36,9 @@ def ahead_steps(step: int, total_steps: int, max_staleness: int, launched: Colle
 
 @dataclass
 class Ahead:
-    """A rollout generated ahead: for step `step`, launched when `launched_at` updates were done."""
+    """A rollout generated ahead: for step `step`, launched when `rollout.version` updates were done."""
 
     step: int
-    launched_at: int
     rollout: LaunchedRollout
 
 
@@ -48,7 +50,7 @@ def save_ahead(ahead: Sequence[Ahead], folder: Path, rank: int) -> None:
     """Into a checkpoint folder: the rollouts generated ahead for the next steps (done by now: the step's
     sync waited for them), so that a run resumed there scores the samples an uninterrupted one does."""
     if ahead:
-        torch.save({"ahead": [{"step": a.step, "launched_at": a.launched_at, "generations": a.rollout.pending.result(),
+        torch.save({"ahead": [{"step": a.step, "launched_at": a.rollout.version, "generations": a.rollout.pending.result(),
                                "agent_batch": a.rollout.agent_batch()} for a in ahead]}, ahead_file(folder, rank))
 
 
@@ -62,3 +64,19 @@ def load_ahead(folder: Path, rank: int) -> list[tuple[int, int, list[list[Genera
     state = torch.load(path, weights_only=False)
     kept = state.get("ahead", [state])
     return [(a["step"], a.get("launched_at", a["step"] - 1), a["generations"], a.get("agent_batch")) for a in kept]
+
+
+def staleness_stats(generations: Sequence[Generation], version: int, k: int) -> Stats:
+    """How old the samples trained after `version` updates are (their recorded versions), as (sum, count)
+    pairs that add up over ranks: rollout/staleness -- the mean age of a sample, that of its first token (its
+    oldest) --, rollout/staleness_tokens -- the mean age of a model token --, and rollout/staleness_share/<a>
+    for a = 0..k -- the share of samples a updates old (they sum to 1)."""
+    n = len(generations)
+    heads = [version - head_version(g) for g in generations]
+    if any(not 0 <= a <= k for a in heads):
+        raise ValueError(f"samples {sorted(set(heads))} updates old at version {version}, beyond rollout.max_staleness {k}")
+    tokens = [(version - v) * m for g in generations
+              for v, m in zip(token_versions(g), g.action_mask or [True] * len(g.response_ids))]
+    model = sum(sum(g.action_mask) if g.action_mask is not None else len(g.response_ids) for g in generations)
+    return {"rollout/staleness": (float(sum(heads)), n), "rollout/staleness_tokens": (float(sum(tokens)), model),
+            **{f"rollout/staleness_share/{a}": (float(heads.count(a)), n) for a in range(k + 1)}}

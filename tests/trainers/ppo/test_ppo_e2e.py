@@ -93,6 +93,9 @@ def test_a_rollout_generated_ahead_comes_from_the_weights_k_updates_behind(k, po
              f"train.max_steps={k + 2}"])
     whole, frozen = train_rows(tmp_path / "stale"), train_rows(tmp_path / "frozen")
     assert [r["rollout/staleness"] for r in whole] == [min(s, k) for s in range(5)]
+    # each sample's recorded version: the whole batch is min(s, k) updates old, token by token too
+    assert all(r[f"rollout/staleness_share/{min(s, k)}"] == 1 and r["rollout/staleness_tokens"] == min(s, k)
+               for s, r in enumerate(whole))
     assert [r["rollout/score"] for r in whole[:k + 1]] == [r["rollout/score"] for r in frozen[:k + 1]]
     assert whole[k + 1]["rollout/score"] != frozen[k + 1]["rollout/score"]
     assert whole[0]["rollout/logprob_max_diff"] < 1e-4 < min(r["rollout/logprob_max_diff"] for r in whole[1:3])
@@ -144,7 +147,12 @@ def test_dynamic_sampling_one_step_ahead_refills_with_the_current_weights_and_re
     run_cli([*stale, "-o", str(tmp_path / "stale")])
     run_cli([*args, "-o", str(tmp_path / "sync"), "--set", "train.max_steps=1"])
     whole, sync = train_rows(tmp_path / "stale"), train_rows(tmp_path / "sync")
-    assert [r["rollout/staleness"] for r in whole] == [0, 1, 1, 1]
+    # the planned batch is 1 update old, the refills' samples are of the step's own weights: the mean age is the
+    # share of kept samples from the planned batch
+    assert whole[0]["rollout/staleness"] == 0 and all(0 <= r["rollout/staleness"] <= 1 for r in whole)
+    assert all(r["rollout/staleness"] == 1 for r in whole[1:] if r["rollout/generation_rounds"] == 1)
+    assert all(r["rollout/staleness_share/0"] + r["rollout/staleness_share/1"] == pytest.approx(1) for r in whole)
+    assert all(r["rollout/staleness_share/1"] == r["rollout/staleness"] for r in whole)
     keys = ("rollout/score", "rollout/generation_rounds", "rollout/dropped_groups", "train/policy_loss")
     assert {k: whole[0][k] for k in keys} == pytest.approx({k: sync[0][k] for k in keys}, rel=1e-5, abs=1e-6)
     assert any(r["rollout/generation_rounds"] > 1 for r in whole), whole  # refills ran (groups of 4 often agree)

@@ -1,0 +1,50 @@
+"""The versions a generation records (`Generation.versions`: spans of response tokens and the policy version that
+sampled each) and the staleness figures of a step's samples (`staleness_stats`), against ages counted by hand."""
+
+from __future__ import annotations
+
+import pytest
+
+from hpcrlhf.engines.rollout import Generation
+from hpcrlhf.engines.rollout.contract import head_version, stamp_version, token_versions
+from hpcrlhf.run.stats import add_stats, new_stats
+from hpcrlhf.trainers.ppo.staleness import staleness_stats
+
+
+def generation(tokens: int, versions=None, mask=None) -> Generation:
+    return Generation([1, 2], list(range(10, 10 + tokens)), [0.0] * tokens, True, action_mask=mask, versions=versions)
+
+
+def test_a_generation_paused_across_syncs_has_a_version_per_token_and_its_head_is_its_oldest():
+    g = generation(6, versions=[(0, 3), (2, 4), (5, 6)])
+    assert token_versions(g) == [3, 3, 4, 4, 4, 6] and head_version(g) == 3
+    assert token_versions(generation(3, versions=[(0, 7)])) == [7, 7, 7]
+    assert token_versions(generation(0, versions=[(0, 7)])) == []
+    for bad in ([(1, 3)], [(0, 3), (4, 4), (2, 5)], [(0, 3), (7, 4)]):
+        with pytest.raises(ValueError):
+            token_versions(generation(6, versions=bad))
+    with pytest.raises(ValueError, match="not recorded"):
+        head_version(generation(2))
+
+
+def test_stamping_records_the_launch_version_where_the_engine_recorded_none():
+    recorded, blank = generation(2, versions=[(0, 1), (1, 2)]), generation(2)
+    stamp_version([recorded, blank], 5)
+    assert recorded.versions == [(0, 1), (1, 2)] and blank.versions == [(0, 5)]
+
+
+def test_staleness_figures_count_each_sample_by_its_oldest_token_and_each_model_token_by_its_own():
+    """At version 10 with k = 2: a sample of version 8 (age 2), one paused at 9 and continued at 10 (age 1;
+    its tokens 1, 1, 0, 0), one of 10 (age 0) whose 2 environment tokens (mask) are no model tokens, and one of 9."""
+    samples = [generation(3, versions=[(0, 8)]), generation(4, versions=[(0, 9), (2, 10)]),
+               generation(4, versions=[(0, 10)], mask=[True, False, False, True]), generation(1, versions=[(0, 9)])]
+    stats = staleness_stats(samples, 10, 2)
+    # by hand: heads 2, 1, 0, 1 -> mean 1; model tokens: 3 x 2 + (1 + 1 + 0 + 0) + 2 x 0 + 1 x 1 over 3 + 4 + 2 + 1
+    assert stats == {"rollout/staleness": (4.0, 4), "rollout/staleness_tokens": (9.0, 10),
+                     "rollout/staleness_share/0": (1.0, 4), "rollout/staleness_share/1": (2.0, 4),
+                     "rollout/staleness_share/2": (1.0, 4)}
+    # (sum, count) pairs: two ranks' figures add up to the mean over both
+    both = add_stats(add_stats(new_stats(), stats), staleness_stats(samples[:1], 10, 2))
+    assert both["rollout/staleness"] == [6.0, 5] and both["rollout/staleness_share/2"] == [2.0, 5]
+    with pytest.raises(ValueError, match=r"samples \[0, 1, 2\] updates old at version 10, beyond rollout.max_staleness 1"):
+        staleness_stats(samples, 10, 1)
