@@ -70,13 +70,14 @@ def staleness_stats(generations: Sequence[Generation], version: int, k: int) -> 
     """How old the samples trained after `version` updates are (their recorded versions), as (sum, count)
     pairs that add up over ranks: rollout/staleness -- the mean age of a sample, that of its first token (its
     oldest) --, rollout/staleness_tokens -- the mean age of a model token --, and rollout/staleness_share/<a>
-    for a = 0..k -- the share of samples a updates old (they sum to 1)."""
+    for a = 0..k, and any older age present (a run resumed with a smaller k trains the batches generated ahead
+    under the larger one) -- the share of samples a updates old (they sum to 1)."""
     n = len(generations)
     heads = [version - head_version(g) for g in generations]
-    if any(not 0 <= a <= k for a in heads):
-        raise ValueError(f"samples {sorted(set(heads))} updates old at version {version}, beyond rollout.max_staleness {k}")
+    if any(a < 0 for a in heads):
+        raise ValueError(f"samples of versions after {version} cannot be trained at it: {sorted(set(heads))}")
     tokens = [(version - v) * m for g in generations
               for v, m in zip(token_versions(g), g.action_mask or [True] * len(g.response_ids))]
     model = sum(sum(g.action_mask) if g.action_mask is not None else len(g.response_ids) for g in generations)
     return {"rollout/staleness": (float(sum(heads)), n), "rollout/staleness_tokens": (float(sum(tokens)), model),
-            **{f"rollout/staleness_share/{a}": (float(heads.count(a)), n) for a in range(k + 1)}}
+            **{f"rollout/staleness_share/{a}": (float(heads.count(a)), n) for a in sorted({*range(k + 1), *heads})}}

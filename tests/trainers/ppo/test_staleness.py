@@ -46,5 +46,9 @@ def test_staleness_figures_count_each_sample_by_its_oldest_token_and_each_model_
     # (sum, count) pairs: two ranks' figures add up to the mean over both
     both = add_stats(add_stats(new_stats(), stats), staleness_stats(samples[:1], 10, 2))
     assert both["rollout/staleness"] == [6.0, 5] and both["rollout/staleness_share/2"] == [2.0, 5]
-    with pytest.raises(ValueError, match=r"samples \[0, 1, 2\] updates old at version 10, beyond rollout.max_staleness 1"):
-        staleness_stats(samples, 10, 1)
+    # a smaller k than the samples' (a run resumed with it): the older ages are counted, not hidden
+    assert staleness_stats(samples, 10, 1)["rollout/staleness_share/2"] == (1.0, 4)
+    assert sorted(staleness_stats(samples[1:], 10, 0)) == ["rollout/staleness", "rollout/staleness_share/0",
+                                                           "rollout/staleness_share/1", "rollout/staleness_tokens"]
+    with pytest.raises(ValueError, match=r"samples of versions after 8 cannot be trained at it: \[-2, -1, 0\]"):
+        staleness_stats(samples[:3], 8, 2)
