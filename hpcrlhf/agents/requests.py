@@ -1,10 +1,10 @@
 """Rollout engines one model turn at a time: the request-level protocol the agent scheduler drives
 (`hpcrlhf.agents.scheduler.RequestEngine`), on each rollout backend.
 
-- `VLLMRequests`: each turn is a vLLM request (`LLM.enqueue`), and `step` is one iteration of the
-  engine (`llm_engine.step()`): continuous batching admits a trajectory's next turn at the next
-  iteration, while the others go on generating. Never stepped with nothing under way (vLLM's step
-  would then wait forever for output).
+- `VLLMRequests`: each turn is a sample of a `VLLMStream` (a vLLM request of its own), and `step` is one
+  iteration of the engine (`llm_engine.step()`): continuous batching admits a trajectory's next turn at
+  the next iteration, while the others go on generating. Never stepped with nothing under way (vLLM's
+  step would then wait forever for output).
 - `HFRequests`: Hugging Face `generate` runs a whole batch at once, so `step` generates every turn
   submitted since the last (`synchronous`: the scheduler runs such an engine turn by turn).
 """
@@ -15,48 +15,27 @@ from dataclasses import replace
 
 from hpcrlhf.agents.scheduler import TurnOutput, TurnRequest
 from hpcrlhf.engines.rollout.contract import SamplingParams
-from hpcrlhf.engines.rollout.vllm import VLLMRollout, request_number, vllm_sampling
+from hpcrlhf.engines.rollout.streaming import VLLMStream
+from hpcrlhf.engines.rollout.vllm import VLLMRollout
 
 
 class VLLMRequests:
     synchronous = False
 
     def __init__(self, rollout: VLLMRollout, params: SamplingParams) -> None:
-        engine = rollout.llm.llm_engine
-        if engine.has_unfinished_requests():
-            raise RuntimeError("VLLMRequests: a batch is already under way on this engine (one at a time)")
-        self.rollout, self.params, self.engine = rollout, replace(params, n=1), engine
-        self.keys: dict[str, str] = {}
-        """vLLM's request number -> the turn's key."""
-        self.prompts: dict[str, list[int]] = {}
+        self.stream = VLLMStream(rollout, replace(params, n=1), partial=False)
 
     def submit(self, request: TurnRequest) -> None:
-        sampling = vllm_sampling(self.params, request.seed, n=1, max_tokens=request.max_new_tokens)
-        (rid,) = self.rollout.llm.enqueue([{"prompt_token_ids": [int(t) for t in request.prompt_ids]}], [sampling],
-                                          use_tqdm=False)
-        self.keys[request_number(rid)] = request.key
-        self.prompts[request.key] = list(request.prompt_ids)
+        self.stream.submit(request.key, request.prompt_ids, request.seed, max_new_tokens=request.max_new_tokens)
 
     def step(self) -> list[TurnOutput]:
-        if not self.keys:
-            return []
-        out = []
-        for result in self.engine.step():
-            if result.finished:
-                key = self.keys.pop(result.request_id)
-                (g,) = self.rollout._samples(self.prompts.pop(key), result, self.params)
-                out.append(TurnOutput(key, g.response_ids, g.logprobs, g.finished))
-        return out
+        return [TurnOutput(key, g.response_ids, g.logprobs, g.finished) for key, g in self.stream.step()]
 
     def running(self) -> int:
-        return len(self.keys)
+        return self.stream.running()
 
     def abort(self, keys: list[str]) -> None:
-        numbers = [n for n, k in self.keys.items() if k in set(keys)]
-        if numbers:
-            self.engine.abort_request(numbers)
-        for n in numbers:
-            self.prompts.pop(self.keys.pop(n), None)
+        self.stream.abort(keys)
 
 
 class HFRequests:

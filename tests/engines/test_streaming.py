@@ -39,6 +39,15 @@ def test_a_stream_never_paused_draws_what_a_batch_of_the_same_seeds_does(vllm_ro
             assert (s.prompt_ids, s.response_ids, s.finished) == (g.prompt_ids, g.response_ids, g.finished), (i, j)
             assert s.logprobs == pytest.approx(g.logprobs, abs=1e-5) and s.versions == [(0, 4)]
     assert len({tuple(g.response_ids) for gens in batch for g in gens}) > 6  # the samples differ: seeds per sample
+    # without partial only the ended samples come back (FINAL_ONLY), whole: the same samples
+    final = VLLMStream(vllm_rollout, params, version=4, partial=False)
+    final.submit_batch(prompts, params)
+    final.submit("short", prompts[0], 5, max_new_tokens=3)  # a sample's own limit (an agent's turn: what is left)
+    whole = drain(final)
+    assert sorted(whole) == sorted([*keys, "short"])
+    for key, g in done.items():
+        assert whole[key].response_ids == g.response_ids and whole[key].logprobs == pytest.approx(g.logprobs, abs=1e-5)
+    assert 1 <= len(whole["short"].response_ids) <= 3 and whole["short"].versions == [(0, 4)]
 
 
 def test_sample_seeds_are_those_of_the_batch_request_and_continuations_get_their_own():
@@ -113,3 +122,9 @@ def test_a_paused_stream_can_drop_samples_and_refuses_a_second_owner(vllm_rollou
         stream.submit("x", [1, 2], None)
         stream.submit("x", [1, 2], None)
     stream.abort(["x"])
+    final = VLLMStream(vllm_rollout, params, partial=False)
+    final.submit("y", [1, 2], 4)
+    with pytest.raises(RuntimeError, match="without `partial` cannot be paused"):
+        final.pause()
+    final.abort(["y"])
+    assert not vllm_rollout.llm.llm_engine.has_unfinished_requests()

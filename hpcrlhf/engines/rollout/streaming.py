@@ -1,9 +1,10 @@
 """Samples that outlive a weight update: partial rollouts on vLLM (issue 40, docs/design/streaming-staleness.md 3.5).
 
-`VLLMStream` runs every sample as a vLLM request of its own (`LLMEngine.add_request`, n = 1) whose new tokens
-and log-probs come back after every engine step (`RequestOutputKind.DELTA`), so that nothing a sample has
-generated is invisible. `publish(version, receive)` takes new weights with samples under way -- the
-abort-and-continue of the design:
+`VLLMStream` runs every sample as a vLLM request of its own (`LLMEngine.add_request`, n = 1, each with its own
+token limit: an agent's turn has what is left of its trajectory's). With `partial` its new tokens and log-probs
+come back after every engine step (`RequestOutputKind.DELTA`), so that nothing a sample has generated is
+invisible, and `publish(version, receive)` takes new weights with samples under way -- the abort-and-continue of
+the design (without it only a finished sample's output comes back, `FINAL_ONLY`: no cost per step):
 
 1. every running request is aborted (what it sent is kept; a token sampled in the aborting step is lost and
    sampled again);
@@ -24,14 +25,18 @@ submit to it.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TypeVar
 
 from hpcrlhf.engines.rollout.contract import Generation, SamplingParams
 from hpcrlhf.engines.rollout.vllm import VLLMRollout, _prompt_seed, request_number, vllm_sampling
 
 T = TypeVar("T")
+
+_REQUEST_IDS = itertools.count(1)
+"""Request ids of every stream of this process: never one twice (an aborted request's id stays unused)."""
 
 
 def segment_seed(seed: int, segment: int) -> int:
@@ -47,6 +52,7 @@ class StreamSample:
     key: str
     prompt_ids: list[int]
     seed: int | None
+    max_new_tokens: int
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[tuple[int, int]] = field(default_factory=list)
@@ -63,13 +69,14 @@ class StreamSample:
 class VLLMStream:
     """Samples of `params` (`max_new_tokens`, `min_new_tokens`, temperature ...; n is taken per submit) on
     `rollout`'s engine, each its own request; `step` gives those that ended. `version`: the policy version the
-    engine holds now."""
+    engine holds now; `partial`: samples can be paused (`pause`, `publish`)."""
 
-    def __init__(self, rollout: VLLMRollout, params: SamplingParams, version: int = 0) -> None:
+    def __init__(self, rollout: VLLMRollout, params: SamplingParams, version: int = 0, *, partial: bool = True) -> None:
         engine = rollout.llm.llm_engine
         if engine.has_unfinished_requests():
             raise RuntimeError("VLLMStream: requests are already under way on this engine (one owner at a time)")
         self.rollout, self.engine, self.params, self.version = rollout, engine, params, version
+        self.partial = partial
         self.samples: dict[str, StreamSample] = {}
         """Every sample not yet given back by `step`, by key."""
         self.requests: dict[str, str] = {}
@@ -77,16 +84,16 @@ class VLLMStream:
         self.paused: list[str] = []
         self.ended: list[tuple[str, Generation]] = []
         """Samples that ended outside an engine step (no room left for a continuation), for the next `step`."""
-        self._serial = 0
         self.reprefilled = 0
         """Tokens of prefixes prefilled again by continuations (what partial rollouts cost)."""
 
-    def submit(self, key: str, prompt_ids: Sequence[int], seed: int | None) -> None:
+    def submit(self, key: str, prompt_ids: Sequence[int], seed: int | None, max_new_tokens: int | None = None) -> None:
         """Start a sample of `prompt_ids` (`seed`: its own, as `sample_seeds` gives; None: greedy or the
-        engine's stream)."""
+        engine's stream) of at most `max_new_tokens` (None: the stream's)."""
         if key in self.samples:
             raise ValueError(f"VLLMStream: sample {key!r} is already under way")
-        sample = StreamSample(key, [int(t) for t in prompt_ids], seed)
+        most = self.params.max_new_tokens if max_new_tokens is None else max_new_tokens
+        sample = StreamSample(key, [int(t) for t in prompt_ids], seed, most)
         self.samples[key] = sample
         self._request(sample)
 
@@ -105,24 +112,23 @@ class VLLMStream:
         from vllm.sampling_params import RequestOutputKind  # lazily, as every vLLM import (vllm.py)
 
         done = len(sample.tokens)
-        left = self.params.max_new_tokens - done
+        left = sample.max_new_tokens - done
         if left <= 0:  # cut at its length in the step its request was aborted in
             self.ended.append((sample.key, self.samples.pop(sample.key).generation()))
             return
         seed = sample.seed if sample.segment == 0 or sample.seed is None else segment_seed(sample.seed, sample.segment)
-        params = vllm_sampling(self.params, seed, n=1, max_tokens=left)
-        params.min_tokens = max(0, self.params.min_new_tokens - done)
-        params.output_kind = RequestOutputKind.DELTA
-        self._serial += 1
-        number = request_number(self.engine.add_request(f"s{self._serial}", {"prompt_token_ids": sample.prompt_ids
-                                                                              + sample.tokens}, params))
+        still = replace(self.params, min_new_tokens=max(0, self.params.min_new_tokens - done))
+        params = vllm_sampling(still, seed, n=1, max_tokens=left)  # (min_tokens: at most `left`)
+        params.output_kind = RequestOutputKind.DELTA if self.partial else RequestOutputKind.FINAL_ONLY
+        number = request_number(self.engine.add_request(f"s{next(_REQUEST_IDS)}", {"prompt_token_ids": sample.prompt_ids
+                                                                                    + sample.tokens}, params))
         self.requests[number] = sample.key
         sample.versions.append((done, self.version))
         self.reprefilled += done
 
     def step(self) -> list[tuple[str, Generation]]:
-        """One engine step: every running sample's new tokens kept; the samples that ended, with their keys
-        (given once: the stream forgets them)."""
+        """One engine step: every running sample's new tokens kept (`partial`; else those of the samples that
+        ended, whole); the samples that ended, with their keys (given once: the stream forgets them)."""
         ended, self.ended = self.ended, []
         if not self.requests:
             return ended
@@ -147,6 +153,9 @@ class VLLMStream:
     def pause(self) -> int:
         """Abort every running request, keeping what each sample has generated; `resume` continues them.
         Returns how many were paused."""
+        if self.requests and not self.partial:
+            raise RuntimeError("VLLMStream: samples of a stream without `partial` cannot be paused (their tokens "
+                               "come back only when they end)")
         if self.requests:
             self.engine.abort_request(list(self.requests))
         for key in self.requests.values():
