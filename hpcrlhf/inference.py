@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import json
 import sys
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from collections.abc import Iterator, Sequence
 from typing import Any, BinaryIO, TextIO
 
 import torch
 
+from hpcrlhf.agents.environments import load_environment
 from hpcrlhf.agents.parsers import load_parser
 from hpcrlhf.agents.pool import EnvPool
 from hpcrlhf.agents.render import ChatRenderer
@@ -411,10 +412,18 @@ CHAT_POSITIONS = 4096
 """The positions `chat`'s engine holds (vLLM's max_model_len), when the model's own window is not smaller."""
 
 
+@dataclass(frozen=True)
+class ChatAgent:
+    """`chat --environment`'s agent section, and the most tokens an episode's first render may take."""
+
+    config: AgentConfig
+    max_prompt_tokens: int
+
+
 def environment_agent(window: ContextWindow, environment: str, environment_args: dict[str, Any] | None,
                       tools: Sequence[str], tool_parser: str, tool_timeout_s: float, max_turns: int | None,
                       max_new_tokens: int, *, system: str | None, history: bool,
-                      max_tool_rounds: int | None) -> tuple[AgentConfig, int]:
+                      max_tool_rounds: int | None) -> ChatAgent:
     """`chat --environment`'s agent section, and the longest first render of an episode: half the
     positions for it, half for the episode's turns (`agent.max_tokens`). A trajectory step that raises
     ends its episode (status env_error, shown) rather than the chat."""
@@ -428,34 +437,34 @@ def environment_agent(window: ContextWindow, environment: str, environment_args:
         raise ConfigError(f"--max-new-tokens: {max_new_tokens} leaves no room for an episode's other turns in half of "
                           f"the {positions} positions (the other half is its first messages'); use at most "
                           f"{positions // 2}")
-    try:
-        cfg = AgentConfig(environment=environment, environment_args=dict(environment_args or {}), tools=tuple(tools),
-                          tool_parser=tool_parser, max_turns=4 if max_turns is None else max_turns,
-                          max_tokens=positions // 2, step_timeout_s=tool_timeout_s, env_workers=2,
-                          on_env_error="end", max_failed_share=1.0)
-    except ConfigError as e:  # the agent section's field names, as the chat's options
-        raise ConfigError(str(e).replace("agent.environment", "--environment").replace("agent.tools", "--tool")
-                          .replace("agent.tool_parser", "--tool-parser")) from None
-    return cfg, positions - cfg.max_tokens
+    args = dict(environment_args or {})
+    # the user's code, checked under the chat's option names (the agent section would name its own fields)
+    load_environment(environment, args, field="--environment", args_field="--environment-args")
+    load_tools(tools, "--tool")
+    load_parser(tool_parser, "--tool-parser")
+    return ChatAgent(AgentConfig(environment=environment, environment_args=args, tools=tuple(tools),
+                                 tool_parser=tool_parser, max_turns=4 if max_turns is None else max_turns,
+                                 max_tokens=positions // 2, step_timeout_s=tool_timeout_s, env_workers=2,
+                                 on_env_error="end", max_failed_share=1.0), positions - positions // 2)
 
 
-def chat_episodes(model_path: str, window: ContextWindow, agent: tuple[AgentConfig, int], *, backend: str, raw: bool,
+def chat_episodes(model_path: str, window: ContextWindow, agent: ChatAgent, *, backend: str, raw: bool,
                   seed: int, params: SamplingParams, stdin: TextIO, stdout: TextIO, engine: Any = None) -> int:
     """`chat --environment`: each message (a JSON object: the row itself; else `{"prompt": message}`)
     starts an episode (its environment seeded by `seed` and the message's number), run to its end on
     the model and shown as its transcript -- `env`, `model` and `tool` lines -- and one line of its
     outcome. A row the environment refuses (its reset raises) is an error: at a terminal it is shown
     and the chat goes on; piped input ends there (exit 2)."""
-    cfg, max_prompt = agent
+    cfg, max_prompt = agent.config, agent.max_prompt_tokens
     tokenizer = load_tokenizer(model_path)
     templated = tokenizer.chat_template is not None and not raw
     runner = AgentRunner(cfg, tokenizer, chat=templated, max_prompt_tokens=max_prompt)  # the user's code: first
-    if engine is None:
-        engine, tokenizer = load_generator(model_path, backend, max_model_len=max_prompt + cfg.max_tokens, seed=seed,
-                                           tokenizer=tokenizer)
     interactive, sent = stdin.isatty(), 0
     mark = "> " if interactive else ": "
     try:
+        if engine is None:
+            engine, tokenizer = load_generator(model_path, backend, max_model_len=max_prompt + cfg.max_tokens,
+                                               seed=seed, tokenizer=tokenizer)
         for text in chat_messages(stdin, stdout, interactive):
             if text is RESET:
                 stdout.write("(each message starts an episode of its own)\n")
@@ -470,17 +479,18 @@ def chat_episodes(model_path: str, window: ContextWindow, agent: tuple[AgentConf
                     raise
                 print(f"hpcrlhf: {e}; no episode ran", file=sys.stderr, flush=True)
                 continue
-            e = gens[0][0].episode
-            for m in e.messages:
+            gen = gens[0][0]
+            for m in gen.episode.messages:
                 who = {"user": "env", "assistant": "model"}.get(m["role"], m["role"])
                 name = f"{m['name']}: " if m["role"] == "tool" and m.get("name") else ""
                 stdout.write(f"{who}{mark}{name}{m['content']}\n")
-            stdout.write(f"(episode: {episode_outcome(e)})\n")
+            stdout.write(f"(episode: {episode_outcome(_trajectory(gen))})\n")
             stdout.flush()
         return 0
     finally:
-        engine.close()
         runner.close()
+        if engine is not None:
+            engine.close()
 
 
 def message_row(text: str, number: int) -> dict[str, Any]:
@@ -497,12 +507,12 @@ def message_row(text: str, number: int) -> dict[str, Any]:
     return row
 
 
-def episode_outcome(e) -> str:
-    """One line of what an episode (`EpisodeRecord`) came to, as `generate`'s line holds it."""
-    calls = sum(e.tool_calls.values())
-    parts = [e.status, f"{e.turns} turn(s)", f"{calls} tool call(s)", f"reward {e.reward:g}"]
-    parts += [] if e.success is None else ["success" if e.success else "no success"]
-    parts += [f"error: {e.error}"] if e.error else []
+def episode_outcome(line: dict[str, Any]) -> str:
+    """One line of what an episode came to, from what `generate` writes of it (`_trajectory`)."""
+    parts = [line["status"], f"{line['turns']} turn(s)", f"{line['tool_calls']} tool call(s)",
+             f"reward {line['episode_reward']:g}"]
+    parts += [] if "success" not in line else ["success" if line["success"] else "no success"]
+    parts += [f"error: {line['error']}"] if "error" in line else []
     return ", ".join(parts)
 
 

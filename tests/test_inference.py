@@ -271,6 +271,10 @@ def test_chat_with_an_environment_runs_each_message_as_an_episode_and_shows_its_
      r"for an episode's other turns in half of the 512 positions .*; use at most 256"),
     ({"environment": "tests.agents.envs"}, "--environment: 'tests.agents.envs' .*package.module:Class"),
     ({"environment": "tests.agents.envs:Nope"}, "tests.agents.envs' has no 'Nope'"),
+    ({"environment": "tests.agents.envs:Calculator", "environment_args": {"digits": 3}},
+     r"--environment-args: \{'digits': 3\} do not fit tests.agents.envs:Calculator's constructor"),
+    ({"environment": "tests.agents.envs:Calculator", "tools": ["tests.agents"]}, r"--tool\[0\] 'tests.agents' is no tool"),
+    ({"environment": "tests.agents.envs:Calculator", "tool_parser": "nope"}, "--tool-parser: 'nope'"),
     ({"max_turns": 3}, "--max-turns: for an episode with --environment; name the environment, or drop --max-turns"),
 ])
 def test_chat_with_an_environment_refuses_what_it_cannot_honour_before_a_model_loads(tiny_llama, kwargs, expected):

@@ -62,13 +62,15 @@ class EnvironmentClass:
 
 
 def load_environment(name: str | None, args: Mapping[str, Any], prompt_key: str = "prompt",
-                     field: str = "agent.environment") -> EnvironmentClass:
+                     field: str = "agent.environment", args_field: str | None = None) -> EnvironmentClass:
     """The class `name` names (`package.module:Class`), or ToolEnvironment for None; a ConfigError
-    naming the field when it cannot be imported, is no class, has no `reset`, does not take `args`, or
-    has a tool whose schema cannot be read."""
+    naming the field (`args_field`, default field + "_args", for the arguments) when it cannot be
+    imported, is no class, has no `reset`, does not take `args`, or has a tool whose schema cannot be
+    read."""
+    args_field = f"{field}_args" if args_field is None else args_field
     if name is None:
         if args:
-            raise ConfigError(f"{field}_args: {dict(args)} given without {field}; name the class they are for")
+            raise ConfigError(f"{args_field}: {dict(args)} given without {field}; name the class they are for")
         return EnvironmentClass(ToolEnvironment, {"prompt_key": prompt_key}, "the tool environment (no agent.environment)",
                                 ())
     label = f"{field} '{name}'"
@@ -83,6 +85,6 @@ def load_environment(name: str | None, args: Mapping[str, Any], prompt_key: str 
     try:
         inspect.signature(cls).bind(**args)
     except TypeError as e:
-        raise ConfigError(f"{field}_args: {dict(args)} do not fit {name}'s constructor ({e}); give the keyword "
+        raise ConfigError(f"{args_field}: {dict(args)} do not fit {name}'s constructor ({e}); give the keyword "
                           "arguments its __init__ takes") from None
     return EnvironmentClass(cls, dict(args), label, tuple(environment_tools(cls, label)))

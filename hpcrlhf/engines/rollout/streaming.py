@@ -139,7 +139,11 @@ class VLLMStream:
             sample, (completion,) = self.samples[key], out.outputs
             tokens = list(completion.token_ids)
             sample.tokens += tokens
-            sample.logprobs += [float(pos[tok].logprob) for pos, tok in zip(completion.logprobs or [], tokens)]
+            positions = completion.logprobs or []
+            if len(positions) != len(tokens):  # vllm_sampling asks for logprobs=0: one position per token
+                raise RuntimeError(f"VLLMStream: request {out.request_id} sent {len(tokens)} token(s) with "
+                                   f"{len(positions)} log-prob position(s); every token needs its behaviour log-prob")
+            sample.logprobs += [float(pos[tok].logprob) for pos, tok in zip(positions, tokens)]
             if out.finished:
                 del self.requests[out.request_id]
                 sample.finished = completion.finish_reason == "stop"
