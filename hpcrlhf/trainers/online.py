@@ -30,6 +30,7 @@ from hpcrlhf.engines.rollout import Done, Generation, Groups, Pending, SamplingP
 from hpcrlhf.engines.rollout.contract import stamp_version
 from hpcrlhf.engines.rollout.hf import HFRollout
 from hpcrlhf.engines.rollout.settings import sampling_params, vllm_engine_args
+from hpcrlhf.engines.rollout.loop import StreamingRollout
 from hpcrlhf.engines.rollout.shared import Rank0Rollout
 from hpcrlhf.engines.rollout.vllm import VLLMRollout
 from hpcrlhf.errors import ConfigError
@@ -92,11 +93,11 @@ def reward_set(cfg: OnlineJobConfig, models: ModelFactory, task,
                      models.tokenizer, task, models.device, cfg.model.trust_remote_code, cfg.rules, served)
 
 
-def stream_weights(engine, rollout, bucket_bytes: int) -> dict[str, float] | None:
-    """The trained `engine`'s weights into a vLLM `rollout` engine in this process (or rank 0's),
-    streamed in buckets of `bucket_bytes` (every rank takes part: ZeRO-3 gathers): what was sent
-    (`weight_sync/*`), where this rank sends."""
-    sent = rollout.load_weights(checkpoint_stream(engine, bucket_bytes))
+def stream_weights(engine, rollout, bucket_bytes: int, version: int | None = None) -> dict[str, float] | None:
+    """The trained `engine`'s weights -- policy `version` (updates done), where known -- into a vLLM
+    `rollout` engine in this process (or rank 0's), streamed in buckets of `bucket_bytes` (every rank
+    takes part: ZeRO-3 gathers): what was sent (`weight_sync/*`), where this rank sends."""
+    sent = rollout.load_weights(checkpoint_stream(engine, bucket_bytes), version)
     return None if sent is None else {"weight_sync/bytes": float(sent.bytes), "weight_sync/buckets": float(sent.buckets)}
 
 
@@ -109,6 +110,13 @@ def rollout_engines(engine, models: ModelFactory, cfg: OnlineJobConfig):
                    device=engine.device, synced_gpus=synced, batch_size=cfg.rollout.hf_batch_size)
     if cfg.rollout.backend == "hf":
         return hf, hf
+    if cfg.rollout.max_staleness and env.world_size == 1 and getattr(cfg, "agent", None) is None:
+        # generated in a thread of its own while the step trains (rollout.partial: paused across syncs)
+        return StreamingRollout(lambda: VLLMRollout(**vllm_engine_args(cfg)), partial=cfg.rollout.partial), hf
+    if cfg.rollout.partial:
+        raise ConfigError(f"rollout.partial: true runs one engine loop for one training rank; this job has "
+                          f"{env.world_size} ranks (several ranks share rank 0's engine, which cannot be paused yet): "
+                          "train on one rank, or set rollout.partial=false")
     vllm = VLLMRollout(**vllm_engine_args(cfg)) if env.is_main else None
     return (vllm if env.world_size == 1 else Rank0Rollout(vllm, env)), hf
 

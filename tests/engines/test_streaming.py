@@ -66,16 +66,22 @@ def logprobs_under(model, prompt: list[int], response: list[int]) -> list[float]
     return [float(logp[len(prompt) + i - 1, t]) for i, t in enumerate(response)]
 
 
+def old_and_new(model_dir: str, seed: int):
+    """The HF model of `model_dir`, and a copy whose every weight moved by 0.05 x N(0, 1) (seeded)."""
+    old = load_causal_lm(model_dir, attn_implementation="sdpa").eval()
+    new = load_causal_lm(model_dir, attn_implementation="sdpa").eval()
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in new.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=generator))
+    return old, new
+
+
 def test_samples_paused_across_a_weight_update_go_on_under_the_new_weights(vllm_rollout, rollout_prompts, tiny_llama):
     """Weights changed after a few engine steps: every sample keeps what it had, records two spans, and each of
     its tokens has the log-prob of the weights of its span (recomputed by the HF model: the prefix was prefilled
     again under the new weights); every sample still has its full length."""
-    old = load_causal_lm(tiny_llama, attn_implementation="sdpa").eval()
-    new = load_causal_lm(tiny_llama, attn_implementation="sdpa").eval()
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in new.parameters():
-            p.add_(0.05 * torch.randn(p.shape, generator=generator))
+    old, new = old_and_new(tiny_llama, 0)
     params = SamplingParams(n=2, temperature=1.0, max_new_tokens=24, min_new_tokens=24, seed=11)
     prompts = rollout_prompts[:3]
     stream = VLLMStream(vllm_rollout, params, version=0)

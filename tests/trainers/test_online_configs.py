@@ -4,6 +4,7 @@ value and the fix. Also the derived numbers of a PPO plan."""
 from __future__ import annotations
 
 import re
+from types import SimpleNamespace
 
 import pytest
 
@@ -35,6 +36,18 @@ from hpcrlhf.trainers.batches import PPOPlan
     (["rollout.max_staleness=2"], "rollout.max_staleness: 2 trains on samples up to 2 updates old without "
      "correcting their per-token ratios: set ppo.tis_cap=2"),
     (["rollout.max_staleness=-1"], "rollout.max_staleness: -1 is invalid"),
+    (["rollout.backend=vllm", "rollout.partial=true"], "rollout.partial: True is invalid: it continues generations "
+     "across weight syncs, but rollout.max_staleness is 0 (nothing is under way at a sync): set "
+     "rollout.max_staleness=1 or more, or rollout.partial=false"),
+    (["rollout.partial=true", "rollout.max_staleness=1"], "rollout.partial: True is invalid: it pauses generations "
+     "inside a vLLM engine; rollout.backend hf generates each batch in one call of the training process, which "
+     "cannot be paused: set rollout.backend=vllm, or rollout.partial=false"),
+    (["rollout.backend=vllm", "rollout.partial=true", "rollout.max_staleness=1"], "rollout.partial: True is invalid: "
+     "a paused sample goes on under newer weights than its first tokens', which the per-token ratios must correct: "
+     "set ppo.tis_cap=2"),
+    (["rollout.backend=vllm", "rollout.partial=true", "rollout.max_staleness=1", "ppo.tis_cap=2",
+      "placement.runtime=ray"], "rollout.partial: True is invalid: partial rollouts run on the local runtime's "
+     "engine loop, for single-turn rollouts"),
     (["rollout.backend=vllm", "placement.vllm.sleep=true", "rollout.max_staleness=1"],
      "placement.vllm.sleep: true swaps GPU memory between generation and training, but rollout.max_staleness 1 runs "
      "them at the same time: use rollout.max_staleness=0 with sleep, or placement.vllm.sleep=false"),
@@ -57,6 +70,8 @@ def test_bad_ppo_settings_fail_with_the_field_and_the_fix(overrides, message):
     (["rs.mode=dpo", "rollout.samples_per_prompt=1"], "pairs a prompt's best and worst"),
     (["rs.iterations=0"], "rs.iterations: 0 is invalid"),
     (["rollout.max_staleness=1"], "rollout.max_staleness: 1 is invalid: rejection sampling generates each round"),
+    (["rollout.backend=vllm", "rollout.max_staleness=1", "rollout.partial=true"],
+     "rollout.partial: True is invalid: ppo only; rejection sampling"),
 ])
 def test_bad_rs_settings(overrides, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
@@ -105,3 +120,19 @@ def test_rollouts_are_generated_ahead_only_within_the_run():
     assert not any(launches(0))  # synchronous
     launched_at = {0: 0, **{t: i for i, ts in enumerate(launches(2)) for t in ts}}  # plan order: lag min(s, k)
     assert [s - launched_at[s] for s in range(5)] == [0, 1, 2, 2, 2]
+
+
+def test_partial_rollouts_on_several_ranks_are_refused_before_an_engine_starts():
+    """Several local ranks share rank 0's engine (`Rank0Rollout`), which has no engine loop yet."""
+    import torch
+
+    from hpcrlhf.trainers.online import rollout_engines
+
+    cfg = load_config(PPOConfig, None, ["rollout.backend=vllm", "rollout.partial=true", "rollout.max_staleness=1",
+                                        "ppo.tis_cap=2"])
+    env = SimpleNamespace(world_size=2, is_main=True, rank=0)
+    engine = SimpleNamespace(zero_stage=2, module=torch.nn.Linear(1, 1), device=torch.device("cpu"))
+    models = SimpleNamespace(env=env, pad_id=0, tokenizer=SimpleNamespace(eos_token_id=1))
+    with pytest.raises(ConfigError, match=r"rollout.partial: true runs one engine loop for one training rank; this "
+                                          r"job has 2 ranks .*train on one rank, or set rollout.partial=false"):
+        rollout_engines(engine, models, cfg)

@@ -80,6 +80,16 @@ class RolloutConfig:
     rollout/staleness (the updates the step's samples lag, their mean), rollout/staleness_tokens (the
     same per model token), rollout/staleness_share/<a> (the share a updates old, a = 0..k);
     timing/overlap (seconds generation ran while the step trained)."""
+    partial: bool = False
+    """ppo only, rollout.backend vllm, local runtime, one rank (the Ray runtime and several ranks: not yet):
+    partial rollouts. With rollout.max_staleness >= 1 the engine generates in a thread of its own while the
+    step trains; at a weight sync the samples under way are paused, the weights change, and they go on under
+    the new ones (their tokens and log-probs kept, each span's policy version recorded) instead of the sync
+    waiting for them; the steps ahead are launched as soon as a step starts, so a straggler runs beside the
+    next batch. A sample's age is that of its first token (rollout/staleness <= k still holds); its later
+    tokens are newer (rollout/staleness_tokens). Needs ppo.tis_cap (the behaviour log-probs of a paused
+    sample come from two policies). false: without it, k >= 1 on that engine still generates in its thread,
+    and each sync waits for the samples under way to end (timing/weight_sync holds that tail)."""
 
     def __post_init__(self) -> None:
         require_finite(self, "rollout")
@@ -97,6 +107,13 @@ class RolloutConfig:
         require(self.hf_batch_size >= 1, "rollout.hf_batch_size", self.hf_batch_size, "use at least 1")
         require(self.max_staleness >= 0, "rollout.max_staleness", self.max_staleness,
                 "use 0 (synchronous) or the number of updates a sample may lag (1-4 usual; AReaL uses 2-8)")
+        require(not self.partial or self.max_staleness >= 1, "rollout.partial", self.partial,
+                "it continues generations across weight syncs, but rollout.max_staleness is 0 (nothing is under way "
+                "at a sync): set rollout.max_staleness=1 or more, or rollout.partial=false")
+        require(not self.partial or self.backend == "vllm", "rollout.partial", self.partial,
+                f"it pauses generations inside a vLLM engine; rollout.backend {self.backend} generates each batch in "
+                "one call of the training process, which cannot be paused: set rollout.backend=vllm, or "
+                "rollout.partial=false")
         require(self.vllm_kv_cache_gb > 0, "rollout.vllm_kv_cache_gb", self.vllm_kv_cache_gb, "use a positive size")
         for name in ("vllm_max_num_seqs", "vllm_max_num_batched_tokens"):
             value = getattr(self, name)
@@ -417,6 +434,9 @@ class RSConfig(OnlineJobConfig):
         if self.train.max_steps is not None:
             raise ConfigError("train.max_steps: rejection sampling runs rs.iterations x rs.steps_per_iteration steps; "
                               "leave train.max_steps null and set those instead")
+        require(not self.rollout.partial, "rollout.partial", self.rollout.partial,
+                "ppo only; rejection sampling generates each round with the weights the round before trained: leave "
+                "it false")
         require(not self.rollout.max_staleness, "rollout.max_staleness", self.rollout.max_staleness,
                 "rejection sampling generates each round with the weights the round before trained: use 0")
         require_in_job(self.reward, "rs")

@@ -192,4 +192,5 @@ def check_prompts(prompts: Sequence[Sequence[int]]) -> None:
 
 def greedy_copies(g: Generation, n: int) -> list[Generation]:
     """n copies of one (greedy) generation, each with its own lists so callers may edit one."""
-    return [Generation(list(g.prompt_ids), list(g.response_ids), list(g.logprobs), g.finished) for _ in range(n)]
+    return [Generation(list(g.prompt_ids), list(g.response_ids), list(g.logprobs), g.finished,
+                       versions=None if g.versions is None else list(g.versions)) for _ in range(n)]

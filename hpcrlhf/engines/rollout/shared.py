@@ -53,9 +53,9 @@ class Rank0Rollout:
         results, shared = parts[0]
         return results[self.env.rank], shared
 
-    def load_weights(self, tensors):
+    def load_weights(self, tensors, version: int | None = None):
         if self.env.is_main:
-            return self.engine.load_weights(tensors)
+            return self.engine.load_weights(tensors, version)
         for _ in tensors:  # the stream's gathers are collective: walk it to the end
             pass
         return None

@@ -53,6 +53,8 @@ class StreamSample:
     prompt_ids: list[int]
     seed: int | None
     max_new_tokens: int
+    params: SamplingParams
+    """How it is sampled (temperature, top-p/k, min_new_tokens; n and seed are the sample's own)."""
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[tuple[int, int]] = field(default_factory=list)
@@ -67,9 +69,10 @@ class StreamSample:
 
 
 class VLLMStream:
-    """Samples of `params` (`max_new_tokens`, `min_new_tokens`, temperature ...; n is taken per submit) on
-    `rollout`'s engine, each its own request; `step` gives those that ended. `version`: the policy version the
-    engine holds now; `partial`: samples can be paused (`pause`, `publish`)."""
+    """Samples on `rollout`'s engine, each its own request, sampled as `params` say (`max_new_tokens`,
+    `min_new_tokens`, temperature ...; n and the seed are taken per submit, which may bring params of its
+    own); `step` gives those that ended. `version`: the policy version the engine holds now; `partial`:
+    samples can be paused (`pause`, `publish`)."""
 
     def __init__(self, rollout: VLLMRollout, params: SamplingParams, version: int = 0, *, partial: bool = True) -> None:
         engine = rollout.llm.llm_engine
@@ -87,13 +90,16 @@ class VLLMStream:
         self.reprefilled = 0
         """Tokens of prefixes prefilled again by continuations (what partial rollouts cost)."""
 
-    def submit(self, key: str, prompt_ids: Sequence[int], seed: int | None, max_new_tokens: int | None = None) -> None:
+    def submit(self, key: str, prompt_ids: Sequence[int], seed: int | None, max_new_tokens: int | None = None,
+               params: SamplingParams | None = None) -> None:
         """Start a sample of `prompt_ids` (`seed`: its own, as `sample_seeds` gives; None: greedy or the
-        engine's stream) of at most `max_new_tokens` (None: the stream's)."""
+        engine's stream) of at most `max_new_tokens` (None: its params'), sampled as `params` say (None:
+        the stream's)."""
         if key in self.samples:
             raise ValueError(f"VLLMStream: sample {key!r} is already under way")
-        most = self.params.max_new_tokens if max_new_tokens is None else max_new_tokens
-        sample = StreamSample(key, [int(t) for t in prompt_ids], seed, most)
+        params = self.params if params is None else params
+        most = params.max_new_tokens if max_new_tokens is None else max_new_tokens
+        sample = StreamSample(key, [int(t) for t in prompt_ids], seed, most, params)
         self.samples[key] = sample
         self._request(sample)
 
@@ -104,7 +110,7 @@ class VLLMStream:
         for i, prompt in enumerate(prompts):
             for j, seed in enumerate(sample_seeds(params, i)):
                 keys.append(f"{prefix}{i}.{j}")
-                self.submit(keys[-1], prompt, seed)
+                self.submit(keys[-1], prompt, seed, params=params)
         return keys
 
     def _request(self, sample: StreamSample) -> None:
@@ -117,13 +123,16 @@ class VLLMStream:
             self.ended.append((sample.key, self.samples.pop(sample.key).generation()))
             return
         seed = sample.seed if sample.segment == 0 or sample.seed is None else segment_seed(sample.seed, sample.segment)
-        still = replace(self.params, min_new_tokens=max(0, self.params.min_new_tokens - done))
+        still = replace(sample.params, min_new_tokens=max(0, sample.params.min_new_tokens - done))
         params = vllm_sampling(still, seed, n=1, max_tokens=left)  # (min_tokens: at most `left`)
         params.output_kind = RequestOutputKind.DELTA if self.partial else RequestOutputKind.FINAL_ONLY
         number = request_number(self.engine.add_request(f"s{next(_REQUEST_IDS)}", {"prompt_token_ids": sample.prompt_ids
                                                                                     + sample.tokens}, params))
         self.requests[number] = sample.key
-        sample.versions.append((done, self.version))
+        if sample.versions and sample.versions[-1][0] == done:  # paused before it sent a token: no span of its own
+            sample.versions[-1] = (done, self.version)
+        else:
+            sample.versions.append((done, self.version))
         self.reprefilled += done
 
     def step(self) -> list[tuple[str, Generation]]:

@@ -42,8 +42,8 @@ import dataclasses
 import gc
 import hashlib
 import os
-from collections.abc import Iterable, Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any
 
@@ -230,6 +230,9 @@ class VLLMRollout:
                 )
         self.asleep: set[str] = set()
         """Sleep-mode memory tags released (`sleep`) and not woken yet."""
+        self.version = 0
+        """The policy version (updates done) of the weights it holds: model_dir's are 0, each weight sync
+        that names one sets it (`load_weights`)."""
 
     @property
     def llm(self):
@@ -289,16 +292,19 @@ class VLLMRollout:
             samples.append(Generation(list(prompt), response, logprobs, c.finish_reason == "stop"))
         return greedy_copies(samples[0], params.n) if params.greedy else samples
 
-    def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]) -> SyncStats:
+    def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor],
+                     version: int | None = None, *, receive: Callable[[], Future] | None = None) -> SyncStats:
         """Stream the weights (checkpoint names; a state dict or (name, tensor) pairs) into the
         running engine: this process is rank 0 of a weight-sync group with the engine's own
-        workers, which load them while they arrive (`receive_weights`, in a thread here). Returns
+        workers, which load them while they arrive (`receive_weights`, in a thread here; `receive`:
+        what starts that receive elsewhere -- the thread that owns the engine -- and its future).
+        `version`: the policy version they are (updates done), which the engine then holds. Returns
         what was sent."""
         if isinstance(tensors, Mapping):
             tensors = tensors.items()
-        group = self._own_group()
+        group = self.weight_group()
         with ThreadPoolExecutor(1, thread_name_prefix="hpcrlhf-weights") as pool:
-            received = pool.submit(self.receive_weights, "local")
+            received = pool.submit(self.receive_weights, "local") if receive is None else receive()
             try:
                 stats = weight_sync.WeightSender(group, self.bucket_bytes).send(tensors)
             except BaseException:
@@ -307,9 +313,11 @@ class VLLMRollout:
                     pass
                 raise
             received.result()
+        if version is not None:
+            self.version = version
         return stats
 
-    def _own_group(self) -> weight_sync.Group:
+    def weight_group(self) -> weight_sync.Group:
         """The weight-sync group of this process and the engine's workers, formed at first use."""
         if self._group is None:
             store, at = weight_sync.serve_store("127.0.0.1", local=True)

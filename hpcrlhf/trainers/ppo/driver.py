@@ -51,6 +51,7 @@ from hpcrlhf.config.schema import PPOConfig
 from hpcrlhf.data.prompts import Prompt
 from hpcrlhf.engines.distributed import all_reduce_sum
 from hpcrlhf.engines.rollout import Done
+from hpcrlhf.engines.rollout.loop import StreamingRollout
 from hpcrlhf.logs import get_logger
 from hpcrlhf.run.folder import StepAbandoned
 from hpcrlhf.run.stats import Stats, reduce_means
@@ -94,6 +95,8 @@ class PPOTrainer(OnlineTrainer):
         self.moments = RunningMoments()
         self.ahead: dict[int, Ahead] = {}
         """Step -> its rollout generated ahead (rollout.max_staleness k >= 1), to be scored at that step."""
+        self.version = 0
+        """The policy version the actor holds: its updates done (steps trained; a resumed run's step)."""
 
     # -- checkpoints -------------------------------------------------------------------------
     def save_checkpoint(self, folder: Path, client_state: dict[str, Any]) -> None:
@@ -110,6 +113,7 @@ class PPOTrainer(OnlineTrainer):
         self.kl_ctl.load_state_dict(state["kl_controller"])
         self.moments.load_state_dict(state["reward_moments"])
         self.restore_ahead(folder, self.env.rank)
+        self.version = state["step"]
         self.rollout_synced = self.rollout is self.hf_rollout  # push the resumed weights before generating
         return state
 
@@ -145,7 +149,7 @@ class PPOTrainer(OnlineTrainer):
             self.agent.close()
 
     def send_policy_weights(self) -> dict[str, float] | None:
-        return self.roles.push_weights()
+        return self.roles.push_weights(self.version)
 
     def greedy_rollout(self):
         """Evaluation generates with the trained module where this process holds it (and keeps it
@@ -169,11 +173,13 @@ class PPOTrainer(OnlineTrainer):
         it (`timing/busy_<role>`, the mean over its ranks; `util/<role>_idle` in the log is
         1 - busy / step)."""
         self.roles.pop_busy()  # what evaluation used is not this step's
+        self.version = step
         rollout, sampling_metrics = self.step_rollout(step)
         with self.run.timed("make_experience"):
             experience, stats = self.make_experience(rollout)
         with self.run.timed("train"):  # wall time of the updates (train_actor/critic may overlap)
             sums = self.train_roles(experience, step)
+        self.version = step + 1
         self.await_ahead()
         with self.run.timed("weight_sync"):
             self.sync_rollout()
@@ -213,11 +219,13 @@ class PPOTrainer(OnlineTrainer):
         return rollout, metrics
 
     def launch_ahead(self, step: int, launched: LaunchedRollout) -> None:
-        """Once this step's batch (`launched`) is generated, launch the batches of the steps due ahead
-        (`staleness.ahead_steps`), with the weights this step trains."""
+        """Launch the batches of the steps due ahead (`staleness.ahead_steps`), with the weights this step
+        trains: at once on an engine loop (`StreamingRollout`: the batches share its engine, a straggler of
+        this step's beside the next one's), else once this step's batch (`launched`) is generated (an
+        engine takes one batch at a time)."""
         n = self.cfg.rollout.samples_per_prompt
         targets = ahead_steps(step, self.plan.total_steps, self.cfg.rollout.max_staleness, self.ahead)
-        if targets:
+        if targets and not isinstance(self.rollout, StreamingRollout):
             with self.run.timed("generate"):
                 launched.pending.result()
         for target in targets:
@@ -233,16 +241,18 @@ class PPOTrainer(OnlineTrainer):
             for step, launched_at, generations, agent_batch in load_ahead(folder, rank)}
 
     def await_ahead(self) -> None:
-        """Wait for the rollouts generated ahead (before new weights go into their engines) and log
+        """Wait for the rollouts generated ahead (before new weights go into their engines; with
+        rollout.partial the engine loop pauses them at the sync instead, and they go on) and log
         `timing/overlap`: the seconds the last one launched was generated while this step scored and trained."""
         if not self.ahead:
             if self.cfg.rollout.max_staleness:
                 self.run.add_timing("overlap", 0.0)
             return
         waited = time.monotonic()
-        with self.run.timed("generate_ahead_wait"):
-            for kept in self.ahead.values():
-                kept.rollout.pending.result()
+        if not self.cfg.rollout.partial:
+            with self.run.timed("generate_ahead_wait"):
+                for kept in self.ahead.values():
+                    kept.rollout.pending.result()
         pending = self.ahead[max(self.ahead)].rollout.pending
         self.run.add_timing("overlap", max(0.0, min(pending.finished() or waited, waited) - pending.launched))
 

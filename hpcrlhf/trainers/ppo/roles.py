@@ -97,9 +97,9 @@ class PPORoles(Protocol):
         `push_weights` comes next and the engines have nothing else to do; the runtime may start
         it as soon as the actor has learned."""
 
-    def push_weights(self) -> dict[str, float] | None:
-        """The actor's weights into `rollout` (or the rest of a push `learn` started); what was
-        sent (`weight_sync/*`) where measured."""
+    def push_weights(self, version: int) -> dict[str, float] | None:
+        """The actor's weights -- policy `version`, the updates done -- into `rollout` (or the rest of a
+        push `learn` started); what was sent (`weight_sync/*`) where measured."""
 
     def save(self, folder: Path, state: dict[str, Any]) -> None:
         """The roles' checkpoint into `folder`, with the driver's `state` (step, controllers)."""
@@ -169,9 +169,9 @@ class LocalRoles:
             seconds[role] = time.perf_counter() - start
         return sums, seconds
 
-    def push_weights(self) -> dict[str, float] | None:
+    def push_weights(self, version: int) -> dict[str, float] | None:
         self.phases.enter("weight_sync")
-        return stream_weights(self.engine, self.rollout, self.cfg.placement.vllm.sync_bucket_mb << 20)
+        return stream_weights(self.engine, self.rollout, self.cfg.placement.vllm.sync_bucket_mb << 20, version)
 
     def save(self, folder: Path, state: dict[str, Any]) -> None:
         self.phases.enter("train")

@@ -71,7 +71,8 @@ def staleness_stats(generations: Sequence[Generation], version: int, k: int) -> 
     pairs that add up over ranks: rollout/staleness -- the mean age of a sample, that of its first token (its
     oldest) --, rollout/staleness_tokens -- the mean age of a model token --, and rollout/staleness_share/<a>
     for a = 0..k, and any older age present (a run resumed with a smaller k trains the batches generated ahead
-    under the larger one) -- the share of samples a updates old (they sum to 1)."""
+    under the larger one) -- the share of samples a updates old (they sum to 1) --, and rollout/partial_share --
+    the share of samples paused across a weight sync and continued (rollout.partial: more than one version)."""
     n = len(generations)
     heads = [version - head_version(g) for g in generations]
     if any(a < 0 for a in heads):
@@ -80,4 +81,5 @@ def staleness_stats(generations: Sequence[Generation], version: int, k: int) -> 
               for v, m in zip(token_versions(g), g.action_mask or [True] * len(g.response_ids))]
     model = sum(sum(g.action_mask) if g.action_mask is not None else len(g.response_ids) for g in generations)
     return {"rollout/staleness": (float(sum(heads)), n), "rollout/staleness_tokens": (float(sum(tokens)), model),
+            "rollout/partial_share": (float(sum(len(g.versions or ()) > 1 for g in generations)), n),
             **{f"rollout/staleness_share/{a}": (float(heads.count(a)), n) for a in sorted({*range(k + 1), *heads})}}

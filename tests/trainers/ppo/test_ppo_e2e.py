@@ -51,6 +51,11 @@ def train_rows(out) -> list[dict]:
                           "rollout.max_staleness=1", "--set", "ppo.tis_cap=2", "--set", "ppo.is_mode=mask"],
                  id="grpo-stale-masked-is"),
     pytest.param("gae", ["--set", "rollout.samples_per_prompt=4", "--set", "rollout.max_staleness=1"], id="gae-stale"),
+    # two steps ahead on the engine loop, samples under way paused at each sync and continued (issue 40)
+    pytest.param("grpo", ["--set", "rollout.samples_per_prompt=8", "--set", "ppo.init_kl_coef=0", "--set",
+                          "rollout.backend=vllm", "--set", "rollout.vllm_kv_cache_gb=0.25", "--set",
+                          "rollout.max_staleness=2", "--set", "rollout.partial=true", "--set", "ppo.tis_cap=2",
+                          "--set", "ppo.is_mode=mask"], id="grpo-k2-partial-vllm"),
 ])
 def test_estimator_with_rule_reward_raises_the_task_score(estimator, extra, policy_model, tmp_path):
     out = tmp_path / "run"
@@ -70,6 +75,12 @@ def test_estimator_with_rule_reward_raises_the_task_score(estimator, extra, poli
             assert rows[0]["rollout/is_weight"] == pytest.approx(1, abs=1e-4) and rows[0]["rollout/is_masked"] == 0
             assert all(0.5 < r["rollout/is_weight"] <= 2 and r["rollout/is_weight"] != 1 for r in rows[1:])
             assert all(0 <= r["rollout/is_masked"] < 0.2 for r in rows), [r["rollout/is_masked"] for r in rows]
+    elif "rollout.partial=true" in extra:  # plan order: every sample's first token exactly min(s, 2) updates old
+        assert [r["rollout/staleness"] for r in rows] == [0.0, 1.0] + [2.0] * (LEARN_STEPS - 2)
+        # a paused sample's later tokens are newer than its first (how many are paused depends on timing: the
+        # engine test pauses for sure, tests/engines/test_loop.py)
+        assert all(r["rollout/staleness_tokens"] <= r["rollout/staleness"] + 1e-9 for r in rows)
+        assert all(0 <= r["rollout/partial_share"] <= 1 for r in rows)
     else:  # the rollout engine's log-probs are the trainer's (HF generate's incremental decoding vs a full forward)
         assert max(r["rollout/logprob_max_diff"] for r in rows) < 1e-4
     if estimator == "gae":  # the critic learns to predict returns

@@ -183,7 +183,7 @@ class RayRoles:
                 add_stats(sums, part)
         return sums, seconds
 
-    def push_weights(self) -> dict[str, float] | None:
+    def push_weights(self, version: int) -> dict[str, float] | None:
         self.phases.enter("weight_sync")
         self.rollout.sync()
         return self.weight_push.last or None

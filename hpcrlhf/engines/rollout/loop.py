@@ -1,0 +1,271 @@
+"""The engine loop: one thread builds a vLLM engine and alone drives it, so that batches are generated while
+the caller scores and trains (the local runtime with rollout.max_staleness >= 1; issue 40, design 3.4).
+
+`StreamingRollout` is the rollout engine a trainer sees (`launch`, `generate`, `load_weights`, `close`, as
+`VLLMRollout`): a batch is under way in the loop when `launch` returns (`StreamBatch`, a `Pending`), batches
+share the engine (the tail of one runs beside the start of the next, so the engine's batch stays full), and
+`load_weights` takes new weights with samples under way:
+
+- `partial`: the samples under way are paused, the weights load, and they go on under the new ones
+  (`VLLMStream` records each span's version); the caller waits for none of them;
+- otherwise the loop drains first -- the samples under way end under the weights they began with -- and then
+  the weights load: the caller's sync waits for that tail.
+
+A batch launched after a `load_weights` starts under the new weights (the loop takes its messages in order).
+The loop's thread builds the engine (vLLM's CPU thread binding then holds for the thread that drives it) and
+alone calls it; every other thread posts a message. A failure in the loop fails every batch under way and every
+later call, naming its cause; the engine is closed with the loop.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future
+from typing import Any, TypeVar
+
+from hpcrlhf.engines.rollout.contract import Generation, Groups, SamplingParams, check_prompts, greedy_copies
+from hpcrlhf.engines.rollout.streaming import VLLMStream, sample_seeds
+from hpcrlhf.engines.rollout.vllm import VLLMRollout
+from hpcrlhf.engines.weight_sync import SyncStats
+
+T = TypeVar("T")
+
+WAIT_S = 1.0
+"""How long a waiting caller sleeps between looks at its batch (a stop signal is handled meanwhile)."""
+
+_CLOSE = object()
+
+
+class EngineLoopError(RuntimeError):
+    """The engine loop stopped on an error (the cause is chained): nothing more runs on its engine."""
+
+
+class StreamBatch:
+    """A batch under way in an engine loop (`Pending`): each prompt's group once all its samples ended."""
+
+    def __init__(self, count: int, n: int, greedy: bool) -> None:
+        self.launched = time.monotonic()
+        self._cond = threading.Condition()
+        self._copies = n if greedy else 1  # a greedy prompt is sampled once and copied
+        self._samples: list[list[Generation | None]] = [[None] * (n // self._copies) for _ in range(count)]
+        self._left = [len(s) for s in self._samples]
+        self._done: list[int] = []
+        """Prompts whose groups are complete, in the order they completed."""
+        self._given = 0
+        self._finished: float | None = None if count else self.launched
+        self._error: BaseException | None = None
+
+    def add(self, i: int, j: int, generation: Generation) -> None:
+        """Sample j of prompt i ended (the loop's thread)."""
+        with self._cond:
+            self._samples[i][j] = generation
+            self._left[i] -= 1
+            if not self._left[i]:
+                self._done.append(i)
+                if len(self._done) == len(self._samples):
+                    self._finished = time.monotonic()
+                self._cond.notify_all()
+
+    def fail(self, error: BaseException) -> None:
+        with self._cond:
+            self._error = error
+            self._cond.notify_all()
+
+    def _wait(self, ready: Callable[[], bool]) -> None:
+        with self._cond:
+            while not ready():
+                if self._error is not None:
+                    raise EngineLoopError(f"the engine loop stopped with this batch under way: {self._error}") \
+                        from self._error
+                self._cond.wait(WAIT_S)
+
+    def _group(self, i: int) -> list[Generation]:
+        gens = self._samples[i]
+        return greedy_copies(gens[0], self._copies) if self._copies > 1 else list(gens)  # type: ignore[arg-type]
+
+    def result(self) -> list[list[Generation]]:
+        self._wait(lambda: len(self._done) == len(self._samples))
+        return [self._group(i) for i in range(len(self._samples))]
+
+    def finished(self) -> float | None:
+        return self._finished
+
+    def as_finished(self) -> Iterator[Groups]:
+        while self._given < len(self._samples):
+            self._wait(lambda: len(self._done) > self._given)
+            with self._cond:
+                new, self._given = self._done[self._given:], len(self._done)
+            yield [(i, self._group(i)) for i in new]
+
+
+class EngineLoop:
+    """A thread that builds an engine (`make_engine()`, a `VLLMRollout`) and alone drives it through a
+    `VLLMStream` (`partial`: samples can be paused across a weight update). Every method posts a message the
+    loop runs in order between engine steps."""
+
+    def __init__(self, make_engine: Callable[[], VLLMRollout], *, partial: bool,
+                 name: str = "hpcrlhf-engine-loop") -> None:
+        self.partial = partial
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._error: BaseException | None = None
+        self._owners: dict[str, tuple[StreamBatch, int, int]] = {}
+        """A sample's key -> its batch, prompt and sample index (the loop's thread only)."""
+        self._batch_ids = itertools.count()
+        self.stream: VLLMStream | None = None
+        built: Future = Future()
+        self._thread = threading.Thread(target=self._run, args=(make_engine, built), name=name, daemon=True)
+        self._thread.start()
+        self.engine: VLLMRollout = built.result()
+
+    # -- the loop's thread -------------------------------------------------------------------------
+    def _run(self, make_engine: Callable[[], VLLMRollout], built: Future) -> None:
+        try:
+            engine = make_engine()
+        except BaseException as e:
+            built.set_exception(e)
+            return
+        try:
+            self.stream = VLLMStream(engine, SamplingParams(), engine.version, partial=self.partial)  # params: each batch's
+            built.set_result(engine)
+            while True:
+                try:
+                    message = self._inbox.get(block=not self.stream.running())
+                except queue.Empty:
+                    self._dispatch(self.stream.step())
+                    continue
+                if message is _CLOSE:
+                    break
+                work, future = message
+                try:
+                    future.set_result(work())
+                except BaseException as e:  # it fails the loop too: the stream may be half changed
+                    future.set_exception(e)
+                    raise
+        except BaseException as e:
+            self._fail(e)
+        finally:
+            if not built.done():
+                built.set_exception(self._error or EngineLoopError("the engine loop ended before it started"))
+            engine.close()
+        self._fail(EngineLoopError("the engine loop was closed"))
+
+    def _dispatch(self, ended: list[tuple[str, Generation]]) -> None:
+        for key, generation in ended:
+            batch, i, j = self._owners.pop(key)
+            batch.add(i, j, generation)
+
+    def _fail(self, error: BaseException) -> None:
+        """Every batch under way and every message not yet run fail with `error`; later calls too."""
+        with self._lock:
+            if self._error is None:
+                self._error = error
+            while True:
+                try:
+                    message = self._inbox.get_nowait()
+                except queue.Empty:
+                    break
+                if message is not _CLOSE:
+                    message[1].set_exception(EngineLoopError(f"the engine loop stopped: {self._error}"))
+        for batch in {batch for batch, _, _ in self._owners.values()}:
+            batch.fail(self._error)
+        self._owners.clear()
+
+    def _launch(self, batch: StreamBatch, number: int, prompts: Sequence[Sequence[int]],
+                params: SamplingParams) -> None:
+        assert self.stream is not None
+        for i, prompt in enumerate(prompts):
+            for j, seed in enumerate(sample_seeds(params, i)[:1 if params.greedy else None]):
+                key = f"b{number}.{i}.{j}"
+                self._owners[key] = (batch, i, j)
+                self.stream.submit(key, prompt, seed, params=params)
+
+    def _publish(self, version: int, receive: Callable[[], T]) -> T:
+        assert self.stream is not None
+        if self.partial:
+            return self.stream.publish(version, receive)
+        while self.stream.running():  # drain: what runs ends under the weights it began with
+            self._dispatch(self.stream.step())
+        result = receive()
+        self.stream.version = version
+        return result
+
+    # -- any other thread ------------------------------------------------------------------------
+    def post(self, work: Callable[[], T]) -> Future:
+        """Run `work()` on the loop's thread, between engine steps; its future."""
+        future: Future = Future()
+        with self._lock:
+            if self._error is not None:
+                raise EngineLoopError(f"the engine loop stopped: {self._error}") from self._error
+            self._inbox.put((work, future))
+        return future
+
+    def launch(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> StreamBatch:
+        """`params.n` samples of each prompt (seeded as `VLLMRollout.generate` seeds a batch), under way when
+        this returns."""
+        check_prompts(prompts)
+        batch = StreamBatch(len(prompts), params.n, params.greedy)
+        prompts, number = [[int(t) for t in p] for p in prompts], next(self._batch_ids)
+        self.post(lambda: self._launch(batch, number, prompts, params))
+        return batch
+
+    def publish(self, version: int, receive: Callable[[], T]) -> Future:
+        """Take new weights (`receive()`, on the loop's thread) of policy `version`: samples under way are paused
+        and continued under them (`partial`), else finished first. Its future (what `receive` returned)."""
+        return self.post(lambda: self._publish(version, receive))
+
+    def running(self) -> int:
+        """Samples under way (a look from outside: it may be a step old)."""
+        stream = self.stream
+        return 0 if stream is None else len(stream.requests) + len(stream.paused)
+
+    def close(self) -> None:
+        """Stop the loop (samples under way are dropped) and close its engine; idempotent."""
+        if self._thread.is_alive():
+            self._inbox.put(_CLOSE)
+            self._thread.join()
+
+
+class StreamingRollout:
+    """A `VLLMRollout` driven by an `EngineLoop`: the local trainer's engine with rollout.max_staleness >= 1
+    (module docstring). `make_engine` builds the engine on the loop's thread."""
+
+    def __init__(self, make_engine: Callable[[], VLLMRollout], *, partial: bool) -> None:
+        def build() -> VLLMRollout:
+            engine = make_engine()
+            engine.weight_group()  # formed here, where the engine is driven; the senders reuse it
+            return engine
+
+        self.loop = EngineLoop(build, partial=partial)
+        self.engine = self.loop.engine
+        self.partial = partial
+
+    @property
+    def version(self) -> int:
+        return self.engine.version
+
+    def launch(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> StreamBatch:
+        return self.loop.launch(prompts, params)
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[list[Generation]]:
+        return self.launch(prompts, params).result()
+
+    def load_weights(self, tensors: Any, version: int | None = None) -> SyncStats:
+        """The weights into the engine while the loop keeps its samples (paused, or drained first): this
+        thread sends them, the loop's receives."""
+        engine = self.engine
+        return engine.load_weights(tensors, version, receive=lambda: self.loop.publish(
+            engine.version if version is None else version, lambda: engine.receive_weights("local")))
+
+    def sleep(self) -> None:
+        self.loop.post(self.engine.sleep).result()
+
+    def wake(self, tags: Sequence[str] | None = None) -> None:
+        self.loop.post(lambda: self.engine.wake() if tags is None else self.engine.wake(tags)).result()
+
+    def close(self) -> None:
+        self.loop.close()

@@ -1,0 +1,133 @@
+"""The engine loop (issue 40): batches generated in a thread of its own that alone drives the vLLM engine,
+several batches at once on it, and new weights taken with samples under way -- paused and continued under
+them (`partial`), every token's log-prob that of the weights of its recorded span (recomputed by the Hugging
+Face model). The loop's bookkeeping (failures, batches, greedy copies) is checked on a scripted engine."""
+
+from __future__ import annotations
+
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from hpcrlhf.engines.rollout import Generation, SamplingParams
+from hpcrlhf.engines.rollout.contract import token_versions
+from hpcrlhf.engines.rollout.loop import EngineLoop, EngineLoopError, StreamBatch, StreamingRollout
+from tests.engines.test_streaming import logprobs_under, old_and_new
+
+
+def wait_until(ready, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not ready():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.005)
+
+
+@pytest.fixture(scope="module")
+def streaming(tiny_llama):
+    pytest.importorskip("vllm")
+    from hpcrlhf.engines.rollout.vllm import VLLMRollout
+
+    rollout = StreamingRollout(lambda: VLLMRollout(tiny_llama, seed=0, max_model_len=256, kv_cache_bytes=1 << 28),
+                               partial=True)
+    yield rollout
+    rollout.close()
+
+
+@pytest.mark.slow
+def test_batches_sharing_the_loop_draw_what_each_draws_alone(streaming, rollout_prompts):
+    """Samples are seeded one by one (as a vLLM batch seeds its children): two batches launched together
+    give the tokens each gives alone; groups come as they end, each prompt once; greedy samples are one
+    response copied."""
+    a = SamplingParams(n=3, temperature=1.0, max_new_tokens=10, seed=5)
+    b = SamplingParams(n=2, temperature=1.0, max_new_tokens=6, seed=9, first_index=4)
+    alone_a = streaming.generate(rollout_prompts[:4], a)
+    alone_b = streaming.generate(rollout_prompts[4:8], b)
+    batch_a, batch_b = streaming.launch(rollout_prompts[:4], a), streaming.launch(rollout_prompts[4:8], b)
+    seen = [i for groups in batch_b.as_finished() for i, _ in groups]
+    assert sorted(seen) == [0, 1, 2, 3] and batch_b.finished() is not None
+    for alone, together in ((alone_a, batch_a.result()), (alone_b, batch_b.result())):
+        assert [[g.response_ids for g in gens] for gens in together] == [[g.response_ids for g in gens]
+                                                                         for gens in alone]
+        assert all(g.versions == [(0, 0)] for gens in together for g in gens)
+    greedy = streaming.generate(rollout_prompts[:2], SamplingParams(n=3, greedy=True, max_new_tokens=5))
+    assert all(len({tuple(g.response_ids) for g in gens}) == 1 and len(gens) == 3 for gens in greedy)
+    assert greedy[0][0] is not greedy[0][1] and greedy[0][0].response_ids is not greedy[0][1].response_ids
+
+
+@pytest.mark.slow
+def test_weights_taken_with_samples_under_way_pause_and_continue_them(streaming, rollout_prompts, tiny_llama):
+    """`load_weights` mid-generation (this thread sends, the loop receives): the samples under way are paused
+    and go on under the new weights, two spans each; every token's log-prob is that of its span's weights;
+    a batch launched after the sync is of the new version alone."""
+    old, new = old_and_new(tiny_llama, 1)
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=96, min_new_tokens=96, seed=3)
+    batch = streaming.launch(rollout_prompts[:3], params)
+    stream = streaming.loop.stream
+    wait_until(lambda: len(stream.samples) == 6 and min(len(s.tokens) for s in list(stream.samples.values())) >= 3)
+    try:
+        stats = streaming.load_weights(new.state_dict(), version=1)
+        assert stats.bytes > 0 and streaming.version == 1
+        after = streaming.generate(rollout_prompts[3:5], SamplingParams(n=1, temperature=1.0, max_new_tokens=6, seed=4))
+        generations = batch.result()
+    finally:
+        streaming.load_weights(old.state_dict(), version=0)  # the module's engine as it was
+    assert all(g.versions == [(0, 1)] for gens in after for g in gens)
+    for gens in generations:
+        for g in gens:
+            split = g.versions[1][0]
+            assert len(g.response_ids) == 96 and [v for _, v in g.versions] == [0, 1] and 3 <= split < 96, g.versions
+            want = (logprobs_under(old, g.prompt_ids, g.response_ids)[:split]
+                    + logprobs_under(new, g.prompt_ids, g.response_ids)[split:])
+            assert g.logprobs == pytest.approx(want, abs=2e-4)
+            assert token_versions(g) == [0] * split + [1] * (96 - split)
+
+
+class ScriptedEngine:
+    """What the loop needs of a `VLLMRollout` when no request is ever sent: a version, an idle vLLM engine."""
+
+    def __init__(self) -> None:
+        self.version, self.closed = 0, threading.Event()
+        self.llm = SimpleNamespace(llm_engine=SimpleNamespace(has_unfinished_requests=lambda: False))
+
+    def close(self) -> None:
+        self.closed.set()
+
+
+def test_a_failing_message_stops_the_loop_and_every_later_call_names_the_cause():
+    engine = ScriptedEngine()
+    loop = EngineLoop(lambda: engine, partial=True)
+    assert loop.post(lambda: 41 + 1).result() == 42
+    with pytest.raises(ZeroDivisionError):
+        loop.post(lambda: 1 / 0).result()
+    assert engine.closed.wait(10)  # the loop closes its engine when it stops
+    with pytest.raises(EngineLoopError, match="division by zero"):
+        loop.post(lambda: None)
+    loop.close()
+
+
+def test_an_engine_that_cannot_be_built_fails_the_loop_at_once():
+    def broken():
+        raise ValueError("no such model folder")
+
+    with pytest.raises(ValueError, match="no such model folder"):
+        EngineLoop(broken, partial=False)
+
+
+def test_a_batch_gives_its_groups_as_they_end_and_fails_with_the_loop():
+    batch = StreamBatch(3, 2, greedy=False)
+    g = Generation([1], [2], [-0.5], True, versions=[(0, 0)])
+    batch.add(2, 0, g)
+    batch.add(2, 1, g)
+    first = next(iter_groups := batch.as_finished())
+    assert [i for i, _ in first] == [2] and batch.finished() is None
+    batch.add(0, 0, g)
+    batch.fail(RuntimeError("engine died"))
+    with pytest.raises(EngineLoopError, match="engine died"):
+        next(iter_groups)
+    greedy = StreamBatch(1, 4, greedy=True)
+    greedy.add(0, 0, g)
+    copies = greedy.result()[0]
+    assert len(copies) == 4 and all(c.versions == [(0, 0)] and c is not g for c in copies)
+    assert StreamBatch(0, 2, greedy=False).result() == []
