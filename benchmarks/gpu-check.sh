@@ -2,13 +2,14 @@
 # One-command GPU check: on a machine with a CUDA GPU, install what is missing, run the GPU-only
 # tests (tests/gpu: bf16 under ZeRO-0/2/3, bf16 PPO that learns, the weight broadcast between GPU
 # processes, and -- where installed -- flash-attn, QLoRA, a vLLM CUDA engine), then the
-# single-GPU bench suite `gpu-1`. Everything it writes goes under one folder:
+# single-GPU bench suites `gpu-1` and `gpu-1-longtail`. Everything it writes goes under one folder:
 #   $OUT_DIR/env.txt            versions, GPU, what was skipped and why
 #   $OUT_DIR/tests.log          pytest -v output of tests/gpu
 #   $OUT_DIR/bench/             hpcrlhf bench results (results.json, results.md, plots, each run's log)
+#   $OUT_DIR/bench-longtail/    the same for gpu-1-longtail (sync vs k steps ahead, partial rollouts)
 #
 # Usage: bash benchmarks/gpu-check.sh [OUT_DIR] [--site TARBALL] [--no-install] [--no-tests] [--no-bench]
-#                                      [--tests PATHS] [-k TESTS] [--systems A,B]
+#                                      [--no-longtail] [--longtail-only] [--tests PATHS] [-k TESTS] [--systems A,B]
 #   OUT_DIR        default benchmarks/results/gpu-1-<gpu name>
 #   --site FILE    offline machines: a .tar.xz/.tgz of a site-packages folder (benchmarks/gpu-site.sh,
 #                  `--vllm` for vLLM) unpacked and put on PYTHONPATH instead of pip installing; where
@@ -18,21 +19,24 @@
 #                  holds on a GPU too run here with the engine on cuda (e.g. tests/engines/test_rollout.py)
 #   -k TESTS       run only the tests pytest's -k selects (e.g. vllm)
 #   --systems A,B  run only these systems of the gpu-1 suite
+#   --no-longtail  skip gpu-1-longtail; --longtail-only: run nothing else (no tests, no gpu-1)
 # Needs: python3 with a CUDA build of torch. With the package index reachable it installs
 # `.[gpu,hpc,lora,bench,dev]` over that torch (never replacing it).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-out="" site="" install=1 tests=1 bench=1 select=() systems=() paths=(tests/gpu)
+out="" site="" install=1 tests=1 bench=1 longtail=1 select=() systems=() paths=(tests/gpu)
 while [ $# -gt 0 ]; do
   case "$1" in
     --site) site="$2"; shift 2 ;;
     --no-install) install=0; shift ;;
     --no-tests) tests=0; shift ;;
     --no-bench) bench=0; shift ;;
+    --no-longtail) longtail=0; shift ;;
+    --longtail-only) tests=0; bench=0; shift ;;
     --tests) read -ra paths <<< "$2"; shift 2 ;;
     -k) select=(-k "$2"); shift 2 ;;
     --systems) systems=(--systems "$2"); shift 2 ;;
-    -h|--help) sed -n 2,22p "$0"; exit 0 ;;
+    -h|--help) sed -n 2,25p "$0"; exit 0 ;;
     -*) echo "gpu-check: unknown option $1 (see --help)" >&2; exit 2 ;;
     *) out="$1"; shift ;;
   esac
@@ -96,6 +100,9 @@ if [ "$tests" = 1 ]; then
 fi
 if [ "$bench" = 1 ]; then
   $PY -m hpcrlhf bench --suite gpu-1 "${systems[@]}" -o "$out/bench" || status=$?
+fi
+if [ "$longtail" = 1 ]; then  # sync against k steps ahead with partial rollouts, long-tail lengths
+  $PY -m hpcrlhf bench --suite gpu-1-longtail -o "$out/bench-longtail" || status=$?
 fi
 echo "gpu-check: results in $out (exit $status)"
 exit $status

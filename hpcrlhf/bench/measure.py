@@ -56,6 +56,12 @@ class Throughput:
     overlap_s: float | None = None
     """Median seconds generation ran during the step's training (`timing/overlap`, rollout.max_staleness
     1; None where the run does not overlap). `generate` then counts only the seconds the step waited."""
+    staleness: float | None = None
+    """Median of the steps' mean sample age in updates (`rollout/staleness`; None: a synchronous run)."""
+    partial_share: float | None = None
+    """Median share of a step's samples paused across a weight sync and continued (`rollout/partial_share`)."""
+    engine_rows: float | None = None
+    """Median of the samples under way in a mean engine step (`rollout/engine_rows`, the engine loop's)."""
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -101,6 +107,8 @@ def summarize(rows: Sequence[Mapping[str, float]], *, warmup: int, samples: int,
               for key in sorted(measured[-1]) if key.startswith("util/") and key.endswith("_idle")
               and all(key in r for r in measured)},
         sync_bytes=median_of(measured, "weight_sync/bytes"), overlap_s=median_of(measured, "timing/overlap"),
+        staleness=median_of(measured, "rollout/staleness"), partial_share=median_of(measured, "rollout/partial_share"),
+        engine_rows=median_of(measured, "rollout/engine_rows"),
     )
 
 

@@ -9,15 +9,22 @@ from pathlib import Path
 from hpcrlhf.bench.measure import PHASES
 
 BASELINE = "dschat-style"
+SYNC = "sync"
+"""A long-tail suite's baseline: hpcrlhf generating each step's batch, then training on it."""
 
 
 def _ok(doc: dict) -> list[dict]:
     return [s for s in doc["systems"] if s["status"] == "ok"]
 
 
+def baseline(doc: dict) -> str:
+    """The system others are compared with: DSChat-style, or a long-tail suite's synchronous run."""
+    return BASELINE if doc["suite"].get("lengths") is None else SYNC
+
+
 def speedups(doc: dict) -> dict[str, float]:
-    """samples/s of every measured system over the DSChat-style baseline's (empty without it)."""
-    base = next((s for s in _ok(doc) if s["name"] == BASELINE), None)
+    """samples/s of every measured system over the baseline's (empty without it)."""
+    base = next((s for s in _ok(doc) if s["name"] == baseline(doc)), None)
     if base is None:
         return {}
     ref = base["throughput"]["samples_per_s"]
@@ -35,11 +42,11 @@ def markdown(doc: dict) -> str:
                                        else "not recorded"),
         f"- model {suite['model']}, reward model {suite['reward_model']}, {suite['precision']}; per step "
         f"{suite['prompts_per_step']} prompts x ({suite['prompt_tokens']} prompt + {suite['response_tokens']} "
-        f"response tokens, fixed), optimizer batch {suite['train_batch']}, 1 PPO epoch",
+        f"response tokens, {lengths_text(suite.get('lengths'))}), optimizer batch {suite['train_batch']}, 1 PPO epoch",
         f"- {suite['warmup_steps']} warm-up step(s) dropped, medians over {suite['steps']} measured steps; "
         f"hpcrlhf {doc['hpcrlhf']}, {doc['started']}", "",
         "| system | samples/s | samples/device/s | tokens/s | step s | " + " | ".join(f"{p} s" for p in PHASES)
-        + " | gen share | MFU | vs dschat-style |",
+        + f" | gen share | MFU | vs {baseline(doc)} |",
         "|" + " --- |" * (8 + len(PHASES)),
     ]
     for s in doc["systems"]:
@@ -54,9 +61,34 @@ def markdown(doc: dict) -> str:
                      f"{t['tokens_per_s']:.0f} | {t['step_s']:.2f} | "
                      + " | ".join(f"{t['phases_s'][p]:.2f}" for p in PHASES)
                      + f" | {100 * t['generation_share']:.0f} % | {mfu} | {up} |")
-    lines += utilisation_lines(doc)
+    lines += utilisation_lines(doc) + staleness_lines(doc)
     lines += ["", "Systems:", ""] + [f"- `{s['name']}`: {s['about']}" for s in doc["systems"]]
     return "\n".join(lines) + "\n"
+
+
+def lengths_text(lengths: dict | None) -> str:
+    if lengths is None or lengths["kind"] == "fixed":
+        return "fixed"
+    return (f"at most; each prompt's responses of a log-normal length: median {lengths['median_frac']:g} of the "
+            f"most, sigma {lengths['sigma']:g}, the same for every system")
+
+
+def staleness_lines(doc: dict) -> list[str]:
+    """A table of each asynchronous system's sample age and partial share, where measured."""
+    rows = [s for s in _ok(doc) if s["throughput"].get("staleness") is not None]
+    if not rows:
+        return []
+    lines = ["", "Samples generated ahead (medians over the measured steps): their mean age in updates, the share "
+             "paused across a weight sync and continued, the seconds generation overlapped training, and the "
+             "samples under way in the engine loop's mean step:", "",
+             "| system | staleness | partial share | overlap s | engine rows |", "|" + " --- |" * 5]
+    for s in rows:
+        t = s["throughput"]
+        partial = "n/a" if t.get("partial_share") is None else f"{100 * t['partial_share']:.0f} %"
+        overlap = "n/a" if t.get("overlap_s") is None else f"{t['overlap_s']:.2f}"
+        engine = "n/a" if t.get("engine_rows") is None else f"{t['engine_rows']:.1f}"
+        lines.append(f"| {s['name']} | {t['staleness']:.2f} | {partial} | {overlap} | {engine} |")
+    return lines
 
 
 def utilisation_lines(doc: dict) -> list[str]:
@@ -164,7 +196,7 @@ def _save(fig, path: Path) -> Path:
 
 def write_report(doc: dict, out: Path) -> None:
     """results.json, results.md and the plots into `out`."""
-    doc["speedup_vs_dschat_style"] = speedups(doc)
+    doc[f"speedup_vs_{baseline(doc).replace('-', '_')}"] = speedups(doc)
     doc["plots"] = [p.name for p in plot(doc, out)]
     (out / "results.json").write_text(json.dumps(doc, indent=2) + "\n")
     (out / "results.md").write_text(markdown(doc))

@@ -9,6 +9,7 @@ import random
 import subprocess
 import sys
 import time
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from collections.abc import Sequence
@@ -17,7 +18,7 @@ from hpcrlhf import __version__
 from hpcrlhf.bench.flops import Shape, causal_context, train_flops
 from hpcrlhf.bench.measure import summarize
 from hpcrlhf.bench.report import write_report
-from hpcrlhf.bench.suites import DSCHAT_KL, DSCHAT_PER_DEVICE_BATCH, Suite, System, get_suite
+from hpcrlhf.bench.suites import DSCHAT_KL, DSCHAT_PER_DEVICE_BATCH, LENGTH_KEY, Suite, System, get_suite
 from hpcrlhf.bench.trl_system import rounds_layout, trl_version
 from hpcrlhf.config.jobspec import BenchJob, build_config
 from hpcrlhf.data.sft import encode_prompts
@@ -57,7 +58,11 @@ def write_prompts(suite: Suite, path: Path) -> Path:
     tokenizer = load_tokenizer(suite.model)
     texts = fixed_length_prompts(tokenizer, suite.prompts_per_step * (suite.warmup_steps + suite.steps),
                                  suite.prompt_tokens)
-    path.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in texts))
+    rows: list[dict] = [{"prompt": t} for t in texts]
+    if suite.lengths is not None:  # the same file, so the same lengths, for every system (seeded)
+        for row, length in zip(rows, suite.lengths.draw(suite.response_tokens, len(rows), random.Random(0))):
+            row[LENGTH_KEY] = length
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     return path
 
 
@@ -283,7 +288,8 @@ def run_suite(suite: Suite, out: Path, *, systems: Sequence[System], env: dict |
                      "reward_model": suite.reward_model or suite.model, "prompt_tokens": suite.prompt_tokens,
                      "response_tokens": suite.response_tokens, "prompts_per_step": suite.prompts_per_step,
                      "train_batch": suite.train_batch, "warmup_steps": suite.warmup_steps, "steps": suite.steps,
-                     "precision": suite.precision},
+                     "precision": suite.precision,
+                     "lengths": None if suite.lengths is None else dataclasses.asdict(suite.lengths)},
            "peak": peak.to_dict(), "train_flops_per_step": flops, "hpcrlhf": __version__,
            "python": sys.version.split()[0], "started": time.strftime("%Y-%m-%dT%H:%M:%S"), "systems": results}
     total = len(systems) + (dschat is not None)

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from hpcrlhf.algos.estimators import CRITIC_FREE
+from hpcrlhf.bench.schedule import LengthDist
 from hpcrlhf.config.recipe_yaml import quoted
 from hpcrlhf.errors import ConfigError
 
@@ -108,6 +109,10 @@ class Suite:
     core, as the colocated layout's 2 declared devices)."""
     extra: tuple[str, ...] = field(default=())
     """`--set` values common to every system."""
+    lengths: LengthDist | None = None
+    """Long-tail suites: each prompt's response length drawn from this (seeded: the same prompts file, so the
+    same lengths, for every system; `rollout.length_key`), up to response_tokens; None: every response has
+    response_tokens tokens (DSChat's protocol)."""
 
     @property
     def devices(self) -> int:
@@ -139,7 +144,9 @@ class Suite:
             f"model.path={model}", f"reward.sources=[{{model: {reward}}}]", f"critic.path={reward}",
             "task.name=null", f"data.train_path={quoted(prompts_path)}", f"data.max_length={self.prompt_tokens}",
             f"rollout.prompts_per_step={self.prompts_per_step}", "rollout.samples_per_prompt=1",
-            f"rollout.max_new_tokens={self.response_tokens}", f"rollout.min_new_tokens={self.response_tokens}",
+            f"rollout.max_new_tokens={self.response_tokens}",
+            *([f"rollout.min_new_tokens={self.response_tokens}"] if self.lengths is None else
+              [f"rollout.length_key={LENGTH_KEY}", "rollout.min_new_tokens=0"]),
             f"train.global_batch_size={self.train_batch}", f"train.max_steps={self.warmup_steps + self.steps}",
             f"engine.precision={self.precision}", f"engine.gradient_checkpointing={str(self.gradient_checkpointing).lower()}",
             "eval.every_steps=0", "eval.score_prompts=0", "log.every_steps=1", "log.backends=[]",
@@ -160,6 +167,10 @@ class Suite:
             raise ConfigError(f"--model: suite {self.name} has no bundled model; give --model PATH (a local Hugging Face "
                               f"folder of the shape it is named after) and --reward-model PATH")
         return suite
+
+
+LENGTH_KEY = "length"
+"""The prompt-row field of a long-tail suite's response lengths."""
 
 
 def dschat_style(ranks: int, *, offload_reference: bool = False, zero_stage: int = 3) -> System:
@@ -232,6 +243,30 @@ _CPU_STALE = System("hpcrlhf-distributed-stale1", "hpcrlhf", "ppo-tiny-ray",
                     (*_CPU_REWARD, _CPU_MICRO, "rollout.max_staleness=1"),
                     about="hpcrlhf-distributed generating each next rollout while the roles train (rollout.max_staleness=1)")
 
+# -- long-tail lengths: the local runtime's vLLM engine, GRPO as TRL runs it, sync against k steps ahead ------
+_LONGTAIL_GROUP = 4
+
+
+def longtail_systems(kv_cache_gb: int) -> tuple[System, ...]:
+    """hpcrlhf's local runtime with a vLLM engine (`kv_cache_gb`), GRPO as TRL runs it (4 samples per prompt):
+    synchronous, then k steps ahead on the engine loop, without and with partial rollouts."""
+    base = ("placement.runtime=local", "rollout.backend=vllm", "engine.zero_stage=0",
+            f"rollout.vllm_kv_cache_gb={kv_cache_gb}", f"train.micro_batch_size={DSCHAT_PER_DEVICE_BATCH}",
+            *GRPO_AS_TRL)
+
+    def system(name: str, k: int, partial: bool, about: str) -> System:
+        ahead = (f"rollout.max_staleness={k}", "ppo.tis_cap=2", *(("rollout.partial=true",) if partial else ()))
+        return System(name, "hpcrlhf", None, (*base, *(ahead if k else ())), samples_per_prompt=_LONGTAIL_GROUP,
+                      needs=("vllm",), about=about)
+
+    return (system("sync", 0, False, "synchronous: each step generates its batch, then trains on it"),
+            system("k1", 1, False, "one step ahead on the engine loop: each sync waits for what runs (the drain)"),
+            system("k2-partial", 2, True, "two steps ahead, samples under way paused at each sync and continued"),
+            system("k4-partial", 4, True, "four steps ahead, partial rollouts"))
+
+
+_LONGTAIL_SYSTEMS = longtail_systems(1)
+
 # -- GPU: the shipped OpenRLHF-style layouts against DSChat-style on the same allocation -------------
 # OpenRLHF's benchmark (OpenRLHF/OpenRLHF benchmark/README.md) used 1024-token prompts and answers.
 _GPU = dict(hardware="gpu", prompt_tokens=1024, response_tokens=1024, prompts_per_step=1024, warmup_steps=1, steps=3,
@@ -284,12 +319,24 @@ SUITES: dict[str, Suite] = {s.name: s for s in (
     Suite("cpu-tiny", "harness check (CI): the cpu suite's systems on 16-token answers, 2 measured steps",
           "cpu", 2, 4, prompt_tokens=16, response_tokens=16, prompts_per_step=32, warmup_steps=1, steps=2,
           systems=_CPU_SYSTEMS, dschat_ranks=2),
+    Suite("cpu-longtail", "long-tail lengths on CPU: tiny llama, 32-token prompts, responses of log-normal lengths "
+          "(median 32 of at most 256 tokens), 32 prompts x 4 samples per step, one vLLM engine", "cpu", 1, 1,
+          prompt_tokens=32, response_tokens=256, prompts_per_step=128, warmup_steps=1, steps=6,
+          systems=_LONGTAIL_SYSTEMS, lengths=LengthDist(), dschat_ranks=1),
+    Suite("cpu-longtail-tiny", "harness check of cpu-longtail: 8 prompts x 4 samples, at most 64 tokens, 2 measured "
+          "steps", "cpu", 1, 1, prompt_tokens=16, response_tokens=64, prompts_per_step=32, warmup_steps=1, steps=2,
+          systems=_LONGTAIL_SYSTEMS[:1] + _LONGTAIL_SYSTEMS[2:3], lengths=LengthDist(), dschat_ranks=1),
     Suite("gpu-7b", "7B actor/critic/ref/RM on 2 x 8 GPUs (OpenRLHF's published 7B layout)", nodes=2, gpus_per_node=8,
           systems=_gpu_systems("ppo-7b", 2, 8, (8, 2)), **_GPU),
     Suite("gpu-13b", "13B on 4 x 8 GPUs", nodes=4, gpus_per_node=8, systems=_gpu_systems("ppo-13b", 4, 8, (8, 4)), **_GPU),
     Suite("gpu-70b", "70B on 4 x 8 GPUs (ZeRO-3, Adam in CPU memory)", nodes=4, gpus_per_node=8,
           systems=_gpu_systems("ppo-70b", 4, 8, (4, 8), ("--zero-stage=3", "--offload-optimizer", "--use-vllm")),
           **_GPU),
+    Suite("gpu-1-longtail", "one GPU, long-tail lengths: a 0.5B llama built from config, 256-token prompts, "
+          "responses of log-normal lengths (median 64 of at most 512 tokens), 64 prompts x 4 samples per step",
+          "gpu", 1, 1, prompt_tokens=256, response_tokens=512, prompts_per_step=256, warmup_steps=1, steps=3,
+          systems=longtail_systems(16)[:1] + longtail_systems(16)[2:3], model="builtin:llama-500m",
+          lengths=LengthDist()),
     Suite("gpu-1", "one GPU: a 0.5B llama built from config, 256-token prompts and answers, 64 prompts per step",
           "gpu", 1, 1, prompt_tokens=256, response_tokens=256, prompts_per_step=64, warmup_steps=1, steps=3,
           systems=_GPU1_SYSTEMS, model="builtin:llama-500m"),

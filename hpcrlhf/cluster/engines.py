@@ -12,7 +12,6 @@ tools run in its process, on its node's CPU cores.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import time
 from typing import Any
@@ -282,7 +281,7 @@ class FleetBatch:
         worker = self.fleet.group.workers[rank]
         self.sent_to[rank] = worker
         self.done_at.pop(rank, None)
-        part = dataclasses.replace(self.params, first_index=self.params.first_index + a)
+        part = self.params.part(a, b)
         stream = self.current[rank] = getattr(worker, self.method).options(num_returns="streaming").remote(
             self.prompts[a:b], part, *(s[a:b] for s in self.sliced), *self.extra)
         stream.completed().future().add_done_callback(lambda _, rank=rank, s=stream: self._mark_done(rank, s))

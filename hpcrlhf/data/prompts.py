@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from hpcrlhf.config.schema import PPOConfig, PromptDataConfig, RSConfig
 from hpcrlhf.data.loading import held_out_prompt_rows, load_train_rows, require_task_prompts
@@ -60,3 +60,16 @@ def encode_prompt_rows(rows: list[Row], data: PromptDataConfig, tokenizer, key: 
             raise DataError(f"{row.origin}: prompt has {len(p)} tokens > data.max_length {data.max_length}; "
                             "raise data.max_length or shorten the prompt")
     return [Prompt(tuple(p), t, r.data, r.origin) for p, t, r in zip(ids, texts, rows)]
+
+
+def response_lengths(prompts: Sequence[Prompt], key: str, most: int) -> tuple[int, ...]:
+    """Each prompt's fixed response length, its row's field `key` (`rollout.length_key`, a benchmark's): a
+    DataError naming the row unless it is a whole number from 1 to `most` (rollout.max_new_tokens)."""
+    out = []
+    for p in prompts:
+        value = p.row.get(key)
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= most:
+            raise DataError(f"{p.origin}: field {key!r} (rollout.length_key) is {value!r}; give each row a whole "
+                            f"number of response tokens from 1 to rollout.max_new_tokens ({most})")
+        out.append(value)
+    return tuple(out)

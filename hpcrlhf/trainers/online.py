@@ -24,7 +24,7 @@ from hpcrlhf.agents.runner import AgentRunner, AgentSpec
 from hpcrlhf.agents.scheduler import BatchStats
 from hpcrlhf.config.schema import OnlineJobConfig
 from hpcrlhf.config.schema.agent import AgentConfig
-from hpcrlhf.data.prompts import Prompt, encode_prompt_rows, episode_rows, load_train_prompts
+from hpcrlhf.data.prompts import Prompt, encode_prompt_rows, episode_rows, load_train_prompts, response_lengths
 from hpcrlhf.engines.distributed import all_reduce_sum
 from hpcrlhf.engines.rollout import Done, Generation, Groups, Pending, SamplingParams, launch
 from hpcrlhf.engines.rollout.contract import stamp_version
@@ -201,6 +201,8 @@ class OnlineTrainer(TrainingLoop):
         for prompts, field, tokens in ((self.prompts, "rollout.max_new_tokens", cfg.rollout.max_new_tokens),
                                        (self.eval_prompts, "eval.max_new_tokens", cfg.eval.max_new_tokens)):
             self.window.require_prompts_fit(((len(p.ids), p.origin) for p in prompts), field, tokens)
+        if cfg.rollout.length_key:  # every row's, before any step
+            response_lengths(self.prompts, cfg.rollout.length_key, cfg.rollout.max_new_tokens)
         if cfg.rollout.backend == "vllm" and cfg.lora.rank:
             raise ConfigError("rollout.backend: vllm with lora.rank > 0 is not supported yet (the engine needs merged "
                               "weights after every update); use rollout.backend=hf with LoRA")
@@ -248,6 +250,9 @@ class OnlineTrainer(TrainingLoop):
         if not self.rollout_synced:
             self.sync_rollout()
         self.ready_to_generate()
+        if self.cfg.rollout.length_key:  # a benchmark's: each prompt's responses of its row's length
+            params = replace(params, lengths=response_lengths(prompts, self.cfg.rollout.length_key,
+                                                              params.max_new_tokens))
         with self.run.timed("generate"):
             if self.agent is None:
                 return LaunchedRollout(list(prompts), params, launch(self.rollout, [list(p.ids) for p in prompts], params),

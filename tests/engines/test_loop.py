@@ -42,8 +42,12 @@ def test_batches_sharing_the_loop_draw_what_each_draws_alone(streaming, rollout_
     response copied."""
     a = SamplingParams(n=3, temperature=1.0, max_new_tokens=10, seed=5)
     b = SamplingParams(n=2, temperature=1.0, max_new_tokens=6, seed=9, first_index=4)
+    streaming.loop.pop_load()
     alone_a = streaming.generate(rollout_prompts[:4], a)
     alone_b = streaming.generate(rollout_prompts[4:8], b)
+    load = streaming.loop.pop_load()  # 12 samples of up to 10 tokens, then 8 of up to 6 (a step each, and one more)
+    assert 2 <= load.steps <= 20 and load.busy_s > 0 and 1 <= load.rows_per_step <= 12, load
+    assert streaming.loop.pop_load().steps == 0
     batch_a, batch_b = streaming.launch(rollout_prompts[:4], a), streaming.launch(rollout_prompts[4:8], b)
     seen = [i for groups in batch_b.as_finished() for i, _ in groups]
     assert sorted(seen) == [0, 1, 2, 3] and batch_b.finished() is not None
@@ -51,6 +55,9 @@ def test_batches_sharing_the_loop_draw_what_each_draws_alone(streaming, rollout_
         assert [[g.response_ids for g in gens] for gens in together] == [[g.response_ids for g in gens]
                                                                          for gens in alone]
         assert all(g.versions == [(0, 0)] for gens in together for g in gens)
+    fixed = streaming.generate(rollout_prompts[:3], SamplingParams(n=2, temperature=1.0, max_new_tokens=12, seed=2,
+                                                                   lengths=(2, 11, 5)))
+    assert [[len(g.response_ids) for g in gens] for gens in fixed] == [[2, 2], [11, 11], [5, 5]]
     greedy = streaming.generate(rollout_prompts[:2], SamplingParams(n=3, greedy=True, max_new_tokens=5))
     assert all(len({tuple(g.response_ids) for g in gens}) == 1 and len(gens) == 3 for gens in greedy)
     assert greedy[0][0] is not greedy[0][1] and greedy[0][0].response_ids is not greedy[0][1].response_ids

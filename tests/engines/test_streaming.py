@@ -134,3 +134,24 @@ def test_a_paused_stream_can_drop_samples_and_refuses_a_second_owner(vllm_rollou
         final.pause()
     final.abort(["y"])
     assert not vllm_rollout.llm.llm_engine.has_unfinished_requests()
+
+
+def test_a_benchmarks_lengths_fix_each_prompts_responses(vllm_rollout, rollout_prompts):
+    """`SamplingParams.lengths` (rollout.length_key): prompt i's samples have exactly lengths[i] tokens, in a
+    batch and in a stream, and a prompt's seeds are those it has without them."""
+    lengths = (3, 17, 9)
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=20, seed=4, lengths=lengths)
+    batch = vllm_rollout.generate(rollout_prompts[:3], params)
+    assert [[len(g.response_ids) for g in gens] for gens in batch] == [[n, n] for n in lengths]
+    assert all(not g.finished for gens in batch for g in gens)  # cut at its length, EOS never sampled before
+    stream = VLLMStream(vllm_rollout, params)
+    stream.submit_batch(rollout_prompts[:3], params)
+    done = drain(stream)
+    for i, gens in enumerate(batch):
+        for j, g in enumerate(gens):
+            assert done[f"{i}.{j}"].response_ids == g.response_ids
+    free = vllm_rollout.generate(rollout_prompts[:1], SamplingParams(n=2, temperature=1.0, max_new_tokens=20, seed=4,
+                                                                     min_new_tokens=3))
+    assert [g.response_ids[:3] for g in free[0]] == [g.response_ids for g in batch[0]]  # the same draws
+    with pytest.raises(ValueError, match=r"lengths must be in \[1, max_new_tokens=20\], got \[21\]"):
+        SamplingParams(max_new_tokens=20, lengths=(21,))

@@ -36,6 +36,11 @@ from hpcrlhf.trainers.batches import PPOPlan
     (["rollout.max_staleness=2"], "rollout.max_staleness: 2 trains on samples up to 2 updates old without "
      "correcting their per-token ratios: set ppo.tis_cap=2"),
     (["rollout.max_staleness=-1"], "rollout.max_staleness: -1 is invalid"),
+    (["rollout.length_key=length"], "rollout.length_key: 'length' is invalid: fixed per-prompt lengths are set per "
+     "request in a vLLM engine: set rollout.backend=vllm, or rollout.length_key=null"),
+    (["rollout.backend=vllm", "rollout.length_key=length", "agent={environment: 'tests.agents.envs:Countdown'}",
+      "agent.max_tokens=64"], "rollout.length_key: 'length' is invalid: it is a benchmark setting that fixes every "
+     "response's length; an agent's turns end where the model ends them"),
     (["rollout.backend=vllm", "rollout.partial=true"], "rollout.partial: True is invalid: it continues generations "
      "across weight syncs, but rollout.max_staleness is 0 (nothing is under way at a sync): set "
      "rollout.max_staleness=1 or more, or rollout.partial=false"),
@@ -72,10 +77,21 @@ def test_bad_ppo_settings_fail_with_the_field_and_the_fix(overrides, message):
     (["rollout.max_staleness=1"], "rollout.max_staleness: 1 is invalid: rejection sampling generates each round"),
     (["rollout.backend=vllm", "rollout.max_staleness=1", "rollout.partial=true"],
      "rollout.partial: True is invalid: ppo only; rejection sampling"),
+    (["rollout.backend=vllm", "rollout.length_key=length"], "rollout.length_key: 'length' is invalid: ppo only"),
 ])
 def test_bad_rs_settings(overrides, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
         load_config(RSConfig, None, overrides)
+
+
+@pytest.mark.parametrize("override", ["rollout.max_staleness=1", "rollout.length_key=length"])
+def test_generate_refuses_the_ppo_only_rollout_settings(override):
+    from hpcrlhf.config.schema import GenerateConfig
+
+    with pytest.raises(ConfigError, match=f"rollout.{override.split('=')[0].split('.')[1]}: .* a ppo setting; generate "
+                                          "answers each prompt once with the model as it is: drop it"):
+        load_config(GenerateConfig, None, ["model.path=m", "rollout.backend=vllm",
+                                           override])
 
 
 def test_ppo_plan_numbers():

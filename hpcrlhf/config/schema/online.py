@@ -90,6 +90,12 @@ class RolloutConfig:
     tokens are newer (rollout/staleness_tokens). Needs ppo.tis_cap (the behaviour log-probs of a paused
     sample come from two policies). false: without it, k >= 1 on that engine still generates in its thread,
     and each sync waits for the samples under way to end (timing/weight_sync holds that tail)."""
+    length_key: str | None = None
+    """Benchmarks only (hpcrlhf bench's long-tail suites): the prompt-row field holding the length, in tokens,
+    of every response to that prompt -- EOS suppressed until then, cut there (vLLM's min_tokens = max_tokens),
+    so that every system of a suite generates the same lengths, drawn from a stated distribution. At most
+    rollout.max_new_tokens; vllm only; not with an agent section. null: the model decides (up to
+    max_new_tokens)."""
 
     def __post_init__(self) -> None:
         require_finite(self, "rollout")
@@ -114,6 +120,9 @@ class RolloutConfig:
                 f"it pauses generations inside a vLLM engine; rollout.backend {self.backend} generates each batch in "
                 "one call of the training process, which cannot be paused: set rollout.backend=vllm, or "
                 "rollout.partial=false")
+        require(self.length_key is None or self.backend == "vllm", "rollout.length_key", self.length_key,
+                "fixed per-prompt lengths are set per request in a vLLM engine: set rollout.backend=vllm, or "
+                "rollout.length_key=null")
         require(self.vllm_kv_cache_gb > 0, "rollout.vllm_kv_cache_gb", self.vllm_kv_cache_gb, "use a positive size")
         for name in ("vllm_max_num_seqs", "vllm_max_num_batched_tokens"):
             value = getattr(self, name)
@@ -373,6 +382,9 @@ def require_agent_settings(agent: AgentConfig | None, reward: RewardConfig | Non
                 "the environment's reward needs the agent section: set agent.environment, or drop this source")
     if agent is None:
         return
+    require(rollout.length_key is None, "rollout.length_key", rollout.length_key,
+            "it is a benchmark setting that fixes every response's length; an agent's turns end where the model "
+            "ends them: set rollout.length_key=null")
     require(agent.max_tokens >= rollout.max_new_tokens, "agent.max_tokens", agent.max_tokens,
             f"a model turn may use rollout.max_new_tokens ({shown(rollout.max_new_tokens)}) tokens: use at "
             "least that many, e.g. a few turns' worth")
@@ -434,6 +446,8 @@ class RSConfig(OnlineJobConfig):
         if self.train.max_steps is not None:
             raise ConfigError("train.max_steps: rejection sampling runs rs.iterations x rs.steps_per_iteration steps; "
                               "leave train.max_steps null and set those instead")
+        require(self.rollout.length_key is None, "rollout.length_key", self.rollout.length_key,
+                "ppo only (a benchmark setting): set rollout.length_key=null")
         require(not self.rollout.partial, "rollout.partial", self.rollout.partial,
                 "ppo only; rejection sampling generates each round with the weights the round before trained: leave "
                 "it false")
@@ -486,6 +500,9 @@ class GenerateConfig:
         fill_derived(self, "rollout", max_new_tokens=resolved_new_tokens(self.rollout.max_new_tokens, self.task, self.data))
         require_metrics(self.metrics, "metrics")
         require_in_job(self.reward, "generate", allow_env=True)
+        for key in ("max_staleness", "partial", "length_key"):
+            require(not getattr(self.rollout, key), f"rollout.{key}", getattr(self.rollout, key),
+                    "a ppo setting; generate answers each prompt once with the model as it is: drop it")
         require_agent_settings(self.agent, self.reward, self.rollout)
         if self.agent is not None:
             require(self.agent.reward_placement == "end", "agent.reward_placement", self.agent.reward_placement,

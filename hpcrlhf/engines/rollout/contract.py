@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 import torch
@@ -46,6 +46,20 @@ class SamplingParams:
     """Position of this call's first prompt in the caller's whole batch. vLLM seeds prompt i by
     (seed, first_index + i), so a batch split over several engines samples exactly as one
     engine given the whole batch would."""
+    lengths: tuple[int, ...] | None = None
+    """A benchmark's fixed response lengths, one per prompt of the call (`rollout.length_key`): prompt i's
+    samples have exactly `lengths[i]` tokens (EOS suppressed until then, cut there). vLLM engines only."""
+
+    def at(self, i: int) -> SamplingParams:
+        """Prompt i's params: with `lengths`, its own length as its limit and minimum."""
+        if self.lengths is None:
+            return self
+        return replace(self, max_new_tokens=self.lengths[i], min_new_tokens=self.lengths[i], lengths=None)
+
+    def part(self, a: int, b: int) -> SamplingParams:
+        """The params of prompts a..b-1 of this call, sent as a call of their own (`first_index` moved on)."""
+        return replace(self, first_index=self.first_index + a,
+                       lengths=None if self.lengths is None else self.lengths[a:b])
 
     def __post_init__(self) -> None:
         problems = []
@@ -61,6 +75,9 @@ class SamplingParams:
             problems.append(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             problems.append(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        if self.lengths is not None and not all(1 <= n <= self.max_new_tokens for n in self.lengths):
+            problems.append(f"lengths must be in [1, max_new_tokens={self.max_new_tokens}], got "
+                            f"{sorted(set(self.lengths))[:5]}")
         if problems:
             raise ValueError("SamplingParams: " + "; ".join(problems))
 

@@ -67,6 +67,8 @@ class HFRollout:
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[list[Generation]]:
         check_prompts(prompts)
+        if params.lengths is not None:
+            raise ValueError("HFRollout: per-prompt response lengths (rollout.length_key) need a vLLM engine")
         rows_per_prompt = 1 if params.greedy else params.n
         prompts_per_batch = max(1, self.batch_size // rows_per_prompt)
         was_training = self.model.training

@@ -25,6 +25,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from hpcrlhf.engines.rollout.contract import Generation, Groups, SamplingParams, check_prompts, greedy_copies
@@ -38,6 +39,17 @@ WAIT_S = 1.0
 """How long a waiting caller sleeps between looks at its batch (a stop signal is handled meanwhile)."""
 
 _CLOSE = object()
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    """What an engine loop did since the last look (`EngineLoop.pop_load`)."""
+
+    busy_s: float
+    """Seconds spent in engine steps (the rest the engine had nothing to run)."""
+    steps: int
+    rows_per_step: float
+    """Samples under way in the mean engine step: how full the engine's batch was kept."""
 
 
 class EngineLoopError(RuntimeError):
@@ -116,6 +128,8 @@ class EngineLoop:
         self._owners: dict[str, tuple[StreamBatch, int, int]] = {}
         """A sample's key -> its batch, prompt and sample index (the loop's thread only)."""
         self._batch_ids = itertools.count()
+        self._load = [0.0, 0, 0]
+        """Seconds in engine steps, steps, samples under way summed over them (since `pop_load`)."""
         self.stream: VLLMStream | None = None
         built: Future = Future()
         self._thread = threading.Thread(target=self._run, args=(make_engine, built), name=name, daemon=True)
@@ -136,7 +150,7 @@ class EngineLoop:
                 try:
                     message = self._inbox.get(block=not self.stream.running())
                 except queue.Empty:
-                    self._dispatch(self.stream.step())
+                    self._step()
                     continue
                 if message is _CLOSE:
                     break
@@ -154,7 +168,15 @@ class EngineLoop:
             engine.close()
         self._fail(EngineLoopError("the engine loop was closed"))
 
-    def _dispatch(self, ended: list[tuple[str, Generation]]) -> None:
+    def _step(self) -> None:
+        """One engine step; the samples that ended go to their batches."""
+        assert self.stream is not None
+        rows, began = len(self.stream.requests), time.perf_counter()
+        ended = self.stream.step()
+        with self._lock:
+            self._load[0] += time.perf_counter() - began
+            self._load[1] += 1
+            self._load[2] += rows
         for key, generation in ended:
             batch, i, j = self._owners.pop(key)
             batch.add(i, j, generation)
@@ -182,14 +204,14 @@ class EngineLoop:
             for j, seed in enumerate(sample_seeds(params, i)[:1 if params.greedy else None]):
                 key = f"b{number}.{i}.{j}"
                 self._owners[key] = (batch, i, j)
-                self.stream.submit(key, prompt, seed, params=params)
+                self.stream.submit(key, prompt, seed, params=params.at(i))
 
     def _publish(self, version: int, receive: Callable[[], T]) -> T:
         assert self.stream is not None
         if self.partial:
             return self.stream.publish(version, receive)
         while self.stream.running():  # drain: what runs ends under the weights it began with
-            self._dispatch(self.stream.step())
+            self._step()
         result = receive()
         self.stream.version = version
         return result
@@ -217,6 +239,13 @@ class EngineLoop:
         """Take new weights (`receive()`, on the loop's thread) of policy `version`: samples under way are paused
         and continued under them (`partial`), else finished first. Its future (what `receive` returned)."""
         return self.post(lambda: self._publish(version, receive))
+
+    def pop_load(self) -> EngineLoad:
+        """What the engine did since the last call."""
+        with self._lock:
+            busy, steps, rows = self._load
+            self._load = [0.0, 0, 0]
+        return EngineLoad(busy, steps, rows / steps if steps else 0.0)
 
     def running(self) -> int:
         """Samples under way (a look from outside: it may be a step old)."""

@@ -110,7 +110,7 @@ class VLLMStream:
         for i, prompt in enumerate(prompts):
             for j, seed in enumerate(sample_seeds(params, i)):
                 keys.append(f"{prefix}{i}.{j}")
-                self.submit(keys[-1], prompt, seed, params=params)
+                self.submit(keys[-1], prompt, seed, params=params.at(i))
         return keys
 
     def _request(self, sample: StreamSample) -> None:

@@ -277,10 +277,11 @@ class VLLMRollout:
     @staticmethod
     def _sampling(count: int, params: SamplingParams) -> list:
         """vLLM's sampling parameters of each of `count` prompts (prompt i seeded by its place in the
-        whole batch, `first_index + i`)."""
-        if params.greedy or params.seed is None:
+        whole batch, `first_index + i`; with `lengths`, its own length)."""
+        if (params.greedy or params.seed is None) and params.lengths is None:
             return [vllm_sampling(params, params.seed)] * count
-        return [vllm_sampling(params, _prompt_seed(params.seed, params.first_index + i)) for i in range(count)]
+        return [vllm_sampling(params.at(i), params.seed if params.greedy or params.seed is None
+                              else _prompt_seed(params.seed, params.first_index + i)) for i in range(count)]
 
     @staticmethod
     def _samples(prompt: Sequence[int], out, params: SamplingParams) -> list[Generation]:

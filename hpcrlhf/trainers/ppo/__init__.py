@@ -29,4 +29,8 @@ def run_ppo(cfg: PPOConfig) -> dict:
         return run_ray_ppo(cfg)
     from hpcrlhf.trainers.ppo.driver import PPOTrainer  # as said above
 
-    return PPOTrainer(cfg).fit()
+    trainer = PPOTrainer(cfg)
+    try:
+        return trainer.fit()
+    finally:
+        trainer.close()  # an engine loop's thread and engine, an agent's environment workers

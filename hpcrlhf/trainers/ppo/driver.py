@@ -185,6 +185,10 @@ class PPOTrainer(OnlineTrainer):
             self.sync_rollout()
         for role, seconds in self.roles.pop_busy().items():
             self.run.add_timing(f"busy_{role}", seconds)
+        if isinstance(self.rollout, StreamingRollout):  # the engine loop's: util/vllm_idle, how full it was kept
+            load = self.rollout.loop.pop_load()
+            self.run.add_timing("busy_vllm", load.busy_s)
+            sampling_metrics["rollout/engine_rows"] = load.rows_per_step
         return {**self.step_metrics(rollout, stats, sums), **self.sync_metrics, **sampling_metrics}
 
     def step_rollout(self, step: int) -> tuple[Rollout, dict[str, float]]:
@@ -209,7 +213,8 @@ class PPOTrainer(OnlineTrainer):
                                    n=n, max_rounds=self.cfg.ppo.dynamic_sampling_max_rounds,
                                    missing_anywhere=lambda missing: int(all_reduce_sum([missing])[0]),
                                    what=self.cfg.ppo.dynamic_sampling_filter)
-                self.launch_ahead(step, launched)  # after the refills: they need the engines first
+                with self.run.stoppable():  # a stop cuts an HF generation ahead short: the step is redone
+                    self.launch_ahead(step, launched)  # after the refills: they need the engines first
                 rollout, metrics = filled.rollout, filled.metrics(reduce=all_reduce_sum)
         except StepAbandoned:  # the step is redone on resume: its checkpoint keeps the rollouts it was given
             self.ahead = before

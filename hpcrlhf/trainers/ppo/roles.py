@@ -35,6 +35,7 @@ from hpcrlhf.config.schema import PPOConfig
 from hpcrlhf.models.factory import ModelFactory
 from hpcrlhf.run.stats import Stats, add_stats, new_stats
 from hpcrlhf.trainers.batches import PPOPlan
+from hpcrlhf.engines.rollout.loop import StreamingRollout
 from hpcrlhf.trainers.online import reward_set, rollout_engines, stream_weights
 from hpcrlhf.trainers.ppo.experience import ExperienceBatch, ReplayBuffer
 from hpcrlhf.trainers.ppo.learner import PPOLearner, build_role_model, token_scores
@@ -202,4 +203,7 @@ class LocalRoles:
         self.models.export(self.engine, value_head=False, files=files, folder=folder)
 
     def close(self) -> None:
-        return None
+        """Stop an engine loop (its thread may be generating batches ahead); a plain engine ends with the
+        process, as it always has."""
+        if isinstance(self.rollout, StreamingRollout):
+            self.rollout.close()
