@@ -67,13 +67,13 @@ class Throughput:
         return asdict(self)
 
 
-def step_rows(rows: Sequence[Mapping[str, float]], warmup: int) -> list[Mapping[str, float]]:
-    """The measured steps: rows that timed a step, in order, minus the first `warmup`."""
+def step_rows(rows: Sequence[Mapping[str, float]], warmup: int, tail: int = 0) -> list[Mapping[str, float]]:
+    """The measured steps: rows that timed a step, in order, minus the first `warmup` and the last `tail`."""
     steps = [r for r in rows if "timing/step" in r]
-    if len(steps) <= warmup:
-        raise HpcrlhfError(f"the run logged {len(steps)} timed step(s); the protocol drops {warmup} warm-up step(s) "
-                           "and needs at least one more: run more steps")
-    return steps[warmup:]
+    if len(steps) <= warmup + tail:
+        raise HpcrlhfError(f"the run logged {len(steps)} timed step(s); the protocol drops {warmup} warm-up and {tail} "
+                           "tail step(s) and needs at least one more: run more steps")
+    return steps[warmup:len(steps) - tail]
 
 
 def phase_seconds(row: Mapping[str, float]) -> dict[str, float]:
@@ -84,10 +84,10 @@ def phase_seconds(row: Mapping[str, float]) -> dict[str, float]:
 
 
 def summarize(rows: Sequence[Mapping[str, float]], *, warmup: int, samples: int, prompt_tokens: float, devices: int,
-              train_flops_per_step: float, peak_flops: float) -> Throughput:
+              train_flops_per_step: float, peak_flops: float, tail: int = 0) -> Throughput:
     """The throughput figures of one system's run of `samples` PPO samples per step (see the module
-    docstring for the definitions)."""
-    measured = step_rows(rows, warmup)
+    docstring for the definitions; `tail`: steps run after the measured ones, dropped)."""
+    measured = step_rows(rows, warmup, tail)
 
     def median(values: list[float]) -> float:
         return float(statistics.median(values))

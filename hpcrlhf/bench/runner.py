@@ -194,12 +194,12 @@ def run_system(suite: Suite, system: System, out: Path, prompts: Path, index: in
     run_dir.mkdir(parents=True)
     cmd = system_command(suite, system, run_dir, prompts)
     log.info(f"bench [{index}/{total}] {system.name}: {system.about}")
-    started = time.monotonic()
+    started, steps = time.monotonic(), suite.warmup_steps + suite.steps + system.tail_steps
     returncode = run_logged(cmd, run_dir, status_every_s=status_every_s, env=env, status=lambda: log.info(
-        _status(system, index, total, run_dir, suite.warmup_steps + suite.steps, started)))
+        _status(system, index, total, run_dir, steps, started)))
     wall = time.monotonic() - started
     error = None
-    if returncode != 0 and finished_run(run_dir, suite.warmup_steps + suite.steps):
+    if returncode != 0 and finished_run(run_dir, steps):
         log.warning(f"bench [{index}/{total}] {system.name}: exited {returncode} after its run was done "
                     f"({run_dir / 'summary.json'}; a crash at process exit, see job.log): its figures stand")
     elif returncode != 0:
@@ -259,7 +259,7 @@ def system_entry(suite: Suite, system: System, out: Path, prompts: Path, i: int,
         return entry
     try:
         entry["throughput"] = summarize(
-            read_metrics(run.run_dir), warmup=suite.warmup_steps, samples=suite.prompts_per_step,
+            read_metrics(run.run_dir), warmup=suite.warmup_steps, tail=system.tail_steps, samples=suite.prompts_per_step,
             prompt_tokens=suite.prompt_tokens, devices=suite.devices,
             train_flops_per_step=flops if system.trains_critic else step_train_flops(suite, critic=False),
             peak_flops=peak.matmul_flops).to_dict()

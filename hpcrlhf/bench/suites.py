@@ -67,6 +67,9 @@ class System:
     needs: tuple[str, ...] = ()
     """Python packages the system cannot run without (e.g. vllm): where one is missing the runner
     skips the system and says which, rather than failing half-way."""
+    tail_steps: int = 0
+    """Steps run after the measured ones and dropped: a system generating k steps ahead launches nothing in
+    its last k steps, which would flatter it (k)."""
 
     @property
     def trains_critic(self) -> bool:
@@ -158,7 +161,8 @@ class Suite:
         group = [] if system.samples_per_prompt == 1 else [
             f"rollout.prompts_per_step={self.prompts_per_step // system.samples_per_prompt}",
             f"rollout.samples_per_prompt={system.samples_per_prompt}"]
-        return self.common_overrides(prompts_path) + group + list(system.overrides)
+        tail = [f"train.max_steps={self.warmup_steps + self.steps + system.tail_steps}"] if system.tail_steps else []
+        return self.common_overrides(prompts_path) + group + list(system.overrides) + tail
 
     def with_model(self, model: str | None, reward_model: str | None) -> Suite:
         """The suite on the user's models; a suite without a model needs one."""
@@ -257,7 +261,7 @@ def longtail_systems(kv_cache_gb: int) -> tuple[System, ...]:
     def system(name: str, k: int, partial: bool, about: str) -> System:
         ahead = (f"rollout.max_staleness={k}", "ppo.tis_cap=2", *(("rollout.partial=true",) if partial else ()))
         return System(name, "hpcrlhf", None, (*base, *(ahead if k else ())), samples_per_prompt=_LONGTAIL_GROUP,
-                      needs=("vllm",), about=about)
+                      needs=("vllm",), about=about, tail_steps=k)
 
     return (system("sync", 0, False, "synchronous: each step generates its batch, then trains on it"),
             system("k1", 1, False, "one step ahead on the engine loop: each sync waits for what runs (the drain)"),
@@ -319,9 +323,10 @@ SUITES: dict[str, Suite] = {s.name: s for s in (
     Suite("cpu-tiny", "harness check (CI): the cpu suite's systems on 16-token answers, 2 measured steps",
           "cpu", 2, 4, prompt_tokens=16, response_tokens=16, prompts_per_step=32, warmup_steps=1, steps=2,
           systems=_CPU_SYSTEMS, dschat_ranks=2),
+    # 4 warm-up steps: k = 4 launches steps 1-4 at step 0, so only later steps show its steady state
     Suite("cpu-longtail", "long-tail lengths on CPU: tiny llama, 32-token prompts, responses of log-normal lengths "
           "(median 32 of at most 256 tokens), 32 prompts x 4 samples per step, one vLLM engine", "cpu", 1, 1,
-          prompt_tokens=32, response_tokens=256, prompts_per_step=128, warmup_steps=1, steps=6,
+          prompt_tokens=32, response_tokens=256, prompts_per_step=128, warmup_steps=4, steps=6,
           systems=_LONGTAIL_SYSTEMS, lengths=LengthDist(), dschat_ranks=1),
     Suite("cpu-longtail-tiny", "harness check of cpu-longtail: 8 prompts x 4 samples, at most 64 tokens, 2 measured "
           "steps", "cpu", 1, 1, prompt_tokens=16, response_tokens=64, prompts_per_step=32, warmup_steps=1, steps=2,
