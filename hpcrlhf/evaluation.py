@@ -53,7 +53,7 @@ from hpcrlhf.run.folder import config_changes
 from hpcrlhf.run.metrics import read_json_lines
 from hpcrlhf.run.lock import RunLock
 from hpcrlhf.run.stats import add_stats, new_stats
-from hpcrlhf.run.signals import StopFlag, active_watchdog
+from hpcrlhf.run.signals import StopFlag, StopRequested, active_watchdog
 from hpcrlhf.run.watchdog import Watchdog, WaitExpired, watched
 from hpcrlhf.trainers.loop import eval_sampling_params
 from hpcrlhf.trainers.online import flatten_generations
@@ -420,7 +420,10 @@ def _answer_target(cfg, out: Path, env, target: EvalTarget, units, engine, token
                 gens = engine.generate([list(p.ids) for p in batch], replace(params, first_index=b * bs))
                 if flag.requested:  # a generation cut short by the signal: not kept
                     continue
-                record = _batch_record(b, b * bs, batch, gens, tokenizer, s)
+                try:
+                    record = _batch_record(b, b * bs, batch, gens, tokenizer, s)
+                except StopRequested:  # the signal came while a metric ran: the batch is not kept, the next round stops
+                    continue
             samples = _samples_file(out, target, s, env.rank)
             ensure_folder(samples.parent.parent)
             ensure_folder(samples.parent)

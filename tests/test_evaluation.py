@@ -130,6 +130,41 @@ def test_an_interrupted_eval_resumes_to_the_same_results(three_checkpoints, eval
     assert [p["responses"] for p in answers(out, "step_000020")] == [p["responses"] for p in answers(evaluated[0], "step_000020")]
 
 
+STOPPER = """
+import os, signal
+from pathlib import Path
+
+MARK = Path(__file__).with_name("stopped")
+calls = []
+
+
+def length(prompt, response, row):
+    calls.append(1)
+    if len(calls) == 33 and not MARK.exists():  # the second batch's first answer (8 prompts x 4 each a batch)
+        MARK.touch()
+        os.kill(os.getpid(), signal.SIGUSR1)
+    return float(len(response))
+"""
+
+
+def test_a_stop_while_a_metric_runs_ends_with_3_and_the_rerun_goes_on(three_checkpoints, evaluated, tmp_path):
+    """The stop signal comes while the user's metric scores the second batch (it raises StopRequested in the
+    metric): that batch is not kept, the job exits 3, and the rerun answers the rest as an uninterrupted run."""
+    (tmp_path / "stopper.py").write_text(STOPPER)
+    out = tmp_path / "out"
+    args = ["eval", "-r", str(three_checkpoints), "--checkpoints", "30", "-o", str(out), *SAMPLED,
+            "--set", "eval.metrics=[stopper:length]"]
+    proc = run_cli(args, env=user_env(tmp_path), check=False)
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    assert (tmp_path / "stopped").exists() and [p["index"] for p in answers(out, "step_000030")] == list(range(8))
+    run_cli(args, env=user_env(tmp_path))
+    got = answers(out, "step_000030")
+    assert [p["responses"] for p in got] == [p["responses"] for p in answers(evaluated[0], "step_000030")]
+    assert all(p["values"]["length"] == [float(len(r)) for r in p["responses"]] for p in got)
+    results = json.loads((out / "results.json").read_text())["results"]["step_000030"]["held_out"]
+    assert results["eval/task_score"] == evaluated[1]["results"]["step_000030"]["held_out"]["eval/task_score"]
+
+
 def test_one_vllm_engine_takes_each_checkpoints_weights_in_turn(three_checkpoints, tmp_path):
     """rollout.backend=vllm: one engine for two checkpoints, the second one's weights loaded into it; its greedy
     answers equal those of an engine started on that checkpoint alone, and differ from the first one's."""

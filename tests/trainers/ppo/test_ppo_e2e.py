@@ -75,8 +75,12 @@ def test_estimator_with_rule_reward_raises_the_task_score(estimator, extra, poli
             assert rows[0]["rollout/is_weight"] == pytest.approx(1, abs=1e-4) and rows[0]["rollout/is_masked"] == 0
             assert all(0.5 < r["rollout/is_weight"] <= 2 and r["rollout/is_weight"] != 1 for r in rows[1:])
             assert all(0 <= r["rollout/is_masked"] < 0.2 for r in rows), [r["rollout/is_masked"] for r in rows]
-    elif "rollout.partial=true" in extra:  # plan order: every sample's first token exactly min(s, 2) updates old
-        assert [r["rollout/staleness"] for r in rows] == [0.0, 1.0] + [2.0] * (LEARN_STEPS - 2)
+    elif "rollout.partial=true" in extra:  # a sample's first token is at most min(s, 2) updates old: launched after
+        # the sync of step s-2, it may get its first token only after the next sync (the loop's thread had no turn
+        # before it on a loaded machine, CI): then it is fresher, never older
+        staleness = [r["rollout/staleness"] for r in rows]
+        assert staleness[0] == 0 and all(0 <= a <= min(s, 2) for s, a in enumerate(staleness)), staleness
+        assert max(staleness) == 2, staleness  # the loop ran two steps ahead
         # a paused sample's later tokens are newer than its first (how many are paused depends on timing: the
         # engine test pauses for sure, tests/engines/test_loop.py)
         assert all(r["rollout/staleness_tokens"] <= r["rollout/staleness"] + 1e-9 for r in rows)
