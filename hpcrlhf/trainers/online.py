@@ -103,22 +103,22 @@ def stream_weights(engine, rollout, bucket_bytes: int, version: int | None = Non
 
 def rollout_engines(engine, models: ModelFactory, cfg: OnlineJobConfig):
     """(the rollout engine, the trained module of `engine` as a generator): the same object
-    with rollout.backend hf; with vllm, an engine on rank 0 serving every rank."""
+    with rollout.backend hf; with vllm, an engine on rank 0 serving every rank -- an engine loop
+    (`StreamingRollout`) with rollout.max_staleness >= 1 and no agent section."""
     env = models.env
     synced = engine.zero_stage == 3 and env.world_size > 1
     hf = HFRollout(engine.module, pad_token_id=models.pad_id, eos_token_id=models.tokenizer.eos_token_id,
                    device=engine.device, synced_gpus=synced, batch_size=cfg.rollout.hf_batch_size)
     if cfg.rollout.backend == "hf":
         return hf, hf
-    if cfg.rollout.max_staleness and env.world_size == 1 and getattr(cfg, "agent", None) is None:
-        # generated in a thread of its own while the step trains (rollout.partial: paused across syncs)
-        return StreamingRollout(lambda: VLLMRollout(**vllm_engine_args(cfg)), partial=cfg.rollout.partial), hf
-    if cfg.rollout.partial:
-        raise ConfigError(f"rollout.partial: true runs one engine loop for one training rank; this job has "
-                          f"{env.world_size} ranks (several ranks share rank 0's engine, which cannot be paused yet): "
-                          "train on one rank, or set rollout.partial=false")
-    vllm = VLLMRollout(**vllm_engine_args(cfg)) if env.is_main else None
-    return (vllm if env.world_size == 1 else Rank0Rollout(vllm, env)), hf
+    streaming = bool(cfg.rollout.max_staleness) and getattr(cfg, "agent", None) is None
+    if not env.is_main:
+        vllm = None
+    elif streaming:  # generated in a thread of its own while the step trains (rollout.partial: paused across syncs)
+        vllm = StreamingRollout(lambda: VLLMRollout(**vllm_engine_args(cfg)), partial=cfg.rollout.partial)
+    else:
+        vllm = VLLMRollout(**vllm_engine_args(cfg))
+    return (vllm if env.world_size == 1 else Rank0Rollout(vllm, env, streaming=streaming)), hf
 
 
 @dataclass(frozen=True)

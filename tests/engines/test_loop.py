@@ -138,3 +138,84 @@ def test_a_batch_gives_its_groups_as_they_end_and_fails_with_the_loop():
     copies = greedy.result()[0]
     assert len(copies) == 4 and all(c.versions == [(0, 0)] and c is not g for c in copies)
     assert StreamBatch(0, 2, greedy=False).result() == []
+
+
+class DrainingEngine(ScriptedEngine):
+    """An engine with one request under way: its first step waits for `go`, its second fails (a dying engine)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.go, self.steps = threading.Event(), 0
+        self.llm.llm_engine.step = self.step
+
+    def step(self):
+        self.steps += 1
+        if self.steps == 1:
+            assert self.go.wait(30)
+            return []
+        raise RuntimeError("engine died in step 2")
+
+
+def test_a_loop_that_dies_while_draining_for_a_sync_fails_it_before_anything_is_sent():
+    """Without `partial` the loop finishes the samples under way before it receives the weights: an engine that
+    dies meanwhile fails `publish` itself (the sender would otherwise wait in the broadcast for a receiver that
+    never comes, up to the group's 30-minute timeout), naming the cause; the receive never ran."""
+    engine = DrainingEngine()
+    loop = EngineLoop(lambda: engine, partial=False)
+    loop.post(lambda: loop.stream.requests.update({"0": "b0.0.0"})).result()  # a sample under way: the loop steps
+    received, outcome = [], []
+
+    def sync():
+        try:
+            outcome.append(loop.publish(1, lambda: received.append(1)))
+        except EngineLoopError as e:
+            outcome.append(e)
+
+    syncing = threading.Thread(target=sync)
+    syncing.start()
+    time.sleep(0.2)  # the sync is posted while step 1 runs; the loop drains in step 2
+    assert not outcome
+    engine.go.set()
+    syncing.join(30)
+    (error,) = outcome
+    assert isinstance(error, EngineLoopError) and "before it took the weights of version 1" in str(error)
+    assert "engine died in step 2" in str(error) and not received
+    assert engine.closed.wait(10)
+    loop.close()
+
+
+def test_a_publish_returns_once_the_loop_receives_and_a_wait_on_a_batch_answers_the_watchdog():
+    """`publish` returns the receive's future as soon as it runs (the sender then sends); a caller waiting on a
+    batch the loop never ends is interrupted by the watchdog's deadline, which names the loop."""
+    from hpcrlhf.config.schema import WatchdogConfig
+    from hpcrlhf.run.watchdog import WaitExpired, Watchdog
+
+    loop = EngineLoop(ScriptedEngine, partial=True)
+    release = threading.Event()
+    future = loop.publish(3, lambda: release.wait(30) and "in")
+    assert not future.done() and loop.stream.version == 0  # receiving: the caller would send now
+    release.set()
+    assert future.result(10) == "in" and loop.stream.version == 3
+    dog = Watchdog(WatchdogConfig(first_s=0.3, grace_s=60.0)).start()
+    try:
+        with pytest.raises(WaitExpired) as hung:
+            with dog.phase("generate"):
+                StreamBatch(2, 1, greedy=False).result()
+    finally:
+        dog.stop()
+    assert hung.value.expiry.parties == ("the vLLM engine loop (thread hpcrlhf-engine-loop)",)
+    loop.close()
+
+
+def test_a_loop_whose_engine_step_never_returns_is_left_by_close(monkeypatch):
+    import hpcrlhf.engines.rollout.loop as loop_module
+
+    monkeypatch.setattr(loop_module, "CLOSE_S", 0.3)
+    engine = DrainingEngine()  # its first step waits for `go`, never set here until the end
+    loop = EngineLoop(lambda: engine, partial=False)
+    loop.post(lambda: loop.stream.requests.update({"0": "b0.0.0"})).result()
+    began = time.monotonic()
+    loop.close()
+    assert time.monotonic() - began < 10 and loop._thread.is_alive() and not engine.closed.is_set()
+    engine.go.set()  # the step returns, the loop takes the close and ends
+    assert engine.closed.wait(10)

@@ -138,17 +138,20 @@ def test_rollouts_are_generated_ahead_only_within_the_run():
     assert [s - launched_at[s] for s in range(5)] == [0, 1, 2, 2, 2]
 
 
-def test_partial_rollouts_on_several_ranks_are_refused_before_an_engine_starts():
-    """Several local ranks share rank 0's engine (`Rank0Rollout`), which has no engine loop yet."""
+def test_several_ranks_share_rank_0s_engine_loop():
+    """With rollout.max_staleness >= 1 rank 0 drives an engine loop for every local rank: the other ranks hold
+    none, but know their launches are under way (`Rank0Rollout.streaming`, `streams`); synchronous: no loop."""
     import torch
 
+    from hpcrlhf.engines.rollout.loop import streams
+    from hpcrlhf.engines.rollout.shared import Rank0Rollout
     from hpcrlhf.trainers.online import rollout_engines
 
-    cfg = load_config(PPOConfig, None, ["rollout.backend=vllm", "rollout.partial=true", "rollout.max_staleness=1",
-                                        "ppo.tis_cap=2"])
-    env = SimpleNamespace(world_size=2, is_main=True, rank=0)
+    env = SimpleNamespace(world_size=2, is_main=False, rank=1)
     engine = SimpleNamespace(zero_stage=2, module=torch.nn.Linear(1, 1), device=torch.device("cpu"))
     models = SimpleNamespace(env=env, pad_id=0, tokenizer=SimpleNamespace(eos_token_id=1))
-    with pytest.raises(ConfigError, match=r"rollout.partial: true runs one engine loop for one training rank; this "
-                                          r"job has 2 ranks .*train on one rank, or set rollout.partial=false"):
-        rollout_engines(engine, models, cfg)
+    for sets, streaming in ((["rollout.partial=true", "rollout.max_staleness=2", "ppo.tis_cap=2"], True),
+                            (["rollout.max_staleness=1"], True), ([], False)):
+        cfg = load_config(PPOConfig, None, ["rollout.backend=vllm", *sets])
+        rollout, _ = rollout_engines(engine, models, cfg)
+        assert isinstance(rollout, Rank0Rollout) and rollout.engine is None and streams(rollout) == streaming, sets

@@ -81,9 +81,9 @@ class RolloutConfig:
     same per model token), rollout/staleness_share/<a> (the share a updates old, a = 0..k);
     timing/overlap (seconds generation ran while the step trained)."""
     partial: bool = False
-    """ppo only, rollout.backend vllm, local runtime, one rank (the Ray runtime and several ranks: not yet):
-    partial rollouts. With rollout.max_staleness >= 1 the engine generates in a thread of its own while the
-    step trains; at a weight sync the samples under way are paused, the weights change, and they go on under
+    """ppo only, rollout.backend vllm, local runtime (the Ray runtime and agents: not yet): partial rollouts.
+    With rollout.max_staleness >= 1 the engine generates in a thread of its own while the step trains (rank 0's
+    serves every local rank); at a weight sync the samples under way are paused, the weights change, and they go on under
     the new ones (their tokens and log-probs kept, each span's policy version recorded) instead of the sync
     waiting for them; the steps ahead are launched as soon as a step starts, so a straggler runs beside the
     next batch. A sample's age is that of its first token (rollout/staleness <= k still holds); its later

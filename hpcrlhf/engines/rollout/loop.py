@@ -32,11 +32,20 @@ from hpcrlhf.engines.rollout.contract import Generation, Groups, SamplingParams,
 from hpcrlhf.engines.rollout.streaming import VLLMStream, sample_seeds
 from hpcrlhf.engines.rollout.vllm import VLLMRollout
 from hpcrlhf.engines.weight_sync import SyncStats
+from hpcrlhf.logs import get_logger
+from hpcrlhf.run.signals import active_watchdog
 
 T = TypeVar("T")
 
 WAIT_S = 1.0
-"""How long a waiting caller sleeps between looks at its batch (a stop signal is handled meanwhile)."""
+"""How long a waiting caller sleeps between looks at its batch or sync (a stop signal is handled meanwhile, a
+watchdog's expired deadline raises: `hpcrlhf.run.watchdog`)."""
+CLOSE_S = 60.0
+"""How long `EngineLoop.close` waits for the loop's thread (an engine step that never returns holds it)."""
+LOOP_PARTY = "the vLLM engine loop (thread hpcrlhf-engine-loop)"
+"""Whom a wait on the loop names to the watchdog."""
+
+log = get_logger()
 
 _CLOSE = object()
 
@@ -88,12 +97,17 @@ class StreamBatch:
             self._cond.notify_all()
 
     def _wait(self, ready: Callable[[], bool]) -> None:
+        dog = active_watchdog()
+        if dog is not None:
+            dog.waiting_for(LOOP_PARTY)
         with self._cond:
             while not ready():
                 if self._error is not None:
                     raise EngineLoopError(f"the engine loop stopped with this batch under way: {self._error}") \
                         from self._error
                 self._cond.wait(WAIT_S)
+                if dog is not None:
+                    dog.check()
 
     def _group(self, i: int) -> list[Generation]:
         gens = self._samples[i]
@@ -237,8 +251,28 @@ class EngineLoop:
 
     def publish(self, version: int, receive: Callable[[], T]) -> Future:
         """Take new weights (`receive()`, on the loop's thread) of policy `version`: samples under way are paused
-        and continued under them (`partial`), else finished first. Its future (what `receive` returned)."""
-        return self.post(lambda: self._publish(version, receive))
+        and continued under them (`partial`), else finished first. Returns once `receive` has begun -- the
+        caller may then send (a collective: it must not wait for a receiver that never comes) -- with its future
+        (what `receive` returned); EngineLoopError if the loop stopped before (an engine step of the drain
+        failed)."""
+        receiving = threading.Event()
+
+        def received() -> T:
+            receiving.set()
+            return receive()
+
+        future = self.post(lambda: self._publish(version, received))
+        dog = active_watchdog()
+        if dog is not None:
+            dog.waiting_for(LOOP_PARTY)
+        while not receiving.wait(WAIT_S) and not future.done():
+            if dog is not None:
+                dog.check()
+        if not receiving.is_set():
+            error = future.exception()
+            raise EngineLoopError(f"the engine loop stopped before it took the weights of version {version}: "
+                                  f"{error}") from error
+        return future
 
     def pop_load(self) -> EngineLoad:
         """What the engine did since the last call."""
@@ -247,21 +281,21 @@ class EngineLoop:
             self._load = [0.0, 0, 0]
         return EngineLoad(busy, steps, rows / steps if steps else 0.0)
 
-    def running(self) -> int:
-        """Samples under way (a look from outside: it may be a step old)."""
-        stream = self.stream
-        return 0 if stream is None else len(stream.requests) + len(stream.paused)
-
     def close(self) -> None:
-        """Stop the loop (samples under way are dropped) and close its engine; idempotent."""
+        """Stop the loop (samples under way are dropped) and close its engine; idempotent. A loop whose thread
+        does not end within CLOSE_S (an engine step that never returns) is left behind, said in the log."""
         if self._thread.is_alive():
             self._inbox.put(_CLOSE)
-            self._thread.join()
+            self._thread.join(CLOSE_S)
+            if self._thread.is_alive():
+                log.warning(f"the engine loop did not end within {CLOSE_S:g} s of its close (an engine step that does "
+                            "not return): its thread is left to end with the process, its engine not closed")
 
 
 class StreamingRollout:
     """A `VLLMRollout` driven by an `EngineLoop`: the local trainer's engine with rollout.max_staleness >= 1
-    (module docstring). `make_engine` builds the engine on the loop's thread."""
+    (module docstring). `make_engine` builds the engine on the loop's thread. It never sleeps (no `sleep`,
+    `wake`): placement.vllm.sleep is refused with rollout.max_staleness >= 1, the engine generates meanwhile."""
 
     def __init__(self, make_engine: Callable[[], VLLMRollout], *, partial: bool) -> None:
         def build() -> VLLMRollout:
@@ -290,11 +324,11 @@ class StreamingRollout:
         return engine.load_weights(tensors, version, receive=lambda: self.loop.publish(
             engine.version if version is None else version, lambda: engine.receive_weights("local")))
 
-    def sleep(self) -> None:
-        self.loop.post(self.engine.sleep).result()
-
-    def wake(self, tags: Sequence[str] | None = None) -> None:
-        self.loop.post(lambda: self.engine.wake() if tags is None else self.engine.wake(tags)).result()
-
     def close(self) -> None:
         self.loop.close()
+
+
+def streams(rollout: Any) -> bool:
+    """Whether `rollout` generates on an engine loop: a `StreamingRollout`, or rank 0's one serving every local
+    rank (`Rank0Rollout.streaming`): a batch launched is under way beside the step, and it must be closed."""
+    return isinstance(rollout, StreamingRollout) or bool(getattr(rollout, "streaming", False))

@@ -51,7 +51,7 @@ from hpcrlhf.config.schema import PPOConfig
 from hpcrlhf.data.prompts import Prompt
 from hpcrlhf.engines.distributed import all_reduce_sum
 from hpcrlhf.engines.rollout import Done
-from hpcrlhf.engines.rollout.loop import StreamingRollout
+from hpcrlhf.engines.rollout.loop import StreamingRollout, streams
 from hpcrlhf.logs import get_logger
 from hpcrlhf.run.folder import StepAbandoned
 from hpcrlhf.run.stats import Stats, reduce_means
@@ -225,12 +225,12 @@ class PPOTrainer(OnlineTrainer):
 
     def launch_ahead(self, step: int, launched: LaunchedRollout) -> None:
         """Launch the batches of the steps due ahead (`staleness.ahead_steps`), with the weights this step
-        trains: at once on an engine loop (`StreamingRollout`: the batches share its engine, a straggler of
+        trains: at once on an engine loop (`streams`: the batches share its engine, a straggler of
         this step's beside the next one's), else once this step's batch (`launched`) is generated (an
         engine takes one batch at a time)."""
         n = self.cfg.rollout.samples_per_prompt
         targets = ahead_steps(step, self.plan.total_steps, self.cfg.rollout.max_staleness, self.ahead)
-        if targets and not isinstance(self.rollout, StreamingRollout):
+        if targets and not streams(self.rollout):
             with self.run.timed("generate"):
                 launched.pending.result()
         for target in targets:

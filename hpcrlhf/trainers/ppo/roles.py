@@ -35,7 +35,7 @@ from hpcrlhf.config.schema import PPOConfig
 from hpcrlhf.models.factory import ModelFactory
 from hpcrlhf.run.stats import Stats, add_stats, new_stats
 from hpcrlhf.trainers.batches import PPOPlan
-from hpcrlhf.engines.rollout.loop import StreamingRollout
+from hpcrlhf.engines.rollout.loop import streams
 from hpcrlhf.trainers.online import reward_set, rollout_engines, stream_weights
 from hpcrlhf.trainers.ppo.experience import ExperienceBatch, ReplayBuffer
 from hpcrlhf.trainers.ppo.learner import PPOLearner, build_role_model, token_scores
@@ -205,5 +205,5 @@ class LocalRoles:
     def close(self) -> None:
         """Stop an engine loop (its thread may be generating batches ahead); a plain engine ends with the
         process, as it always has."""
-        if isinstance(self.rollout, StreamingRollout):
+        if streams(self.rollout):
             self.rollout.close()

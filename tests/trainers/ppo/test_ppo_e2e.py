@@ -325,6 +325,30 @@ def test_vllm_rollouts_stay_in_sync_with_a_zero3_actor_on_two_ranks(policy_model
 
 
 @pytest.mark.slow
+def test_two_ranks_share_rank_0s_engine_loop_two_steps_ahead_with_partial_rollouts(policy_model, tmp_path):
+    """Several local ranks, rollout.max_staleness 2 with partial rollouts: rank 0's engine loop generates both
+    ranks' batches ahead while they train (`Rank0Rollout.launch`: the prompts gathered at the launch, the
+    generations scattered when the step takes them). Each sample's first token is at most min(s, 2) updates old
+    and the loop runs two ahead; step 1's samples come from the weights the trainer holds (equal log-probs),
+    later ones from older weights."""
+    out = tmp_path / "run"
+    run_cli(["train", "ppo", "-o", str(out), "--set", f"model.path={policy_model}", "--set", "train.max_steps=6",
+             "--set", "ppo.advantage_estimator=grpo", "--set", "rollout.samples_per_prompt=4", "--set",
+             "ppo.init_kl_coef=0", "--set", "optim.lr=1e-4", "--set", "rollout.backend=vllm", "--set",
+             "rollout.vllm_kv_cache_gb=0.25", "--set", "rollout.max_staleness=2", "--set", "rollout.partial=true",
+             "--set", "ppo.tis_cap=2", "--set", "ppo.is_mode=mask", "--set", "rollout.prompts_per_step=8",
+             "--set", "train.global_batch_size=32", "--set", "train.micro_batch_size=16", "--set", "eval.score_prompts=16",
+             *QUIET], nproc=2, timeout=900)
+    rows = train_rows(out)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    staleness = [r["rollout/staleness"] for r in rows]
+    assert staleness[0] == 0 and all(0 <= a <= min(s, 2) for s, a in enumerate(staleness)), staleness
+    assert max(staleness) == 2, staleness
+    assert rows[0]["rollout/logprob_max_diff"] < 1e-4 < rows[-1]["rollout/logprob_max_diff"]
+    assert all(0.5 < r["rollout/is_weight"] <= 2 for r in rows)
+
+
+@pytest.mark.slow
 def test_every_ppo_switch_runs_together(policy_model, tmp_path):
     """The less common switches wired through one short run (their maths is checked in
     tests/algos): dual clip, asymmetric clip, entropy bonus, GRPO-style KL loss with k3, sequence
