@@ -63,32 +63,67 @@ def test_batches_sharing_the_loop_draw_what_each_draws_alone(streaming, rollout_
     assert greedy[0][0] is not greedy[0][1] and greedy[0][0].response_ids is not greedy[0][1].response_ids
 
 
+def assert_paused_and_continued(rollout: StreamingRollout, prompts, model_dir: str, new_tokens: int,
+                                restore: bool) -> None:
+    """`load_weights` to version 1 once each sample has 3 tokens: every sample goes on under the new weights
+    (two spans), each token with its span's log-prob (the HF model's); a batch launched after is of version 1.
+    `restore`: the old weights go back in at the end (a shared engine)."""
+    old, new = old_and_new(model_dir, 1)
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=new_tokens, min_new_tokens=new_tokens, seed=3)
+    batch = rollout.launch(prompts[:3], params)
+    stream = rollout.loop.stream
+    wait_until(lambda: len(stream.samples) == 6 and min(len(s.tokens) for s in list(stream.samples.values())) >= 3)
+    try:
+        stats = rollout.load_weights(new.state_dict(), version=1)
+        assert stats.bytes > 0 and rollout.version == 1
+        after = rollout.generate(prompts[3:5], SamplingParams(n=1, temperature=1.0, max_new_tokens=6, seed=4))
+        generations = batch.result()
+    finally:
+        if restore:
+            rollout.load_weights(old.state_dict(), version=0)
+    assert all(g.versions == [(0, 1)] for gens in after for g in gens)
+    for gens, prompt in zip(generations, prompts):
+        for g in gens:
+            split = g.versions[1][0]
+            assert g.prompt_ids == list(prompt) and len(g.response_ids) == new_tokens, g.versions
+            assert [v for _, v in g.versions] == [0, 1] and 3 <= split < new_tokens, g.versions
+            want = (logprobs_under(old, g.prompt_ids, g.response_ids)[:split]
+                    + logprobs_under(new, g.prompt_ids, g.response_ids)[split:])
+            assert g.logprobs == pytest.approx(want, abs=2e-4)
+            assert token_versions(g) == [0] * split + [1] * (new_tokens - split)
+
+
 @pytest.mark.slow
 def test_weights_taken_with_samples_under_way_pause_and_continue_them(streaming, rollout_prompts, tiny_llama):
     """`load_weights` mid-generation (this thread sends, the loop receives): the samples under way are paused
     and go on under the new weights, two spans each; every token's log-prob is that of its span's weights;
     a batch launched after the sync is of the new version alone."""
-    old, new = old_and_new(tiny_llama, 1)
-    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=96, min_new_tokens=96, seed=3)
-    batch = streaming.launch(rollout_prompts[:3], params)
-    stream = streaming.loop.stream
-    wait_until(lambda: len(stream.samples) == 6 and min(len(s.tokens) for s in list(stream.samples.values())) >= 3)
+    assert_paused_and_continued(streaming, rollout_prompts, tiny_llama, 96, restore=True)
+
+
+@pytest.mark.slow
+def test_another_family_at_longer_prompts_pauses_and_continues_alike():
+    """The same on a tiny Qwen2 (biased attention projections, its own weight names in the sync) with prompts of
+    the user's own text, 150-330 tokens: the continuation is prefilled again on prompt + prefix under the new
+    weights."""
+    pytest.importorskip("vllm")
+    from hpcrlhf.engines.rollout.vllm import VLLMRollout
+    from hpcrlhf.models.loading import load_tokenizer
+    from hpcrlhf.models.tiny import build_tiny_model_dir
+
+    model = str(build_tiny_model_dir("qwen2"))
+    tokenizer = load_tokenizer(model)
+    text = ("Ledger entry {i}: the warehouse in Tromso shipped {n} crates of cod to the harbour, and the clerk "
+            "wrote down every weight twice because the scale had drifted the week before. ")
+    prompts = [tokenizer("".join(text.format(i=i, n=17 * i + r) for i in range(2 + r % 2)))["input_ids"]
+               for r in range(5)]
+    assert 150 <= min(map(len, prompts)) and max(map(len, prompts)) <= 330, [len(p) for p in prompts]
+    rollout = StreamingRollout(lambda: VLLMRollout(model, seed=0, max_model_len=512, kv_cache_bytes=1 << 28),
+                               partial=True)
     try:
-        stats = streaming.load_weights(new.state_dict(), version=1)
-        assert stats.bytes > 0 and streaming.version == 1
-        after = streaming.generate(rollout_prompts[3:5], SamplingParams(n=1, temperature=1.0, max_new_tokens=6, seed=4))
-        generations = batch.result()
+        assert_paused_and_continued(rollout, prompts, model, 48, restore=False)
     finally:
-        streaming.load_weights(old.state_dict(), version=0)  # the module's engine as it was
-    assert all(g.versions == [(0, 1)] for gens in after for g in gens)
-    for gens in generations:
-        for g in gens:
-            split = g.versions[1][0]
-            assert len(g.response_ids) == 96 and [v for _, v in g.versions] == [0, 1] and 3 <= split < 96, g.versions
-            want = (logprobs_under(old, g.prompt_ids, g.response_ids)[:split]
-                    + logprobs_under(new, g.prompt_ids, g.response_ids)[split:])
-            assert g.logprobs == pytest.approx(want, abs=2e-4)
-            assert token_versions(g) == [0] * split + [1] * (96 - split)
+        rollout.close()
 
 
 class ScriptedEngine:
