@@ -7,6 +7,7 @@ every weight sync."""
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 
@@ -330,15 +331,17 @@ def test_two_ranks_share_rank_0s_engine_loop_two_steps_ahead_with_partial_rollou
     ranks' batches ahead while they train (`Rank0Rollout.launch`: the prompts gathered at the launch, the
     generations scattered when the step takes them). Each sample's first token is at most min(s, 2) updates old
     and the loop runs two ahead; step 1's samples come from the weights the trainer holds (equal log-probs),
-    later ones from older weights."""
+    later ones from older weights. The checkpoint of step 4 holds both ranks' batches under way (steps 5 and 6):
+    resumed from it, the run trains on them and repeats its last two steps exactly."""
     out = tmp_path / "run"
-    run_cli(["train", "ppo", "-o", str(out), "--set", f"model.path={policy_model}", "--set", "train.max_steps=6",
+    args = ["train", "ppo", "-o", str(out), "--set", f"model.path={policy_model}", "--set", "train.max_steps=6",
              "--set", "ppo.advantage_estimator=grpo", "--set", "rollout.samples_per_prompt=4", "--set",
              "ppo.init_kl_coef=0", "--set", "optim.lr=1e-4", "--set", "rollout.backend=vllm", "--set",
              "rollout.vllm_kv_cache_gb=0.25", "--set", "rollout.max_staleness=2", "--set", "rollout.partial=true",
              "--set", "ppo.tis_cap=2", "--set", "ppo.is_mode=mask", "--set", "rollout.prompts_per_step=8",
              "--set", "train.global_batch_size=32", "--set", "train.micro_batch_size=16", "--set", "eval.score_prompts=16",
-             *QUIET], nproc=2, timeout=900)
+             "--set", "checkpoint.every_steps=2", *QUIET]
+    run_cli(args, nproc=2, timeout=900)
     rows = train_rows(out)
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
     staleness = [r["rollout/staleness"] for r in rows]
@@ -346,6 +349,15 @@ def test_two_ranks_share_rank_0s_engine_loop_two_steps_ahead_with_partial_rollou
     assert max(staleness) == 2, staleness
     assert rows[0]["rollout/logprob_max_diff"] < 1e-4 < rows[-1]["rollout/logprob_max_diff"]
     assert all(0.5 < r["rollout/is_weight"] <= 2 for r in rows)
+    checkpoints = out / "checkpoints"
+    assert {p.name for p in (checkpoints / "step_000004").glob("ahead_rank*.pt")} == {"ahead_rank0.pt", "ahead_rank1.pt"}
+    shutil.rmtree(checkpoints / "step_000006")
+    (checkpoints / "latest").write_text("step_000004")
+    run_cli(args, nproc=2, timeout=900)
+    resumed = train_rows(out)
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5, 6]
+    for key in ("rollout/score", "rollout/staleness", "rollout/is_weight", "train/policy_loss"):
+        assert [r[key] for r in resumed[4:]] == pytest.approx([r[key] for r in rows[4:]], rel=1e-6, abs=1e-9), key
 
 
 @pytest.mark.slow
