@@ -143,7 +143,7 @@ def test_several_ranks_share_rank_0s_engine_loop():
     none, but know their launches are under way (`Rank0Rollout.streaming`, `streams`); synchronous: no loop."""
     import torch
 
-    from hpcrlhf.engines.rollout.loop import streams
+    from hpcrlhf.engines.rollout.loop import StreamingRollout, engine_loop, streams
     from hpcrlhf.engines.rollout.shared import Rank0Rollout
     from hpcrlhf.trainers.online import rollout_engines
 
@@ -155,3 +155,7 @@ def test_several_ranks_share_rank_0s_engine_loop():
         cfg = load_config(PPOConfig, None, ["rollout.backend=vllm", *sets])
         rollout, _ = rollout_engines(engine, models, cfg)
         assert isinstance(rollout, Rank0Rollout) and rollout.engine is None and streams(rollout) == streaming, sets
+        assert engine_loop(rollout) is None  # rank 0's loop logs the engine's figures
+    loop_of_rank0 = StreamingRollout.__new__(StreamingRollout)  # no engine: only its loop is asked for
+    loop_of_rank0.loop = "rank 0's loop"
+    assert engine_loop(loop_of_rank0) == engine_loop(Rank0Rollout(loop_of_rank0, env, streaming=True)) == "rank 0's loop"

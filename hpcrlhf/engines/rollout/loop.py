@@ -332,3 +332,12 @@ def streams(rollout: Any) -> bool:
     """Whether `rollout` generates on an engine loop: a `StreamingRollout`, or rank 0's one serving every local
     rank (`Rank0Rollout.streaming`): a batch launched is under way beside the step, and it must be closed."""
     return isinstance(rollout, StreamingRollout) or bool(getattr(rollout, "streaming", False))
+
+
+def engine_loop(rollout: Any) -> EngineLoop | None:
+    """This rank's engine loop, for its figures (`EngineLoop.pop_load`): a `StreamingRollout`'s, or under a
+    `Rank0Rollout` serving every local rank rank 0's (None on the other ranks, which log no metrics)."""
+    if isinstance(rollout, StreamingRollout):
+        return rollout.loop
+    inner = getattr(rollout, "engine", None) if streams(rollout) else None
+    return inner.loop if isinstance(inner, StreamingRollout) else None

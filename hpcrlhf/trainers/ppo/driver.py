@@ -51,7 +51,7 @@ from hpcrlhf.config.schema import PPOConfig
 from hpcrlhf.data.prompts import Prompt
 from hpcrlhf.engines.distributed import all_reduce_sum
 from hpcrlhf.engines.rollout import Done
-from hpcrlhf.engines.rollout.loop import StreamingRollout, streams
+from hpcrlhf.engines.rollout.loop import engine_loop, streams
 from hpcrlhf.logs import get_logger
 from hpcrlhf.run.folder import StepAbandoned
 from hpcrlhf.run.stats import Stats, reduce_means
@@ -185,8 +185,9 @@ class PPOTrainer(OnlineTrainer):
             self.sync_rollout()
         for role, seconds in self.roles.pop_busy().items():
             self.run.add_timing(f"busy_{role}", seconds)
-        if isinstance(self.rollout, StreamingRollout):  # the engine loop's: util/vllm_idle, how full it was kept
-            load = self.rollout.loop.pop_load()
+        loop = engine_loop(self.rollout)
+        if loop is not None:  # the engine loop's (rank 0's, which logs): util/vllm_idle, how full it was kept
+            load = loop.pop_load()
             self.run.add_timing("busy_vllm", load.busy_s)
             sampling_metrics["rollout/engine_rows"] = load.rows_per_step
         return {**self.step_metrics(rollout, stats, sums), **self.sync_metrics, **sampling_metrics}

@@ -349,6 +349,9 @@ def test_two_ranks_share_rank_0s_engine_loop_two_steps_ahead_with_partial_rollou
     assert max(staleness) == 2, staleness
     assert rows[0]["rollout/logprob_max_diff"] < 1e-4 < rows[-1]["rollout/logprob_max_diff"]
     assert all(0.5 < r["rollout/is_weight"] <= 2 for r in rows)
+    # rank 0's loop figures: seconds in engine steps, samples under way in the mean step (both ranks' prompts)
+    assert all(r["timing/busy_vllm"] >= 0 and 0 <= r["rollout/engine_rows"] <= 3 * 32 for r in rows)
+    assert max(r["rollout/engine_rows"] for r in rows) >= 1
     checkpoints = out / "checkpoints"
     assert {p.name for p in (checkpoints / "step_000004").glob("ahead_rank*.pt")} == {"ahead_rank0.pt", "ahead_rank1.pt"}
     shutil.rmtree(checkpoints / "step_000006")
