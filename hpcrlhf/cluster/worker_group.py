@@ -21,7 +21,7 @@ from hpcrlhf.cluster.reservation import WORKER_SETUP, Reservation
 from hpcrlhf.data.batching import shard_rows
 from hpcrlhf.errors import RewardServerError
 from hpcrlhf.placement import Device
-from hpcrlhf.run.signals import StopRequested, active_watchdog, stop_requested_here
+from hpcrlhf.run.signals import StopRequested, stop_requested_here, watched_wait
 from hpcrlhf.run.usercode import load_named
 from hpcrlhf.run.stacks import PY_SPY_TIMEOUT_S, SIGNALLED_WAIT_S, dump_on_signal, signalled_stacks
 
@@ -287,8 +287,6 @@ def gather_rows(*scattered: Scattered, interruptible: bool = False) -> list[Any]
 
 STOP_POLL_S = 0.5
 """How often a `gather(..., interruptible=True)` looks for a stop request while it waits."""
-WATCH_POLL_S = 1.0
-"""How often a wait looks at its watchdog deadline (hpcrlhf.run.watchdog) while it waits."""
 LIVE_GROUPS: weakref.WeakSet[Workers] = weakref.WeakSet()
 """This process's worker groups (to name the worker a pending task runs on)."""
 
@@ -304,25 +302,20 @@ def task_owner(ref: Any) -> str:
 
 def wait_any(pending: Sequence[Any], *, timeout: float | None = None,
              who: Callable[[Sequence[Any]], list[str]] | None = None) -> tuple[list[Any], list[Any]]:
-    """`ray.wait(pending, num_returns=1, timeout=timeout)`; while this process has a watchdog, in polls of
-    WATCH_POLL_S that name what is still pending (`who`, default `task_owner` of each) and raise WaitExpired
-    once the wait's deadline passed (a signal cannot interrupt a Ray wait cleanly)."""
+    """`ray.wait(pending, num_returns=1, timeout=timeout)`, in polls that name what is still pending to this
+    process's watchdog (`who`, default `task_owner` of each) and raise its WaitExpired once the wait's deadline
+    passed (a signal cannot interrupt a Ray wait cleanly): `hpcrlhf.run.signals.watched_wait`."""
     import ray
 
-    watchdog = active_watchdog()
-    if watchdog is None:
-        return ray.wait(list(pending), num_returns=1, timeout=timeout)
-    ends = None if timeout is None else time.monotonic() + timeout
-    named = None
-    while True:
-        if named is not pending:
-            watchdog.waiting_for(*(who(pending) if who is not None else [task_owner(r) for r in pending]))
-            named = pending
-        poll = WATCH_POLL_S if ends is None else max(0.0, min(WATCH_POLL_S, ends - time.monotonic()))
-        ready, rest = ray.wait(list(pending), num_returns=1, timeout=poll)
-        if ready or (ends is not None and time.monotonic() >= ends):
-            return ready, rest
-        watchdog.check()
+    last: list = [[], list(pending)]
+
+    def poll(seconds: float) -> bool:
+        last[:] = ray.wait(list(pending), num_returns=1, timeout=seconds)
+        return bool(last[0])
+
+    watched_wait(poll, lambda: who(pending) if who is not None else [task_owner(r) for r in pending],
+                 timeout=timeout)
+    return last[0], last[1]
 
 
 def gather(refs: Sequence[Any], *, interruptible: bool = False) -> list[Any]:

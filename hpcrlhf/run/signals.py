@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from contextlib import contextmanager
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 STOP_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM)
 EXIT_REQUEUE = 3
@@ -127,6 +128,30 @@ def active_watchdog():
     """This process's running watchdog, else None: waits far from the run (Ray gathers, reward servers) name
     whom they wait for (`waiting_for`) and poll their deadline (`check`)."""
     return RUNNING_WATCHDOGS[-1] if RUNNING_WATCHDOGS else None
+
+
+WATCH_POLL_S = 1.0
+"""How often a `watched_wait` looks at its watchdog's deadline while it waits."""
+
+
+def watched_wait(poll: Callable[[float], bool], parties: Callable[[], Sequence[str]], *,
+                 timeout: float | None = None, poll_s: float = WATCH_POLL_S) -> bool:
+    """Wait until `poll(s)` -- a wait of at most s seconds that says whether what it waits for came -- says so
+    (True), or `timeout` seconds passed (False; None: no bound). A wait a signal cannot interrupt (a thread's
+    event, a Ray wait) stays in reach of this process's watchdog: it names `parties()` to it and checks its
+    deadline between polls (its WaitExpired leaves the wait)."""
+    dog = active_watchdog()
+    if dog is not None:
+        dog.waiting_for(*parties())
+    ends = None if timeout is None else time.monotonic() + timeout
+    while True:
+        left = None if ends is None else max(0.0, ends - time.monotonic())
+        if poll(poll_s if left is None else min(poll_s, left)):
+            return True
+        if ends is not None and time.monotonic() >= ends:
+            return False
+        if dog is not None:
+            dog.check()
 
 
 def installed_flag() -> StopFlag | None:
