@@ -29,11 +29,12 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from hpcrlhf.engines.rollout.contract import Generation, Groups, SamplingParams, check_prompts, greedy_copies
+from hpcrlhf.engines.rollout.shared import Rank0Rollout
 from hpcrlhf.engines.rollout.streaming import VLLMStream, sample_seeds
 from hpcrlhf.engines.rollout.vllm import VLLMRollout
 from hpcrlhf.engines.weight_sync import SyncStats
 from hpcrlhf.logs import get_logger
-from hpcrlhf.run.signals import active_watchdog
+from hpcrlhf.run.signals import watched_wait
 
 T = TypeVar("T")
 
@@ -97,17 +98,15 @@ class StreamBatch:
             self._cond.notify_all()
 
     def _wait(self, ready: Callable[[], bool]) -> None:
-        dog = active_watchdog()
-        if dog is not None:
-            dog.waiting_for(LOOP_PARTY)
-        with self._cond:
-            while not ready():
-                if self._error is not None:
+        def poll(seconds: float) -> bool:
+            with self._cond:
+                self._cond.wait_for(lambda: ready() or self._error is not None, seconds)
+                if not ready() and self._error is not None:
                     raise EngineLoopError(f"the engine loop stopped with this batch under way: {self._error}") \
                         from self._error
-                self._cond.wait(WAIT_S)
-                if dog is not None:
-                    dog.check()
+                return ready()
+
+        watched_wait(poll, lambda: [LOOP_PARTY], poll_s=WAIT_S)
 
     def _group(self, i: int) -> list[Generation]:
         gens = self._samples[i]
@@ -262,12 +261,7 @@ class EngineLoop:
             return receive()
 
         future = self.post(lambda: self._publish(version, received))
-        dog = active_watchdog()
-        if dog is not None:
-            dog.waiting_for(LOOP_PARTY)
-        while not receiving.wait(WAIT_S) and not future.done():
-            if dog is not None:
-                dog.check()
+        watched_wait(lambda seconds: receiving.wait(seconds) or future.done(), lambda: [LOOP_PARTY], poll_s=WAIT_S)
         if not receiving.is_set():
             error = future.exception()
             raise EngineLoopError(f"the engine loop stopped before it took the weights of version {version}: "
@@ -331,13 +325,10 @@ class StreamingRollout:
 def streams(rollout: Any) -> bool:
     """Whether `rollout` generates on an engine loop: a `StreamingRollout`, or rank 0's one serving every local
     rank (`Rank0Rollout.streaming`): a batch launched is under way beside the step, and it must be closed."""
-    return isinstance(rollout, StreamingRollout) or bool(getattr(rollout, "streaming", False))
+    return isinstance(rollout, StreamingRollout) or (isinstance(rollout, Rank0Rollout) and rollout.streaming)
 
 
 def engine_loop(rollout: Any) -> EngineLoop | None:
     """This rank's engine loop, for its figures (`EngineLoop.pop_load`): a `StreamingRollout`'s, or under a
     `Rank0Rollout` serving every local rank rank 0's (None on the other ranks, which log no metrics)."""
-    if isinstance(rollout, StreamingRollout):
-        return rollout.loop
-    inner = getattr(rollout, "engine", None) if streams(rollout) else None
-    return inner.loop if isinstance(inner, StreamingRollout) else None
+    return rollout.loop if isinstance(rollout, (StreamingRollout, Rank0Rollout)) else None
