@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
 import pytest
@@ -63,6 +64,31 @@ def test_batches_sharing_the_loop_draw_what_each_draws_alone(streaming, rollout_
     assert greedy[0][0] is not greedy[0][1] and greedy[0][0].response_ids is not greedy[0][1].response_ids
 
 
+def hold_when(loop: EngineLoop, ready) -> threading.Event:
+    """Hold the loop at the first engine-step boundary where `ready()` (called on the loop's thread): whatever the
+    host's load, no sample goes on until the gate returned is opened."""
+    gate, held = threading.Event(), threading.Event()
+
+    def check() -> None:
+        if ready():
+            held.set()
+            gate.wait()
+
+    while not held.is_set():
+        asked = loop.post(check)
+        wait_until(lambda asked=asked: asked.done() or held.is_set())
+    return gate
+
+
+def load_behind(rollout: StreamingRollout, gate: threading.Event, state, version: int):
+    """`rollout.load_weights(state, version)` taken by the loop as the next thing after the hold (`hold_when`)."""
+    with ThreadPoolExecutor(1) as sender:
+        sent = sender.submit(rollout.load_weights, state, version=version)
+        wait_until(lambda: not rollout.loop._inbox.empty() or sent.done())  # the sync's message waits behind the hold
+        gate.set()
+        return sent.result(timeout=120)
+
+
 def assert_paused_and_continued(rollout: StreamingRollout, prompts, model_dir: str, new_tokens: int,
                                 restore: bool) -> None:
     """`load_weights` to version 1 once each sample has 3 tokens: every sample goes on under the new weights
@@ -72,9 +98,10 @@ def assert_paused_and_continued(rollout: StreamingRollout, prompts, model_dir: s
     params = SamplingParams(n=2, temperature=1.0, max_new_tokens=new_tokens, min_new_tokens=new_tokens, seed=3)
     batch = rollout.launch(prompts[:3], params)
     stream = rollout.loop.stream
-    wait_until(lambda: len(stream.samples) == 6 and min(len(s.tokens) for s in list(stream.samples.values())) >= 3)
+    gate = hold_when(rollout.loop, lambda: len(stream.samples) == 6
+                     and min(len(s.tokens) for s in stream.samples.values()) >= 3)
     try:
-        stats = rollout.load_weights(new.state_dict(), version=1)
+        stats = load_behind(rollout, gate, new.state_dict(), 1)
         assert stats.bytes > 0 and rollout.version == 1
         after = rollout.generate(prompts[3:5], SamplingParams(n=1, temperature=1.0, max_new_tokens=6, seed=4))
         generations = batch.result()
