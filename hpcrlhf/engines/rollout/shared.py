@@ -12,9 +12,18 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import replace
+from datetime import timedelta
 from typing import Any
 
 from hpcrlhf.engines.rollout.contract import ENGINE_MEMORY, Done, Generation, Groups, Pending, SamplingParams
+from hpcrlhf.run.signals import watched_wait
+
+RANK0_PARTY = "rank 0 (its rollout engine, generating for every local rank)"
+"""Whom the other ranks wait for while rank 0 generates (named to their watchdogs)."""
+MEETING_TIMEOUT = timedelta(days=7)
+"""The timeout of the group the ranks meet on before rank 0 scatters: a batch may take longer than the process
+group's collectives may; the watchdog holds the clock."""
+POLL_S = 0.01
 
 
 class Rank0Rollout:
@@ -24,6 +33,8 @@ class Rank0Rollout:
     def __init__(self, engine, env, *, streaming: bool = False):
         self.engine, self.env = engine, env
         self.streaming = streaming
+        self._meeting = None
+        """A gloo group to meet rank 0 on before its scatter (made at the first gather)."""
         """Whether rank 0's engine is an engine loop (`StreamingRollout`: batches under way while the ranks
         train); the same on every rank (the others hold no engine)."""
 
@@ -77,6 +88,8 @@ class Rank0Rollout:
 
         gathered: list = [None] * self.env.world_size
         dist.all_gather_object(gathered, items)
+        if self._meeting is None:  # every rank is here, as at each gather: not so at a scatter
+            self._meeting = dist.new_group(backend="gloo", timeout=MEETING_TIMEOUT)
         return gathered
 
     def _scatter(self, made: tuple[list, Any] | None, sizes: Sequence[int]) -> tuple[list, Any]:
@@ -84,6 +97,7 @@ class Rank0Rollout:
         (collective): (this rank's results, that something)."""
         import torch.distributed as dist
 
+        self._meet_rank0()
         parts: list = [None]
         if self.env.is_main:
             out, shared = made
@@ -94,6 +108,17 @@ class Rank0Rollout:
         dist.broadcast_object_list(parts, src=0)
         results, shared = parts[0]
         return results[self.env.rank], shared
+
+    def _meet_rank0(self) -> None:
+        """Every rank at rank 0's scatter. The others wait while rank 0 generates, which can take long: in a
+        collective they could only be ended by their process's exit (and would fail at the process group's
+        timeout), so they meet it in polls that name rank 0 to their watchdog (`watched_wait`)."""
+        import torch.distributed as dist
+
+        met = dist.barrier(group=self._meeting, async_op=True)
+        if not self.env.is_main:
+            watched_wait(lambda seconds: _completed(met, seconds), lambda: [RANK0_PARTY])
+        met.wait()
 
     def load_weights(self, tensors, version: int | None = None):
         if self.env.is_main:
@@ -142,6 +167,16 @@ class Rank0Batch:
     def as_finished(self) -> Iterator[Groups]:
         """All groups at once (a collective per group would tie every rank to rank 0's arrival order)."""
         yield list(enumerate(self.result()))
+
+
+def _completed(work, seconds: float) -> bool:
+    """Whether a collective begun with `async_op` is done, asked for up to `seconds`."""
+    ends = time.monotonic() + seconds
+    while not work.is_completed():
+        if time.monotonic() >= ends:
+            return False
+        time.sleep(POLL_S)
+    return True
 
 
 def _flat(gathered: list[list]) -> list:
