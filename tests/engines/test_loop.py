@@ -80,13 +80,19 @@ def hold_when(loop: EngineLoop, ready) -> threading.Event:
     return gate
 
 
-def load_behind(rollout: StreamingRollout, gate: threading.Event, state, version: int):
-    """`rollout.load_weights(state, version)` taken by the loop as the next thing after the hold (`hold_when`)."""
-    with ThreadPoolExecutor(1) as sender:
-        sent = sender.submit(rollout.load_weights, state, version=version)
-        wait_until(lambda: not rollout.loop._inbox.empty() or sent.done())  # the sync's message waits behind the hold
+def behind(rollout: StreamingRollout, gate: threading.Event, call, *args, **kwargs):
+    """`call(*args, **kwargs)` (which posts a message to the loop and waits for it) run by the loop as the next thing
+    after the hold (`hold_when`)."""
+    with ThreadPoolExecutor(1) as caller:
+        answer = caller.submit(call, *args, **kwargs)
+        wait_until(lambda: not rollout.loop._inbox.empty() or answer.done())  # its message waits behind the hold
         gate.set()
-        return sent.result(timeout=120)
+        return answer.result(timeout=120)
+
+
+def load_behind(rollout: StreamingRollout, gate: threading.Event, state, version: int):
+    """`rollout.load_weights(state, version)` taken by the loop as the next thing after the hold."""
+    return behind(rollout, gate, rollout.load_weights, state, version=version)
 
 
 def assert_paused_and_continued(rollout: StreamingRollout, prompts, model_dir: str, new_tokens: int,
@@ -126,6 +132,33 @@ def test_weights_taken_with_samples_under_way_pause_and_continue_them(streaming,
     and go on under the new weights, two spans each; every token's log-prob is that of its span's weights;
     a batch launched after the sync is of the new version alone."""
     assert_paused_and_continued(streaming, rollout_prompts, tiny_llama, 96, restore=True)
+
+
+@pytest.mark.slow
+def test_a_batch_suspended_for_a_checkpoint_goes_on_alike_when_relaunched(streaming, rollout_prompts):
+    """`suspend` (a checkpoint with rollout.partial) records a batch under way without waiting for it and lets it
+    go on; the state relaunched (a resumed run) makes exactly what the batch that went on made: the same tokens,
+    log-probs and spans, the samples that had ended kept as they were."""
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=40, seed=11, lengths=(3, 40, 40))
+    batch = streaming.launch(rollout_prompts[:3], params)
+    stream = streaming.loop.stream
+    gate = hold_when(streaming.loop, lambda: len(stream.samples) == 4
+                     and min(len(s.tokens) for s in stream.samples.values()) >= 5)
+    (state,) = behind(streaming, gate, streaming.suspend, [batch])
+    went_on = batch.result()
+    assert state.count == 3 and state.n == 2 and not state.greedy
+    assert sorted((i, j) for i, j, _ in state.ended) == [(0, 0), (0, 1)]  # 3 tokens each: ended before the hold
+    assert sorted((i, j) for i, j, _ in state.under_way) == [(1, 0), (1, 1), (2, 0), (2, 1)]
+    assert all(5 <= len(s.tokens) < 40 and s.segment == 1 for _, _, s in state.under_way)
+    version = streaming.version
+    again = streaming.relaunch(state).result()
+    for gens_on, gens_again in zip(went_on, again):
+        for on, back in zip(gens_on, gens_again):
+            assert back.response_ids == on.response_ids and back.versions == on.versions == [(0, version)]
+            assert back.logprobs == pytest.approx(on.logprobs, abs=1e-5)
+    assert [len(g.response_ids) for gens in again for g in gens] == [3, 3, 40, 40, 40, 40]
+    fresh = streaming.generate(rollout_prompts[1:3], params.part(1, 3))  # a pause changes what follows it
+    assert [g.response_ids for gens in fresh for g in gens] != [g.response_ids for gens in went_on[1:] for g in gens]
 
 
 @pytest.mark.slow

@@ -12,6 +12,10 @@ share the engine (the tail of one runs beside the start of the next, so the engi
   the weights load: the caller's sync waits for that tail.
 
 A batch launched after a `load_weights` starts under the new weights (the loop takes its messages in order).
+With `partial` a checkpoint need not wait for the batches under way: `suspend` pauses them at the next engine
+step, records what each sample has generated (`BatchState`) and lets them go on; a run resumed from it
+`relaunch`es each state and every paused sample goes on exactly as it went on in the run that saved it (the
+same prefix, version and continuation seed).
 The loop's thread builds the engine (vLLM's CPU thread binding then holds for the thread that drives it) and
 alone calls it; every other thread posts a message. A failure in the loop fails every batch under way and every
 later call, naming its cause; the engine is closed with the loop.
@@ -25,12 +29,12 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 from hpcrlhf.engines.rollout.contract import Generation, Groups, SamplingParams, check_prompts, greedy_copies
 from hpcrlhf.engines.rollout.shared import Rank0Rollout
-from hpcrlhf.engines.rollout.streaming import VLLMStream, sample_seeds
+from hpcrlhf.engines.rollout.streaming import StreamSample, VLLMStream, sample_seeds
 from hpcrlhf.engines.rollout.vllm import VLLMRollout
 from hpcrlhf.engines.weight_sync import SyncStats
 from hpcrlhf.logs import get_logger
@@ -62,6 +66,19 @@ class EngineLoad:
     """Samples under way in the mean engine step: how full the engine's batch was kept."""
 
 
+@dataclass
+class BatchState:
+    """A batch under way as a checkpoint keeps it (`EngineLoop.suspend`, `EngineLoop.relaunch`): `count`
+    prompts of `n` samples (`greedy`: sampled once, copied), those ended whole and the others as far as they
+    got (tokens, log-probs, spans, segment: `StreamSample`), each with its prompt and sample index."""
+
+    count: int
+    n: int
+    greedy: bool
+    ended: list[tuple[int, int, Generation]]
+    under_way: list[tuple[int, int, StreamSample]]
+
+
 class EngineLoopError(RuntimeError):
     """The engine loop stopped on an error (the cause is chained): nothing more runs on its engine."""
 
@@ -72,6 +89,7 @@ class StreamBatch:
     def __init__(self, count: int, n: int, greedy: bool) -> None:
         self.launched = time.monotonic()
         self._cond = threading.Condition()
+        self.count, self.n, self.greedy = count, n, greedy
         self._copies = n if greedy else 1  # a greedy prompt is sampled once and copied
         self._samples: list[list[Generation | None]] = [[None] * (n // self._copies) for _ in range(count)]
         self._left = [len(s) for s in self._samples]
@@ -219,6 +237,36 @@ class EngineLoop:
                 self._owners[key] = (batch, i, j)
                 self.stream.submit(key, prompt, seed, params=params.at(i))
 
+    def _suspend(self, batches: Sequence[StreamBatch]) -> list[BatchState]:
+        assert self.stream is not None
+        self.stream.pause()
+        try:
+            states = {id(b): BatchState(b.count, b.n, b.greedy, [], []) for b in batches}
+            for b in batches:
+                with b._cond:
+                    states[id(b)].ended += [(i, j, g) for i, gens in enumerate(b._samples) for j, g in enumerate(gens)
+                                            if g is not None]
+            for key, generation in self.stream.ended:  # cut at its length: given to its batch at the next step
+                batch, i, j = self._owners[key]
+                if id(batch) in states:
+                    states[id(batch)].ended.append((i, j, generation))
+            for key, sample in self.stream.samples.items():
+                batch, i, j = self._owners[key]
+                if id(batch) in states:
+                    states[id(batch)].under_way.append((i, j, replace(sample, tokens=list(sample.tokens),
+                                                                      logprobs=list(sample.logprobs),
+                                                                      versions=list(sample.versions))))
+        finally:
+            self.stream.resume()
+        return [states[id(b)] for b in batches]
+
+    def _relaunch(self, batch: StreamBatch, number: int, state: BatchState) -> None:
+        assert self.stream is not None
+        for i, j, sample in state.under_way:
+            key = f"b{number}.{i}.{j}"
+            self._owners[key] = (batch, i, j)
+            self.stream.resubmit(replace(sample, key=key))
+
     def _publish(self, version: int, receive: Callable[[], T]) -> T:
         assert self.stream is not None
         if self.partial:
@@ -246,6 +294,25 @@ class EngineLoop:
         batch = StreamBatch(len(prompts), params.n, params.greedy)
         prompts, number = [[int(t) for t in p] for p in prompts], next(self._batch_ids)
         self.post(lambda: self._launch(batch, number, prompts, params))
+        return batch
+
+    def suspend(self, batches: Sequence[StreamBatch]) -> list[BatchState]:
+        """What each of `batches` (under way in this loop) has generated so far, for a checkpoint: at the next
+        engine step every sample under way is paused, recorded and continued (`partial` only)."""
+        if not self.partial:
+            raise EngineLoopError("an engine loop without `partial` cannot pause its samples: wait for the batches")
+        future = self.post(lambda: self._suspend(batches))
+        watched_wait(lambda seconds: _done(future, seconds), lambda: [LOOP_PARTY], poll_s=WAIT_S)
+        return future.result()
+
+    def relaunch(self, state: BatchState) -> StreamBatch:
+        """A batch a checkpoint kept (`suspend`) under way again: its samples go on under the version the engine
+        holds now, each as it went on in the run that saved it."""
+        batch = StreamBatch(state.count, state.n, state.greedy)
+        for i, j, generation in state.ended:
+            batch.add(i, j, generation)
+        number = next(self._batch_ids)
+        self.post(lambda: self._relaunch(batch, number, state))
         return batch
 
     def publish(self, version: int, receive: Callable[[], T]) -> Future:
@@ -311,6 +378,12 @@ class StreamingRollout:
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[list[Generation]]:
         return self.launch(prompts, params).result()
 
+    def suspend(self, batches: Sequence[StreamBatch]) -> list[BatchState]:
+        return self.loop.suspend(batches)
+
+    def relaunch(self, state: BatchState) -> StreamBatch:
+        return self.loop.relaunch(state)
+
     def load_weights(self, tensors: Any, version: int | None = None) -> SyncStats:
         """The weights into the engine while the loop keeps its samples (paused, or drained first): this
         thread sends them, the loop's receives."""
@@ -320,6 +393,14 @@ class StreamingRollout:
 
     def close(self) -> None:
         self.loop.close()
+
+
+def _done(future: Future, seconds: float) -> bool:
+    try:
+        future.exception(timeout=seconds)
+    except TimeoutError:
+        return False
+    return True
 
 
 def streams(rollout: Any) -> bool:

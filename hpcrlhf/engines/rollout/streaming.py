@@ -103,6 +103,14 @@ class VLLMStream:
         self.samples[key] = sample
         self._request(sample)
 
+    def resubmit(self, sample: StreamSample) -> None:
+        """Continue a sample paused elsewhere (`pause`, its state kept by a checkpoint) under the version the
+        engine holds now, as `resume` would have: its next segment, seeded by its seed and segment."""
+        if sample.key in self.samples:
+            raise ValueError(f"VLLMStream: sample {sample.key!r} is already under way")
+        self.samples[sample.key] = sample
+        self._request(sample)
+
     def submit_batch(self, prompts: Sequence[Sequence[int]], params: SamplingParams, prefix: str = "") -> list[str]:
         """`params.n` samples of each prompt, seeded as `VLLMRollout.generate` seeds them; their keys,
         prompt-major (`prefix` + "i.j")."""
@@ -131,7 +139,7 @@ class VLLMStream:
         self.requests[number] = sample.key
         if sample.versions and sample.versions[-1][0] == done:  # paused before it sent a token: no span of its own
             sample.versions[-1] = (done, self.version)
-        else:
+        elif not sample.versions or sample.versions[-1][1] != self.version:  # (a pause for a checkpoint: same span)
             sample.versions.append((done, self.version))
         self.reprefilled += done
 
