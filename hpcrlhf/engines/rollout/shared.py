@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any
 
@@ -58,7 +58,18 @@ class Rank0Rollout:
             return Done(self.generate(prompts, params))
         gathered = self._gather(_with_lengths(prompts, params))
         batch = self.engine.launch(*_whole(_flat(gathered), params)) if self.env.is_main else None
-        return Rank0Batch(batch, lambda made: self._scatter(made, [len(part) for part in gathered])[0])
+        return Rank0Batch(batch, [len(part) for part in gathered], self._scatter)
+
+    def suspend(self, batches: Sequence[Rank0Batch]) -> list[Rank0State]:
+        """What each batch under way has made so far (`EngineLoop.suspend` on rank 0's loop; the other ranks keep
+        their shares' sizes), for a checkpoint that does not wait for them; they go on."""
+        states = self.engine.suspend([b.batch for b in batches]) if self.env.is_main else [None] * len(batches)
+        return [Rank0State(b.sizes, state) for b, state in zip(batches, states)]
+
+    def relaunch(self, state: Rank0State) -> Rank0Batch:
+        """A batch a checkpoint kept under way (`suspend`) going on on rank 0's loop, for every rank."""
+        batch = self.engine.relaunch(state.batch) if self.env.is_main else None
+        return Rank0Batch(batch, state.sizes, self._scatter)
 
     def run_episodes(self, runner, rows: Sequence[Mapping[str, Any]], params: SamplingParams, env_seed: int,
                      origins: Sequence[str]) -> tuple[list[list[Generation]], Any]:
@@ -140,15 +151,25 @@ class Rank0Rollout:
             self.engine.close()
 
 
+@dataclass
+class Rank0State:
+    """A batch under way on rank 0's engine loop as a checkpoint keeps it: the ranks' shares (`sizes`) and, on
+    rank 0, the loop's batch as far as it got (`BatchState`)."""
+
+    sizes: list[int]
+    batch: Any
+
+
 class Rank0Batch:
     """A batch under way on rank 0's engine loop for every rank (`Rank0Rollout.launch`; a `Pending`).
     `result()` is collective the first time -- every rank asks at the same point of its step: rank 0 waits for
     its loop's batch and scatters it -- and kept after."""
 
-    def __init__(self, batch: Pending | None, scatter: Callable[[tuple[list, None] | None], list]) -> None:
-        """`batch`: rank 0's (None on the others); `scatter`: rank 0's (generations, None) to this rank's
-        generations (collective)."""
-        self.batch, self.scatter = batch, scatter
+    def __init__(self, batch: Pending | None, sizes: Sequence[int],
+                 scatter: Callable[[tuple[list, None] | None, Sequence[int]], tuple[list, None]]) -> None:
+        """`batch`: rank 0's (None on the others); `sizes`: each rank's share of it; `scatter`: rank 0's
+        (generations, None) split by the sizes back to the ranks (collective)."""
+        self.batch, self.sizes, self.scatter = batch, list(sizes), scatter
         self.launched = batch.launched if batch is not None else time.monotonic()
         self._result: list[list[Generation]] | None = None
         self._finished: float | None = None
@@ -156,7 +177,7 @@ class Rank0Batch:
     def result(self) -> list[list[Generation]]:
         if self._result is None:
             made = (self.batch.result(), None) if self.batch is not None else None
-            self._result = self.scatter(made)
+            self._result = self.scatter(made, self.sizes)[0]
             self._finished = self.batch.finished() if self.batch is not None else time.monotonic()
         return self._result
 

@@ -52,6 +52,7 @@ from hpcrlhf.data.prompts import Prompt
 from hpcrlhf.engines.distributed import all_reduce_sum
 from hpcrlhf.engines.rollout import Done
 from hpcrlhf.engines.rollout.loop import engine_loop, streams
+from hpcrlhf.errors import ConfigError
 from hpcrlhf.logs import get_logger
 from hpcrlhf.run.folder import StepAbandoned
 from hpcrlhf.run.stats import Stats, reduce_means
@@ -95,6 +96,9 @@ class PPOTrainer(OnlineTrainer):
         self.moments = RunningMoments()
         self.ahead: dict[int, Ahead] = {}
         """Step -> its rollout generated ahead (rollout.max_staleness k >= 1), to be scored at that step."""
+        self.suspended: dict[int, tuple[int, Any]] = {}
+        """Step -> (updates done at its launch, its batch as far as it got) of each batch a checkpoint kept under
+        way (rollout.partial), until it goes on (`relaunch_ahead`)."""
         self.version = 0
         """The policy version the actor holds: its updates done (steps trained; a resumed run's step)."""
 
@@ -104,9 +108,10 @@ class PPOTrainer(OnlineTrainer):
         optimizers and schedules, their replay buffers), the driver's KL controller and running
         reward moments, and the rollout generated ahead. Workers' random states are not saved:
         PPO's randomness (sampling, mini-batch order) is seeded per step (`trainers.seeds`)."""
+        under_way = {**self.suspended, **self.suspend_ahead()}  # first: they go on while the models are saved
         controllers = {"kl_controller": self.kl_ctl.state_dict(), "reward_moments": self.moments.state_dict()}
         self.roles.save(folder, {**client_state, **controllers})
-        save_ahead(list(self.ahead.values()), folder, self.env.rank)
+        save_ahead([a for a in self.ahead.values() if a.step not in under_way], folder, self.env.rank, under_way)
 
     def load_checkpoint(self, folder: Path) -> dict[str, Any]:
         state = self.roles.load(folder)
@@ -199,6 +204,7 @@ class PPOTrainer(OnlineTrainer):
         k steps before (`rollout/staleness`: the updates it lags; refill rounds are generated now), and the
         next steps' batches are started here (`launch_ahead`) once this step's generations are in."""
         n = self.cfg.rollout.samples_per_prompt
+        self.relaunch_ahead()
         before = dict(self.ahead)
         kept = self.ahead.pop(step, None)
         try:
@@ -238,13 +244,47 @@ class PPOTrainer(OnlineTrainer):
             self.ahead[target] = Ahead(target, self.launch_rollout(self.step_prompts(target), self.sampling(target, n),
                                                                    step))
 
+    def suspend_ahead(self) -> dict[int, tuple[int, Any]]:
+        """With rollout.partial on an engine loop, the batches ahead still under way as far as they got (they go
+        on: a checkpoint need not wait for their tail): step -> (updates done at its launch, its state)."""
+        if not (self.cfg.rollout.partial and streams(self.rollout)):
+            return {}
+        going = {step: a.rollout for step, a in self.ahead.items() if a.rollout.pending.finished() is None}
+        states = self.rollout.suspend([launched.pending for launched in going.values()]) if going else []
+        return {step: (launched.version, state) for (step, launched), state in zip(going.items(), states)}
+
     def restore_ahead(self, folder: Path, rank: int) -> None:
-        """The rollouts generated ahead that a checkpoint holds (`staleness.save_ahead`), if any."""
+        """The rollouts generated ahead that a checkpoint holds (`staleness.save_ahead`), if any; those it kept
+        under way go on at the first step (`relaunch_ahead`)."""
         n = self.cfg.rollout.samples_per_prompt
-        self.ahead = {step: Ahead(step, LaunchedRollout(
-            self.step_prompts(step), self.sampling(step, n), Done(generations),
-            None if agent_batch is None else (lambda batch=agent_batch: batch), launched_at))
-            for step, launched_at, generations, agent_batch in load_ahead(folder, rank)}
+        self.ahead, self.suspended = {}, {}
+        for saved in load_ahead(folder, rank):
+            if saved.generations is None:
+                self.suspended[saved.step] = (saved.launched_at, saved.under_way)
+                continue
+            figures = None if saved.agent_batch is None else (lambda batch=saved.agent_batch: batch)
+            self.ahead[saved.step] = Ahead(saved.step, LaunchedRollout(
+                self.step_prompts(saved.step), self.sampling(saved.step, n), Done(saved.generations), figures,
+                saved.launched_at))
+        if self.suspended and not (self.cfg.rollout.partial and streams(self.rollout)):
+            raise ConfigError(f"rollout.partial: the checkpoint {folder} holds the batches of steps "
+                              f"{sorted(s + 1 for s in self.suspended)} under way on an engine loop, to go on where "
+                              "they stopped; resume with the settings that saved it (rollout.partial=true, "
+                              "rollout.backend=vllm, rollout.max_staleness >= 1)")
+
+    def relaunch_ahead(self) -> None:
+        """The batches a checkpoint kept under way go on, once the engine holds the resumed weights: each sample
+        from where it stopped, as it went on in the run that saved them."""
+        if not self.suspended:
+            return
+        if not self.rollout_synced:
+            self.sync_rollout()
+        self.ready_to_generate()
+        n = self.cfg.rollout.samples_per_prompt
+        for step, (launched_at, state) in sorted(self.suspended.items()):
+            self.ahead[step] = Ahead(step, LaunchedRollout(self.step_prompts(step), self.sampling(step, n),
+                                                           self.rollout.relaunch(state), version=launched_at))
+        self.suspended = {}
 
     def await_ahead(self) -> None:
         """Wait for the rollouts generated ahead (before new weights go into their engines; with

@@ -9,16 +9,18 @@ n launches step n+2's. The new weights go into the engines once what they genera
 (`PPOTrainer.await_ahead`): each sample of a planned batch is exactly min(s, k) updates old; the samples'
 ages (their recorded versions, `Generation.versions`) are logged by `staleness_stats`.
 
-A checkpoint holds the rollouts generated ahead (`save_ahead`; they are done by then), so a run resumed
-from it -- after a time limit or a stop signal as well -- scores the samples the uninterrupted run
-does.
+A checkpoint holds the rollouts generated ahead (`save_ahead`), so a run resumed from it -- after a time
+limit or a stop signal as well -- scores the samples the run that saved it does: done ones whole (the checkpoint
+waits for them), and with rollout.partial on an engine loop those under way as far as they got
+(`EngineLoop.suspend`: the checkpoint does not wait for a long tail), to go on in the resumed run.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -46,24 +48,41 @@ def ahead_file(folder: Path, rank: int) -> Path:
     return folder / f"ahead_rank{rank}.pt"
 
 
-def save_ahead(ahead: Sequence[Ahead], folder: Path, rank: int) -> None:
-    """Into a checkpoint folder: the rollouts generated ahead for the next steps (done by now: the step's
-    sync waited for them), so that a run resumed there scores the samples an uninterrupted one does."""
-    if ahead:
-        torch.save({"ahead": [{"step": a.step, "launched_at": a.rollout.version, "generations": a.rollout.pending.result(),
-                               "agent_batch": a.rollout.agent_batch()} for a in ahead]}, ahead_file(folder, rank))
+def save_ahead(ahead: Sequence[Ahead], folder: Path, rank: int, under_way: Mapping[int, tuple[int, Any]] = {}) -> None:
+    """Into a checkpoint folder: the rollouts generated ahead for the next steps -- `ahead` done (waited for
+    here), `under_way` as far as they got (step -> (updates done at its launch, its `BatchState`)) -- so that a
+    run resumed there scores the samples this one does."""
+    done = [{"step": a.step, "launched_at": a.rollout.version, "generations": a.rollout.pending.result(),
+             "agent_batch": a.rollout.agent_batch()} for a in ahead]
+    going = [{"step": step, "launched_at": launched_at, "under_way": state, "agent_batch": None}
+             for step, (launched_at, state) in under_way.items()]
+    if done or going:
+        torch.save({"ahead": sorted(done + going, key=lambda a: a["step"])}, ahead_file(folder, rank))
 
 
-def load_ahead(folder: Path, rank: int) -> list[tuple[int, int, list[list[Generation]], dict | None]]:
-    """(step, updates done at its launch, its generations, a multi-turn batch's scheduling figures) of each
-    rollout `save_ahead` kept in a checkpoint folder; a checkpoint of before max_staleness > 1 holds one,
-    launched a step before its own."""
+@dataclass
+class Saved:
+    """A rollout generated ahead as a checkpoint holds it (`load_ahead`): for step `step`, launched after
+    `launched_at` updates; done (`generations`, a multi-turn batch's scheduling figures `agent_batch`) or kept
+    under way (`under_way`: what its engine's `suspend` gave, for its `relaunch`)."""
+
+    step: int
+    launched_at: int
+    generations: list[list[Generation]] | None = None
+    agent_batch: dict | None = None
+    under_way: Any = None
+
+
+def load_ahead(folder: Path, rank: int) -> list[Saved]:
+    """The rollouts `save_ahead` kept in a checkpoint folder; a checkpoint of before max_staleness > 1 holds
+    one, launched a step before its own."""
     path = ahead_file(folder, rank)
     if not path.exists():
         return []
     state = torch.load(path, weights_only=False)
     kept = state.get("ahead", [state])
-    return [(a["step"], a.get("launched_at", a["step"] - 1), a["generations"], a.get("agent_batch")) for a in kept]
+    return [Saved(a["step"], a.get("launched_at", a["step"] - 1), a.get("generations"), a.get("agent_batch"),
+                  a.get("under_way")) for a in kept]
 
 
 def staleness_stats(generations: Sequence[Generation], version: int, k: int) -> Stats:

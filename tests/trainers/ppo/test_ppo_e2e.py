@@ -331,8 +331,11 @@ def test_two_ranks_share_rank_0s_engine_loop_two_steps_ahead_with_partial_rollou
     ranks' batches ahead while they train (`Rank0Rollout.launch`: the prompts gathered at the launch, the
     generations scattered when the step takes them). Each sample's first token is at most min(s, 2) updates old
     and the loop runs two ahead; step 1's samples come from the weights the trainer holds (equal log-probs),
-    later ones from older weights. The checkpoint of step 4 holds both ranks' batches under way (steps 5 and 6):
-    resumed from it, the run trains on them and repeats its last two steps exactly."""
+    later ones from older weights. Responses of 192 tokens: step 4's batch is still under way at the checkpoint
+    of step 2, which keeps it as far as it got without waiting (`EngineLoop.suspend`); resumed from it, the run
+    repeats step 3 exactly and goes on with step 4's samples from where they stopped, each as old as before."""
+    import torch
+
     out = tmp_path / "run"
     args = ["train", "ppo", "-o", str(out), "--set", f"model.path={policy_model}", "--set", "train.max_steps=6",
              "--set", "ppo.advantage_estimator=grpo", "--set", "rollout.samples_per_prompt=4", "--set",
@@ -340,7 +343,8 @@ def test_two_ranks_share_rank_0s_engine_loop_two_steps_ahead_with_partial_rollou
              "rollout.vllm_kv_cache_gb=0.25", "--set", "rollout.max_staleness=2", "--set", "rollout.partial=true",
              "--set", "ppo.tis_cap=2", "--set", "ppo.is_mode=mask", "--set", "rollout.prompts_per_step=8",
              "--set", "train.global_batch_size=32", "--set", "train.micro_batch_size=16", "--set", "eval.score_prompts=16",
-             "--set", "checkpoint.every_steps=2", *QUIET]
+             "--set", "checkpoint.every_steps=2", "--set", "checkpoint.keep_last=3", "--set",
+             "rollout.min_new_tokens=192", "--set", "rollout.max_new_tokens=192", *QUIET]
     run_cli(args, nproc=2, timeout=900)
     rows = train_rows(out)
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
@@ -349,18 +353,28 @@ def test_two_ranks_share_rank_0s_engine_loop_two_steps_ahead_with_partial_rollou
     assert max(staleness) == 2, staleness
     assert rows[0]["rollout/logprob_max_diff"] < 1e-4 < rows[-1]["rollout/logprob_max_diff"]
     assert all(0.5 < r["rollout/is_weight"] <= 2 for r in rows)
+    assert max(r["rollout/partial_share"] for r in rows) > 0  # samples paused at a sync went on
     # rank 0's loop figures: seconds in engine steps, samples under way in the mean step (both ranks' prompts)
     assert all(r["timing/busy_vllm"] >= 0 and 0 <= r["rollout/engine_rows"] <= 3 * 32 for r in rows)
     assert max(r["rollout/engine_rows"] for r in rows) >= 1
     checkpoints = out / "checkpoints"
-    assert {p.name for p in (checkpoints / "step_000004").glob("ahead_rank*.pt")} == {"ahead_rank0.pt", "ahead_rank1.pt"}
-    shutil.rmtree(checkpoints / "step_000006")
-    (checkpoints / "latest").write_text("step_000004")
+    assert {p.name for p in (checkpoints / "step_000002").glob("ahead_rank*.pt")} == {"ahead_rank0.pt", "ahead_rank1.pt"}
+    kept = {a["step"]: a for a in torch.load(checkpoints / "step_000002" / "ahead_rank0.pt", weights_only=False)["ahead"]}
+    going = kept[3]["under_way"]  # step 4's batch (0-based 3), launched after 1 update
+    assert kept[3]["launched_at"] == 1 and going.sizes == [4, 4] and going.batch.count == 8, kept[3]
+    assert going.batch.under_way and all(0 < len(s.tokens) < 192 and s.versions[0][1] == 1
+                                         for _, _, s in going.batch.under_way), going.batch.under_way
+    for later in ("step_000004", "step_000006"):
+        shutil.rmtree(checkpoints / later)
+    (checkpoints / "latest").write_text("step_000002")
     run_cli(args, nproc=2, timeout=900)
     resumed = train_rows(out)
     assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5, 6]
-    for key in ("rollout/score", "rollout/staleness", "rollout/is_weight", "train/policy_loss"):
-        assert [r[key] for r in resumed[4:]] == pytest.approx([r[key] for r in rows[4:]], rel=1e-6, abs=1e-9), key
+    for key in ("rollout/score", "rollout/staleness", "rollout/is_weight", "train/policy_loss"):  # step 3: kept whole
+        assert resumed[2][key] == pytest.approx(rows[2][key], rel=1e-6, abs=1e-9), key
+    # later: the split points of the samples paused at a sync are the host's timing; their ages are the plan's
+    assert [r["rollout/staleness"] for r in resumed[3:]] == pytest.approx(staleness[3:], abs=1e-9)
+    assert all(r["rollout/response_length"] == 192 and 0.5 < r["rollout/is_weight"] <= 2 for r in resumed)
 
 
 @pytest.mark.slow
