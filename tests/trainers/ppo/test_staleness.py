@@ -53,3 +53,33 @@ def test_staleness_figures_count_each_sample_by_its_oldest_token_and_each_model_
                                                            "rollout/staleness_tokens"]
     with pytest.raises(ValueError, match=r"samples of versions after 8 cannot be trained at it: \[-2, -1, 0\]"):
         staleness_stats(samples[:3], 8, 2)
+
+
+def test_a_checkpoint_keeps_done_batches_whole_and_those_under_way_as_their_engine_suspended_them(tmp_path):
+    """`save_ahead` / `load_ahead` / `PPOTrainer.restore_ahead`: a done batch comes back as generations, one kept
+    under way as its engine's state (continued at the first step); resuming the latter without rollout.partial on
+    an engine loop is a clear error naming the steps and the settings, before any step."""
+    from types import SimpleNamespace
+
+    from hpcrlhf.config import load_config
+    from hpcrlhf.config.schema import PPOConfig
+    from hpcrlhf.engines.rollout.contract import Done, SamplingParams
+    from hpcrlhf.errors import ConfigError
+    from hpcrlhf.trainers.online import LaunchedRollout
+    from hpcrlhf.trainers.ppo.driver import PPOTrainer
+    from hpcrlhf.trainers.ppo.staleness import Ahead, load_ahead, save_ahead
+
+    done = [[generation(2, versions=[(0, 1)])]]
+    save_ahead([Ahead(2, LaunchedRollout([], SamplingParams(), Done(done), version=1))], tmp_path, 0,
+               under_way={3: (2, "state of step 3's batch")})
+    saved = load_ahead(tmp_path, 0)
+    assert [(s.step, s.launched_at, s.generations is not None, s.under_way) for s in saved] == [
+        (2, 1, True, None), (3, 2, False, "state of step 3's batch")]
+    cfg = load_config(PPOConfig, None, ["rollout.backend=vllm", "rollout.max_staleness=2", "ppo.tis_cap=2"])
+    trainer = SimpleNamespace(cfg=cfg, rollout=object(), step_prompts=lambda step: [], sampling=lambda step, n: None)
+    with pytest.raises(ConfigError) as e:
+        PPOTrainer.restore_ahead(trainer, tmp_path, 0)
+    assert str(e.value) == (f"rollout.partial: the checkpoint {tmp_path} holds the batches of steps [4] under way on "
+                            "an engine loop, to go on where they stopped; resume with the settings that saved it "
+                            "(rollout.partial=true, rollout.backend=vllm, rollout.max_staleness >= 1)")
+    assert list(trainer.ahead) == [2] and trainer.suspended == {3: (2, "state of step 3's batch")}
