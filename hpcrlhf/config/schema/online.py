@@ -89,8 +89,9 @@ class RolloutConfig:
     next batch. A sample's age is that of its first token (rollout/staleness <= k still holds); its later
     tokens are newer (rollout/staleness_tokens). Needs ppo.tis_cap (the behaviour log-probs of a paused
     sample come from two policies). A checkpoint does not wait for the samples under way: it keeps each as far
-    as it got, and the resumed run continues it (resume with this setting on). false: without it, k >= 1 on that engine still generates in its thread,
-    and each sync waits for the samples under way to end (timing/weight_sync holds that tail)."""
+    as it got, and the resumed run continues it (resume with this setting on). false: without it, k >= 1 on
+    that engine still generates in its thread, and each sync waits for the samples under way to end
+    (timing/weight_sync holds that tail)."""
     length_key: str | None = None
     """Benchmarks only (hpcrlhf bench's long-tail suites): the prompt-row field holding the length, in tokens,
     of every response to that prompt -- EOS suppressed until then, cut there (vLLM's min_tokens = max_tokens),

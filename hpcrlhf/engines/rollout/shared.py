@@ -24,6 +24,7 @@ MEETING_TIMEOUT = timedelta(days=7)
 """The timeout of the group the ranks meet on before rank 0 scatters: a batch may take longer than the process
 group's collectives may; the watchdog holds the clock."""
 POLL_S = 0.01
+"""How often a rank waiting for rank 0 looks whether it came."""
 
 
 class Rank0Rollout:
@@ -33,10 +34,10 @@ class Rank0Rollout:
     def __init__(self, engine, env, *, streaming: bool = False):
         self.engine, self.env = engine, env
         self.streaming = streaming
-        self._meeting = None
-        """A gloo group to meet rank 0 on before its scatter (made at the first gather)."""
         """Whether rank 0's engine is an engine loop (`StreamingRollout`: batches under way while the ranks
         train); the same on every rank (the others hold no engine)."""
+        self._meeting = None
+        """A gloo group to meet rank 0 on before its scatter (made at the first gather)."""
 
     @property
     def loop(self):
