@@ -80,6 +80,32 @@ def test_an_expired_wait_raises_in_the_main_thread_naming_whom_it_waited_for(tmp
     assert "hpcrlhf-watchdog" in text or "_watch" in text  # every thread, the watchdog's own too
 
 
+def test_a_watched_wait_polls_until_ready_or_its_timeout_and_ends_at_the_watchdogs_deadline(tmp_path):
+    """`watched_wait`: the polls get at most poll_s (and no more than the time left); True once a poll says so,
+    False at the timeout; under a watchdog it names its parties and its WaitExpired ends the wait."""
+    from hpcrlhf.run.signals import watched_wait
+
+    asked: list[float] = []
+
+    def ready_at_third(seconds: float) -> bool:
+        asked.append(seconds)
+        return len(asked) == 3
+
+    assert watched_wait(ready_at_third, lambda: ["nobody"], poll_s=0.01) and asked == [0.01] * 3
+    asked.clear()
+    started = time.monotonic()
+    assert not watched_wait(lambda s: asked.append(s) or time.sleep(s) or False, lambda: [], timeout=0.25, poll_s=0.1)
+    assert 0.25 <= time.monotonic() - started < 1.0 and asked[0] == 0.1 and all(0 <= s <= 0.1 for s in asked)
+    dog = Watchdog(WatchdogConfig(first_s=0.3, grace_s=60.0), folder=tmp_path).start()
+    try:
+        with pytest.raises(WaitExpired) as e:
+            with dog.phase("generate"):
+                watched_wait(lambda s: time.sleep(s) or False, lambda: ["the far side"], poll_s=0.05)
+    finally:
+        dog.stop()
+    assert "still waiting for the far side" in str(e.value)
+
+
 def test_a_wait_within_its_deadline_is_left_alone():
     dog = Watchdog(WatchdogConfig(factor=2.0, floor_s=0.5)).start()
     try:
