@@ -16,7 +16,9 @@ whole batch: a batch split over several engines (Ray) runs the trajectories one 
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,13 +31,18 @@ from hpcrlhf.agents.requests import HFRequests, VLLMRequests
 from hpcrlhf.agents.scheduler import BatchStats, mixed_seed, run_episodes
 from hpcrlhf.agents.tools import load_tools
 from hpcrlhf.config.schema.agent import AgentConfig
-from hpcrlhf.engines.rollout.contract import Generation, SamplingParams
+from hpcrlhf.engines.rollout.contract import Generation, Groups, SamplingParams
+from hpcrlhf.engines.rollout.loop import LOOP_PARTY, WAIT_S, StreamingRollout
 from hpcrlhf.engines.rollout.vllm import VLLMRollout
 from hpcrlhf.models.loading import load_tokenizer
+from hpcrlhf.run.signals import watched_wait
 
 
 def request_engine(engine: Any, params: SamplingParams):
-    """The request-level face of a rollout engine: vLLM's continuous batching, else a batch `generate`."""
+    """The request-level face of a rollout engine: vLLM's continuous batching (on an engine loop: its turns
+    beside the loop's other samples), else a batch `generate`."""
+    if isinstance(engine, StreamingRollout):
+        return engine.loop.turns(params)
     return VLLMRequests(engine, params) if isinstance(engine, VLLMRollout) else HFRequests(engine, params)
 
 
@@ -78,8 +85,57 @@ class AgentRunner:
         generations = [ep.generation() for ep in episodes]
         return [generations[i * n:(i + 1) * n] for i in range(len(rows))], stats
 
+    def launch(self, engine: StreamingRollout, rows: Sequence[Mapping[str, Any]], params: SamplingParams,
+               env_seed: int, origins: Sequence[str] | None = None) -> EpisodeBatch:
+        """As `run` on an engine loop, under way when this returns: a thread of its own schedules the
+        trajectories (their environments on this runner's pool) while the caller trains."""
+        return EpisodeBatch(lambda: self.run(engine, rows, params, env_seed, origins))
+
     def close(self) -> None:
         self.pool.close()
+
+
+class EpisodeBatch:
+    """Trajectories under way on an engine loop (`AgentRunner.launch`; a `Pending`): `result()` waits for them
+    (watched: a hang names the loop) and raises what their run raised."""
+
+    def __init__(self, run: Callable[[], tuple[list[list[Generation]], BatchStats]]) -> None:
+        self.launched = time.monotonic()
+        self._out: tuple[list[list[Generation]], BatchStats] | None = None
+        self._error: BaseException | None = None
+        self._finished: float | None = None
+        self._done = threading.Event()
+        threading.Thread(target=self._run, args=(run,), name="hpcrlhf-episodes", daemon=True).start()
+
+    def _run(self, run: Callable[[], tuple[list[list[Generation]], BatchStats]]) -> None:
+        try:
+            self._out = run()
+        except BaseException as e:  # given to the caller by `result`
+            self._error = e
+        finally:
+            self._finished = time.monotonic()
+            self._done.set()
+
+    def _wait(self) -> tuple[list[list[Generation]], BatchStats]:
+        watched_wait(self._done.wait, lambda: [f"the trajectories of an agent batch on {LOOP_PARTY}"], poll_s=WAIT_S)
+        if self._error is not None:
+            raise self._error
+        assert self._out is not None
+        return self._out
+
+    def result(self) -> list[list[Generation]]:
+        return self._wait()[0]
+
+    def stats(self) -> BatchStats:
+        """The batch's scheduling figures (waits for it)."""
+        return self._wait()[1]
+
+    def finished(self) -> float | None:
+        return self._finished
+
+    def as_finished(self) -> Iterator[Groups]:
+        """Every group at once, when the batch is done."""
+        yield list(enumerate(self.result()))
 
 
 @dataclass(frozen=True)

@@ -587,6 +587,40 @@ def test_hf_agent_turns_are_reproducible_and_carry_the_trainers_logprobs(hf_mode
     check_transcripts(hf_model, runs[0], TOL)
 
 
+@pytest.mark.slow
+def test_agent_turns_on_an_engine_loop_are_a_plain_engines_beside_other_batches(vllm_rollout, hf_model, tokenizer,
+                                                                                tiny_llama, rollout_prompts):
+    """Trajectories on an engine loop (`EngineLoop.turns`: each turn posted by the agent scheduler's thread and
+    generated between the loop's other samples) -- two agent batches at once, beside a plain batch -- take the
+    turns a plain engine gives them, token for token, with the trainer's log-probs."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from hpcrlhf.agents.requests import VLLMRequests
+    from hpcrlhf.engines.rollout.loop import StreamingRollout
+    from hpcrlhf.engines.rollout.vllm import VLLMRollout
+
+    base = {k: v.clone() for k, v in hf_model.state_dict().items()}
+    hf_model.load_state_dict(agent_eos_prone(hf_model, tokenizer))
+    params = SamplingParams(max_new_tokens=10)
+    looped = StreamingRollout(lambda: VLLMRollout(tiny_llama, seed=0, max_model_len=256, kv_cache_bytes=1 << 28),
+                              partial=False)
+    try:
+        vllm_rollout.load_weights(hf_model.state_dict())
+        plain = run_agents(VLLMRequests(vllm_rollout, params), tokenizer)
+        looped.load_weights(hf_model.state_dict(), version=1)
+        other = looped.launch(rollout_prompts[:4], SamplingParams(n=2, temperature=1.0, max_new_tokens=24, seed=5))
+        with ThreadPoolExecutor(2) as threads:
+            runs = list(threads.map(lambda _: run_agents(looped.loop.turns(params), tokenizer), range(2)))
+        assert [len(gens) for gens in other.result()] == [2] * 4
+        for run in runs:
+            assert [ep.ids for ep in run] == [ep.ids for ep in plain]
+        check_transcripts(hf_model, runs[0], engine_tol())
+        assert looped.loop.post(lambda: looped.engine.llm.llm_engine.has_unfinished_requests()).result() is False
+    finally:
+        vllm_rollout.load_weights(base)  # the engine is shared by the module's tests
+        looped.close()
+
+
 def test_vllm_agent_turns_carry_the_trainers_logprobs_whatever_the_schedule(vllm_rollout, hf_model, tokenizer):
     from hpcrlhf.agents.requests import VLLMRequests
 

@@ -156,8 +156,9 @@ class EngineLoop:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._error: BaseException | None = None
-        self._owners: dict[str, tuple[StreamBatch, int, int]] = {}
-        """A sample's key -> its batch, prompt and sample index (the loop's thread only)."""
+        self._owners: dict[str, tuple[Any, Any, int]] = {}
+        """A sample's key -> its batch (a `StreamBatch`, or any sink with `add(i, j, generation)` and
+        `fail(error)`: an agent scheduler's turns), prompt and sample index (the loop's thread only)."""
         self._batch_ids = itertools.count()
         self._load = [0.0, 0, 0]
         """Seconds in engine steps, steps, samples under way summed over them (since `pop_load`)."""
@@ -267,6 +268,20 @@ class EngineLoop:
             self._owners[key] = (batch, i, j)
             self.stream.resubmit(replace(sample, key=key))
 
+    def _submit_turn(self, sink: Any, i: int, number: int, prompt_ids: list[int], seed: int | None,
+                     max_new_tokens: int, params: SamplingParams) -> None:
+        assert self.stream is not None
+        key = f"t{number}.{i}"
+        self._owners[key] = (sink, i, 0)
+        self.stream.submit(key, prompt_ids, seed, max_new_tokens=max_new_tokens, params=params)
+
+    def _abort_turns(self, number: int, ids: Sequence[int]) -> None:
+        assert self.stream is not None
+        keys = [f"t{number}.{i}" for i in ids]
+        self.stream.abort(keys)
+        for key in keys:
+            self._owners.pop(key, None)
+
     def _publish(self, version: int, receive: Callable[[], T]) -> T:
         assert self.stream is not None
         if self.partial:
@@ -295,6 +310,11 @@ class EngineLoop:
         prompts, number = [[int(t) for t in p] for p in prompts], next(self._batch_ids)
         self.post(lambda: self._launch(batch, number, prompts, params))
         return batch
+
+    def turns(self, params: SamplingParams) -> LoopTurns:
+        """A request-level face of this loop (`hpcrlhf.agents.scheduler.RequestEngine`) for one caller: an agent
+        scheduler's model turns generated beside the loop's other samples, sampled as `params` say."""
+        return LoopTurns(self, next(self._batch_ids), params)
 
     def suspend(self, batches: Sequence[StreamBatch]) -> list[BatchState]:
         """What each of `batches` (under way in this loop) has generated so far, for a checkpoint: at the next
@@ -351,6 +371,69 @@ class EngineLoop:
             if self._thread.is_alive():
                 log.warning(f"the engine loop did not end within {CLOSE_S:g} s of its close (an engine step that does "
                             "not return): its thread is left to end with the process, its engine not closed")
+
+
+TURN_WAIT_S = 0.01
+"""How long `LoopTurns.step` waits for a turn to end (its caller also waits for environments meanwhile)."""
+
+
+class LoopTurns:
+    """Model turns on an engine loop, one caller's (`EngineLoop.turns`): `submit` posts a turn, the loop generates
+    it between its other samples, `step` gives the turns that ended since the last call (waiting up to
+    TURN_WAIT_S for one). The protocol of `hpcrlhf.agents.scheduler.RequestEngine`, driven by one thread."""
+
+    synchronous = False
+
+    def __init__(self, loop: EngineLoop, number: int, params: SamplingParams) -> None:
+        self.loop, self.number, self.params = loop, number, replace(params, n=1)
+        self._cond = threading.Condition()
+        self._ended: list[tuple[int, Generation]] = []
+        self._error: BaseException | None = None
+        self._keys: dict[int, str] = {}
+        """Each turn under way: its number here -> the caller's key."""
+        self._ids = itertools.count()
+
+    def submit(self, request: Any) -> None:
+        """`request`: a `TurnRequest` (key, prompt_ids, max_new_tokens, seed)."""
+        i = next(self._ids)
+        self._keys[i] = request.key
+        self.loop.post(lambda: self.loop._submit_turn(self, i, self.number, list(request.prompt_ids), request.seed,
+                                                      request.max_new_tokens, self.params))
+
+    def add(self, i: int, j: int, generation: Generation) -> None:  # the loop's thread
+        with self._cond:
+            self._ended.append((i, generation))
+            self._cond.notify_all()
+
+    def fail(self, error: BaseException) -> None:
+        with self._cond:
+            self._error = error
+            self._cond.notify_all()
+
+    def step(self) -> list:
+        from hpcrlhf.agents.scheduler import TurnOutput  # (the agents' layer is above this one)
+
+        with self._cond:
+            self._cond.wait_for(lambda: self._ended or self._error is not None, TURN_WAIT_S)
+            if self._error is not None:
+                raise EngineLoopError(f"the engine loop stopped with turns under way: {self._error}") from self._error
+            ended, self._ended = self._ended, []
+        return [TurnOutput(self._keys.pop(i), g.response_ids, g.logprobs, g.finished) for i, g in ended
+                if i in self._keys]  # (not one aborted meanwhile)
+
+    def running(self) -> int:
+        return len(self._keys)
+
+    def abort(self, keys: list[str]) -> None:
+        drop = set(keys)
+        ids = [i for i, key in self._keys.items() if key in drop]
+        for i in ids:
+            del self._keys[i]
+        if ids and self._error is None:
+            try:
+                self.loop.post(lambda: self.loop._abort_turns(self.number, ids))
+            except EngineLoopError:  # a stopped loop runs nothing
+                pass
 
 
 class StreamingRollout:
