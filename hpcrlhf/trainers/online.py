@@ -104,14 +104,14 @@ def stream_weights(engine, rollout, bucket_bytes: int, version: int | None = Non
 def rollout_engines(engine, models: ModelFactory, cfg: OnlineJobConfig):
     """(the rollout engine, the trained module of `engine` as a generator): the same object
     with rollout.backend hf; with vllm, an engine on rank 0 serving every rank -- an engine loop
-    (`StreamingRollout`) with rollout.max_staleness >= 1 and no agent section."""
+    (`StreamingRollout`) with rollout.max_staleness >= 1 (an agent section's trajectories run on it too)."""
     env = models.env
     synced = engine.zero_stage == 3 and env.world_size > 1
     hf = HFRollout(engine.module, pad_token_id=models.pad_id, eos_token_id=models.tokenizer.eos_token_id,
                    device=engine.device, synced_gpus=synced, batch_size=cfg.rollout.hf_batch_size)
     if cfg.rollout.backend == "hf":
         return hf, hf
-    streaming = bool(cfg.rollout.max_staleness) and getattr(cfg, "agent", None) is None
+    streaming = bool(cfg.rollout.max_staleness)
     if not env.is_main:
         vllm = None
     elif streaming:  # generated in a thread of its own while the step trains (rollout.partial: paused across syncs)
@@ -271,6 +271,9 @@ class OnlineTrainer(TrainingLoop):
         if hasattr(engine, "launch_episodes"):
             batch = engine.launch_episodes(rows, params, origins, params.seed, self.agent_spec)
             return batch, lambda: batch_stats(batch.episode_stats(), trajectories)
+        if isinstance(engine, StreamingRollout):  # an engine loop: the trajectories run beside the step
+            batch = self.agent.launch(engine, rows, params, params.seed, origins)
+            return batch, lambda: batch_stats(batch.stats(), trajectories)
         if hasattr(engine, "run_episodes"):  # one engine on rank 0 for every rank: its environments run there
             generations, stats = engine.run_episodes(self.agent, rows, params, params.seed, origins)
             stats = stats or BatchStats()  # the batch's figures are rank 0's

@@ -47,14 +47,16 @@ are state, not actions); 4 samples per prompt, as the measured run of docs/agent
     pytest.param("vllm", [], id="vllm"),
     pytest.param("hf", [], marks=long_only(
         60, "the vllm case; the hf backend's trajectories by the misbehaving-tools and resume tests below"), id="hf"),
-    pytest.param("vllm", GAE, id="vllm-gae")])
+    pytest.param("vllm", GAE, id="vllm-gae"),
+    pytest.param("vllm", ["--set", "rollout.max_staleness=1"], id="vllm-k1")])
 def test_the_agent_recipe_teaches_the_tiny_model_to_call_its_calculator(backend, extra, agent_policy, tmp_path):
     """The agent-tiny recipe (GRPO, the environment's reward alone; vLLM: each trajectory on its own
     clock): held-out greedy success from ~0 (the model guesses products) to most problems, by calling
     `multiply` (measured, 20 steps: 0.016 -> 0.99 at step 5 on both backends; sampled success 0.42 ->
     0.93 on vLLM, 0.38 -> 0.95 on HF, 2026-11-28). The same 8 steps on hf (0.008 -> 0.89, 2026-11-28)
     are left out of CI for its minutes (tests/budget.py). With GAE (`GAE`) in 12 steps: greedy 0.0 -> 0.95, sampled
-    0.47 -> 0.61, the value loss 0.107 -> 0.012 (2026-11-29)."""
+    0.47 -> 0.61, the value loss 0.107 -> 0.012 (2026-11-29). One step stale (`vllm-k1`): each step's trajectories
+    run on the engine loop while the step before trains (`AgentRunner.launch`), one update behind."""
     out = tmp_path / "run"
     proc = run_cli(["train", "ppo", "--config", "agent-tiny", "-o", str(out), "--set", f"model.path={agent_policy}",
                     "--set", f"rollout.backend={backend}", "--set", "train.max_steps=8", "--set", "eval.every_steps=0",
@@ -71,7 +73,13 @@ def test_the_agent_recipe_teaches_the_tiny_model_to_call_its_calculator(backend,
     assert first["agent/env_tokens"] > 0 and 0 <= last["agent/engine_idle_share"] < 1
     assert ("train/value_loss" in last) == (extra is GAE), last  # GAE's critic trained beside the actor
     # the engine's log-probs of the model's tokens are the trainer's: on vLLM, after every weight sync
-    assert max(r["rollout/logprob_max_diff"] for r in rows) < 1e-4
+    stale = "rollout.max_staleness=1" in extra
+    assert max(r["rollout/logprob_max_diff"] for r in (rows[:1] if stale else rows)) < 1e-4
+    if stale:  # generated one update behind, beside the training of the step before, on the engine loop
+        assert [r["rollout/staleness"] for r in rows] == [0] + [1] * (len(rows) - 1)
+        assert rows[-1]["rollout/logprob_max_diff"] > 1e-4  # (the last step generates nothing: no step after it)
+        assert all(r["timing/busy_vllm"] > 0 for r in rows[:-1]), [r["timing/busy_vllm"] for r in rows]
+        assert max(r["timing/overlap"] for r in rows) > 0
     if backend == "vllm":  # the actor's weights streamed into the engine after each update
         assert all(r["weight_sync/bytes"] > 1.6e6 and r["weight_sync/buckets"] >= 1 for r in rows)
         # vLLM's own lines -- its engine's start and shutdown in this process and in the engine's
@@ -200,7 +208,8 @@ def test_two_ranks_run_their_trajectories_on_rank_0s_engine(tmp_path):
     batch on its engine (their environments in its process) and each rank learns from its own; the batch's
     figures count each trajectory once (an environment call per reset, per turn and at the end, over the
     trajectories of both ranks). Evaluation runs its episodes on the engine too: the ranks' ZeRO-3
-    modules generate in lockstep, which trajectories of different lengths cannot keep."""
+    modules generate in lockstep, which trajectories of different lengths cannot keep. One step stale
+    (rollout.max_staleness 1), rank 0's engine is an engine loop: its scheduler posts each turn to it."""
     rows = tmp_path / "rows.jsonl"
     rows.write_text("".join(json.dumps({"prompt": f"count {i}", "id": f"row{i}"}) + "\n" for i in range(32)))
     model, out = short_turned("llama", None, tmp_path / "model"), tmp_path / "run"
@@ -210,7 +219,7 @@ def test_two_ranks_run_their_trajectories_on_rank_0s_engine(tmp_path):
              "--set", "rollout.prompts_per_step=4", "--set", "rollout.samples_per_prompt=4", "--set",
              "rollout.max_new_tokens=8", "--set", "train.global_batch_size=16", "--set", "train.micro_batch_size=4",
              "--set", "optim.lr=1e-4", "--set", "train.max_steps=2", "--set", f"data.eval_path={rows}",
-             "--set", "eval.score_prompts=5",
+             "--set", "eval.score_prompts=5", "--set", "rollout.max_staleness=1",
              "--set", "agent={environment: 'tests.agents.envs:Wordy', environment_args: {turns: 2}, max_turns: 3, "
                       "max_tokens: 48}", "--set", "reward.sources=[{env: true}]", *QUIET], nproc=2, timeout=900)
     steps = train_rows(out)
@@ -218,7 +227,8 @@ def test_two_ranks_run_their_trajectories_on_rank_0s_engine(tmp_path):
     for r in steps:
         assert r["agent/env_calls"] == pytest.approx(r["agent/turns"] + 2), r  # reset, turns, end: counted once
         assert r["reward/env"] == pytest.approx(r["agent/episode_reward"]) and 0 <= r["agent/engine_idle_share"] < 1
-        assert r["rollout/logprob_max_diff"] < 1e-4, r  # the engine's log-probs of the model's tokens: the ZeRO-3 actor's
+    assert steps[0]["rollout/logprob_max_diff"] < 1e-4  # the engine's log-probs of the model's tokens: the ZeRO-3 actor's
+    assert [r["rollout/staleness"] for r in steps] == [0, 1] and steps[0]["timing/busy_vllm"] > 0  # rank 0's loop
     assert max(r["agent/turns"] for r in steps) > 1 and steps[1]["train/policy_loss"] != 0
     s = summary(out)
     assert s["status"] == "done" and s["before"]["eval/turns"] >= 1 and "eval/reward" in s["after"], s
