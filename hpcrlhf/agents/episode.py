@@ -89,6 +89,8 @@ class Episode:
         self.env: Any = None
         self.box: ToolBox | None = None
         self._turn: tuple[list[int], bool] = ([], False)
+        self.versions: list[tuple[int, int]] | None = None
+        """The policy versions of the trajectory's response (`Generation.versions`), where its turns record them."""
 
     @property
     def label(self) -> str:
@@ -192,10 +194,13 @@ class Episode:
         """Tokens the trajectory may still take."""
         return self.setup.limits.max_tokens - len(self.ids)
 
-    def add_model(self, tokens: Sequence[int], logprobs: Sequence[float], finished: bool) -> None:
-        """The model's turn, exactly as sampled."""
+    def add_model(self, tokens: Sequence[int], logprobs: Sequence[float], finished: bool,
+                  versions: Sequence[tuple[int, int]] | None = None) -> None:
+        """The model's turn, exactly as sampled (`versions`: its spans' policy versions, `TurnOutput.versions`)."""
         if len(tokens) != len(logprobs):
             raise ValueError(f"a model turn of {len(tokens)} tokens came with {len(logprobs)} log-probs")
+        if versions:
+            self.versions = join_spans(self.versions or [], len(self.ids), versions)
         self.ids += tokens
         self.action += [True] * len(tokens)
         self.logprobs += [float(x) for x in logprobs]
@@ -220,7 +225,7 @@ class Episode:
         """The trajectory as a rollout's generation: everything after the prompt, the model's tokens
         marked (`action_mask`), finished when its environment ended it (status done)."""
         return Generation(list(self.prompt_ids), list(self.ids), list(self.logprobs), self.record.status == "done",
-                          list(self.action), self.record)
+                          list(self.action), self.record, None if self.versions is None else list(self.versions))
 
     def end(self, status: str, error: str | None = None) -> None:
         self.record.status, self.record.error = status, error
@@ -228,6 +233,17 @@ class Episode:
     @property
     def ended(self) -> bool:
         return self.record.ended
+
+
+def join_spans(spans: Sequence[tuple[int, int]], at: int, turn: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+    """A trajectory's version spans (`Generation.versions`) with those of a turn that starts at response index
+    `at` (its spans relative to it) after them: a span that holds the version of the one before it joins it (an
+    environment's tokens between turns lie in the span before them)."""
+    out = list(spans)
+    for start, version in turn:
+        if not out or out[-1][1] != version:
+            out.append((at + start, version))
+    return out
 
 
 def _is_number(value: Any) -> bool:

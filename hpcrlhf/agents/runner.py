@@ -42,7 +42,7 @@ def request_engine(engine: Any, params: SamplingParams):
     """The request-level face of a rollout engine: vLLM's continuous batching (on an engine loop: its turns
     beside the loop's other samples), else a batch `generate`."""
     if isinstance(engine, StreamingRollout):
-        return engine.loop.turns(params)
+        return VLLMRequests.on_loop(engine.loop, params)
     return VLLMRequests(engine, params) if isinstance(engine, VLLMRollout) else HFRequests(engine, params)
 
 

@@ -47,6 +47,10 @@ class TurnOutput:
     logprobs: list[float]
     finished: bool
     """Ended with EOS (else cut at its token limit)."""
+    versions: list[tuple[int, int]] | None = None
+    """The policy versions that sampled the turn, (first index in the turn, version) per span, where the engine
+    records them (an engine loop's weights change while trajectories run: `Generation.versions`); None: the
+    weights the batch was launched with."""
 
 
 class RequestEngine(Protocol):
@@ -146,7 +150,7 @@ def run_episodes(engine: RequestEngine, episodes: Sequence[Episode], pool: EnvPo
             if engine.running():
                 for out in engine.step():
                     ep = in_engine.pop(out.key)
-                    ep.add_model(out.token_ids, out.logprobs, out.finished)
+                    ep.add_model(out.token_ids, out.logprobs, out.finished, out.versions)
                     call(ep, "after_turn")
             elif in_engine:
                 raise RuntimeError(f"the engine runs nothing, but turns of {sorted(in_engine)[:3]} never came back")

@@ -154,6 +154,21 @@ def watched_wait(poll: Callable[[float], bool], parties: Callable[[], Sequence[s
             dog.check()
 
 
+def watched_until(done: Callable[[], bool], parties: Callable[[], Sequence[str]], *, timeout: float | None = None,
+                  poll_s: float = WATCH_POLL_S, every_s: float = 0.01) -> bool:
+    """`watched_wait` for something that only says whether it is done (`done()`: a collective begun with
+    `async_op`, a future), asked every `every_s` seconds."""
+    def poll(seconds: float) -> bool:
+        ends = time.monotonic() + seconds
+        while not done():
+            if time.monotonic() >= ends:
+                return False
+            time.sleep(min(every_s, max(0.0, ends - time.monotonic())))
+        return True
+
+    return watched_wait(poll, parties, timeout=timeout, poll_s=poll_s)
+
+
 def installed_flag() -> StopFlag | None:
     """The StopFlag whose handlers this process runs (a run's, `hpcrlhf.run.folder.Run`), else None."""
     flag = getattr(signal.getsignal(signal.SIGTERM), "__self__", None)

@@ -9,11 +9,12 @@ import time
 import pytest
 
 from hpcrlhf.agents.environments import load_environment
-from hpcrlhf.agents.episode import Episode, EpisodeLimits, Setup
+from hpcrlhf.agents.episode import Episode, EpisodeLimits, Setup, join_spans
 from hpcrlhf.agents.parsers import hermes
 from hpcrlhf.agents.pool import EnvPool
 from hpcrlhf.agents.render import ChatRenderer
 from hpcrlhf.agents.scheduler import TurnOutput, mixed_seed, run_episodes
+from hpcrlhf.engines.rollout.contract import token_versions
 from hpcrlhf.errors import AgentEnvError
 from hpcrlhf.models.loading import load_tokenizer
 
@@ -120,6 +121,44 @@ def test_the_transcript_is_the_models_tokens_as_sampled_and_the_environments_ans
         [{"role": "system", "content": "Count."}, {"role": "user", "content": "start 0"},
          {"role": "assistant", "content": "say 0"}, {"role": "user", "content": "again"},
          {"role": "assistant", "content": "say 1"}], tokenize=False)
+
+
+def test_join_spans_puts_a_turns_spans_after_the_trajectorys_and_joins_a_version_that_goes_on():
+    assert join_spans([], 0, [(0, 3)]) == [(0, 3)]
+    assert join_spans([(0, 3)], 7, [(0, 3), (2, 4)]) == [(0, 3), (9, 4)]  # paused 2 tokens into the turn at 7
+    assert join_spans([(0, 3), (9, 4)], 15, [(0, 4)]) == [(0, 3), (9, 4)]
+    assert join_spans([(0, 3)], 5, [(0, 4)]) == [(0, 3), (5, 4)]  # the update came between turns
+
+
+class VersionedEngine(ScriptedEngine):
+    """Turn t's tokens carry the spans `spans[t]` (turn-relative), as an engine loop's turns do."""
+
+    def __init__(self, tokenizer, say, spans) -> None:
+        super().__init__(tokenizer, say)
+        self.spans = spans
+
+    def step(self) -> list[TurnOutput]:
+        return [TurnOutput(o.key, o.token_ids, o.logprobs, o.finished, self.spans[self.turns[o.key] - 1])
+                for o in super().step()]
+
+
+def test_a_trajectory_records_the_versions_of_its_turns_spans_and_the_environments_tokens_lie_in_the_one_before(
+        tok, pool):
+    """Turn 0 under version 3, turn 1 paused after 2 tokens and continued under 4, turn 2 under 4: the
+    trajectory's spans are (0, 3) and (start of turn 1 + 2, 4); the environment's answer after turn 0 is of 3.
+    A plain engine's turns record none: the trajectory's versions stay None (the trainer stamps its launch's)."""
+    say = lambda key, turn: (f"say {turn} more", 1, True)  # noqa: E731
+    (ep,) = episodes(tok, pool, "tests.agents.envs:Countdown", {"turns": 3}, [{"id": "a"}])
+    run_episodes(VersionedEngine(tok, say, [[(0, 3)], [(0, 3), (2, 4)], [(0, 4)]]), [ep], pool, max_new_tokens=16,
+                 seed=1)
+    (plain,) = episodes(tok, pool, "tests.agents.envs:Countdown", {"turns": 3}, [{"id": "a"}])
+    run_episodes(ScriptedEngine(tok, say), [plain], pool, max_new_tokens=16, seed=1)
+    starts = [i for i, a in enumerate(ep.action) if a and (i == 0 or not ep.action[i - 1])]
+    assert len(starts) == 3 and ep.record.turns == 3
+    g = ep.generation()
+    assert g.versions == [(0, 3), (starts[1] + 2, 4)]
+    assert token_versions(g) == [3] * (starts[1] + 2) + [4] * (len(ep.ids) - starts[1] - 2)
+    assert plain.generation().versions is None and plain.ids == ep.ids
 
 
 def test_turn_and_token_limits_end_a_trajectory_on_the_models_tokens(tok, pool):

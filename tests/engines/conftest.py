@@ -1,4 +1,5 @@
-"""Fixtures for the rollout-engine tests: the bundled task's prompts and one real vLLM engine.
+"""Fixtures for the rollout-engine tests: the bundled task's prompts, one real vLLM engine and one on an engine
+loop.
 
 The engine starts once per test module (~15-20 s here: two spawned processes) and is shut down
 when the module ends, so an idle engine does not compete with later tests for the 2 cores.
@@ -28,3 +29,16 @@ def vllm_rollout(tiny_llama):
     engine = VLLMRollout(tiny_llama, seed=0, max_model_len=256, kv_cache_bytes=1 << 28)
     yield engine
     engine.close()
+
+
+@pytest.fixture(scope="module")
+def streaming(tiny_llama):
+    """A StreamingRollout on the tiny llama that pauses its samples across weight updates (rollout.partial)."""
+    pytest.importorskip("vllm")
+    from hpcrlhf.engines.rollout.loop import StreamingRollout
+    from hpcrlhf.engines.rollout.vllm import VLLMRollout
+
+    rollout = StreamingRollout(lambda: VLLMRollout(tiny_llama, seed=0, max_model_len=256, kv_cache_bytes=1 << 28),
+                               partial=True)
+    yield rollout
+    rollout.close()

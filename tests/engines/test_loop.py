@@ -25,17 +25,6 @@ def wait_until(ready, timeout_s: float = 60.0) -> None:
         time.sleep(0.005)
 
 
-@pytest.fixture(scope="module")
-def streaming(tiny_llama):
-    pytest.importorskip("vllm")
-    from hpcrlhf.engines.rollout.vllm import VLLMRollout
-
-    rollout = StreamingRollout(lambda: VLLMRollout(tiny_llama, seed=0, max_model_len=256, kv_cache_bytes=1 << 28),
-                               partial=True)
-    yield rollout
-    rollout.close()
-
-
 @pytest.mark.slow
 def test_batches_sharing_the_loop_draw_what_each_draws_alone(streaming, rollout_prompts):
     """Samples are seeded one by one (as a vLLM batch seeds its children): two batches launched together
@@ -64,9 +53,9 @@ def test_batches_sharing_the_loop_draw_what_each_draws_alone(streaming, rollout_
     assert greedy[0][0] is not greedy[0][1] and greedy[0][0].response_ids is not greedy[0][1].response_ids
 
 
-def hold_when(loop: EngineLoop, ready) -> threading.Event:
+def hold_when(loop: EngineLoop, ready, gone=lambda: False) -> threading.Event:
     """Hold the loop at the first engine-step boundary where `ready()` (called on the loop's thread): whatever the
-    host's load, no sample goes on until the gate returned is opened."""
+    host's load, no sample goes on until the gate returned is opened. Fails once `gone()` (the moment passed)."""
     gate, held = threading.Event(), threading.Event()
 
     def check() -> None:
@@ -75,6 +64,7 @@ def hold_when(loop: EngineLoop, ready) -> threading.Event:
             gate.wait()
 
     while not held.is_set():
+        assert not gone(), "the loop never reached the state to hold it at"
         asked = loop.post(check)
         wait_until(lambda asked=asked: asked.done() or held.is_set())
     return gate

@@ -543,14 +543,15 @@ def agent_episodes(tokenizer, pool, n: int) -> list:
     return [Episode(str(i), {"id": f"r{i}"}, 10 + i, setup) for i in range(n)]
 
 
-def agent_eos_prone(model, tokenizer) -> dict[str, torch.Tensor]:
-    """The model's weights made to end turns early in the Countdown conversations (several turns fit)."""
+def agent_eos_prone(model, tokenizer, alpha: float = 0.1) -> dict[str, torch.Tensor]:
+    """The model's weights made to end turns early in the Countdown conversations (several turns fit; alpha
+    0.1: mostly at once)."""
     from hpcrlhf.agents.render import ChatRenderer
 
     renderer = ChatRenderer(tokenizer)
     prompts = [renderer.prompt([{"role": "system", "content": "Count."}, {"role": "user", "content": f"start {i}"}])
                + renderer.observation([{"role": "user", "content": "again"}]) for i in range(10)]
-    return eos_prone(model, prompts, tokenizer.eos_token_id, alpha=0.1)
+    return eos_prone(model, prompts, tokenizer.eos_token_id, alpha=alpha)
 
 
 def check_transcripts(model, episodes, tol: float) -> None:
@@ -589,36 +590,86 @@ def test_hf_agent_turns_are_reproducible_and_carry_the_trainers_logprobs(hf_mode
 
 @pytest.mark.slow
 def test_agent_turns_on_an_engine_loop_are_a_plain_engines_beside_other_batches(vllm_rollout, hf_model, tokenizer,
-                                                                                tiny_llama, rollout_prompts):
+                                                                                streaming, rollout_prompts):
     """Trajectories on an engine loop (`EngineLoop.turns`: each turn posted by the agent scheduler's thread and
     generated between the loop's other samples) -- two agent batches at once, beside a plain batch -- take the
-    turns a plain engine gives them, token for token, with the trainer's log-probs."""
+    turns a plain engine gives them, token for token, with the trainer's log-probs, each trajectory of the one
+    version the loop held."""
     from concurrent.futures import ThreadPoolExecutor
 
     from hpcrlhf.agents.requests import VLLMRequests
-    from hpcrlhf.engines.rollout.loop import StreamingRollout
-    from hpcrlhf.engines.rollout.vllm import VLLMRollout
 
     base = {k: v.clone() for k, v in hf_model.state_dict().items()}
     hf_model.load_state_dict(agent_eos_prone(hf_model, tokenizer))
     params = SamplingParams(max_new_tokens=10)
-    looped = StreamingRollout(lambda: VLLMRollout(tiny_llama, seed=0, max_model_len=256, kv_cache_bytes=1 << 28),
-                              partial=False)
     try:
         vllm_rollout.load_weights(hf_model.state_dict())
         plain = run_agents(VLLMRequests(vllm_rollout, params), tokenizer)
-        looped.load_weights(hf_model.state_dict(), version=1)
-        other = looped.launch(rollout_prompts[:4], SamplingParams(n=2, temperature=1.0, max_new_tokens=24, seed=5))
+        streaming.load_weights(hf_model.state_dict(), version=1)
+        other = streaming.launch(rollout_prompts[:4], SamplingParams(n=2, temperature=1.0, max_new_tokens=24, seed=5))
         with ThreadPoolExecutor(2) as threads:
-            runs = list(threads.map(lambda _: run_agents(looped.loop.turns(params), tokenizer), range(2)))
+            runs = list(threads.map(lambda _: run_agents(VLLMRequests.on_loop(streaming.loop, params), tokenizer),
+                                    range(2)))
         assert [len(gens) for gens in other.result()] == [2] * 4
         for run in runs:
             assert [ep.ids for ep in run] == [ep.ids for ep in plain]
+            assert all(ep.generation().versions == [(0, 1)] for ep in run)
+        assert all(ep.generation().versions is None for ep in plain)  # (a plain engine's: the launch version)
         check_transcripts(hf_model, runs[0], engine_tol())
-        assert looped.loop.post(lambda: looped.engine.llm.llm_engine.has_unfinished_requests()).result() is False
+        assert streaming.loop.post(lambda: streaming.engine.llm.llm_engine.has_unfinished_requests()).result() is False
     finally:
         vllm_rollout.load_weights(base)  # the engine is shared by the module's tests
-        looped.close()
+
+
+@pytest.mark.slow
+def test_agent_turns_paused_by_a_weight_update_go_on_under_it_and_each_trajectory_records_its_spans(
+        streaming, hf_model, tokenizer):
+    """rollout.partial with agents: new weights taken while turns are under way pause them and they go on under
+    the new ones; turns begun after are of the new version. Each trajectory's `Generation.versions` splits its
+    response where the version changed -- inside a turn or between turns -- and every model token's log-prob
+    is that of its span's weights (the HF model's forward over the whole transcript)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from hpcrlhf.agents.requests import VLLMRequests
+    from hpcrlhf.engines.rollout.contract import token_versions
+    from tests.engines.test_loop import hold_when, load_behind
+
+    old_state = agent_eos_prone(hf_model, tokenizer, alpha=0.07)  # turns of 1-10 tokens, most trajectories 3 turns
+    new_state = perturbed(old_state, 0.02, seed=7)
+    streaming.load_weights(old_state, version=5)
+    stream = streaming.loop.stream
+    with ThreadPoolExecutor(1) as caller:
+        running = caller.submit(run_agents, VLLMRequests.on_loop(streaming.loop, SamplingParams(max_new_tokens=10)),
+                                tokenizer, 8)
+        gate = hold_when(streaming.loop, lambda: any(len(s.tokens) >= 2 and not s.finished
+                                                      for s in stream.samples.values()), running.done)
+        load_behind(streaming, gate, new_state, 6)
+        episodes = running.result(timeout=300)
+    models = {5: hf_model, 6: load_causal_lm_like(hf_model, new_state)}
+    hf_model.load_state_dict(old_state)
+    spans = [ep.generation().versions for ep in episodes]
+    assert all(v[0] == (0, 5) for v in spans), spans
+    assert any(len(v) == 2 and v[1][1] == 6 for v in spans), spans  # some crossed the update
+    inside = [ep for ep, v in zip(episodes, spans) if len(v) == 2 and ep.action[v[1][0] - 1] and ep.action[v[1][0]]]
+    assert inside, spans  # a turn paused mid-way (the token before the split is the same turn's)
+    for ep in episodes:
+        g = ep.generation()
+        per_token = token_versions(g)
+        with torch.no_grad():
+            want = {v: forward_logprobs(m, Generation(ep.prompt_ids, ep.ids, ep.logprobs, True))
+                    for v, m in models.items()}
+        expected = torch.tensor([float(want[v][p]) for p, v in enumerate(per_token)])
+        action = torch.tensor(ep.action)
+        assert (expected - torch.tensor(ep.logprobs))[action].abs().max() < engine_tol(), g.versions
+
+
+def load_causal_lm_like(model, state: dict[str, torch.Tensor]):
+    """A copy of `model` holding `state`."""
+    import copy
+
+    other = copy.deepcopy(model)
+    other.load_state_dict(state)
+    return other.eval()
 
 
 def test_vllm_agent_turns_carry_the_trainers_logprobs_whatever_the_schedule(vllm_rollout, hf_model, tokenizer):

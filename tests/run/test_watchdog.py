@@ -106,6 +106,21 @@ def test_a_watched_wait_polls_until_ready_or_its_timeout_and_ends_at_the_watchdo
     assert "still waiting for the far side" in str(e.value)
 
 
+def test_watched_until_asks_done_until_it_says_so_or_the_timeout_passes():
+    """`watched_until` (a collective's `is_completed`, a future's `done`): True once `done()` -- asked every
+    `every_s`, not busily --, False at the timeout."""
+    from hpcrlhf.run.signals import watched_until
+
+    ends = time.monotonic() + 0.2
+    asked: list[float] = []
+    assert watched_until(lambda: asked.append(time.monotonic()) or time.monotonic() >= ends, lambda: ["x"],
+                         poll_s=0.05, every_s=0.02)
+    assert time.monotonic() >= ends and 5 <= len(asked) <= 25, len(asked)  # (busily: thousands)
+    started = time.monotonic()
+    assert not watched_until(lambda: False, lambda: ["x"], timeout=0.15, poll_s=0.05)
+    assert 0.15 <= time.monotonic() - started < 0.6
+
+
 def test_a_wait_within_its_deadline_is_left_alone():
     dog = Watchdog(WatchdogConfig(factor=2.0, floor_s=0.5)).start()
     try:

@@ -52,7 +52,7 @@ from hpcrlhf.trainers.batches import PPOPlan
      "set ppo.tis_cap=2"),
     (["rollout.backend=vllm", "rollout.partial=true", "rollout.max_staleness=1", "ppo.tis_cap=2",
       "placement.runtime=ray"], "rollout.partial: True is invalid: partial rollouts run on the local runtime's "
-     "engine loop, for single-turn rollouts"),
+     "engine loop (the Ray runtime's engines cannot pause their samples yet): use placement.runtime=local"),
     (["rollout.backend=vllm", "placement.vllm.sleep=true", "rollout.max_staleness=1"],
      "placement.vllm.sleep: true swaps GPU memory between generation and training, but rollout.max_staleness 1 runs "
      "them at the same time: use rollout.max_staleness=0 with sleep, or placement.vllm.sleep=false"),

@@ -81,15 +81,19 @@ class RolloutConfig:
     same per model token), rollout/staleness_share/<a> (the share a updates old, a = 0..k);
     timing/overlap (seconds generation ran while the step trained)."""
     partial: bool = False
-    """ppo only, rollout.backend vllm, local runtime (the Ray runtime and agents: not yet): partial rollouts.
+    """ppo only, rollout.backend vllm, local runtime (the Ray runtime: not yet): partial rollouts.
     With rollout.max_staleness >= 1 the engine generates in a thread of its own while the step trains (rank 0's
     serves every local rank); at a weight sync the samples under way are paused, the weights change, and they go on under
     the new ones (their tokens and log-probs kept, each span's policy version recorded) instead of the sync
     waiting for them; the steps ahead are launched as soon as a step starts, so a straggler runs beside the
     next batch. A sample's age is that of its first token (rollout/staleness <= k still holds); its later
     tokens are newer (rollout/staleness_tokens). Needs ppo.tis_cap (the behaviour log-probs of a paused
-    sample come from two policies). A checkpoint does not wait for the samples under way: it keeps each as far
-    as it got, and the resumed run continues it (resume with this setting on). false: without it, k >= 1 on
+    sample come from two policies). With an agent section the model's turns are paused alike, and a trajectory
+    records the version of each span of its turns (an environment's answer lies in the span before it). A
+    checkpoint does not wait for the samples under way: it keeps each as far as it got, and the resumed run
+    continues it (resume with this setting on) -- but for trajectories, which it waits for (an environment's
+    state cannot be kept): they end under the weights of the checkpoint's step, where the run that saved it
+    continued their tail under the next step's. false: without it, k >= 1 on
     that engine still generates in its thread, and each sync waits for the samples under way to end
     (timing/weight_sync holds that tail)."""
     length_key: str | None = None

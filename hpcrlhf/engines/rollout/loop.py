@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from hpcrlhf.engines.rollout.contract import Generation, Groups, SamplingParams, check_prompts, greedy_copies
 from hpcrlhf.engines.rollout.shared import Rank0Rollout
@@ -38,7 +38,7 @@ from hpcrlhf.engines.rollout.streaming import StreamSample, VLLMStream, sample_s
 from hpcrlhf.engines.rollout.vllm import VLLMRollout
 from hpcrlhf.engines.weight_sync import SyncStats
 from hpcrlhf.logs import get_logger
-from hpcrlhf.run.signals import watched_wait
+from hpcrlhf.run.signals import watched_until, watched_wait
 
 T = TypeVar("T")
 
@@ -79,6 +79,17 @@ class BatchState:
     under_way: list[tuple[int, int, StreamSample]]
 
 
+class Sink(Protocol):
+    """Who is given the samples of a loop's caller as they end (the loop's thread): a `StreamBatch`, a
+    `LoopTurns`."""
+
+    def add(self, i: int, j: int, generation: Generation) -> None:
+        """Sample j of prompt (or turn) i ended."""
+
+    def fail(self, error: BaseException) -> None:
+        """The loop stopped with this sink's samples under way."""
+
+
 class EngineLoopError(RuntimeError):
     """The engine loop stopped on an error (the cause is chained): nothing more runs on its engine."""
 
@@ -114,6 +125,11 @@ class StreamBatch:
         with self._cond:
             self._error = error
             self._cond.notify_all()
+
+    def ended(self) -> list[tuple[int, int, Generation]]:
+        """Each sample that ended so far, with its prompt and sample index."""
+        with self._cond:
+            return [(i, j, g) for i, gens in enumerate(self._samples) for j, g in enumerate(gens) if g is not None]
 
     def _wait(self, ready: Callable[[], bool]) -> None:
         def poll(seconds: float) -> bool:
@@ -156,9 +172,9 @@ class EngineLoop:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._error: BaseException | None = None
-        self._owners: dict[str, tuple[Any, Any, int]] = {}
-        """A sample's key -> its batch (a `StreamBatch`, or any sink with `add(i, j, generation)` and
-        `fail(error)`: an agent scheduler's turns), prompt and sample index (the loop's thread only)."""
+        self._owners: dict[str, tuple[Sink, int, int]] = {}
+        """A sample's key -> its sink (a batch, an agent scheduler's turns), prompt and sample index (the loop's
+        thread only)."""
         self._batch_ids = itertools.count()
         self._load = [0.0, 0, 0]
         """Seconds in engine steps, steps, samples under way summed over them (since `pop_load`)."""
@@ -244,9 +260,7 @@ class EngineLoop:
         try:
             states = {id(b): BatchState(b.count, b.n, b.greedy, [], []) for b in batches}
             for b in batches:
-                with b._cond:
-                    states[id(b)].ended += [(i, j, g) for i, gens in enumerate(b._samples) for j, g in enumerate(gens)
-                                            if g is not None]
+                states[id(b)].ended += b.ended()
             for key, generation in self.stream.ended:  # cut at its length: given to its batch at the next step
                 batch, i, j = self._owners[key]
                 if id(batch) in states:
@@ -268,7 +282,7 @@ class EngineLoop:
             self._owners[key] = (batch, i, j)
             self.stream.resubmit(replace(sample, key=key))
 
-    def _submit_turn(self, sink: Any, i: int, number: int, prompt_ids: list[int], seed: int | None,
+    def _submit_turn(self, sink: Sink, i: int, number: int, prompt_ids: list[int], seed: int | None,
                      max_new_tokens: int, params: SamplingParams) -> None:
         assert self.stream is not None
         key = f"t{number}.{i}"
@@ -322,7 +336,7 @@ class EngineLoop:
         if not self.partial:
             raise EngineLoopError("an engine loop without `partial` cannot pause its samples: wait for the batches")
         future = self.post(lambda: self._suspend(batches))
-        watched_wait(lambda seconds: _done(future, seconds), lambda: [LOOP_PARTY], poll_s=WAIT_S)
+        watched_until(future.done, lambda: [LOOP_PARTY], poll_s=WAIT_S)
         return future.result()
 
     def relaunch(self, state: BatchState) -> StreamBatch:
@@ -380,7 +394,8 @@ TURN_WAIT_S = 0.01
 class LoopTurns:
     """Model turns on an engine loop, one caller's (`EngineLoop.turns`): `submit` posts a turn, the loop generates
     it between its other samples, `step` gives the turns that ended since the last call (waiting up to
-    TURN_WAIT_S for one). The protocol of `hpcrlhf.agents.scheduler.RequestEngine`, driven by one thread."""
+    TURN_WAIT_S for one), each with its key, as `VLLMStream` does (`hpcrlhf.agents.requests.VLLMRequests` makes it
+    the agent scheduler's `RequestEngine`). Driven by one thread."""
 
     synchronous = False
 
@@ -393,12 +408,12 @@ class LoopTurns:
         """Each turn under way: its number here -> the caller's key."""
         self._ids = itertools.count()
 
-    def submit(self, request: Any) -> None:
-        """`request`: a `TurnRequest` (key, prompt_ids, max_new_tokens, seed)."""
-        i = next(self._ids)
-        self._keys[i] = request.key
-        self.loop.post(lambda: self.loop._submit_turn(self, i, self.number, list(request.prompt_ids), request.seed,
-                                                      request.max_new_tokens, self.params))
+    def submit(self, key: str, prompt_ids: Sequence[int], seed: int | None, max_new_tokens: int) -> None:
+        """A turn of `prompt_ids` (`seed`: its own) of at most `max_new_tokens`."""
+        i, prompt = next(self._ids), [int(t) for t in prompt_ids]
+        self._keys[i] = key
+        self.loop.post(lambda: self.loop._submit_turn(self, i, self.number, prompt, seed, max_new_tokens,
+                                                      self.params))
 
     def add(self, i: int, j: int, generation: Generation) -> None:  # the loop's thread
         with self._cond:
@@ -410,21 +425,18 @@ class LoopTurns:
             self._error = error
             self._cond.notify_all()
 
-    def step(self) -> list:
-        from hpcrlhf.agents.scheduler import TurnOutput  # (the agents' layer is above this one)
-
+    def step(self) -> list[tuple[str, Generation]]:
         with self._cond:
             self._cond.wait_for(lambda: self._ended or self._error is not None, TURN_WAIT_S)
             if self._error is not None:
                 raise EngineLoopError(f"the engine loop stopped with turns under way: {self._error}") from self._error
             ended, self._ended = self._ended, []
-        return [TurnOutput(self._keys.pop(i), g.response_ids, g.logprobs, g.finished) for i, g in ended
-                if i in self._keys]  # (not one aborted meanwhile)
+        return [(self._keys.pop(i), g) for i, g in ended if i in self._keys]  # (not one aborted meanwhile)
 
     def running(self) -> int:
         return len(self._keys)
 
-    def abort(self, keys: list[str]) -> None:
+    def abort(self, keys: Sequence[str]) -> None:
         drop = set(keys)
         ids = [i for i, key in self._keys.items() if key in drop]
         for i in ids:
@@ -476,14 +488,6 @@ class StreamingRollout:
 
     def close(self) -> None:
         self.loop.close()
-
-
-def _done(future: Future, seconds: float) -> bool:
-    try:
-        future.exception(timeout=seconds)
-    except TimeoutError:
-        return False
-    return True
 
 
 def streams(rollout: Any) -> bool:

@@ -16,15 +16,13 @@ from datetime import timedelta
 from typing import Any
 
 from hpcrlhf.engines.rollout.contract import ENGINE_MEMORY, Done, Generation, Groups, Pending, SamplingParams
-from hpcrlhf.run.signals import watched_wait
+from hpcrlhf.run.signals import watched_until
 
 RANK0_PARTY = "rank 0 (its rollout engine, generating for every local rank)"
 """Whom the other ranks wait for while rank 0 generates (named to their watchdogs)."""
 MEETING_TIMEOUT = timedelta(days=7)
 """The timeout of the group the ranks meet on before rank 0 scatters: a batch may take longer than the process
 group's collectives may; the watchdog holds the clock."""
-POLL_S = 0.01
-"""How often a rank waiting for rank 0 looks whether it came."""
 
 
 class Rank0Rollout:
@@ -124,12 +122,12 @@ class Rank0Rollout:
     def _meet_rank0(self) -> None:
         """Every rank at rank 0's scatter. The others wait while rank 0 generates, which can take long: in a
         collective they could only be ended by their process's exit (and would fail at the process group's
-        timeout), so they meet it in polls that name rank 0 to their watchdog (`watched_wait`)."""
+        timeout), so they meet it in polls that name rank 0 to their watchdog (`watched_until`)."""
         import torch.distributed as dist
 
         met = dist.barrier(group=self._meeting, async_op=True)
         if not self.env.is_main:
-            watched_wait(lambda seconds: _completed(met, seconds), lambda: [RANK0_PARTY])
+            watched_until(met.is_completed, lambda: [RANK0_PARTY])
         met.wait()
 
     def load_weights(self, tensors, version: int | None = None):
@@ -189,16 +187,6 @@ class Rank0Batch:
     def as_finished(self) -> Iterator[Groups]:
         """All groups at once (a collective per group would tie every rank to rank 0's arrival order)."""
         yield list(enumerate(self.result()))
-
-
-def _completed(work, seconds: float) -> bool:
-    """Whether a collective begun with `async_op` is done, asked for up to `seconds`."""
-    ends = time.monotonic() + seconds
-    while not work.is_completed():
-        if time.monotonic() >= ends:
-            return False
-        time.sleep(POLL_S)
-    return True
 
 
 def _flat(gathered: list[list]) -> list:

@@ -246,8 +246,9 @@ class PPOTrainer(OnlineTrainer):
 
     def suspend_ahead(self) -> dict[int, tuple[int, Any]]:
         """With rollout.partial on an engine loop, the batches ahead still under way as far as they got (they go
-        on: a checkpoint need not wait for their tail): step -> (updates done at its launch, its state)."""
-        if not (self.cfg.rollout.partial and streams(self.rollout)):
+        on: a checkpoint need not wait for their tail): step -> (updates done at its launch, its state). Agent
+        batches are not kept so: their environments' states cannot be (`save_ahead` waits for them)."""
+        if not (self.cfg.rollout.partial and streams(self.rollout)) or self.agent is not None:
             return {}
         going = {step: a.rollout for step, a in self.ahead.items() if a.rollout.pending.finished() is None}
         states = self.rollout.suspend([launched.pending for launched in going.values()]) if going else []
