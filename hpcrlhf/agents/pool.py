@@ -42,6 +42,11 @@ class Call:
     def done(self) -> bool:
         return self.future.done()
 
+    @property
+    def lost_thread(self) -> bool:
+        """Given up while a plain function ran it: its thread was left to it (a coroutine is cancelled)."""
+        return self.abandoned and self.cancel is None
+
     def result(self) -> Any:
         """Its return value, or what it raised (CallTimeout when given up)."""
         return self.future.result()
@@ -119,19 +124,21 @@ class EnvPool:
 
     def overdue(self, calls: Iterable[Call], now: float | None = None) -> list[Call]:
         """The calls of `calls` past their deadline, given up now: each fails with CallTimeout, and the
-        thread of a plain function's call is replaced."""
+        thread of a plain function's call is replaced (`Call.lost_thread`). One that finished meanwhile is
+        left to its result."""
         now = time.monotonic() if now is None else now
-        late = [c for c in calls if not c.done() and c.started is not None and now - c.started > c.timeout_s]
-        for c in late:
+        given_up = []
+        for c in [c for c in calls if not c.done() and c.started is not None and now - c.started > c.timeout_s]:
             if not _settle(c.future, error=CallTimeout(f"{c.label} took longer than {c.timeout_s:g} s")):
                 continue  # it finished meanwhile: its thread goes on serving
             c.abandoned = True  # its thread ends once the call returns, if ever
+            given_up.append(c)
             if c.cancel is not None:
                 c.cancel()
             else:
                 self.abandoned += 1
                 self._add_worker()
-        return late
+        return given_up
 
     def wait(self, calls: Iterable[Call], timeout_s: float | None) -> list[Call]:
         """The calls of `calls` that are done, waiting up to `timeout_s` for the first one."""

@@ -105,7 +105,7 @@ def run_episodes(engine: RequestEngine, episodes: Sequence[Episode], pool: EnvPo
     index = {ep.key: i for i, ep in enumerate(episodes)}
     if len(index) != len(episodes):
         raise ValueError("episodes need distinct keys")
-    stats, began, abandoned0 = BatchStats(), time.monotonic(), pool.abandoned
+    stats, began = BatchStats(), time.monotonic()
     limits = episodes[0].setup.limits if episodes else None
     calls: dict[Call, tuple[Episode, str]] = {}
     ready: list[Episode] = []
@@ -129,6 +129,7 @@ def run_episodes(engine: RequestEngine, episodes: Sequence[Episode], pool: EnvPo
             ep, _ = calls.pop(c)
             ep.end("timeout", str(c.future.exception()))
             stats.timeouts += 1
+            stats.abandoned_calls += c.lost_thread  # this batch's own (a pool may serve batches at once)
 
     try:
         for ep in episodes:
@@ -165,7 +166,6 @@ def run_episodes(engine: RequestEngine, episodes: Sequence[Episode], pool: EnvPo
         if in_engine:
             engine.abort(list(in_engine))
     stats.wall_s = time.monotonic() - began
-    stats.abandoned_calls = pool.abandoned - abandoned0
     failed = [ep for ep in episodes if ep.record.status in ("timeout", "env_error")]
     if episodes and len(failed) > max_failed_share * len(episodes):
         raise AgentEnvError(f"{len(failed)} of {len(episodes)} trajectories ended by a timeout or an environment error, "

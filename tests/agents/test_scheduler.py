@@ -221,6 +221,26 @@ def test_a_hung_tool_ends_its_trajectory_and_the_others_finish(tok, pool):
                      max_failed_share=0.2)
 
 
+def test_batches_sharing_a_pool_count_only_their_own_abandoned_calls(tok, pool):
+    """Two batches at once on one pool (an engine loop's batches ahead): the one whose tool hangs counts the thread
+    it gave up, the other -- running while it was given up -- none."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    rows = [{"prompt": "0*5=", "answer": 0, "id": 0}]
+    script = '<tool_call>{"name": "multiply", "arguments": {"a": 0, "b": 5}}</tool_call>'
+    hung = episodes(tok, pool, "tests.agents.envs:Calculator", rows=rows, step_timeout_s=0.3)
+    slow = episodes(tok, pool, "tests.agents.envs:Countdown", {"latency": {"a": 0.25}}, [{"id": "a"}])
+    with ThreadPoolExecutor(2) as threads:
+        other = threads.submit(run_episodes, ScriptedEngine(tok, lambda k, t: ("ok", 1, True)), slow, pool,
+                               max_new_tokens=16, seed=1)
+        own = threads.submit(run_episodes, ScriptedEngine(tok, lambda k, t: (script, 1, True)), hung, pool,
+                             max_new_tokens=64, seed=1, max_failed_share=1.0)
+        own_stats, other_stats = own.result(timeout=30), other.result(timeout=30)
+    assert other_stats.wall_s > 0.6 and slow[0].record.status == "done"  # it ran while the hung call was given up
+    assert (own_stats.timeouts, own_stats.abandoned_calls) == (1, 1)
+    assert (other_stats.timeouts, other_stats.abandoned_calls) == (0, 0)
+
+
 def test_environment_errors_fail_the_batch_or_end_the_trajectory_as_configured(tok, pool):
     engine = ScriptedEngine(tok, lambda k, t: ("move", 1, True))
     with pytest.raises(AgentEnvError, match=r"agent.environment 'tests.agents.envs:Broken' \(row rows.jsonl:2, seed 101\)"
