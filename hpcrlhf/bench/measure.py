@@ -59,7 +59,7 @@ class Throughput:
     staleness: float | None = None
     """Median of the steps' mean sample age in updates (`rollout/staleness`; None: a synchronous run)."""
     partial_share: float | None = None
-    """Median share of a step's samples paused across a weight sync and continued (`rollout/partial_share`)."""
+    """Median share of a step's samples generated across a weight sync (`rollout/partial_share`)."""
     engine_rows: float | None = None
     """Median of the samples under way in a mean engine step (`rollout/engine_rows`, the engine loop's)."""
 

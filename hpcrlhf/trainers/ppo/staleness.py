@@ -91,7 +91,8 @@ def staleness_stats(generations: Sequence[Generation], version: int, k: int) -> 
     oldest) --, rollout/staleness_tokens -- the mean age of a model token --, and rollout/staleness_share/<a>
     for a = 0..k, and any older age present (a run resumed with a smaller k trains the batches generated ahead
     under the larger one) -- the share of samples a updates old (they sum to 1) --, and rollout/partial_share --
-    the share of samples paused across a weight sync and continued (rollout.partial: more than one version)."""
+    the share of samples generated across a weight sync (rollout.partial: more than one version; a trajectory's
+    turn paused and continued, or its later turns begun after the sync)."""
     n = len(generations)
     heads = [version - head_version(g) for g in generations]
     if any(a < 0 for a in heads):
