@@ -75,6 +75,8 @@ def test_two_reward_models_and_a_rule_are_combined_as_configured(tiny_llama, tmp
         assert parts["rule_task"][i].item() == rule
         assert total[i].item() == pytest.approx(0.7 * a - 1.3 * b + 2.0 * rule, abs=1e-5)
     assert len({round(x, 6) for x in parts["model0_rm_a"].tolist()}) > 1  # the models really differ per response
+    rules = RewardSet(RewardConfig(sources=(RewardSourceConfig(rule="task"),)), _load, tokenizer, ArithmeticTask(), CPU)
+    assert rewards.has_models and not rules.has_models  # (a reward model's forwards: collective under ZeRO-3)
 
 
 def test_unnormalized_source_and_user_rule(tiny_llama, tmp_path, monkeypatch):

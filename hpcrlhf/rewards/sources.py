@@ -105,6 +105,11 @@ class RewardSet:
         return RewardModelScorer(load_model(source.model, f"reward.sources[{i}].model"), rm_tokenizer, tokenizer, source,
                                  self.cfg.batch_size, device)
 
+    @property
+    def has_models(self) -> bool:
+        """Whether a reward model scores here (its forwards are collective under ZeRO-3)."""
+        return any(isinstance(s, RewardModelScorer) for s in self.scorers)
+
     def score(self, responses: Sequence[Response]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """(weighted sum, {source name: values}) for each response, float32 on the CPU. Reward models
         score first: every rank runs their forwards (sharded under ZeRO-3) before a rule can be cut

@@ -31,7 +31,7 @@ from hpcrlhf.engines.rollout.contract import stamp_version
 from hpcrlhf.engines.rollout.hf import HFRollout
 from hpcrlhf.engines.rollout.settings import sampling_params, vllm_engine_args
 from hpcrlhf.engines.rollout.loop import StreamingRollout
-from hpcrlhf.engines.rollout.shared import Rank0Rollout
+from hpcrlhf.engines.rollout.shared import Rank0Batch, Rank0Rollout
 from hpcrlhf.engines.rollout.vllm import VLLMRollout
 from hpcrlhf.errors import ConfigError
 from hpcrlhf.logs import get_logger
@@ -39,6 +39,7 @@ from hpcrlhf.models.export import checkpoint_stream
 from hpcrlhf.models.factory import ModelFactory
 from hpcrlhf.rewards.response import Response
 from hpcrlhf.rewards.sources import RewardSet, adjust_scores
+from hpcrlhf.run.signals import StopRequested
 from hpcrlhf.run.stats import Stats
 from hpcrlhf.trainers.loop import TrainingLoop, merge_evaluation
 from hpcrlhf.trainers.seeds import sampling_seed
@@ -299,26 +300,45 @@ class OnlineTrainer(TrainingLoop):
                                 all_ranks=lambda flag: all_reduce_sum([flag])[0])
         return rollout
 
+    def scores_as_finished(self) -> bool:
+        """Whether the groups are scored as they finish (reward.overlap): not where every rank must score at
+        once -- a reward model's forwards under ZeRO-3 over several ranks gather its layers from all of them, and
+        with several ranks the groups come in lots of any size per rank (`Rank0Batch.as_finished`)."""
+        collective = self.env.world_size > 1 and self.cfg.engine.zero_stage == 3 and self.rewards.has_models
+        return self.cfg.reward.overlap and not collective
+
     def _score_parts(self, launched: LaunchedRollout) -> tuple[Rollout, torch.Tensor]:
         """(the rollout in prompt order, its summed scores): the prompts' groups scored as they finish
         (`reward.overlap`), else all at once. Waiting for groups counts as `timing/generate`; the
         scoring done before the last group arrived as `timing/reward_overlap`, the rest as
         `timing/reward`."""
         pending, prompts, scored, calls = launched.pending, launched.prompts, [], []
-        items = pending.as_finished() if self.cfg.reward.overlap else _whole(pending)
+        lots = self.scores_as_finished()
+        items = pending.as_finished() if lots else _whole(pending)
+        walked = lots and isinstance(pending, Rank0Batch)  # each lot a meeting of every rank with rank 0
+        stopped = False
         while True:
             with self.run.timed("generate"):
                 groups = next(items, None)
             if groups is None:
                 break
+            if stopped:
+                continue
             began = arrived = time.monotonic()
             if launched.version is not None:
                 stamp_version((g for _, gens in groups for g in gens), launched.version)
             flat = flatten_generations([prompts[i] for i, _ in groups], [g for _, g in groups], self.tokenizer)
             rows = [i for i, generations in groups for _ in generations]  # each row's prompt
-            with self.run.watched("reward"):  # (its own deadline: timed below, with the overlap told apart)
-                scored.append((rows, flat, *self.rewards.score(flat[2])))
+            try:
+                with self.run.watched("reward"):  # (its own deadline: timed below, with the overlap told apart)
+                    scored.append((rows, flat, *self.rewards.score(flat[2])))
+            except StopRequested:  # (a user's rule was cut short)
+                if not walked:
+                    raise
+                stopped = True  # the other lots are walked unscored: rank 0 ends the walk once it sees its stop
             calls.append((began, time.monotonic()))
+        if stopped:
+            raise StopRequested
         # generation ended by the time the last group arrived here (a done-callback may note it later)
         generated = min(pending.finished() or arrived, arrived)
         hidden = sum(max(0.0, min(end, generated) - began) for began, end in calls)

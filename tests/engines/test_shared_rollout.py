@@ -85,6 +85,92 @@ def test_each_ranks_prompts_come_back_with_their_own_lengths():
         ([PROMPTS[0][0], PROMPTS[1][0]], (LENGTHS[0][0], LENGTHS[1][0]))]
 
 
+class Lots:
+    """An engine loop's batch whose prompts finish in `lots` (lists of indices into the whole batch)."""
+
+    def __init__(self, generations, lots) -> None:
+        self.generations, self.lots, self.launched = generations, lots, time.monotonic()
+
+    def as_finished(self):
+        for lot in self.lots:
+            time.sleep(0.05)
+            yield [(i, self.generations[i]) for i in lot]
+
+    def result(self):
+        return self.generations
+
+    def finished(self):
+        return time.monotonic()
+
+
+class LotEngine(LengthEngine):
+    """Rank 0's prompts 1 and 0, then rank 1's 1 with rank 0's 2, then rank 1's 0 (of 3 + 2 prompts)."""
+
+    def launch(self, prompts, params: SamplingParams) -> Lots:
+        return Lots(self.generate(prompts, params), [[1, 0], [4, 2], [3]])
+
+
+def _lot_rank(rank: int, port: int, out: dict) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        shared = Rank0Rollout(LotEngine() if rank == 0 else None,
+                              SimpleNamespace(rank=rank, world_size=2, is_main=rank == 0), streaming=True)
+        params = SamplingParams(n=2, temperature=1.0, max_new_tokens=8, seed=1, lengths=LENGTHS[rank])
+        batch = shared.launch(PROMPTS[rank], params)
+        lots = [[(i, [(g.prompt_ids, len(g.response_ids)) for g in gens]) for i, gens in lot]
+                for lot in batch.as_finished()]
+        whole = [[(g.prompt_ids, len(g.response_ids)) for g in gens] for gens in batch.result()]
+        out[rank] = (lots, whole, batch.finished() is not None)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_each_rank_takes_its_groups_as_rank_0s_loop_finishes_them():
+    """`Rank0Batch.as_finished`: each rank gets its own prompts' groups (indices in its share) in the lots rank 0's
+    loop finishes them in -- a rank with none in a lot waits for the next --, each once; `result()` after is the
+    whole share, in prompt order."""
+    got = two_ranks(_lot_rank)
+    want = {rank: [[(p, n)] * 2 for p, n in zip(PROMPTS[rank], LENGTHS[rank])] for rank in (0, 1)}
+    assert [[i for i, _ in lot] for lot in got[0][0]] == [[1, 0], [2]]
+    assert [[i for i, _ in lot] for lot in got[1][0]] == [[1], [0]]
+    for rank in (0, 1):
+        lots, whole, finished = got[rank]
+        assert whole == want[rank] and finished, (rank, whole)
+        assert all(group == want[rank][i] for lot in lots for i, group in lot), (rank, lots)
+
+
+def _stopping_rank(rank: int, port: int, out: dict) -> None:
+    import hpcrlhf.engines.rollout.shared as shared_module
+    from hpcrlhf.run.signals import StopRequested
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        seen: list = []
+        if rank == 0:  # asked to stop once it took its first lot
+            shared_module.stop_requested_here = lambda: len(seen) >= 1
+        shared = Rank0Rollout(LotEngine() if rank == 0 else None,
+                              SimpleNamespace(rank=rank, world_size=2, is_main=rank == 0), streaming=True)
+        batch = shared.launch(PROMPTS[rank], SamplingParams(n=1, temperature=1.0, max_new_tokens=8, seed=1,
+                                                            lengths=LENGTHS[rank]))
+        try:
+            for lot in batch.as_finished():
+                seen.append(sorted(i for i, _ in lot))
+            out[rank] = ("walked", seen)
+        except StopRequested:
+            out[rank] = ("stopped", seen)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_stop_on_rank_0_ends_every_ranks_walk_of_the_lots():
+    """Rank 0 asked to stop after its first lot: it sends no more, and every rank -- rank 1 had none of its groups
+    yet -- raises StopRequested at the same lot (none is left waiting for a lot that never comes)."""
+    got = two_ranks(_stopping_rank)
+    assert got == {0: ("stopped", [[0, 1]]), 1: ("stopped", [])}, got
+
+
 class SlowEngine(LengthEngine):
     def generate(self, prompts, params: SamplingParams) -> list[list[Generation]]:
         time.sleep(3.0)

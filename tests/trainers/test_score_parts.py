@@ -73,9 +73,25 @@ def launched() -> LaunchedRollout:
     return LaunchedRollout(prompts, SamplingParams(n=2, max_new_tokens=16), Staggered(generations))
 
 
-def trainer(overlap: bool):
-    cfg = SimpleNamespace(reward=RewardConfig(sources=(RewardSourceConfig(rule="task"),), overlap=overlap))
-    return SimpleNamespace(cfg=cfg, run=Run.__new__(Run), tokenizer=Tokens(), rewards=SlowLength())
+def trainer(overlap: bool, ranks: int = 1, zero_stage: int = 2, reward_model: bool = False):
+    cfg = SimpleNamespace(reward=RewardConfig(sources=(RewardSourceConfig(rule="task"),), overlap=overlap),
+                          engine=SimpleNamespace(zero_stage=zero_stage))
+    rewards = SlowLength()
+    rewards.has_models = reward_model
+    t = SimpleNamespace(cfg=cfg, run=Run.__new__(Run), tokenizer=Tokens(), rewards=rewards,
+                        env=SimpleNamespace(world_size=ranks))
+    t.scores_as_finished = lambda: OnlineTrainer.scores_as_finished(t)
+    return t
+
+
+def test_groups_are_scored_as_they_finish_unless_a_reward_models_forwards_need_every_rank_at_once():
+    """With several ranks the groups come in lots of any size per rank: a reward model under ZeRO-3 (its forwards
+    gather its layers from every rank) scores the whole batch, so every rank makes the same forwards."""
+    assert OnlineTrainer.scores_as_finished(trainer(True, ranks=2, zero_stage=3))  # rules alone: rank-local
+    assert OnlineTrainer.scores_as_finished(trainer(True, ranks=2, zero_stage=2, reward_model=True))
+    assert OnlineTrainer.scores_as_finished(trainer(True, ranks=1, zero_stage=3, reward_model=True))
+    assert not OnlineTrainer.scores_as_finished(trainer(True, ranks=2, zero_stage=3, reward_model=True))
+    assert not OnlineTrainer.scores_as_finished(trainer(False))
 
 
 @pytest.mark.parametrize("overlap", [True, False])
@@ -102,3 +118,50 @@ def test_groups_scored_as_they_arrive_give_the_rollout_of_the_whole_batch(overla
     else:  # one call, after everything was generated
         assert t.rewards.calls == [12] and timings["timing/reward_overlap"] == 0.0
         assert timings["timing/reward"] == pytest.approx(seconds[0], abs=0.05)
+
+
+class Rank1Walk:
+    """Rank 1's side of rank 0's lots (`Rank0Rollout._send`): its groups 1, then none, then 0, then the end."""
+
+    env = SimpleNamespace(rank=1)
+
+    def __init__(self, generations):
+        self.sent = [[(1, generations[1])], [], [(0, generations[0])], []]
+        self.meetings = 0
+
+    def _send(self, parts):
+        assert parts is None  # (rank 1 sends nothing)
+        self.meetings += 1
+        groups = self.sent.pop(0)
+        return groups, "more" if self.sent else "done"
+
+
+class StoppedRule(SlowLength):
+    def score(self, responses):
+        from hpcrlhf.run.signals import StopRequested
+
+        raise StopRequested
+
+
+def test_a_rank_whose_rule_is_cut_short_walks_rank_0s_lots_to_the_end_before_it_stops():
+    """With several ranks every lot is a meeting with rank 0: a rank whose user rule was cut short by a stop request
+    does not leave (rank 0 would wait at the next lot forever) -- it walks the rest unscored, then stops."""
+    from hpcrlhf.engines.rollout.shared import Rank0Batch
+    from hpcrlhf.run.signals import StopRequested
+
+    t = trainer(True, ranks=2)
+    t.rewards = StoppedRule()
+    t.run.timings, t.run.watchdog = {}, None
+    generations = [[Generation([p], [p] * 2, [0.0] * 2, True)] for p in range(2)]
+    walk = Rank1Walk(generations)
+    batch = LaunchedRollout([Prompt((p,), f"p{p}", {"id": p}) for p in range(2)], SamplingParams(n=1, max_new_tokens=4),
+                            Rank0Batch(None, [3, 2], walk))
+    with pytest.raises(StopRequested):
+        OnlineTrainer._score_parts(t, batch)
+    assert walk.meetings == 4 and not walk.sent  # every lot, to rank 0's end
+    one = launched()  # one rank: the stop leaves at once
+    t1 = trainer(True)
+    t1.rewards, t1.run.timings, t1.run.watchdog = StoppedRule(), {}, None
+    with pytest.raises(StopRequested):
+        OnlineTrainer._score_parts(t1, one)
+    assert one.pending.done is None  # its last lot was never asked for

@@ -313,7 +313,11 @@ class RewardConfig:
     finished while a score call ran go together in the next). `timing/reward` is then the scoring the
     step still waits for after the last generation, `timing/reward_overlap` the scoring done while
     generation went on. false: every response is scored once all are generated. The scores are the
-    same either way; the local runtime generates in the training process and scores afterwards."""
+    same either way. On the local runtime it applies where the vLLM engine runs in a loop of its own
+    (rollout.max_staleness >= 1; with several ranks rank 0's loop sends each rank its finished prompts), except
+    with a reward model under engine.zero_stage 3 over several ranks (its forwards need every rank at once:
+    the batch is scored whole); elsewhere the local runtime generates in the training process and scores
+    afterwards."""
 
     def __post_init__(self) -> None:
         require_finite(self, "reward")

@@ -16,7 +16,7 @@ from datetime import timedelta
 from typing import Any
 
 from hpcrlhf.engines.rollout.contract import ENGINE_MEMORY, Done, Generation, Groups, Pending, SamplingParams
-from hpcrlhf.run.signals import watched_until
+from hpcrlhf.run.signals import StopRequested, stop_requested_here, watched_until
 
 RANK0_PARTY = "rank 0 (its rollout engine, generating for every local rank)"
 """Whom the other ranks wait for while rank 0 generates (named to their watchdogs)."""
@@ -57,7 +57,7 @@ class Rank0Rollout:
             return Done(self.generate(prompts, params))
         gathered = self._gather(_with_lengths(prompts, params))
         batch = self.engine.launch(*_whole(_flat(gathered), params)) if self.env.is_main else None
-        return Rank0Batch(batch, [len(part) for part in gathered], self._scatter)
+        return Rank0Batch(batch, [len(part) for part in gathered], self)
 
     def suspend(self, batches: Sequence[Rank0Batch]) -> list[Rank0State]:
         """What each batch under way has made so far (`EngineLoop.suspend` on rank 0's loop; the other ranks keep
@@ -68,7 +68,7 @@ class Rank0Rollout:
     def relaunch(self, state: Rank0State) -> Rank0Batch:
         """A batch a checkpoint kept under way (`suspend`) going on on rank 0's loop, for every rank."""
         batch = self.engine.relaunch(state.batch) if self.env.is_main else None
-        return Rank0Batch(batch, state.sizes, self._scatter)
+        return Rank0Batch(batch, state.sizes, self)
 
     def run_episodes(self, runner, rows: Sequence[Mapping[str, Any]], params: SamplingParams, env_seed: int,
                      origins: Sequence[str]) -> tuple[list[list[Generation]], Any]:
@@ -105,19 +105,22 @@ class Rank0Rollout:
     def _scatter(self, made: tuple[list, Any] | None, sizes: Sequence[int]) -> tuple[list, Any]:
         """Rank 0's (one result per gathered item, something for every rank) split back by the ranks' `sizes`
         (collective): (this rank's results, that something)."""
+        if not self.env.is_main:
+            return self._send(None)
+        out, shared = made
+        bounds = _bounds(sizes)
+        return self._send(([out[a:b] for a, b in zip(bounds, bounds[1:])], shared))
+
+    def _send(self, parts: tuple[list, Any] | None) -> tuple[Any, Any]:
+        """Rank 0's (one part per rank, something for every rank) to every rank, once all meet it (collective;
+        the others pass None): (this rank's part, that something)."""
         import torch.distributed as dist
 
         self._meet_rank0()
-        parts: list = [None]
-        if self.env.is_main:
-            out, shared = made
-            bounds = [0]
-            for size in sizes:
-                bounds.append(bounds[-1] + size)
-            parts = [([out[a:b] for a, b in zip(bounds, bounds[1:])], shared)]
-        dist.broadcast_object_list(parts, src=0)
-        results, shared = parts[0]
-        return results[self.env.rank], shared
+        box: list = [parts]
+        dist.broadcast_object_list(box, src=0)
+        mine, shared = box[0]
+        return mine[self.env.rank], shared
 
     def _meet_rank0(self) -> None:
         """Every rank at rank 0's scatter. The others wait while rank 0 generates, which can take long: in a
@@ -161,14 +164,13 @@ class Rank0State:
 
 class Rank0Batch:
     """A batch under way on rank 0's engine loop for every rank (`Rank0Rollout.launch`; a `Pending`).
-    `result()` is collective the first time -- every rank asks at the same point of its step: rank 0 waits for
-    its loop's batch and scatters it -- and kept after."""
+    `result()` and `as_finished()` are collective the first time -- every rank asks at the same point of its
+    step: rank 0 waits for its loop's batch and sends it, whole or as its prompts finish -- and kept after."""
 
-    def __init__(self, batch: Pending | None, sizes: Sequence[int],
-                 scatter: Callable[[tuple[list, None] | None, Sequence[int]], tuple[list, None]]) -> None:
-        """`batch`: rank 0's (None on the others); `sizes`: each rank's share of it; `scatter`: rank 0's
-        (generations, None) split by the sizes back to the ranks (collective)."""
-        self.batch, self.sizes, self.scatter = batch, list(sizes), scatter
+    def __init__(self, batch: Pending | None, sizes: Sequence[int], shared: Rank0Rollout) -> None:
+        """`batch`: rank 0's (None on the others); `sizes`: each rank's share of it, in rank order; `shared`:
+        the ranks' `Rank0Rollout` (its collectives)."""
+        self.batch, self.sizes, self.shared = batch, list(sizes), shared
         self.launched = batch.launched if batch is not None else time.monotonic()
         self._result: list[list[Generation]] | None = None
         self._finished: float | None = None
@@ -176,7 +178,7 @@ class Rank0Batch:
     def result(self) -> list[list[Generation]]:
         if self._result is None:
             made = (self.batch.result(), None) if self.batch is not None else None
-            self._result = self.scatter(made, self.sizes)[0]
+            self._result = self.shared._scatter(made, self.sizes)[0]
             self._finished = self.batch.finished() if self.batch is not None else time.monotonic()
         return self._result
 
@@ -185,8 +187,46 @@ class Rank0Batch:
         return self._finished
 
     def as_finished(self) -> Iterator[Groups]:
-        """All groups at once (a collective per group would tie every rank to rank 0's arrival order)."""
-        yield list(enumerate(self.result()))
+        """This rank's groups as rank 0's loop finishes its prompts (indices in this rank's share), each once:
+        rank 0 sends each lot that finished to every rank (a meeting per lot; every rank scores its own groups
+        while later ones are generated) and an empty one at the end. The ranks go at rank 0's pace: none may leave
+        the walk early. A stop request on rank 0 ends the walk at its next lot and every rank raises
+        StopRequested (the step is abandoned); a rank asked to stop goes on walking (unscored) till then."""
+        if self._result is not None:
+            yield list(enumerate(self._result))
+            return
+        rank, bounds = self.shared.env.rank, _bounds(self.sizes)
+        mine: list = [None] * self.sizes[rank]
+        lots = self.batch.as_finished() if self.batch is not None else None
+        while True:
+            parts = None
+            if lots is not None:
+                lot = None if stop_requested_here() else next(lots, None)  # None: the batch is done
+                state = "more" if lot is not None else "stopped" if stop_requested_here() else "done"
+                parts = ([[(i - a, g) for i, g in lot or () if a <= i < b] for a, b in zip(bounds, bounds[1:])],
+                         state)
+            groups, state = self.shared._send(parts)
+            if state == "stopped":
+                raise StopRequested
+            if state == "done":
+                break
+            for i, gens in groups:
+                mine[i] = gens
+            if groups:
+                yield groups
+        if any(g is None for g in mine):
+            raise RuntimeError(f"rank {rank}: rank 0's batch ended without the groups of this rank's prompts "
+                               f"{[i for i, g in enumerate(mine) if g is None][:5]}")
+        self._result = mine
+        self._finished = self.batch.finished() if self.batch is not None else time.monotonic()
+
+
+def _bounds(sizes: Sequence[int]) -> list[int]:
+    """Where each rank's share of a batch begins, and its end: [0, s0, s0 + s1, ...]."""
+    bounds = [0]
+    for size in sizes:
+        bounds.append(bounds[-1] + size)
+    return bounds
 
 
 def _flat(gathered: list[list]) -> list:
