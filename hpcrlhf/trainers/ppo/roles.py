@@ -35,7 +35,6 @@ from hpcrlhf.config.schema import PPOConfig
 from hpcrlhf.models.factory import ModelFactory
 from hpcrlhf.run.stats import Stats, add_stats, new_stats
 from hpcrlhf.trainers.batches import PPOPlan
-from hpcrlhf.engines.rollout.loop import streams
 from hpcrlhf.trainers.online import reward_set, rollout_engines, stream_weights
 from hpcrlhf.trainers.ppo.experience import ExperienceBatch, ReplayBuffer
 from hpcrlhf.trainers.ppo.learner import PPOLearner, build_role_model, token_scores
@@ -203,7 +202,8 @@ class LocalRoles:
         self.models.export(self.engine, value_head=False, files=files, folder=folder)
 
     def close(self) -> None:
-        """Stop an engine loop (its thread may be generating batches ahead); a plain engine ends with the
-        process, as it always has."""
-        if streams(self.rollout):
-            self.rollout.close()
+        """Stop an engine loop (its thread may be generating batches ahead) and close the engine. A plain vLLM
+        engine is closed here too, not left to vLLM's exit hook: that one dies on a process that ended while it
+        walked the engine's tree (psutil.NoSuchProcess, a traceback at the end of a run stopped by a signal);
+        `engines.rollout.vllm.shut_down` finishes the walk."""
+        self.rollout.close()
