@@ -31,7 +31,7 @@ from hpcrlhf.agents.requests import HFRequests, VLLMRequests
 from hpcrlhf.agents.scheduler import BatchStats, mixed_seed, run_episodes
 from hpcrlhf.agents.tools import load_tools
 from hpcrlhf.config.schema.agent import AgentConfig
-from hpcrlhf.engines.rollout.contract import Generation, Groups, SamplingParams
+from hpcrlhf.engines.rollout.contract import Generation, Groups, SamplingParams, all_at_once
 from hpcrlhf.engines.rollout.loop import LOOP_PARTY, WAIT_S, StreamingRollout
 from hpcrlhf.engines.rollout.vllm import VLLMRollout
 from hpcrlhf.models.loading import load_tokenizer
@@ -43,7 +43,7 @@ def request_engine(engine: Any, params: SamplingParams):
     beside the loop's other samples), else a batch `generate`."""
     if isinstance(engine, StreamingRollout):
         return VLLMRequests.on_loop(engine.loop, params)
-    return VLLMRequests(engine, params) if isinstance(engine, VLLMRollout) else HFRequests(engine, params)
+    return VLLMRequests.on_engine(engine, params) if isinstance(engine, VLLMRollout) else HFRequests(engine, params)
 
 
 class AgentRunner:
@@ -135,7 +135,7 @@ class EpisodeBatch:
 
     def as_finished(self) -> Iterator[Groups]:
         """Every group at once, when the batch is done."""
-        yield list(enumerate(self.result()))
+        return all_at_once(self)
 
 
 @dataclass(frozen=True)

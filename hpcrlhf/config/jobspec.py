@@ -89,7 +89,7 @@ def add_eval_arguments(p: argparse.ArgumentParser) -> None:
 def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     """The arguments of `hpcrlhf bench` (after the command name)."""
     p.add_argument("--suite", metavar="NAME",
-                   help="suite to run (cpu, cpu-small, cpu-tiny, gpu-1, gpu-7b, gpu-13b, gpu-70b)")
+                   help="suite to run (--list shows them: cpu, cpu-longtail, gpu-1, gpu-7b, ...)")
     p.add_argument("--output", "-o", type=path_text, metavar="DIR", help="results folder (default: runs/bench-SUITE)")
     p.add_argument("--systems", metavar="A,B", help="run only these systems of the suite (dschat: real DeepSpeed-Chat "
                                                     "alone, with --dschat-dir)")

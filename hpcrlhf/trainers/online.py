@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, replace
 from typing import Any
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
@@ -26,12 +26,12 @@ from hpcrlhf.config.schema import OnlineJobConfig
 from hpcrlhf.config.schema.agent import AgentConfig
 from hpcrlhf.data.prompts import Prompt, encode_prompt_rows, episode_rows, load_train_prompts, response_lengths
 from hpcrlhf.engines.distributed import all_reduce_sum
-from hpcrlhf.engines.rollout import Done, Generation, Groups, Pending, SamplingParams, launch
-from hpcrlhf.engines.rollout.contract import stamp_version
+from hpcrlhf.engines.rollout import Done, Generation, Pending, SamplingParams, launch
+from hpcrlhf.engines.rollout.contract import all_at_once, stamp_version
 from hpcrlhf.engines.rollout.hf import HFRollout
 from hpcrlhf.engines.rollout.settings import sampling_params, vllm_engine_args
 from hpcrlhf.engines.rollout.loop import StreamingRollout
-from hpcrlhf.engines.rollout.shared import Rank0Batch, Rank0Rollout
+from hpcrlhf.engines.rollout.shared import Rank0Rollout
 from hpcrlhf.engines.rollout.vllm import VLLMRollout
 from hpcrlhf.errors import ConfigError
 from hpcrlhf.logs import get_logger
@@ -79,11 +79,6 @@ def agent_stats(generations: Sequence[Generation]) -> Stats:
     """The agent/* figures of multi-turn generations (`agents.metrics.episode_stats`)."""
     model = [sum(g.action_mask) for g in generations]
     return episode_stats([g.episode for g in generations], model, [len(g.response_ids) - m for g, m in zip(generations, model)])
-
-
-def _whole(pending) -> Iterator[Groups]:
-    """A launched batch as one item, once all of it is generated."""
-    yield list(enumerate(pending.result()))
 
 
 def reward_set(cfg: OnlineJobConfig, models: ModelFactory, task,
@@ -314,16 +309,12 @@ class OnlineTrainer(TrainingLoop):
         `timing/reward`."""
         pending, prompts, scored, calls = launched.pending, launched.prompts, [], []
         lots = self.scores_as_finished()
-        items = pending.as_finished() if lots else _whole(pending)
-        walked = lots and isinstance(pending, Rank0Batch)  # each lot a meeting of every rank with rank 0
-        stopped = False
+        items = pending.as_finished() if lots else all_at_once(pending)
         while True:
             with self.run.timed("generate"):
                 groups = next(items, None)
             if groups is None:
                 break
-            if stopped:
-                continue
             began = arrived = time.monotonic()
             if launched.version is not None:
                 stamp_version((g for _, gens in groups for g in gens), launched.version)
@@ -332,13 +323,10 @@ class OnlineTrainer(TrainingLoop):
             try:
                 with self.run.watched("reward"):  # (its own deadline: timed below, with the overlap told apart)
                     scored.append((rows, flat, *self.rewards.score(flat[2])))
-            except StopRequested:  # (a user's rule was cut short)
-                if not walked:
-                    raise
-                stopped = True  # the other lots are walked unscored: rank 0 ends the walk once it sees its stop
+            except StopRequested:  # a user's rule was cut short: the batch hears it (rank 0's lots walked to their end)
+                items.throw(StopRequested)
+                raise
             calls.append((began, time.monotonic()))
-        if stopped:
-            raise StopRequested
         # generation ended by the time the last group arrived here (a done-callback may note it later)
         generated = min(pending.finished() or arrived, arrived)
         hidden = sum(max(0.0, min(end, generated) - began) for began, end in calls)

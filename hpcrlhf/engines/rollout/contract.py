@@ -193,6 +193,12 @@ class Done:
             yield list(enumerate(self.generations))
 
 
+def all_at_once(pending: Pending) -> Iterator[Groups]:
+    """A batch's groups as one item, once all of it is generated (`Pending.as_finished` of a batch that cannot
+    give its groups earlier, or a caller that wants them whole)."""
+    yield list(enumerate(pending.result()))
+
+
 def launch(engine, prompts: Sequence[Sequence[int]], params: SamplingParams) -> Pending:
     """Start generating: on an engine that runs elsewhere (`launch` method: Ray engine actors) the
     batch is under way when this returns; any other engine generates it here and now."""

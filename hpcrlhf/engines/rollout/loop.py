@@ -397,8 +397,6 @@ class LoopTurns:
     TURN_WAIT_S for one), each with its key, as `VLLMStream` does (`hpcrlhf.agents.requests.VLLMRequests` makes it
     the agent scheduler's `RequestEngine`). Driven by one thread."""
 
-    synchronous = False
-
     def __init__(self, loop: EngineLoop, number: int, params: SamplingParams) -> None:
         self.loop, self.number, self.params = loop, number, replace(params, n=1)
         self._cond = threading.Condition()

@@ -191,21 +191,16 @@ class Rank0Batch:
         rank 0 sends each lot that finished to every rank (a meeting per lot; every rank scores its own groups
         while later ones are generated) and an empty one at the end. The ranks go at rank 0's pace: none may leave
         the walk early. A stop request on rank 0 ends the walk at its next lot and every rank raises
-        StopRequested (the step is abandoned); a rank asked to stop goes on walking (unscored) till then."""
+        StopRequested (the step is abandoned). A consumer stopped on its own (its user rule cut short) throws
+        StopRequested in: this rank walks the remaining lots unscored till rank 0 ends the walk, then raises it."""
         if self._result is not None:
             yield list(enumerate(self._result))
             return
-        rank, bounds = self.shared.env.rank, _bounds(self.sizes)
+        rank = self.shared.env.rank
         mine: list = [None] * self.sizes[rank]
         lots = self.batch.as_finished() if self.batch is not None else None
         while True:
-            parts = None
-            if lots is not None:
-                lot = None if stop_requested_here() else next(lots, None)  # None: the batch is done
-                state = "more" if lot is not None else "stopped" if stop_requested_here() else "done"
-                parts = ([[(i - a, g) for i, g in lot or () if a <= i < b] for a, b in zip(bounds, bounds[1:])],
-                         state)
-            groups, state = self.shared._send(parts)
+            groups, state = self.shared._send(self._lot(lots))
             if state == "stopped":
                 raise StopRequested
             if state == "done":
@@ -213,12 +208,27 @@ class Rank0Batch:
             for i, gens in groups:
                 mine[i] = gens
             if groups:
-                yield groups
+                try:
+                    yield groups
+                except StopRequested:  # (rank 0 would wait for this rank at its next lot)
+                    while state == "more":
+                        state = self.shared._send(self._lot(lots))[1]
+                    raise
         if any(g is None for g in mine):
             raise RuntimeError(f"rank {rank}: rank 0's batch ended without the groups of this rank's prompts "
                                f"{[i for i, g in enumerate(mine) if g is None][:5]}")
         self._result = mine
         self._finished = self.batch.finished() if self.batch is not None else time.monotonic()
+
+    def _lot(self, lots: Iterator[Groups] | None) -> tuple[list[Groups], str] | None:
+        """Rank 0 (`lots`: its loop's batch as it finishes): the next lot cut into the ranks' shares, with the
+        walk's state -- "more", "done" (the batch ended), "stopped" (a stop request here); the others: None."""
+        if lots is None:
+            return None
+        lot = None if stop_requested_here() else next(lots, None)  # None: the batch is done (or a stop)
+        state = "more" if lot is not None else "stopped" if stop_requested_here() else "done"
+        bounds = _bounds(self.sizes)
+        return [[(i - a, g) for i, g in lot or () if a <= i < b] for a, b in zip(bounds, bounds[1:])], state
 
 
 def _bounds(sizes: Sequence[int]) -> list[int]:
