@@ -8,24 +8,42 @@ engine, two at TP 1. Weights arrive after every actor update, broadcast in a wei
 (`receive_weights`) or as a full state dict (`load_weights`). With an agent section the actor also
 runs its part of a batch's multi-turn trajectories (`run_episodes_stream`): their environments and
 tools run in its process, on its node's CPU cores.
+
+With rollout.partial (k >= 1) each actor's engine runs on an engine loop (`hpcrlhf.engines.rollout.loop`):
+batches launched share the engine, and a weight sync pauses the samples under way, loads the weights and lets
+them go on under them (each span's version recorded). The actor is then threaded: its calls keep their order in
+the default concurrency group (`launch`, `receive_weights`, ...: a batch launched before a sync starts under the
+weights it was launched with), while each batch's stream of finished groups (`stream_batch`) waits in a group of
+its own (STREAMS).
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 import time
-from typing import Any
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Any, TypeVar
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 
 from hpcrlhf.agents.runner import AgentRunner, AgentSpec
 from hpcrlhf.agents.scheduler import BatchStats, added
 from hpcrlhf.cluster.worker_group import (RoleWorker, WorkerGroup, busy, dead_worker_message, death_verdict, gather,
                                           lost_worker_error, wait_any)
 from hpcrlhf.data.batching import shard_rows
+from hpcrlhf.engines.rollout.loop import StreamBatch, StreamingRollout
 from hpcrlhf.engines.rollout.vllm import VLLMRollout
 from hpcrlhf.logs import get_logger
 
 log = get_logger()
+
+T = TypeVar("T")
+
+STREAMS = "streams"
+"""The concurrency group of an engine loop's batch streams (`EngineWorker.stream_batch`)."""
+LOOP_ACTOR = {"concurrency_groups": {STREAMS: 64}}
+"""`ray.remote` options of an engine actor on an engine loop: the default group keeps its calls in order (one at a
+time), the streams of the batches under way wait in STREAMS (at most 64 at once: k + 1 batches per step, each
+redone at most once, and evaluation's)."""
 
 
 def omp_binding(tp: int, cpus: int) -> str:
@@ -37,10 +55,11 @@ def omp_binding(tp: int, cpus: int) -> str:
 
 
 class EngineWorker(RoleWorker):
-    """A VLLMRollout on one TP group: `generate`, `load_weights`, `sleep`/`wake`, `close`."""
+    """A VLLMRollout on one TP group: `generate`, `load_weights`, `sleep`/`wake`, `close`; on an engine loop
+    (`loop`, with `partial`) also `launch` and `stream_batch` (module docstring)."""
 
     def __init__(self, role: str, rank: int, world_size: int, model_dir: str, *, tensor_parallel_size: int,
-                 seed: int = 0, **engine_kwargs: Any) -> None:
+                 seed: int = 0, loop: bool = False, partial: bool = False, **engine_kwargs: Any) -> None:
         super().__init__(role, rank, world_size)
 
         if tensor_parallel_size > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
@@ -48,20 +67,50 @@ class EngineWorker(RoleWorker):
 
             if not torch.cuda.is_available():  # CPU build: one OpenMP core set per TP rank
                 os.environ["VLLM_CPU_OMP_THREADS_BIND"] = omp_binding(tensor_parallel_size, os.cpu_count() or 1)
-        self.engine = VLLMRollout(model_dir, seed=seed + rank, tensor_parallel_size=tensor_parallel_size,
-                                  distributed_executor_backend="mp", in_process=None, **engine_kwargs)
+
+        def make() -> VLLMRollout:
+            return VLLMRollout(model_dir, seed=seed + rank, tensor_parallel_size=tensor_parallel_size,
+                               distributed_executor_backend="mp", in_process=None, **engine_kwargs)
+
+        self.streaming = StreamingRollout(make, partial=partial) if loop else None
+        """The engine on an engine loop that alone drives it (rollout.partial), else None: calls drive it."""
+        self.loop = self.streaming.loop if self.streaming is not None else None
+        self.engine = self.streaming.engine if self.streaming is not None else make()
+        self.batches: dict[int, StreamBatch] = {}
+        """(engine loop) The batches launched and not yet streamed, by number."""
+        self._numbers = itertools.count()
         self.agent: tuple[AgentSpec, AgentRunner] | None = None
         """The job's agent (multi-turn rollouts), built at its first batch."""
 
+    def _on_engine(self, work: Callable[[], T]) -> T:
+        """`work()` where the engine is driven: on the loop's thread between its steps, else here."""
+        return self.loop.post(work).result() if self.loop is not None else work()
+
     @busy
     def generate(self, prompts: Sequence[Sequence[int]], params) -> list:
-        return self.engine.generate(prompts, params)
+        return (self.streaming or self.engine).generate(prompts, params)
 
     @busy
     def generate_stream(self, prompts: Sequence[Sequence[int]], params) -> Iterator[list]:
         """`generate`, the finished prompts' groups as they finish (`VLLMRollout.stream`); called
-        with `.options(num_returns="streaming")`."""
-        yield from self.engine.stream(prompts, params)
+        with `.options(num_returns="streaming")`. (On an engine loop `EngineFleet` calls `launch` and
+        `stream_batch` instead: a sync after the call must not overtake its launch.)"""
+        if self.streaming is not None:
+            yield from self.streaming.launch(prompts, params).as_finished()
+        else:
+            yield from self.engine.stream(prompts, params)
+
+    def launch(self, prompts: Sequence[Sequence[int]], params) -> int:
+        """(engine loop) Start generating `prompts` beside the batches under way, under the weights the engine
+        holds after the calls before this one; the batch's number, for `stream_batch`."""
+        number = next(self._numbers)
+        self.batches[number] = self.streaming.launch(prompts, params)
+        return number
+
+    def stream_batch(self, number: int) -> Iterator[list]:
+        """(engine loop) Batch `number`'s groups as its prompts finish; called in the STREAMS group with
+        `.options(num_returns="streaming")` (the default group goes on meanwhile: a sync pauses the batch)."""
+        yield from self.batches.pop(number).as_finished()
 
     @busy
     def run_episodes_stream(self, rows: Sequence[Mapping[str, Any]], params, origins: Sequence[str], env_seed: int,
@@ -73,22 +122,37 @@ class EngineWorker(RoleWorker):
             if self.agent is not None:
                 self.agent[1].close()
             self.agent = (spec, spec.runner())
-        generations, stats = self.agent[1].run(self.engine, rows, params, env_seed, origins)
+        generations, stats = self.agent[1].run(self.streaming or self.engine, rows, params, env_seed, origins)
         yield EpisodeGroups(enumerate(generations), stats)
 
     @busy
-    def load_weights(self, state: Mapping[str, Any]) -> None:
-        self.engine.load_weights(state)
+    def load_weights(self, state: Mapping[str, Any], version: int | None = None) -> None:
+        (self.streaming or self.engine).load_weights(state, version)
 
     def join_weight_group(self, spec, first_rank: int) -> list[int]:
-        return self.engine.join_weight_group(spec, first_rank)
+        return self._on_engine(lambda: self.engine.join_weight_group(spec, first_rank))
 
-    def receive_weights(self) -> int:
-        """Load the weights actor rank 0 broadcasts in the weight-sync group; busy only while they
-        load (the engine may wait for the sender first: a sync started while the actor trains)."""
-        received = self.engine.receive_weights()
+    def receive_weights(self, version: int | None = None) -> int:
+        """Load the weights actor rank 0 broadcasts in the weight-sync group (`version`: the policy version
+        they are, which the engine then holds); busy only while they load (the engine may wait for the sender
+        first: a sync started while the actor trains). On an engine loop the samples under way are paused for
+        it and go on under the new weights."""
+        if self.loop is not None:
+            received = self.loop.publish(self.engine.version if version is None else version,
+                                         self.engine.receive_weights).result()
+        else:
+            received = self.engine.receive_weights()
+        if version is not None:
+            self.engine.version = version
         self.busy_s += received.load_s
         return received.tensors
+
+    def pop_busy(self) -> float:
+        """Seconds spent in work methods since the last call; on an engine loop, in its engine steps."""
+        if self.loop is None:
+            return super().pop_busy()
+        self.busy_s = 0.0
+        return self.loop.pop_load().busy_s
 
     @busy
     def sleep(self) -> None:
@@ -99,7 +163,7 @@ class EngineWorker(RoleWorker):
         self.engine.wake(tags)
 
     def close(self) -> None:
-        self.engine.close()
+        (self.streaming or self.engine).close()  # an engine loop closes its engine on its thread
         if self.agent is not None:  # its environment threads: a hung call's stays, as a daemon
             self.agent[1].close()
 
@@ -122,12 +186,21 @@ class EngineFleet:
     `max_restarts` times in all: same GPUs, weights pushed, its part of the batch (or the weight
     sync) redone."""
 
-    def __init__(self, group: WorkerGroup, push: Any, *, max_restarts: int = 0) -> None:
+    def __init__(self, group: WorkerGroup, push: Any, *, max_restarts: int = 0, streaming: bool = False) -> None:
         self.group, self.push, self.restarts_left = group, push, max_restarts
+        self.streaming = streaming
+        """Whether the engines run on engine loops (rollout.partial; `EngineWorker(loop=True)`): the batches
+        launched share them, and a sync pauses the samples under way."""
         self.started: tuple[list[Any], list[Any]] | None = None
+        """A sync under way (`start_sync`): the engines it went to and its tasks."""
         self.graceful = True
         """Whether `close` asks the engines to close first (not after a hang: one may never answer)."""
-        """A sync under way (`start_sync`): the engines it went to and its tasks."""
+        self.version: int | None = None
+        """The policy version the engines hold (the last sync's): a restarted engine is given it again."""
+        self.launching: list[Any] = []
+        """(engine loops) The batches' launch calls since the last sync: it waits for them, so that a batch
+        launched before a sync starts under the weights before it -- whoever sends them (the object-store
+        path's loads come from the actor, whose calls keep no order with the driver's)."""
 
     @property
     def handles(self) -> list[Any]:
@@ -173,35 +246,47 @@ class EngineFleet:
                 self.restart(rank, e)  # raises when it may not
                 asked[rank] = getattr(self.handles[rank], method).remote(*args)
 
-    def start_sync(self) -> None:
-        """Start the next `sync` now, behind the work already queued on either side: each engine
-        receives once it is free, the actor sends once it has learned, without waiting for the
+    def start_sync(self, version: int | None = None) -> None:
+        """Start the next `sync` (of policy `version`) now, behind the work already queued on either side:
+        each engine receives once it is free, the actor sends once it has learned, without waiting for the
         driver in between. `sync` then waits for what is left of it. (Not where the push must
         form its group first: `sync` does all of it then.)"""
-        pushing = self.push.start(self.handles)
+        self._launched()
+        self.version = version if version is not None else self.version
+        pushing = self.push.start(self.handles, self.version)
         self.started = (self.handles, pushing) if pushing is not None else None
 
-    def sync(self) -> None:
-        """The actor's weights into every engine, or the rest of the sync `start_sync` began
-        (restarting an engine found dead on the way)."""
+    def sync(self, version: int | None = None) -> None:
+        """The actor's weights -- policy `version` (None: unnamed) -- into every engine, or the rest of the
+        sync `start_sync` began (restarting an engine found dead on the way)."""
         import ray
         from ray.exceptions import RayActorError, RayTaskError
 
         started, self.started = self.started, None
+        self._launched()
+        self.version = version if version is not None else self.version
         try:
             if started is not None and started[0] == self.handles:
                 self.push.finish(started[1])
             else:
                 if started is not None:  # an engine was replaced since: that push went partly nowhere
                     ray.wait(started[1], num_returns=len(started[1]))
-                self.push(self.handles)
+                self.push(self.handles, self.version)
         except (RayTaskError, RayActorError) as e:
             lost = lost_worker_error(e, [self.group], probe_s=DEATH_NOTICE_S)
             rank = self.group.rank_of(lost.actor_id) if lost is not None else None
             if rank is None:
                 raise
             self.restart(rank, lost, pushed=False)
-            self.push(self.handles)
+            self.push(self.handles, self.version)
+
+    def _launched(self) -> None:
+        """Wait for the launches since the last sync (`launching`; a failed one is the batch's to redo)."""
+        import ray
+
+        launching, self.launching = self.launching, []
+        if launching:
+            ray.wait(launching, num_returns=len(launching))
 
     def restart(self, rank: int, error, *, pushed: bool = True) -> None:
         """Replace dead engine `rank` (re-raising `error` when out of restarts or when its node may be
@@ -220,7 +305,7 @@ class EngineFleet:
         self.group.respawn(rank)
         self.group.locate([rank])  # constructed: vLLM is up
         if pushed:
-            self.push(self.handles)  # all: a collective weight sync re-forms its group with the new engine
+            self.push(self.handles, self.version)  # all: a collective weight sync re-forms its group with the new engine
         log.info(f"{self.group.name(rank)} restarted in {time.monotonic() - began:.0f} s; redoing its share")
 
     def close(self) -> None:
@@ -282,8 +367,15 @@ class FleetBatch:
         self.sent_to[rank] = worker
         self.done_at.pop(rank, None)
         part = self.params.part(a, b)
-        stream = self.current[rank] = getattr(worker, self.method).options(num_returns="streaming").remote(
-            self.prompts[a:b], part, *(s[a:b] for s in self.sliced), *self.extra)
+        if self.fleet.streaming and self.method == "generate_stream":  # launched in order with the syncs
+            launched = worker.launch.remote(self.prompts[a:b], part)
+            self.fleet.launching.append(launched)
+            stream = worker.stream_batch.options(num_returns="streaming", concurrency_group=STREAMS).remote(launched)
+        else:  # (trajectories on an engine loop: their turns posted to it, a sync pausing them, in STREAMS too)
+            options = {"concurrency_group": STREAMS} if self.fleet.streaming else {}
+            stream = getattr(worker, self.method).options(num_returns="streaming", **options).remote(
+                self.prompts[a:b], part, *(s[a:b] for s in self.sliced), *self.extra)
+        self.current[rank] = stream
         stream.completed().future().add_done_callback(lambda _, rank=rank, s=stream: self._mark_done(rank, s))
         self.streams[stream] = rank
 

@@ -191,12 +191,14 @@ class WorkerGroup(Workers):
     """The Ray actors of one role (or of the vLLM engines: one actor per TP group)."""
 
     def __init__(self, role: str, worker_cls: type, reservation: Reservation, placements: Sequence[Sequence[Device]],
-                 *args: Any, env: dict[str, str] | None = None, join: bool = True, **kwargs: Any) -> None:
+                 *args: Any, env: dict[str, str] | None = None, join: bool = True,
+                 remote_options: dict[str, Any] | None = None, **kwargs: Any) -> None:
+        """`remote_options`: `ray.remote`'s for the worker class (its concurrency groups)."""
         import ray
 
         super().__init__()
         self.role, self.placements, self.reservation = role, [tuple(p) for p in placements], reservation
-        remote_cls = ray.remote(worker_cls)
+        remote_cls = ray.remote(**remote_options)(worker_cls) if remote_options else ray.remote(worker_cls)
         world = len(self.placements)
         self._spawn = lambda rank: remote_cls.options(name=None, **reservation.actor_options(
             self.placements[rank], env=env)).remote(role, rank, world, *args, **kwargs)

@@ -206,6 +206,82 @@ def test_an_engine_of_tp_1_runs_in_its_actor_and_follows_weight_syncs(ray_cluste
         ray.kill(engine)
 
 
+def test_an_engine_loop_actor_pauses_its_batch_for_a_weight_sync_and_each_span_has_its_weights_logprobs(
+        ray_cluster, tiny_llama):
+    """rollout.partial on Ray (issue 40): an engine actor on an engine loop takes a weight sync while a batch is
+    under way -- the samples pause, the weights load, they go on under them -- and each sample records where the
+    version changed; every token's log-prob is that of its span's weights (the HF forward over the whole
+    sequence). A batch launched before the sync starts under the old weights (the calls keep their order in the
+    actor's default group; the batch streams in a group of its own, so the sync is not queued behind it). Agent
+    trajectories run on the loop as well."""
+    pytest.importorskip("vllm")
+    import ray
+
+    from hpcrlhf.cluster.engines import LOOP_ACTOR, STREAMS, EngineWorker
+    from hpcrlhf.engines.rollout.contract import token_versions
+    from hpcrlhf.models.loading import load_causal_lm, load_tokenizer
+    from tests.engines.test_rollout import engine_tol, forward_logprobs
+
+    tokenizer = load_tokenizer(tiny_llama)
+    model = load_causal_lm(tiny_llama, attn_implementation="sdpa").eval()
+    old = {k: v.clone() for k, v in model.state_dict().items()}
+    new = perturbed(old, std=0.02, seed=5)
+    prompts = [tokenizer(t)["input_ids"] for t in ("12+34=", "7+8=", "99+1=", "5+55=")]
+    # prompt 0's group ends after 4 tokens: by then every other sample has 4 tokens of version 0 (they advance
+    # together) and 196 to go, so the sync that follows comes mid-way whatever the host's load
+    params = SamplingParams(n=2, max_new_tokens=200, seed=3, lengths=(4, 200, 200, 200))
+    engine = ray.remote(**LOOP_ACTOR)(EngineWorker).options(num_cpus=0).remote(
+        "vllm", 0, 1, tiny_llama, tensor_parallel_size=1, max_model_len=256, kv_cache_bytes=1 << 26, loop=True,
+        partial=True)
+    try:
+        group = weight_group([engine], tp=1)
+        launched = engine.launch.remote(prompts, params)
+        stream = engine.stream_batch.options(num_returns="streaming", concurrency_group=STREAMS).remote(launched)
+        first = ray.get(next(stream))
+        assert [i for i, _ in first] == [0]
+        receiving = engine.receive_weights.remote(1)  # behind the launch, beside the stream
+        weight_sync.WeightSender(group, 1 << 14).send(new.items())
+        assert ray.get(receiving) == len(new)
+        groups = dict(first + [g for ref in stream for g in ray.get(ref)])
+        assert sorted(groups) == [0, 1, 2, 3]
+        spans = [g.versions for i in (1, 2, 3) for g in groups[i]]
+        assert all(v[0] == (0, 0) and len(v) == 2 and 4 <= v[1][0] < 200 and v[1][1] == 1 for v in spans), spans
+        assert [g.versions for g in groups[0]] == [[(0, 0)]] * 2
+        models = {0: model, 1: load_causal_lm(tiny_llama, attn_implementation="sdpa").eval()}
+        models[1].load_state_dict(new)
+        with torch.no_grad():
+            for gens in groups.values():
+                for g in gens:
+                    want = {v: forward_logprobs(m, g) for v, m in models.items()}
+                    expected = torch.tensor([float(want[v][p]) for p, v in enumerate(token_versions(g))])
+                    assert (expected - torch.tensor(g.logprobs)).abs().max() < engine_tol(), g.versions
+        # a batch launched after the sync is all of the new version
+        after = ray.get(engine.generate.remote(prompts[:1], SamplingParams(n=1, max_new_tokens=8, seed=1)))
+        assert after[0][0].versions == [(0, 1)]
+        # multi-turn trajectories on the loop (their turns posted to it; the call waits in STREAMS, beside the
+        # default group): every span of the version the engine holds, each model token's log-prob the HF model's
+        from hpcrlhf.agents.runner import AgentSpec
+        from hpcrlhf.config.schema.agent import AgentConfig
+
+        spec = AgentSpec(AgentConfig(environment="tests.agents.envs:Countdown", environment_args={"turns": 2},
+                                     max_turns=3, max_tokens=48), tiny_llama, True)
+        rows = [{"prompt": f"count {i}", "id": f"row{i}"} for i in range(3)]
+        stream = engine.run_episodes_stream.options(num_returns="streaming", concurrency_group=STREAMS).remote(
+            rows, SamplingParams(n=2, max_new_tokens=8, seed=5), [f"rows.jsonl:{i + 1}" for i in range(3)], 11, spec)
+        trajectories = [g for _, group in ray.get(next(stream)) for g in group]
+        assert len(trajectories) == 6 and all(g.episode is not None and any(g.action_mask) for g in trajectories)
+        with torch.no_grad():
+            for g in trajectories:
+                assert g.versions == [(0, 1)]
+                model_tokens = torch.tensor(g.action_mask, dtype=torch.bool)
+                gap = (forward_logprobs(models[1], g) - torch.tensor(g.logprobs))[model_tokens]
+                assert gap.abs().max() < engine_tol()
+        assert ray.get(engine.pop_busy.remote()) > 0  # the loop's engine steps
+        ray.get(engine.close.remote())
+    finally:
+        ray.kill(engine)
+
+
 class StreamingStandIn(RoleWorker):
     """An engine stand-in streaming its prompts' groups one by one, each response [first prompt token,
     try]; engine 0's first try (while `marker` exists) dies after two groups."""
@@ -242,7 +318,7 @@ def test_a_batch_streams_its_groups_and_keeps_those_received_before_an_engine_di
     try:
         engines = WorkerGroup.for_engines(StreamingStandIn, reservation, str(marker))
         pushed = []
-        fleet = EngineFleet(engines, pushed.append, max_restarts=1)
+        fleet = EngineFleet(engines, lambda handles, version: pushed.append(handles), max_restarts=1)
         prompts = [[p] for p in range(10)]
         batch = fleet.launch(prompts, SamplingParams(n=2))
         items = list(batch.as_finished())

@@ -12,20 +12,23 @@ from hpcrlhf.cluster.engines import EngineFleet
 
 
 class RecordingPush:
-    """`WeightPush`'s three calls, recorded; `start` returns `tasks` (None: the group must form)."""
+    """`WeightPush`'s three calls, recorded (and the versions pushed); `start` returns `tasks` (None: the group
+    must form)."""
 
     def __init__(self, tasks) -> None:
-        self.tasks, self.calls = tasks, []
+        self.tasks, self.calls, self.versions = tasks, [], []
 
-    def start(self, engines):
+    def start(self, engines, version=None):
         self.calls.append(("start", list(engines)))
+        self.versions.append(version)
         return self.tasks
 
     def finish(self, tasks) -> None:
         self.calls.append(("finish", tasks))
 
-    def __call__(self, engines) -> None:
+    def __call__(self, engines, version=None) -> None:
         self.calls.append(("push", list(engines)))
+        self.versions.append(version)
 
 
 class Engines:
@@ -51,6 +54,17 @@ def test_a_started_sync_is_finished_not_redone():
     assert push.calls[1:] == [("finish", ["t"])]
     fleet.sync()  # nothing started: the whole push
     assert push.calls[2:] == [("push", ["e0", "e1"])]
+
+
+def test_each_push_carries_the_version_of_its_sync_and_a_restarted_engine_gets_the_last_one():
+    """The engines record which policy version they hold (an engine loop's spans name it): `sync(version)` pushes
+    it; a sync with no version named keeps the last one (a restart's push too: below)."""
+    push = RecordingPush(tasks=None)
+    fleet = EngineFleet(Engines("e0", "e1"), push)
+    fleet.sync(3)
+    fleet.start_sync()
+    fleet.sync(4)
+    assert push.versions == [3, 3, 4]
 
 
 def test_a_sync_whose_group_must_form_first_waits_for_sync():
@@ -164,9 +178,10 @@ def test_an_engine_that_died_between_steps_is_restarted_by_the_next_call_to_all_
     push = RecordingPush(tasks=None)
     engines = LiveEngines(1.5, 2.5)
     fleet = EngineFleet(engines, push, max_restarts=1)
+    fleet.version = 7  # the last sync's
     killed(engines.workers[1])
     assert fleet.call_every("pop_busy") == [1.5, 0.0]  # engine 0's answer kept, engine 1 restarted
-    assert fleet.restarts_left == 0 and push.calls == [("push", engines.workers)]
+    assert fleet.restarts_left == 0 and push.calls == [("push", engines.workers)] and push.versions == [7]
     killed(engines.workers[0])
     with pytest.raises(ray.exceptions.ActorDiedError):
         fleet.call_every("pop_busy")

@@ -188,6 +188,34 @@ def test_one_step_stale_ray_ppo_generates_the_next_rollout_while_it_trains_and_l
     assert not (folder / "checkpoints" / f"step_{STEPS:06d}" / "ahead_rank0.pt").exists()
 
 
+@pytest.mark.slow
+def test_partial_rollouts_two_steps_ahead_on_ray_generate_on_engine_loops_beside_the_step(ray_cluster, policy_model,
+                                                                                          runs, tmp_path):
+    """rollout.partial with max_staleness 2 on the spread layout: each engine actor drives its engine on an engine
+    loop -- the batches of the steps ahead share it, a sync pauses what runs and it goes on under the new weights
+    (tests/cluster/test_engines.py shows a pause token by token). The first step is the synchronous run's own;
+    later samples lag at most min(s, 2) updates (a batch launched after a sync may get its first token after the
+    next one); a checkpoint waits for the batches ahead (the Ray engines' samples under way are not kept) and
+    holds both, whole."""
+    import torch
+
+    folder = tmp_path / "run"
+    run_cli(["train", "ppo", "--config", SEPARATED, "-o", str(folder), "--set", f"model.path={policy_model}", *RUN,
+             "--set", "train.max_steps=6", "--set", "rollout.max_staleness=2", "--set", "rollout.partial=true",
+             "--set", "ppo.tis_cap=2", "--set", "checkpoint.every_steps=3"],
+            env={"RAY_ADDRESS": ray_cluster.address}, timeout=1200)
+    rows, sync = train_rows(folder), train_rows(runs[SEPARATED])
+    staleness = [r["rollout/staleness"] for r in rows]
+    assert len(rows) == 6 and staleness[0] == 0 and max(staleness) == 2, staleness
+    assert all(0 <= a <= min(s, 2) for s, a in enumerate(staleness)), staleness
+    assert rows[0]["rollout/score"] == pytest.approx(sync[0]["rollout/score"], abs=1e-6)
+    assert all(0 <= r["rollout/partial_share"] <= 1 for r in rows) and all(r["timing/overlap"] > 0 for r in rows[:-2])
+    assert summary(folder)["status"] == "done"
+    ahead = torch.load(folder / "checkpoints" / "step_000003" / "ahead_rank0.pt", weights_only=False)["ahead"]
+    assert [a["step"] for a in ahead] == [3, 4] and all("generations" in a for a in ahead), ahead
+    assert all(len(a["generations"]) == 32 and all(len(g) == 4 for g in a["generations"]) for a in ahead)
+
+
 def placement(folder, ips, args) -> tuple[dict, dict]:
     """(where `hpcrlhf plan --json` with the run's settings `args` puts each rank, engine and reward
     server, where the workers say they ran): {(role, rank): (node address, visible GPUs)}."""

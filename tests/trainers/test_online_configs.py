@@ -50,9 +50,6 @@ from hpcrlhf.trainers.batches import PPOPlan
     (["rollout.backend=vllm", "rollout.partial=true", "rollout.max_staleness=1"], "rollout.partial: True is invalid: "
      "a paused sample goes on under newer weights than its first tokens', which the per-token ratios must correct: "
      "set ppo.tis_cap=2"),
-    (["rollout.backend=vllm", "rollout.partial=true", "rollout.max_staleness=1", "ppo.tis_cap=2",
-      "placement.runtime=ray"], "rollout.partial: True is invalid: partial rollouts run on the local runtime's "
-     "engine loop (the Ray runtime's engines cannot pause their samples yet): use placement.runtime=local"),
     (["rollout.backend=vllm", "placement.vllm.sleep=true", "rollout.max_staleness=1"],
      "placement.vllm.sleep: true swaps GPU memory between generation and training, but rollout.max_staleness 1 runs "
      "them at the same time: use rollout.max_staleness=0 with sleep, or placement.vllm.sleep=false"),

@@ -81,21 +81,24 @@ class RolloutConfig:
     same per model token), rollout/staleness_share/<a> (the share a updates old, a = 0..k);
     timing/overlap (seconds generation ran while the step trained)."""
     partial: bool = False
-    """ppo only, rollout.backend vllm, local runtime (the Ray runtime: not yet): partial rollouts.
-    With rollout.max_staleness >= 1 the engine generates in a thread of its own while the step trains (rank 0's
-    serves every local rank); at a weight sync the samples under way are paused, the weights change, and they go on under
+    """ppo only, rollout.backend vllm: partial rollouts.
+    With rollout.max_staleness >= 1 the engine generates in a thread of its own while the step trains (on the
+    local runtime rank 0's serves every local rank; on Ray each engine actor drives its engine so); at a weight sync
+    the samples under way are paused, the weights change, and they go on under
     the new ones (their tokens and log-probs kept, each span's policy version recorded) instead of the sync
     waiting for them; the steps ahead are launched as soon as a step starts, so a straggler runs beside the
     next batch. A sample's age is that of its first token (rollout/staleness <= k still holds); its later
     tokens are newer (rollout/staleness_tokens). Needs ppo.tis_cap (the behaviour log-probs of a paused
-    sample come from two policies). With an agent section the model's turns are paused alike, and a trajectory
-    records the version of each span of its turns (an environment's answer lies in the span before it). A
-    checkpoint does not wait for the samples under way: it keeps each as far as it got, and the resumed run
-    continues it (resume with this setting on) -- but for trajectories, which it waits for (an environment's
-    state cannot be kept): they end under the weights of the checkpoint's step, where the run that saved it
-    continued their tail under the next step's. false: without it, k >= 1 on
-    that engine still generates in its thread, and each sync waits for the samples under way to end
-    (timing/weight_sync holds that tail)."""
+    sample come from two policies). With an agent section the model's turns are paused
+    alike, and a trajectory records the version of each span of its turns (an environment's answer lies in the
+    span before it). On the local runtime a checkpoint does not wait for the samples under way: it keeps each as
+    far as it got, and the resumed run continues it (resume with this setting on) -- but for trajectories, which
+    it waits for (an environment's state cannot be kept): they end under the weights of the checkpoint's step,
+    where the run that saved it continued their tail under the next step's. On Ray a checkpoint waits for the
+    batches under way (kept whole: the resumed run trains on what the saving run did). false: without it, k >= 1
+    on the local runtime's engine still generates in its thread, on Ray each engine takes one batch at a time,
+    and each sync waits for the samples under way to end (timing/weight_sync, timing/generate_ahead_wait hold that
+    tail)."""
     length_key: str | None = None
     """Benchmarks only (hpcrlhf bench's long-tail suites): the prompt-row field holding the length, in tokens,
     of every response to that prompt -- EOS suppressed until then, cut there (vLLM's min_tokens = max_tokens),

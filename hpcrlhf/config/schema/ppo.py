@@ -220,9 +220,6 @@ class PPOConfig(OnlineJobConfig):
                 "a paused sample goes on under newer weights than its first tokens', which the per-token ratios must "
                 "correct: set ppo.tis_cap=2 (truncated importance weights; ppo.is_mode=mask to drop outlying tokens "
                 "instead), or rollout.partial=false")
-        require(not self.rollout.partial or self.placement.runtime == "local", "rollout.partial", True,
-                "partial rollouts run on the local runtime's engine loop (the Ray runtime's engines cannot pause "
-                "their samples yet): use placement.runtime=local, or rollout.partial=false")
         if k >= 2 and self.ppo.tis_cap is None:
             raise ConfigError(f"rollout.max_staleness: {k} trains on samples up to {k} updates old without correcting "
                               "their per-token ratios: set ppo.tis_cap=2 (truncated importance weights; "

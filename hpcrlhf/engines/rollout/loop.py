@@ -489,8 +489,16 @@ class StreamingRollout:
 
 
 def streams(rollout: Any) -> bool:
-    """Whether `rollout` generates on an engine loop: a `StreamingRollout`, or rank 0's one serving every local
-    rank (`Rank0Rollout.streaming`): a batch launched is under way beside the step, and it must be closed."""
+    """Whether `rollout` generates on engine loops: a `StreamingRollout`, rank 0's one serving every local rank
+    (`Rank0Rollout.streaming`), or a Ray fleet's engine actors (`hpcrlhf.cluster.engines.EngineFleet.streaming`):
+    a batch launched is under way beside the step, and the batches share the engines."""
+    return isinstance(rollout, StreamingRollout) or bool(getattr(rollout, "streaming", False))
+
+
+def suspends(rollout: Any) -> bool:
+    """Whether a checkpoint can keep `rollout`'s batches under way as far as they got (`suspend`, `relaunch`):
+    an engine loop of this job's processes (`StreamingRollout`, or rank 0's serving every local rank). A Ray
+    fleet's engine actors cannot (yet): a checkpoint waits for their batches."""
     return isinstance(rollout, StreamingRollout) or (isinstance(rollout, Rank0Rollout) and rollout.streaming)
 
 

@@ -51,7 +51,7 @@ from hpcrlhf.config.schema import PPOConfig
 from hpcrlhf.data.prompts import Prompt
 from hpcrlhf.engines.distributed import all_reduce_sum
 from hpcrlhf.engines.rollout import Done
-from hpcrlhf.engines.rollout.loop import engine_loop, streams
+from hpcrlhf.engines.rollout.loop import engine_loop, streams, suspends
 from hpcrlhf.errors import ConfigError
 from hpcrlhf.logs import get_logger
 from hpcrlhf.run.folder import StepAbandoned
@@ -248,7 +248,7 @@ class PPOTrainer(OnlineTrainer):
         """With rollout.partial on an engine loop, the batches ahead still under way as far as they got (they go
         on: a checkpoint need not wait for their tail): step -> (updates done at its launch, its state). Agent
         batches are not kept so: their environments' states cannot be (`save_ahead` waits for them)."""
-        if not (self.cfg.rollout.partial and streams(self.rollout)) or self.agent is not None:
+        if not (self.cfg.rollout.partial and suspends(self.rollout)) or self.agent is not None:
             return {}
         going = {step: a.rollout for step, a in self.ahead.items() if a.rollout.pending.finished() is None}
         states = self.rollout.suspend([launched.pending for launched in going.values()]) if going else []
@@ -267,7 +267,7 @@ class PPOTrainer(OnlineTrainer):
             self.ahead[saved.step] = Ahead(saved.step, LaunchedRollout(
                 self.step_prompts(saved.step), self.sampling(saved.step, n), Done(saved.generations), figures,
                 saved.launched_at))
-        if self.suspended and not (self.cfg.rollout.partial and streams(self.rollout)):
+        if self.suspended and not (self.cfg.rollout.partial and suspends(self.rollout)):
             raise ConfigError(f"rollout.partial: the checkpoint {folder} holds the batches of steps "
                               f"{sorted(s + 1 for s in self.suspended)} under way on an engine loop, to go on where "
                               "they stopped; resume with the settings that saved it (rollout.partial=true, "

@@ -40,7 +40,7 @@ from collections.abc import Sequence
 import ray
 import torch
 
-from hpcrlhf.cluster.engines import EngineFleet, EngineWorker
+from hpcrlhf.cluster.engines import LOOP_ACTOR, EngineFleet, EngineWorker
 from hpcrlhf.cluster.reservation import Reservation
 from hpcrlhf.cluster.reward_servers import RewardServers
 from hpcrlhf.cluster.worker_group import WorkerGroup, gather, gather_rows, wait_any, worker_stacks
@@ -97,9 +97,13 @@ class RayRoles:
                 plan)
         self.trained = tuple(role for role in TRAINED if role in self.groups)
         tp = node_map.vllm.tensor_parallel_size
-        engines = WorkerGroup.for_engines(EngineWorker, reservation, tensor_parallel_size=tp, **vllm_engine_args(cfg))
+        partial = cfg.rollout.partial  # each engine on an engine loop: a sync pauses what runs
+        engines = WorkerGroup.for_engines(EngineWorker, reservation, tensor_parallel_size=tp, loop=partial,
+                                          partial=partial, remote_options=LOOP_ACTOR if partial else None,
+                                          **vllm_engine_args(cfg))
         self.weight_push = WeightPush(self.groups["actor"], tp, cfg.placement.vllm.weight_sync)
-        self.rollout = EngineFleet(engines, self.weight_push, max_restarts=cfg.placement.vllm.max_restarts)
+        self.rollout = EngineFleet(engines, self.weight_push, max_restarts=cfg.placement.vllm.max_restarts,
+                                   streaming=partial)
         self.hf_rollout = None  # the actor module lives on its workers
         setups = [ref for role, g in self.groups.items() if role != "reward" for ref in g.call_async("setup")]
         served = None
@@ -185,7 +189,7 @@ class RayRoles:
 
     def push_weights(self, version: int) -> dict[str, float] | None:
         self.phases.enter("weight_sync")
-        self.rollout.sync()
+        self.rollout.sync(version)
         return self.weight_push.last or None
 
     def save(self, folder: Path, state: dict[str, Any]) -> None:

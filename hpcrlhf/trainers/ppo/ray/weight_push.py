@@ -29,21 +29,21 @@ class WeightPush:
         self.formed = 0
         self.last: dict[str, float] = {}
 
-    def __call__(self, engines: list[Any]) -> None:
+    def __call__(self, engines: list[Any], version: int | None = None) -> None:
         if self.mode == "collective" and self.members != self.ids(engines):
             self.form(engines)
-        self.finish(self.start(engines))
+        self.finish(self.start(engines, version))
 
-    def start(self, engines: list[Any]) -> list[Any] | None:
-        """Queue the push on the actor's ranks and on `engines` (each side runs it after the work
-        queued before: the actor sends once it has learned, each engine receives once it is free);
-        the tasks to `finish`. None where the collective group must be formed first (the first
-        push, a restarted engine): forming it needs the actor now."""
+    def start(self, engines: list[Any], version: int | None = None) -> list[Any] | None:
+        """Queue the push of policy `version` (updates done; None: unnamed) on the actor's ranks and on
+        `engines` (each side runs it after the work queued before: the actor sends once it has learned, each
+        engine receives once it is free); the tasks to `finish`. None where the collective group must be formed
+        first (the first push, a restarted engine): forming it needs the actor now."""
         if self.mode == "object_store":
-            return self.actor.call_async("put_weights", engines)
+            return self.actor.call_async("put_weights", engines, version)
         if self.members != self.ids(engines):
             return None
-        return [*self.actor.call_async("broadcast_weights"), *[e.receive_weights.remote() for e in engines]]
+        return [*self.actor.call_async("broadcast_weights"), *[e.receive_weights.remote(version) for e in engines]]
 
     def finish(self, pushing: list[Any]) -> None:
         """Wait for a push `start`ed (raising what failed in it)."""

@@ -105,14 +105,14 @@ class TrainedWorker(PPOWorker):
 
 class ActorWorker(TrainedWorker):
     @busy
-    def put_weights(self, engines: Sequence[Any]) -> None:
-        """The actor's full weights into every vLLM engine through Ray's object store (the
-        `placement.vllm.weight_sync=object_store` path; all actor ranks call: ZeRO-3 gathers)."""
+    def put_weights(self, engines: Sequence[Any], version: int | None = None) -> None:
+        """The actor's full weights -- policy `version` -- into every vLLM engine through Ray's object store
+        (the `placement.vllm.weight_sync=object_store` path; all actor ranks call: ZeRO-3 gathers)."""
         state = self.engine.full_state_dict()
         if self.rank == 0:
             state = checkpoint_names(self.engine.module, state)
             ref = ray.put({k: v.detach().cpu() for k, v in state.items()})
-            gather([engine.load_weights.remote(ref) for engine in engines])
+            gather([engine.load_weights.remote(ref, version) for engine in engines])
 
     def serve_weight_group(self):
         """Rank 0: a store for a new weight-sync group, on this node's address; its rendezvous (for
