@@ -196,7 +196,7 @@ class EngineFleet:
         self.graceful = True
         """Whether `close` asks the engines to close first (not after a hang: one may never answer)."""
         self.version: int | None = None
-        """The policy version the engines hold (the last sync's): a restarted engine is given it again."""
+        """The policy version the engines hold (the last `sync` that named one): a restarted engine is given it."""
         self.launching: list[Any] = []
         """(engine loops) The batches' launch calls since the last sync: it waits for them, so that a batch
         launched before a sync starts under the weights before it -- whoever sends them (the object-store
@@ -252,8 +252,7 @@ class EngineFleet:
         driver in between. `sync` then waits for what is left of it. (Not where the push must
         form its group first: `sync` does all of it then.)"""
         self._launched()
-        self.version = version if version is not None else self.version
-        pushing = self.push.start(self.handles, self.version)
+        pushing = self.push.start(self.handles, version)
         self.started = (self.handles, pushing) if pushing is not None else None
 
     def sync(self, version: int | None = None) -> None:

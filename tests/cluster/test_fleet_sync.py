@@ -58,13 +58,15 @@ def test_a_started_sync_is_finished_not_redone():
 
 def test_each_push_carries_the_version_of_its_sync_and_a_restarted_engine_gets_the_last_one():
     """The engines record which policy version they hold (an engine loop's spans name it): `sync(version)` pushes
-    it; a sync with no version named keeps the last one (a restart's push too: below)."""
+    it, a push started before the version is known (`start_sync`, behind the epochs) names none, and the fleet
+    keeps the last one named (a restart's push gives it: below)."""
     push = RecordingPush(tasks=None)
     fleet = EngineFleet(Engines("e0", "e1"), push)
     fleet.sync(3)
     fleet.start_sync()
     fleet.sync(4)
-    assert push.versions == [3, 3, 4]
+    fleet.sync()
+    assert push.versions == [3, None, 4, 4] and fleet.version == 4
 
 
 def test_a_sync_whose_group_must_form_first_waits_for_sync():
