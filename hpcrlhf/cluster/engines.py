@@ -22,8 +22,8 @@ from __future__ import annotations
 import itertools
 import os
 import time
-from typing import Any, TypeVar
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 from hpcrlhf.agents.runner import AgentRunner, AgentSpec
 from hpcrlhf.agents.scheduler import BatchStats, added
@@ -36,7 +36,6 @@ from hpcrlhf.logs import get_logger
 
 log = get_logger()
 
-T = TypeVar("T")
 
 STREAMS = "streams"
 """The concurrency group of an engine loop's batch streams (`EngineWorker.stream_batch`)."""
@@ -82,10 +81,6 @@ class EngineWorker(RoleWorker):
         self.agent: tuple[AgentSpec, AgentRunner] | None = None
         """The job's agent (multi-turn rollouts), built at its first batch."""
 
-    def _on_engine(self, work: Callable[[], T]) -> T:
-        """`work()` where the engine is driven: on the loop's thread between its steps, else here."""
-        return self.loop.post(work).result() if self.loop is not None else work()
-
     @busy
     def generate(self, prompts: Sequence[Sequence[int]], params) -> list:
         return (self.streaming or self.engine).generate(prompts, params)
@@ -130,7 +125,9 @@ class EngineWorker(RoleWorker):
         (self.streaming or self.engine).load_weights(state, version)
 
     def join_weight_group(self, spec, first_rank: int) -> list[int]:
-        return self._on_engine(lambda: self.engine.join_weight_group(spec, first_rank))
+        """Join the actor's weight group where the engine is driven: on the loop's thread between its steps."""
+        join = lambda: self.engine.join_weight_group(spec, first_rank)  # noqa: E731
+        return self.loop.post(join).result() if self.loop is not None else join()
 
     def receive_weights(self, version: int | None = None) -> int:
         """Load the weights actor rank 0 broadcasts in the weight-sync group (`version`: the policy version

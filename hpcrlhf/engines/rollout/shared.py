@@ -171,6 +171,7 @@ class Rank0Batch:
         """`batch`: rank 0's (None on the others); `sizes`: each rank's share of it, in rank order; `shared`:
         the ranks' `Rank0Rollout` (its collectives)."""
         self.batch, self.sizes, self.shared = batch, list(sizes), shared
+        self._bounds = _bounds(self.sizes)
         self.launched = batch.launched if batch is not None else time.monotonic()
         self._result: list[list[Generation]] | None = None
         self._finished: float | None = None
@@ -227,7 +228,7 @@ class Rank0Batch:
             return None
         lot = None if stop_requested_here() else next(lots, None)  # None: the batch is done (or a stop)
         state = "more" if lot is not None else "stopped" if stop_requested_here() else "done"
-        bounds = _bounds(self.sizes)
+        bounds = self._bounds
         return [[(i - a, g) for i, g in lot or () if a <= i < b] for a, b in zip(bounds, bounds[1:])], state
 
 
