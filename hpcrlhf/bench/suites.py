@@ -258,15 +258,18 @@ def longtail_systems(kv_cache_gb: int) -> tuple[System, ...]:
             f"rollout.vllm_kv_cache_gb={kv_cache_gb}", f"train.micro_batch_size={DSCHAT_PER_DEVICE_BATCH}",
             *GRPO_AS_TRL)
 
-    def system(name: str, k: int, partial: bool, about: str) -> System:
-        ahead = (f"rollout.max_staleness={k}", "ppo.tis_cap=2", *(("rollout.partial=true",) if partial else ()))
+    def system(name: str, k: int, partial: bool, about: str, order: str = "plan") -> System:
+        ahead = (f"rollout.max_staleness={k}", "ppo.tis_cap=2", *(("rollout.partial=true",) if partial else ()),
+                 *((f"rollout.stream_order={order}",) if order != "plan" else ()))
         return System(name, "hpcrlhf", None, (*base, *(ahead if k else ())), samples_per_prompt=_LONGTAIL_GROUP,
                       needs=("vllm",), about=about, tail_steps=k)
 
     return (system("sync", 0, False, "synchronous: each step generates its batch, then trains on it"),
             system("k1", 1, False, "one step ahead on the engine loop: each sync waits for what runs (the drain)"),
             system("k2-partial", 2, True, "two steps ahead, samples under way paused at each sync and continued"),
-            system("k4-partial", 4, True, "four steps ahead, partial rollouts"))
+            system("k4-partial", 4, True, "four steps ahead, partial rollouts"),
+            system("k2-arrival-partial", 2, True, "two steps ahead, partial rollouts, each step trains the first "
+                   "groups that end (rollout.stream_order=arrival)", "arrival"))
 
 
 _LONGTAIL_SYSTEMS = longtail_systems(1)
@@ -330,7 +333,7 @@ SUITES: dict[str, Suite] = {s.name: s for s in (
           systems=_LONGTAIL_SYSTEMS, lengths=LengthDist(), dschat_ranks=1),
     Suite("cpu-longtail-tiny", "harness check of cpu-longtail: 8 prompts x 4 samples, at most 64 tokens, 2 measured "
           "steps", "cpu", 1, 1, prompt_tokens=16, response_tokens=64, prompts_per_step=32, warmup_steps=1, steps=2,
-          systems=_LONGTAIL_SYSTEMS[:1] + _LONGTAIL_SYSTEMS[2:3], lengths=LengthDist(), dschat_ranks=1),
+          systems=_LONGTAIL_SYSTEMS[:1] + _LONGTAIL_SYSTEMS[2:3] + _LONGTAIL_SYSTEMS[4:], lengths=LengthDist(), dschat_ranks=1),
     Suite("gpu-7b", "7B actor/critic/ref/RM on 2 x 8 GPUs (OpenRLHF's published 7B layout)", nodes=2, gpus_per_node=8,
           systems=_gpu_systems("ppo-7b", 2, 8, (8, 2)), **_GPU),
     Suite("gpu-13b", "13B on 4 x 8 GPUs", nodes=4, gpus_per_node=8, systems=_gpu_systems("ppo-13b", 4, 8, (8, 4)), **_GPU),
@@ -340,7 +343,7 @@ SUITES: dict[str, Suite] = {s.name: s for s in (
     Suite("gpu-1-longtail", "one GPU, long-tail lengths: a 0.5B llama built from config, 256-token prompts, "
           "responses of log-normal lengths (median 64 of at most 512 tokens), 64 prompts x 4 samples per step",
           "gpu", 1, 1, prompt_tokens=256, response_tokens=512, prompts_per_step=256, warmup_steps=1, steps=3,
-          systems=longtail_systems(16)[:1] + longtail_systems(16)[2:3], model="builtin:llama-500m",
+          systems=longtail_systems(16)[:1] + longtail_systems(16)[2:3] + longtail_systems(16)[4:], model="builtin:llama-500m",
           lengths=LengthDist()),
     Suite("gpu-1", "one GPU: a 0.5B llama built from config, 256-token prompts and answers, 64 prompts per step",
           "gpu", 1, 1, prompt_tokens=256, response_tokens=256, prompts_per_step=64, warmup_steps=1, steps=3,

@@ -53,6 +53,22 @@ def test_batches_sharing_the_loop_draw_what_each_draws_alone(streaming, rollout_
     assert greedy[0][0] is not greedy[0][1] and greedy[0][0].response_ids is not greedy[0][1].response_ids
 
 
+def test_a_cancelled_batch_never_ends_and_the_batches_beside_it_draw_as_alone(streaming, rollout_prompts):
+    """`cancel` (arrival order's drop of a group under way): the batch's samples are aborted, it never ends, and a
+    batch under way beside it draws what it draws alone; one cancelled after it ended changes nothing."""
+    long = SamplingParams(n=2, temperature=1.0, max_new_tokens=200, min_new_tokens=200, seed=3)
+    short = SamplingParams(n=2, temperature=1.0, max_new_tokens=8, seed=4)
+    alone = streaming.generate(rollout_prompts[:2], short)
+    doomed, kept = streaming.launch(rollout_prompts[2:4], long), streaming.launch(rollout_prompts[:2], short)
+    streaming.cancel([doomed])
+    together = kept.result()
+    assert [[g.response_ids for g in gens] for gens in together] == [[g.response_ids for g in gens] for gens in alone]
+    wait_until(lambda: streaming.loop.stream.running() == 0)  # nothing of the cancelled batch is left in the engine
+    assert not doomed.done() and doomed.finished() is None and not doomed.ended()
+    streaming.cancel([kept])  # already ended: nothing to abort
+    assert streaming.generate(rollout_prompts[:2], short)[0][0].response_ids == alone[0][0].response_ids
+
+
 def hold_when(loop: EngineLoop, ready, gone=lambda: False) -> threading.Event:
     """Hold the loop at the first engine-step boundary where `ready()` (called on the loop's thread): whatever the
     host's load, no sample goes on until the gate returned is opened. Fails once `gone()` (the moment passed)."""

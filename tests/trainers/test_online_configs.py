@@ -50,6 +50,21 @@ from hpcrlhf.trainers.batches import PPOPlan
     (["rollout.backend=vllm", "rollout.partial=true", "rollout.max_staleness=1"], "rollout.partial: True is invalid: "
      "a paused sample goes on under newer weights than its first tokens', which the per-token ratios must correct: "
      "set ppo.tis_cap=2"),
+    (["rollout.backend=vllm", "rollout.stream_order=arrival"], "rollout.stream_order: 'arrival' is invalid: it takes "
+     "each step's groups as the engine ends them, but rollout.max_staleness is 0 (each step generates its own batch): "
+     "set rollout.max_staleness=1 or more, or rollout.stream_order=plan"),
+    (["rollout.stream_order=arrival", "rollout.max_staleness=1"], "rollout.stream_order: 'arrival' is invalid: "
+     "rollout.backend hf generates each batch in one call of the training process, in plan order: set "
+     "rollout.backend=vllm, or rollout.stream_order=plan"),
+    (["rollout.stream_order=fifo"], "'fifo' is not one of 'plan', 'arrival'"),
+    *[(["rollout.backend=vllm", "rollout.stream_order=arrival", "rollout.max_staleness=1", *more],
+       f"rollout.stream_order: 'arrival' is invalid: taking each step's groups as the engine ends them is not built "
+       f"{what} yet: use rollout.stream_order=plan, or {fix}")
+      for more, what, fix in ((["placement.runtime=ray"], "on the Ray runtime", "placement.runtime=local"),
+                              (["agent={environment: 'tests.agents.envs:Countdown'}", "agent.max_tokens=64"],
+                               "with an agent section", "no agent section"),
+                              (["ppo.dynamic_sampling=true", "rollout.samples_per_prompt=4"],
+                               "with ppo.dynamic_sampling", "ppo.dynamic_sampling=false"))],
     (["rollout.backend=vllm", "placement.vllm.sleep=true", "rollout.max_staleness=1"],
      "placement.vllm.sleep: true swaps GPU memory between generation and training, but rollout.max_staleness 1 runs "
      "them at the same time: use rollout.max_staleness=0 with sleep, or placement.vllm.sleep=false"),
@@ -75,6 +90,8 @@ def test_bad_ppo_settings_fail_with_the_field_and_the_fix(overrides, message):
     (["rollout.backend=vllm", "rollout.max_staleness=1", "rollout.partial=true"],
      "rollout.partial: True is invalid: ppo only; rejection sampling"),
     (["rollout.backend=vllm", "rollout.length_key=length"], "rollout.length_key: 'length' is invalid: ppo only"),
+    (["rollout.backend=vllm", "rollout.stream_order=arrival", "rollout.max_staleness=1"],
+     "rollout.stream_order: 'arrival' is invalid: ppo only"),
 ])
 def test_bad_rs_settings(overrides, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(")):

@@ -99,6 +99,23 @@ class RolloutConfig:
     on the local runtime's engine still generates in its thread, on Ray each engine takes one batch at a time,
     and each sync waits for the samples under way to end (timing/weight_sync, timing/generate_ahead_wait hold that
     tail)."""
+    stream_order: Literal["plan", "arrival"] = "plan"
+    """ppo only, with rollout.max_staleness >= 1: which samples a step trains. plan: step s trains its planned
+    prompts, generated k steps ahead, and waits for the last of their samples (a resumed run equals an
+    uninterrupted one). arrival: the prompts are handed to the engine one group (a prompt's samples) at a time,
+    in the plan's order and with the plan's seeds, as far as k allows (a group starts only if it can be trained
+    within k updates: at most (k + 1) x rollout.prompts_per_step groups started and not yet trained), and each
+    step trains the first rollout.prompts_per_step groups that ended -- a long response no longer holds its step,
+    a later step trains it. A group whose first token would be more than k updates old when trained is dropped
+    (cancelled if still under way) and its prompt handed out again first, so every prompt is still trained once
+    (stream/dropped_groups, stream/requeued_prompts; also stream/admitted_groups, stream/late_groups -- groups
+    planned for an earlier step --, stream/under_way_groups, stream/ended_groups). A response that takes longer than
+    about k steps to generate is so dropped each time it starts again and trained only when the prompts run out
+    (a warning names it): raise k for long generations. A checkpoint keeps the groups
+    started and not trained (with rollout.partial those under way as far as they got): a resumed run loses and
+    repeats none, but which groups each step takes depends on when they end, so it does not equal an
+    uninterrupted run. arrival needs rollout.backend vllm on the local runtime with one rank, no agent section
+    and no ppo.dynamic_sampling (not built yet: Ray, several ranks)."""
     length_key: str | None = None
     """Benchmarks only (hpcrlhf bench's long-tail suites): the prompt-row field holding the length, in tokens,
     of every response to that prompt -- EOS suppressed until then, cut there (vLLM's min_tokens = max_tokens),
@@ -129,6 +146,14 @@ class RolloutConfig:
                 f"it pauses generations inside a vLLM engine; rollout.backend {self.backend} generates each batch in "
                 "one call of the training process, which cannot be paused: set rollout.backend=vllm, or "
                 "rollout.partial=false")
+        require(self.stream_order in ("plan", "arrival"), "rollout.stream_order", self.stream_order,
+                "use plan or arrival")
+        require(self.stream_order == "plan" or self.max_staleness >= 1, "rollout.stream_order", self.stream_order,
+                "it takes each step's groups as the engine ends them, but rollout.max_staleness is 0 (each step "
+                "generates its own batch): set rollout.max_staleness=1 or more, or rollout.stream_order=plan")
+        require(self.stream_order == "plan" or self.backend == "vllm", "rollout.stream_order", self.stream_order,
+                f"rollout.backend {self.backend} generates each batch in one call of the training process, in plan "
+                "order: set rollout.backend=vllm, or rollout.stream_order=plan")
         require(self.length_key is None or self.backend == "vllm", "rollout.length_key", self.length_key,
                 "fixed per-prompt lengths are set per request in a vLLM engine: set rollout.backend=vllm, or "
                 "rollout.length_key=null")
@@ -461,6 +486,8 @@ class RSConfig(OnlineJobConfig):
                               "leave train.max_steps null and set those instead")
         require(self.rollout.length_key is None, "rollout.length_key", self.rollout.length_key,
                 "ppo only (a benchmark setting): set rollout.length_key=null")
+        require(self.rollout.stream_order == "plan", "rollout.stream_order", self.rollout.stream_order,
+                "ppo only; rejection sampling generates each round whole: leave it plan")
         require(not self.rollout.partial, "rollout.partial", self.rollout.partial,
                 "ppo only; rejection sampling generates each round with the weights the round before trained: leave "
                 "it false")

@@ -153,6 +153,14 @@ class StreamBatch:
     def finished(self) -> float | None:
         return self._finished
 
+    def done(self) -> bool:
+        """Whether every group ended, without waiting; EngineLoopError if the loop stopped before."""
+        with self._cond:
+            if self._finished is None and self._error is not None:
+                raise EngineLoopError(f"the engine loop stopped with this batch under way: {self._error}") \
+                    from self._error
+            return self._finished is not None
+
     def as_finished(self) -> Iterator[Groups]:
         while self._given < len(self._samples):
             self._wait(lambda: len(self._done) > self._given)
@@ -226,8 +234,9 @@ class EngineLoop:
             self._load[1] += 1
             self._load[2] += rows
         for key, generation in ended:
-            batch, i, j = self._owners.pop(key)
-            batch.add(i, j, generation)
+            owner = self._owners.pop(key, None)
+            if owner is not None:  # (None: its batch was cancelled after the sample ended)
+                owner[0].add(owner[1], owner[2], generation)
 
     def _fail(self, error: BaseException) -> None:
         """Every batch under way and every message not yet run fail with `error`; later calls too."""
@@ -282,6 +291,14 @@ class EngineLoop:
             self._owners[key] = (batch, i, j)
             self.stream.resubmit(replace(sample, key=key))
 
+    def _cancel(self, batches: Sequence[StreamBatch]) -> None:
+        assert self.stream is not None
+        drop = {id(b) for b in batches}
+        keys = [key for key, (owner, _, _) in self._owners.items() if id(owner) in drop]
+        self.stream.abort(keys)
+        for key in keys:
+            del self._owners[key]
+
     def _submit_turn(self, sink: Sink, i: int, number: int, prompt_ids: list[int], seed: int | None,
                      max_new_tokens: int, params: SamplingParams) -> None:
         assert self.stream is not None
@@ -324,6 +341,12 @@ class EngineLoop:
         prompts, number = [[int(t) for t in p] for p in prompts], next(self._batch_ids)
         self.post(lambda: self._launch(batch, number, prompts, params))
         return batch
+
+    def cancel(self, batches: Sequence[StreamBatch]) -> None:
+        """Drop `batches` (under way in this loop) for good: their samples under way are aborted at the next engine
+        step; the batches never finish."""
+        if batches:
+            self.post(lambda: self._cancel(list(batches)))
 
     def turns(self, params: SamplingParams) -> LoopTurns:
         """A request-level face of this loop (`hpcrlhf.agents.scheduler.RequestEngine`) for one caller: an agent
@@ -476,6 +499,9 @@ class StreamingRollout:
 
     def relaunch(self, state: BatchState) -> StreamBatch:
         return self.loop.relaunch(state)
+
+    def cancel(self, batches: Sequence[StreamBatch]) -> None:
+        self.loop.cancel(batches)
 
     def load_weights(self, tensors: Any, version: int | None = None) -> SyncStats:
         """The weights into the engine while the loop keeps its samples (paused, or drained first): this

@@ -1,0 +1,281 @@
+"""Arrival order (rollout.stream_order: arrival): each step trains the first groups its engine finishes.
+
+In plan order (`trainers.ppo.staleness`) step s trains its planned prompts, and waits for the last of their
+samples. In arrival order the prompts still come in the plan's order -- group (t, i) is prompt i of step t's
+planned prompts, sampled with step t's seed as the plan samples it -- but they are handed out one group at a time
+(a prompt's n samples) as the rule for k allows, and step s takes the first G groups (rollout.prompts_per_step)
+that ended, in the order they ended: a straggler no longer holds a step; it is trained by a later one.
+
+The rule for k (design 3.2; v = the policy version the engine holds, A the groups admitted since the run began, R
+those rejected):
+- admission (`admits`): a group may start iff A - R < (v + k + 1) G -- AReaL's capacity in these counters: what
+  starts now can be trained within k updates, the pool under way or waiting is at most (k + 1) G groups;
+- the guarantee: at step s a group whose first token is older than s - k (its head, `head_version`) can no longer
+  be trained; it is dropped -- cancelled on the engine if still under way -- counted (`stream/dropped_groups`) and
+  its prompt goes back to the front of the queue (`stream/requeued_prompts`), so that every prompt of the run is
+  still trained once (TRL and prime-rl discard instead; here an epoch keeps its prompts).
+A group's staleness is that of its head, at most k; with rollout.partial its later tokens are newer.
+
+The state -- the ledger (`Ledger`: hand-outs, the requeued queue, counters, and which step trained or dropped
+which group) and the groups admitted and not yet trained -- goes into a checkpoint (`stream_rank0.pt`): ended
+groups whole, those under way as far as they got (rollout.partial: the engine loop's `suspend`; else waited for).
+A run resumed from it loses and repeats no group; which groups a step takes depends on when they end (the host's
+timing), so a resumed arrival run is not equal to an uninterrupted one -- use rollout.stream_order plan for that.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hpcrlhf.engines.rollout import Generation
+from hpcrlhf.engines.rollout.contract import Groups, head_version, stamp_version
+from hpcrlhf.engines.rollout.loop import LOOP_PARTY, WAIT_S, EngineLoopError
+from hpcrlhf.logs import get_logger
+from hpcrlhf.run.signals import watched_until
+
+log = get_logger()
+
+STREAM_FILE = "stream_rank0.pt"
+
+
+def admits(version: int, k: int, per_step: int, admitted: int, rejected: int, supply: int) -> int:
+    """How many groups may start now (pure): while A - R < (version + k + 1) x per_step, at most `supply` (the
+    groups left to hand out)."""
+    return max(0, min(supply, (version + k + 1) * per_step - (admitted - rejected)))
+
+
+@dataclass
+class Ledger:
+    """Which groups were handed out, trained and dropped (the checkpointed counters of the rule for k).
+    Group (t, i): prompt i of planned step t; `total` = planned steps x groups per step."""
+
+    per_step: int
+    total: int
+    handed: int = 0
+    """Groups handed out in plan order so far (the next is (handed // per_step, handed % per_step))."""
+    requeued: list[tuple[int, int]] = field(default_factory=list)
+    """Dropped groups to hand out again, before any new one (kept in plan order)."""
+    admitted: int = 0
+    rejected: int = 0
+    trained: list[tuple[int, int, int, int]] = field(default_factory=list)
+    """(t, i, head version, step that trained it), in the order they were trained."""
+    dropped: list[tuple[int, int, int, int]] = field(default_factory=list)
+    """(t, i, head version, step that dropped it)."""
+
+    def supply(self) -> int:
+        return self.total - self.handed + len(self.requeued)
+
+    def hand_out(self) -> tuple[int, int]:
+        """The next group to start: a requeued one first, else the plan's next; counted as admitted."""
+        self.admitted += 1
+        if self.requeued:
+            return self.requeued.pop(0)
+        self.handed += 1
+        return divmod(self.handed - 1, self.per_step)
+
+    def reject(self, group: tuple[int, int], version: int, step: int) -> None:
+        self.rejected += 1
+        self.dropped.append((*group, version, step))
+        bisect.insort(self.requeued, group)
+
+
+@dataclass
+class StreamGroup:
+    """A group admitted and not yet trained: under way (`batch`, a `Pending` of one prompt), ended
+    (`generations`, at `ended`), or kept under way by a checkpoint (`state`, to be relaunched)."""
+
+    step: int
+    index: int
+    version: int
+    """The policy version the engine held at its launch (its head's, unless a checkpoint's relaunch)."""
+    prompt: Any
+    batch: Any = None
+    generations: list[Generation] | None = None
+    ended: float | None = None
+    state: Any = None
+
+    @property
+    def key(self) -> tuple[int, int]:
+        return self.step, self.index
+
+    def poll(self) -> bool:
+        """Whether it ended (its generations kept, each stamped with the launch version where the engine recorded
+        none); raises the engine loop's error if it stopped."""
+        if self.generations is None and self.batch is not None and self.batch.done():
+            self.generations = self.batch.result()[0]
+            stamp_version(self.generations, self.version)
+            self.ended, self.batch = self.batch.finished(), None
+        return self.generations is not None
+
+    def head(self) -> int:
+        """The version of its oldest token: its first sample's head, or its launch version while under way."""
+        return min(head_version(g) for g in self.generations) if self.generations else self.version
+
+
+class StreamTake:
+    """Step s's groups as the engine ends them (a `Pending`): the first `count` ended groups of the pool, the
+    ones that ended before the step began first. `prompts` fills as they come (slot order)."""
+
+    def __init__(self, stream: RolloutStream, count: int) -> None:
+        self.stream, self.count = stream, count
+        self.launched = time.monotonic()
+        self.prompts: list[Any] = []
+        self.groups: list[StreamGroup] = []
+        self._finished: float | None = None
+
+    def _next(self) -> list[StreamGroup]:
+        """The groups that ended since the last look (waited for), in the order they ended, up to `count`."""
+        pool = self.stream.pool
+
+        def ended() -> list[StreamGroup]:
+            return sorted((g for g in pool if g.poll()), key=lambda g: g.ended)
+
+        watched_until(lambda: bool(ended()), lambda: [LOOP_PARTY], poll_s=WAIT_S, every_s=0.005)
+        new = ended()[:self.count - len(self.groups)]
+        for g in new:
+            pool.remove(g)
+        return new
+
+    def as_finished(self) -> Iterator[Groups]:
+        while len(self.groups) < self.count:
+            new = self._next()
+            first = len(self.groups)
+            self.groups += new
+            self.prompts += [g.prompt for g in new]
+            if len(self.groups) == self.count:
+                self._finished = time.monotonic()
+            yield [(first + j, list(g.generations)) for j, g in enumerate(new)]
+
+    def result(self) -> list[list[Generation]]:
+        for _ in self.as_finished():
+            pass
+        return [list(g.generations) for g in self.groups]
+
+    def finished(self) -> float | None:
+        return self._finished
+
+
+class RolloutStream:
+    """The groups of an arrival-order run on one engine loop (module docstring).
+
+    `launch(t, i, version)` starts group (t, i) -- (its prompt, its `Pending`); `cancel(batches)` drops batches
+    under way; `suspend(batches)` / `relaunch(state)` keep and continue batches under way (rollout.partial), or
+    None where a checkpoint waits for them."""
+
+    def __init__(self, ledger: Ledger, k: int, launch: Callable[[int, int, int], tuple[Any, Any]],
+                 cancel: Callable[[Sequence[Any]], None], suspend: Callable[[Sequence[Any]], list] | None = None,
+                 relaunch: Callable[[Any], Any] | None = None) -> None:
+        self.ledger, self.k = ledger, k
+        self._launch, self._cancel, self._suspend, self._relaunch = launch, cancel, suspend, relaunch
+        self.pool: list[StreamGroup] = []
+        """The groups admitted and not yet trained nor dropped."""
+        self.counts = {"admitted": 0, "dropped": 0}
+        """Since the step began (`step_metrics`)."""
+
+    # -- the rule for k ---------------------------------------------------------------------------
+    def drop_stale(self, step: int) -> list[StreamGroup]:
+        """Drop the groups step `step` and later can no longer train (head older than step - k): those under way
+        are cancelled; their prompts go back to the front of the queue."""
+        for g in self.pool:
+            g.poll()
+        stale = [g for g in self.pool if g.head() < step - self.k]
+        self._cancel([g.batch for g in stale if g.batch is not None])
+        for g in stale:
+            self.pool.remove(g)
+            again = any((t, i) == g.key for t, i, *_ in self.ledger.dropped)
+            self.ledger.reject(g.key, g.head(), step)
+            if again:  # its responses take longer than k steps: dropped each time, trained only when the run ends
+                log.warning(f"arrival order: the group of step {g.step + 1}'s prompt {g.index} was dropped again at "
+                            f"step {step + 1} (not done within rollout.max_staleness={self.k} updates of its start): "
+                            "responses that take longer than k steps to generate are held back until the prompts run "
+                            "out; raise rollout.max_staleness, or use rollout.stream_order=plan")
+        self.counts["dropped"] += len(stale)
+        return stale
+
+    def admit(self, version: int) -> int:
+        """Start the groups the rule lets start with the engine at `version` (the groups a checkpoint kept under
+        way go on first); how many started."""
+        for g in self.pool:
+            if g.state is not None:
+                g.batch, g.state = self._relaunch(g.state), None
+        ledger = self.ledger
+        count = admits(version, self.k, ledger.per_step, ledger.admitted, ledger.rejected, ledger.supply())
+        for _ in range(count):
+            t, i = ledger.hand_out()
+            prompt, batch = self._launch(t, i, version)
+            self.pool.append(StreamGroup(t, i, version, prompt, batch))
+        self.counts["admitted"] += count
+        return count
+
+    def take(self, count: int) -> StreamTake:
+        return StreamTake(self, count)
+
+    def untake(self, take: StreamTake) -> None:
+        """A step abandoned: the groups it took wait in the pool again (before any that ended later)."""
+        self.pool[:0] = take.groups
+        take.groups = []
+
+    def commit(self, take: StreamTake, step: int) -> dict[str, float]:
+        """The step trained `take`'s groups: recorded in the ledger; the step's stream metrics."""
+        self.ledger.trained += [(g.step, g.index, g.head(), step) for g in take.groups]
+        under_way = sum(not g.poll() for g in self.pool)
+        metrics = {"stream/admitted_groups": float(self.counts["admitted"]),
+                   "stream/dropped_groups": float(self.counts["dropped"]),
+                   "stream/requeued_prompts": float(len(self.ledger.requeued)),
+                   "stream/under_way_groups": float(under_way),
+                   "stream/ended_groups": float(len(self.pool) - under_way),
+                   "stream/late_groups": float(sum(g.step < step for g in take.groups))}
+        self.counts = {"admitted": 0, "dropped": 0}
+        return metrics
+
+    # -- checkpoints ------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """The ledger and the pool: ended groups whole (in the order they ended), those under way as far as they got
+        (`suspend`: they go on meanwhile) or, without it, waited for."""
+        going = [g for g in self.pool if not g.poll() and g.state is None]
+        kept: dict[int, Any] = {}
+        if going and self._suspend is not None:
+            kept = {id(g): state for g, state in zip(going, self._suspend([g.batch for g in going]))}
+        for g in going if self._suspend is None else ():
+            watched_until(g.poll, lambda: [LOOP_PARTY], poll_s=WAIT_S)
+        order = sorted(self.pool, key=lambda g: (g.generations is None, g.ended or 0.0))
+        groups = [{"step": g.step, "index": g.index, "version": g.version, "prompt": g.prompt,
+                   "generations": g.generations, "under_way": g.state if g.state is not None else kept.get(id(g))}
+                  for g in order]
+        return {"ledger": self.ledger.__dict__, "groups": groups}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state["groups"] and any(g["under_way"] is not None for g in state["groups"]) and self._relaunch is None:
+            raise ValueError("the checkpoint keeps groups under way on an engine loop; resume with rollout.partial")
+        self.ledger = Ledger(**state["ledger"])
+        now = time.monotonic()
+        self.pool = [StreamGroup(g["step"], g["index"], g["version"], g["prompt"], None, g["generations"],
+                                 now + 1e-6 * n if g["generations"] is not None else None, g["under_way"])
+                     for n, g in enumerate(state["groups"])]
+
+    def close(self) -> None:
+        """Cancel what is under way (the run ended; nothing to cancel on a loop that stopped)."""
+        with contextlib.suppress(EngineLoopError):
+            self._cancel([g.batch for g in self.pool if g.batch is not None])
+
+
+def save_stream(state: dict[str, Any], folder: Path) -> None:
+    """A stream's `state_dict` into a checkpoint folder."""
+    torch.save(state, folder / STREAM_FILE)
+
+
+def load_stream(stream: RolloutStream, folder: Path) -> bool:
+    """The stream a checkpoint folder holds into `stream`; False when it holds none (a run in plan order)."""
+    path = folder / STREAM_FILE
+    if not path.exists():
+        return False
+    stream.load_state_dict(torch.load(path, weights_only=False))
+    return True

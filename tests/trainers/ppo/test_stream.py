@@ -1,0 +1,136 @@
+"""Arrival order's rule for k (`hpcrlhf.trainers.ppo.stream`) on a scripted engine: groups end after a seeded
+long-tail number of looks, steps take the first G that ended, stale groups are dropped and requeued. Checked
+against the rule's own statement: nothing trained older than k, at most (k + 1) G groups started and not trained,
+every planned group trained exactly once (the requeued ones later), a checkpoint in the middle changes none of it."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+
+from hpcrlhf.engines.rollout import Generation
+from hpcrlhf.trainers.ppo.stream import Ledger, RolloutStream, admits
+
+
+def test_admits_counts_what_can_be_trained_within_k() -> None:
+    # (v + k + 1) G - (A - R), at most the supply, never negative
+    assert admits(0, 2, 4, 0, 0, 100) == 12  # the first step starts steps 0..2's groups
+    assert admits(1, 2, 4, 12, 0, 88) == 4  # step 0 trained 4: 4 more
+    assert admits(1, 2, 4, 12, 3, 91) == 7  # 3 dropped: they start again
+    assert admits(4, 2, 4, 24, 0, 2) == 2  # the run's last groups: 4 may start, 2 are left
+    assert admits(0, 1, 4, 9, 0, 50) == 0
+
+
+def test_the_ledger_hands_out_requeued_groups_first_in_plan_order() -> None:
+    ledger = Ledger(per_step=3, total=9)
+    assert [ledger.hand_out() for _ in range(4)] == [(0, 0), (0, 1), (0, 2), (1, 0)]
+    ledger.reject((0, 2), version=0, step=2)
+    ledger.reject((0, 1), version=0, step=2)
+    assert ledger.requeued == [(0, 1), (0, 2)] and ledger.supply() == 9 - 4 + 2
+    assert [ledger.hand_out() for _ in range(3)] == [(0, 1), (0, 2), (1, 1)]
+    assert (ledger.admitted, ledger.rejected) == (7, 2)
+    assert ledger.dropped == [(0, 2, 0, 2), (0, 1, 0, 2)]
+
+
+class ScriptedBatch:
+    """One group under way: it ends after `looks` calls of `done` (a long-tail draw)."""
+
+    def __init__(self, looks: int, version: int, prompt: int) -> None:
+        self.looks, self.version, self.prompt = looks, version, prompt
+        self.cancelled = False
+        self._finished: float | None = None
+
+    def done(self) -> bool:
+        assert not self.cancelled, "a cancelled group was waited for"
+        self.looks -= 1
+        if self.looks <= 0 and self._finished is None:
+            self._finished = time.monotonic()
+        return self._finished is not None
+
+    def finished(self) -> float | None:
+        return self._finished
+
+    def result(self) -> list[list[Generation]]:
+        return [[Generation([self.prompt], [1, 2], [-0.5, -0.5], True) for _ in range(2)]]
+
+
+class ScriptedEngine:
+    def __init__(self, seed: int) -> None:
+        self.random = random.Random(seed)
+        self.launched: list[ScriptedBatch] = []
+
+    def launch(self, t: int, i: int, version: int):
+        looks = 1 + int(self.random.paretovariate(1.2))  # most end at once, a few run very long
+        batch = ScriptedBatch(min(looks, 400), version, 100 * t + i)
+        self.launched.append(batch)
+        return (t, i), batch
+
+    def cancel(self, batches) -> None:
+        for b in batches:
+            b.cancelled = True
+
+    def suspend(self, batches) -> list:
+        return [b.looks for b in batches]
+
+    def relaunch(self, looks: int) -> ScriptedBatch:
+        batch = ScriptedBatch(looks, -1, -1)
+        self.launched.append(batch)
+        return batch
+
+
+def run_stream(stream: RolloutStream, steps: range, per_step: int, k: int) -> list[tuple[int, int, int, int]]:
+    """Steps as the driver takes them: drop, admit at version = step, take G; the invariants at every step."""
+    for step in steps:
+        stream.drop_stale(step)
+        stream.admit(step)
+        ledger = stream.ledger
+        assert ledger.admitted - ledger.rejected - len(ledger.trained) <= (k + 1) * per_step
+        take = stream.take(per_step)
+        generations = take.result()
+        assert len(generations) == per_step and take.prompts == [(g.step, g.index) for g in take.groups]
+        ended = [g.ended for g in take.groups]
+        assert ended == sorted(ended)  # in the order they ended
+        stream.commit(take, step)
+        assert all(step - head <= k for *_, head, s in ledger.trained if s == step)
+    return stream.ledger.trained
+
+
+@pytest.mark.parametrize("k", [1, 2, 4])
+def test_arrival_trains_every_planned_group_once_never_older_than_k(k: int) -> None:
+    per_step, steps = 4, 500
+    engine = ScriptedEngine(seed=k)
+    stream = RolloutStream(Ledger(per_step, steps * per_step), k, engine.launch, engine.cancel)
+    trained = run_stream(stream, range(steps), per_step, k)
+    assert sorted((t, i) for t, i, *_ in trained) == [(t, i) for t in range(steps) for i in range(per_step)]
+    ledger = stream.ledger
+    assert ledger.dropped and ledger.rejected == len(ledger.dropped)  # the long tail made some too old
+    dropped = {(t, i) for t, i, *_ in ledger.dropped}
+    assert all(s - head > k for *_, head, s in ledger.dropped)
+    # a dropped group is started again at once, at the version of the step that dropped it (or it was dropped again)
+    later = {(t, i): (head, s) for t, i, head, s in trained}
+    assert all(later[t, i][0] >= s and later[t, i][1] >= s for t, i, _, s in ledger.dropped)
+    assert not stream.pool and not ledger.requeued and ledger.supply() == 0
+    assert sum(b.cancelled for b in engine.launched) >= 1 and len(dropped) <= len(ledger.dropped)
+    # arrival order: some steps trained groups planned for a later step, some for an earlier one
+    assert any(t > s for t, _, _, s in trained) and any(t < s for t, _, _, s in trained)
+
+
+@pytest.mark.parametrize("suspend", [True, False])
+def test_a_checkpoint_in_the_middle_loses_and_repeats_no_group(suspend: bool) -> None:
+    per_step, steps, k = 3, 200, 2
+    engine = ScriptedEngine(seed=7)
+    hooks = (engine.suspend, engine.relaunch) if suspend else (None, None)
+    stream = RolloutStream(Ledger(per_step, steps * per_step), k, engine.launch, engine.cancel, *hooks)
+    run_stream(stream, range(90), per_step, k)
+    state = stream.state_dict()
+    under_way = [g for g in state["groups"] if g["under_way"] is not None]
+    assert bool(under_way) == suspend and all(g["generations"] is None for g in under_way)
+    resumed = RolloutStream(Ledger(per_step, 0), k, engine.launch, engine.cancel, *hooks)
+    resumed.load_state_dict(state)
+    assert [(g.step, g.index) for g in resumed.pool] == [(g["step"], g["index"]) for g in state["groups"]]
+    trained = run_stream(resumed, range(90, steps), per_step, k)
+    assert sorted((t, i) for t, i, *_ in trained) == [(t, i) for t in range(steps) for i in range(per_step)]
+    if not suspend:  # without suspend the checkpoint waited for every group under way
+        assert all(g["generations"] is not None for g in state["groups"])
