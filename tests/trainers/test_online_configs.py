@@ -62,9 +62,7 @@ from hpcrlhf.trainers.batches import PPOPlan
        f"{what} yet: use rollout.stream_order=plan, or {fix}")
       for more, what, fix in ((["placement.runtime=ray"], "on the Ray runtime", "placement.runtime=local"),
                               (["agent={environment: 'tests.agents.envs:Countdown'}", "agent.max_tokens=64"],
-                               "with an agent section", "no agent section"),
-                              (["ppo.dynamic_sampling=true", "rollout.samples_per_prompt=4"],
-                               "with ppo.dynamic_sampling", "ppo.dynamic_sampling=false"))],
+                               "with an agent section", "no agent section"))],
     (["rollout.backend=vllm", "placement.vllm.sleep=true", "rollout.max_staleness=1"],
      "placement.vllm.sleep: true swaps GPU memory between generation and training, but rollout.max_staleness 1 runs "
      "them at the same time: use rollout.max_staleness=0 with sleep, or placement.vllm.sleep=false"),

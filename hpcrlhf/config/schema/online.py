@@ -114,8 +114,10 @@ class RolloutConfig:
     (a warning names it): raise k for long generations. A checkpoint keeps the groups
     started and not trained (with rollout.partial those under way as far as they got): a resumed run loses and
     repeats none, but which groups each step takes depends on when they end, so it does not equal an
-    uninterrupted run. arrival needs rollout.backend vllm on the local runtime with one rank, no agent section
-    and no ppo.dynamic_sampling (not built yet: Ray, several ranks)."""
+    uninterrupted run. With ppo.dynamic_sampling each round takes the next rollout.prompts_per_step groups that end
+    (as many more start), and the groups a step leaves out are discarded, not handed out again
+    (stream/discarded_groups; the prompts go on into the next epochs). arrival needs rollout.backend vllm on the
+    local runtime with one rank and no agent section (not built yet: Ray, several ranks, agents)."""
     length_key: str | None = None
     """Benchmarks only (hpcrlhf bench's long-tail suites): the prompt-row field holding the length, in tokens,
     of every response to that prompt -- EOS suppressed until then, cut there (vLLM's min_tokens = max_tokens),

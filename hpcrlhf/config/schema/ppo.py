@@ -222,9 +222,7 @@ class PPOConfig(OnlineJobConfig):
                 "instead), or rollout.partial=false")
         if self.rollout.stream_order == "arrival":  # (several local ranks: refused at the start, `arrival_stream`)
             for wrong, what, fix in ((self.placement.runtime == "ray", "on the Ray runtime", "placement.runtime=local"),
-                                     (self.agent is not None, "with an agent section", "no agent section"),
-                                     (self.ppo.dynamic_sampling, "with ppo.dynamic_sampling",
-                                      "ppo.dynamic_sampling=false")):
+                                     (self.agent is not None, "with an agent section", "no agent section")):
                 require(not wrong, "rollout.stream_order", "arrival",
                         f"taking each step's groups as the engine ends them is not built {what} yet: use "
                         f"rollout.stream_order=plan, or {fix}")

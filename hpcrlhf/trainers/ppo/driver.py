@@ -247,29 +247,43 @@ class PPOTrainer(OnlineTrainer):
     def arrival_rollout(self, step: int) -> tuple[Rollout, dict[str, float]]:
         """Arrival order: the step's groups are the first G the engine ends (`trainers.ppo.stream`). Groups too old
         for this step are dropped (and requeued), the engine starts what the rule for k lets start, and the step
-        scores the groups as they end."""
-        stream, k = self.stream, self.cfg.rollout.max_staleness
+        scores the groups as they end; with ppo.dynamic_sampling each round takes the next G that end (the rule
+        starts one for each taken and left out), and the groups left out are discarded."""
+        stream, cfg = self.stream, self.cfg
         if not self.rollout_synced:
             self.sync_rollout()
         self.ready_to_generate()
         stream.drop_stale(step)
-        stream.admit(self.version)
-        take = stream.take(self.plan.prompts_per_rank)
+        takes: list = []
+
+        def take_round(round: int) -> Rollout:
+            quota = self.plan.prompts_per_rank
+            stream.admit(self.version, beyond=max(0, len(takes) - 1) * quota)  # the step trains `quota` of them
+            takes.append(stream.take(quota))
+            params = self.sampling(step, cfg.rollout.samples_per_prompt)
+            return self.score_rollout(LaunchedRollout(takes[-1].prompts, params, takes[-1]))
+
         try:
-            rollout = self.score_rollout(LaunchedRollout(take.prompts, self.sampling(step, self.cfg.rollout.samples_per_prompt), take))
+            if not cfg.ppo.dynamic_sampling:
+                rollout, metrics, used = take_round(0), {}, None
+            else:
+                filled = fill_step(take_round, n=cfg.rollout.samples_per_prompt,
+                                   max_rounds=cfg.ppo.dynamic_sampling_max_rounds, what=cfg.ppo.dynamic_sampling_filter)
+                rollout, metrics, used = filled.rollout, filled.metrics(), filled.picks
         except StepAbandoned:  # the step is redone on resume: its groups wait in the checkpoint's pool
-            stream.untake(take)
+            stream.untake(takes)
             raise
-        metrics = stream.commit(take, step)
-        return rollout, {**metrics, **reduce_means(staleness_stats(rollout.generations, step, k))}
+        metrics.update(stream.commit(takes, step, used))
+        return rollout, {**metrics, **reduce_means(staleness_stats(rollout.generations, step,
+                                                                   cfg.rollout.max_staleness))}
 
     def arrival_stream(self) -> RolloutStream:
         """rollout.stream_order arrival: the run's groups, each launched alone on this rank's engine loop with its
         planned prompt and seed (group (t, i): prompt i of step t, sampled as step t's batch samples it)."""
-        if not isinstance(self.rollout, StreamingRollout) or self.agent is not None or self.cfg.ppo.dynamic_sampling:
+        if not isinstance(self.rollout, StreamingRollout) or self.agent is not None:
             raise ConfigError(f"rollout.stream_order: arrival takes each step's groups as one engine loop ends them: "
-                              f"it runs on the local runtime with one rank, rollout.backend vllm, no agent section and "
-                              f"no ppo.dynamic_sampling (here: {self.env.world_size} rank(s), runtime "
+                              f"it runs on the local runtime with one rank, rollout.backend vllm and no agent section "
+                              f"(here: {self.env.world_size} rank(s), runtime "
                               f"{self.cfg.placement.runtime}, backend {self.cfg.rollout.backend}); use "
                               "rollout.stream_order=plan, or those settings")
         n, planned = self.cfg.rollout.samples_per_prompt, {}
@@ -282,7 +296,8 @@ class PPOTrainer(OnlineTrainer):
             return prompt, self.launch_rollout([prompt], replace(self.sampling(t, n), first_index=i), version).pending
 
         engine, partial = self.rollout, self.cfg.rollout.partial
-        ledger = Ledger(self.plan.prompts_per_rank, self.plan.total_steps * self.plan.prompts_per_rank)
+        ledger = Ledger(self.plan.prompts_per_rank, None if self.cfg.ppo.dynamic_sampling else
+                        self.plan.total_steps * self.plan.prompts_per_rank)
         return RolloutStream(ledger, self.cfg.rollout.max_staleness, launch, engine.cancel,
                              engine.suspend if partial else None, engine.relaunch if partial else None)
 
@@ -349,7 +364,7 @@ class PPOTrainer(OnlineTrainer):
         `timing/overlap`: the seconds the last one launched was generated while this step scored and trained."""
         if not self.ahead:
             if self.cfg.rollout.max_staleness:
-                self.run.add_timing("overlap", 0.0)
+                self.run.add_timing("overlap", self.stream.overlap() if self.stream is not None else 0.0)
             return
         waited = time.monotonic()
         if not self.cfg.rollout.partial:

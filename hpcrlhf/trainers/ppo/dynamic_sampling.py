@@ -79,6 +79,8 @@ class FilledStep:
     """Samples generated after the first round."""
     uninformative_kept: int
     """Uninformative groups that filled the step because max_rounds ran out."""
+    picks: list[tuple[int, int]]
+    """(round, group in its round) of each of the step's groups, in the step's order."""
 
     def metrics(self, reduce: Callable[[list[float]], list[float]] = lambda values: values) -> dict[str, float]:
         """The step's figures over all ranks (`reduce`: a sum over ranks): counts summed, the share
@@ -119,4 +121,5 @@ def fill_step(generate: Callable[[int], Rollout], n: int, max_rounds: int,
         step.agent_batch = dict(functools.reduce(add_stats, (r.agent_batch for r in rounds), new_stats()))
     first_share = sum(1 for r, _ in good if r == 0) / max(quota, 1)
     generated = len(rounds) * quota
-    return FilledStep(step, len(rounds), first_share, generated - quota, (generated - quota) * n, filler)
+    return FilledStep(step, len(rounds), first_share, generated - quota, (generated - quota) * n, filler,
+                      good[:quota] + bad[:filler])

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -58,7 +59,8 @@ class Ledger:
     Group (t, i): prompt i of planned step t; `total` = planned steps x groups per step."""
 
     per_step: int
-    total: int
+    total: int | None
+    """None: no bound (ppo.dynamic_sampling discards groups: the plan's prompts go on into the next epochs)."""
     handed: int = 0
     """Groups handed out in plan order so far (the next is (handed // per_step, handed % per_step))."""
     requeued: list[tuple[int, int]] = field(default_factory=list)
@@ -69,9 +71,13 @@ class Ledger:
     """(t, i, head version, step that trained it), in the order they were trained."""
     dropped: list[tuple[int, int, int, int]] = field(default_factory=list)
     """(t, i, head version, step that dropped it)."""
+    discarded: list[tuple[int, int, int, int]] = field(default_factory=list)
+    """(t, i, head version, step that took it): ended and not trained, not handed out again (ppo.dynamic_sampling:
+    its samples all scored alike, or its step had its quota)."""
 
     def supply(self) -> int:
-        return self.total - self.handed + len(self.requeued)
+        left = self.total - self.handed if self.total is not None else sys.maxsize // 2
+        return left + len(self.requeued)
 
     def hand_out(self) -> tuple[int, int]:
         """The next group to start: a requeued one first, else the plan's next; counted as admitted."""
@@ -85,6 +91,10 @@ class Ledger:
         self.rejected += 1
         self.dropped.append((*group, version, step))
         bisect.insort(self.requeued, group)
+
+    def discard(self, group: tuple[int, int], version: int, step: int) -> None:
+        self.rejected += 1
+        self.discarded.append((*group, version, step))
 
 
 @dataclass
@@ -179,6 +189,8 @@ class RolloutStream:
         """The groups admitted and not yet trained nor dropped."""
         self.counts = {"admitted": 0, "dropped": 0}
         """Since the step began (`step_metrics`)."""
+        self._going: tuple[float, list[StreamGroup]] = (0.0, [])
+        """When the step's groups were in, and the groups then under way (`overlap`)."""
 
     # -- the rule for k ---------------------------------------------------------------------------
     def drop_stale(self, step: int) -> list[StreamGroup]:
@@ -200,14 +212,15 @@ class RolloutStream:
         self.counts["dropped"] += len(stale)
         return stale
 
-    def admit(self, version: int) -> int:
+    def admit(self, version: int, beyond: int = 0) -> int:
         """Start the groups the rule lets start with the engine at `version` (the groups a checkpoint kept under
-        way go on first); how many started."""
+        way go on first), counting `beyond` groups taken by this step as rejected already (ppo.dynamic_sampling:
+        a step that takes r rounds of G groups trains G of them); how many started."""
         for g in self.pool:
             if g.state is not None:
                 g.batch, g.state = self._relaunch(g.state), None
         ledger = self.ledger
-        count = admits(version, self.k, ledger.per_step, ledger.admitted, ledger.rejected, ledger.supply())
+        count = admits(version, self.k, ledger.per_step, ledger.admitted, ledger.rejected + beyond, ledger.supply())
         for _ in range(count):
             t, i = ledger.hand_out()
             prompt, batch = self._launch(t, i, version)
@@ -218,23 +231,43 @@ class RolloutStream:
     def take(self, count: int) -> StreamTake:
         return StreamTake(self, count)
 
-    def untake(self, take: StreamTake) -> None:
+    def untake(self, takes: Sequence[StreamTake]) -> None:
         """A step abandoned: the groups it took wait in the pool again (before any that ended later)."""
-        self.pool[:0] = take.groups
-        take.groups = []
+        self.pool[:0] = [g for take in takes for g in take.groups]
+        for take in takes:
+            take.groups = []
 
-    def commit(self, take: StreamTake, step: int) -> dict[str, float]:
-        """The step trained `take`'s groups: recorded in the ledger; the step's stream metrics."""
-        self.ledger.trained += [(g.step, g.index, g.head(), step) for g in take.groups]
-        under_way = sum(not g.poll() for g in self.pool)
+    def commit(self, takes: Sequence[StreamTake], step: int,
+               used: Sequence[tuple[int, int]] | None = None) -> dict[str, float]:
+        """The step trained the groups it took (`takes`: its rounds), or those of them `used` names -- (round,
+        slot) each, ppo.dynamic_sampling's picks -- and the others are discarded: recorded in the ledger; the step's
+        stream metrics."""
+        picked = [(r, j) for r, take in enumerate(takes) for j in range(len(take.groups))] if used is None else used
+        chosen = {(r, j) for r, j in picked}
+        self.ledger.trained += [(g.step, g.index, g.head(), step) for g in (takes[r].groups[j] for r, j in picked)]
+        left = [g for r, take in enumerate(takes) for j, g in enumerate(take.groups) if (r, j) not in chosen]
+        for g in left:
+            self.ledger.discard(g.key, g.head(), step)
+        trained = [takes[r].groups[j] for r, j in picked]
+        self._going = (time.monotonic(), [g for g in self.pool if not g.poll()])
+        under_way = len(self._going[1])
         metrics = {"stream/admitted_groups": float(self.counts["admitted"]),
                    "stream/dropped_groups": float(self.counts["dropped"]),
+                   "stream/discarded_groups": float(len(left)),
                    "stream/requeued_prompts": float(len(self.ledger.requeued)),
                    "stream/under_way_groups": float(under_way),
                    "stream/ended_groups": float(len(self.pool) - under_way),
-                   "stream/late_groups": float(sum(g.step < step for g in take.groups))}
+                   "stream/late_groups": float(sum(g.step < step for g in trained))}
         self.counts = {"admitted": 0, "dropped": 0}
         return metrics
+
+    def overlap(self) -> float:
+        """The seconds the engine generated since the step's groups were in (`commit`: while the step trained):
+        until now if a group then under way still is, else until the last of them ended."""
+        since, going = self._going
+        now = time.monotonic()
+        ends = [g.ended if g.poll() else now for g in going]
+        return max(0.0, min(max(ends), now) - since) if ends else 0.0
 
     # -- checkpoints ------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

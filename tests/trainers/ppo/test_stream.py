@@ -57,13 +57,13 @@ class ScriptedBatch:
 
 
 class ScriptedEngine:
-    def __init__(self, seed: int) -> None:
-        self.random = random.Random(seed)
+    def __init__(self, seed: int, longest: int = 400) -> None:
+        self.random, self.longest = random.Random(seed), longest
         self.launched: list[ScriptedBatch] = []
 
     def launch(self, t: int, i: int, version: int):
         looks = 1 + int(self.random.paretovariate(1.2))  # most end at once, a few run very long
-        batch = ScriptedBatch(min(looks, 400), version, 100 * t + i)
+        batch = ScriptedBatch(min(looks, self.longest), version, 100 * t + i)
         self.launched.append(batch)
         return (t, i), batch
 
@@ -92,9 +92,40 @@ def run_stream(stream: RolloutStream, steps: range, per_step: int, k: int) -> li
         assert len(generations) == per_step and take.prompts == [(g.step, g.index) for g in take.groups]
         ended = [g.ended for g in take.groups]
         assert ended == sorted(ended)  # in the order they ended
-        stream.commit(take, step)
+        stream.commit([take], step)
         assert all(step - head <= k for *_, head, s in ledger.trained if s == step)
     return stream.ledger.trained
+
+
+def test_dynamic_sampling_rounds_take_the_next_groups_that_end_and_discard_those_left_out() -> None:
+    """ppo.dynamic_sampling in arrival order: a round takes the next G groups that end (as many more start: the
+    pool never runs dry), a group is informative with probability 1/2, the step trains G (informative first) and
+    the rest are discarded -- never handed out again; every group handed out is trained, discarded or dropped."""
+    per_step, steps, k, rounds = 4, 100, 1, 3
+    engine, chance = ScriptedEngine(seed=3, longest=30), random.Random(5)
+    stream = RolloutStream(Ledger(per_step, None), k, engine.launch, engine.cancel)
+    for step in range(steps):
+        stream.drop_stale(step)
+        takes, good, bad = [], [], []
+        while len(good) < per_step and len(takes) < rounds:
+            stream.admit(step, beyond=max(0, len(takes) - 1) * per_step)
+            assert stream.pool, "a round would wait for nothing"
+            takes.append(stream.take(per_step))
+            takes[-1].result()
+            for j in range(per_step):
+                (good if chance.random() < 0.5 else bad).append((len(takes) - 1, j))
+        picks = good[:per_step] + bad[:per_step - min(per_step, len(good))]
+        stream.commit(takes, step, picks)
+        ledger = stream.ledger
+        assert ledger.admitted - ledger.rejected - len(ledger.trained) <= (k + 1) * per_step
+        assert all(step - head <= k for *_, head, s in ledger.trained if s == step)
+    ledger = stream.ledger
+    assert len(ledger.trained) == steps * per_step and ledger.discarded
+    handed = ledger.admitted
+    assert handed == len(ledger.trained) + len(ledger.discarded) + len(ledger.dropped) + len(stream.pool)
+    finals = [(t, i) for t, i, *_ in ledger.trained + ledger.discarded]
+    assert len(finals) == len(set(finals))  # no group trained or discarded twice
+    assert not set(finals) & set(ledger.requeued)
 
 
 @pytest.mark.parametrize("k", [1, 2, 4])
