@@ -14,23 +14,28 @@ batches launched share the engine, and a weight sync pauses the samples under wa
 them go on under them (each span's version recorded). The actor is then threaded: its calls keep their order in
 the default concurrency group (`launch`, `receive_weights`, ...: a batch launched before a sync starts under the
 weights it was launched with), while each batch's stream of finished groups (`stream_batch`) waits in a group of
-its own (STREAMS).
+its own (STREAMS). A checkpoint keeps the batches under way as far as each engine got (`suspend`, `relaunch`:
+`EngineFleet.suspend` gives a `FleetState`). Arrival order (rollout.stream_order: arrival) runs each engine on an
+engine loop too, with or without partial: each group is a batch of one prompt, sent to the engine with the fewest
+such groups under way, and a group too old to train is cancelled where it runs (`cancel`).
 """
 
 from __future__ import annotations
 
 import itertools
 import os
+import threading
 import time
-from typing import Any
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 from hpcrlhf.agents.runner import AgentRunner, AgentSpec
 from hpcrlhf.agents.scheduler import BatchStats, added
 from hpcrlhf.cluster.worker_group import (RoleWorker, WorkerGroup, busy, dead_worker_message, death_verdict, gather,
                                           lost_worker_error, wait_any)
 from hpcrlhf.data.batching import shard_rows
-from hpcrlhf.engines.rollout.loop import StreamBatch, StreamingRollout
+from hpcrlhf.engines.rollout.loop import BatchState, StreamBatch, StreamingRollout
 from hpcrlhf.engines.rollout.vllm import VLLMRollout
 from hpcrlhf.logs import get_logger
 
@@ -105,7 +110,31 @@ class EngineWorker(RoleWorker):
     def stream_batch(self, number: int) -> Iterator[list]:
         """(engine loop) Batch `number`'s groups as its prompts finish; called in the STREAMS group with
         `.options(num_returns="streaming")` (the default group goes on meanwhile: a sync pauses the batch)."""
-        yield from self.batches.pop(number).as_finished()
+        try:
+            yield from self.batches[number].as_finished()
+        finally:
+            self.batches.pop(number, None)
+
+    def suspend(self, number: int) -> BatchState | None:
+        """(engine loop with partial) What batch `number` made so far, for a checkpoint that does not wait for it (it
+        goes on); None if its stream ended (the caller has its groups). (One number: Ray resolves a launch's
+        ref passed as an argument, not one inside a list.)"""
+        batch = self.batches.get(number)
+        return self.streaming.suspend([batch])[0] if batch is not None else None
+
+    def relaunch(self, state: BatchState) -> int:
+        """(engine loop) A batch a checkpoint kept (`suspend`) going on here, each sample from where it stopped;
+        its number, for `stream_batch`."""
+        number = next(self._numbers)
+        self.batches[number] = self.streaming.relaunch(state)
+        return number
+
+    def cancel(self, number: int) -> None:
+        """(engine loop) Drop batch `number` for good (arrival order's group too old to train): its samples under
+        way are aborted and its stream ends where it is; nothing if it ended."""
+        batch = self.batches.get(number)
+        if batch is not None:
+            self.streaming.cancel([batch])
 
     @busy
     def run_episodes_stream(self, rows: Sequence[Mapping[str, Any]], params, origins: Sequence[str], env_seed: int,
@@ -183,11 +212,15 @@ class EngineFleet:
     `max_restarts` times in all: same GPUs, weights pushed, its part of the batch (or the weight
     sync) redone."""
 
-    def __init__(self, group: WorkerGroup, push: Any, *, max_restarts: int = 0, streaming: bool = False) -> None:
+    def __init__(self, group: WorkerGroup, push: Any, *, max_restarts: int = 0, streaming: bool = False,
+                 partial: bool = False) -> None:
         self.group, self.push, self.restarts_left = group, push, max_restarts
         self.streaming = streaming
-        """Whether the engines run on engine loops (rollout.partial; `EngineWorker(loop=True)`): the batches
-        launched share them, and a sync pauses the samples under way."""
+        """Whether the engines run on engine loops (rollout.partial, or arrival order; `EngineWorker(loop=True)`):
+        the batches launched share them, and a sync pauses the samples under way (partial) or drains them."""
+        self.suspends_batches = streaming and partial
+        """Whether a checkpoint can keep its batches under way as far as they got (`suspend`, `relaunch`: engine
+        loops with rollout.partial)."""
         self.started: tuple[list[Any], list[Any]] | None = None
         """A sync under way (`start_sync`): the engines it went to and its tasks."""
         self.graceful = True
@@ -198,6 +231,8 @@ class EngineFleet:
         """(engine loops) The batches' launch calls since the last sync: it waits for them, so that a batch
         launched before a sync starts under the weights before it -- whoever sends them (the object-store
         path's loads come from the actor, whose calls keep no order with the driver's)."""
+        self.singles: list[FleetBatch] = []
+        """One-prompt batches under way (arrival order's groups), to spread the next over the engines."""
 
     @property
     def handles(self) -> list[Any]:
@@ -207,8 +242,46 @@ class EngineFleet:
         return self.launch(prompts, params).result()
 
     def launch(self, prompts: Sequence[Sequence[int]], params) -> FleetBatch:
-        """Start generating `prompts` on the engines (each its part); `result()` collects them."""
-        return FleetBatch(self, prompts, params)
+        """Start generating `prompts` on the engines (each its part); `result()` collects them. One prompt (arrival
+        order's group) goes to the engine with the fewest such groups under way."""
+        if len(prompts) != 1 or len(self.group) == 1:
+            return FleetBatch(self, prompts, params)
+        self.singles = [b for b in self.singles if b.finished() is None and not b.cancelled]
+        load = [0] * len(self.group)
+        for b in self.singles:
+            load[next(iter(b.parts))] += 1
+        batch = FleetBatch(self, prompts, params, ranks=[load.index(min(load))])
+        self.singles.append(batch)
+        return batch
+
+    def suspend(self, batches: Sequence[FleetBatch]) -> list[FleetState]:
+        """What each batch under way made so far (each engine's part: `EngineWorker.suspend`; a part that ended:
+        the groups received), for a checkpoint that does not wait for them; they go on."""
+        asked = {(k, rank): batch.sent_to[rank].suspend.remote(batch.numbers[rank])
+                 for k, batch in enumerate(batches) for rank in batch.parts if rank not in batch.done_at}
+        answers = dict(zip(asked, gather(list(asked.values()))))
+        states = []
+        for k, batch in enumerate(batches):
+            under_way = {rank: answers[k, rank] for rank in batch.parts if answers.get((k, rank)) is not None}
+            for rank in set(batch.parts) - set(under_way):
+                batch.receive(rank)  # (ended meanwhile: its last groups may still be on the way)
+            states.append(FleetState(list(batch.prompts), batch.params, dict(batch.parts), under_way,
+                                     dict(batch.groups)))
+        return states
+
+    def relaunch(self, state: FleetState) -> FleetBatch:
+        """A batch a checkpoint kept under way (`suspend`) going on: each part still under way from where it stopped
+        on its engine (a restarted one too), the groups that had ended kept."""
+        return FleetBatch(self, state.prompts, state.params, resume=state)
+
+    def cancel(self, batches: Sequence[FleetBatch]) -> None:
+        """Drop `batches` for good (engine loops: arrival order's groups too old to train): each engine aborts its
+        part's samples under way and its stream ends."""
+        calls = []
+        for batch in batches:
+            batch.cancelled = True
+            calls += [batch.sent_to[rank].cancel.remote(number) for rank, number in batch.numbers.items()]
+        gather(calls)
 
     def launch_episodes(self, rows: Sequence[Mapping[str, Any]], params, origins: Sequence[str], env_seed: int,
                         spec: AgentSpec) -> FleetBatch:
@@ -316,6 +389,19 @@ class EngineFleet:
             self.group.kill()
 
 
+@dataclass
+class FleetState:
+    """A `FleetBatch` under way as a checkpoint keeps it (`EngineFleet.suspend`): its prompts and params, each
+    engine's part (prompt range), the parts still under way as their engines' `BatchState`s, and the groups
+    received (prompt index -> generations)."""
+
+    prompts: list
+    params: Any
+    parts: dict[int, tuple[int, int]]
+    under_way: dict[int, BatchState]
+    groups: dict[int, list]
+
+
 class EpisodeGroups(list):
     """An engine's finished groups of multi-turn trajectories, (prompt index, generations) each, with
     the scheduling figures of its part of the batch (`stats`)."""
@@ -335,26 +421,38 @@ class FleetBatch:
     in the redo dropped."""
 
     def __init__(self, fleet: EngineFleet, prompts: Sequence[Any], params, *, method: str = "generate_stream",
-                 sliced: Sequence[Sequence[Any]] = (), extra: Sequence[Any] = ()) -> None:
+                 sliced: Sequence[Sequence[Any]] = (), extra: Sequence[Any] = (), ranks: Sequence[int] | None = None,
+                 resume: FleetState | None = None) -> None:
         """`prompts` (token ids, or rows for `run_episodes_stream`) by the workers' streaming `method`,
-        each given its part of `prompts` and of each of `sliced`, its params, then `extra`."""
+        each given its part of `prompts` and of each of `sliced`, its params, then `extra`; on the engines
+        `ranks` (default: all); or a batch a checkpoint kept going on (`resume`: `EngineFleet.relaunch`)."""
         self.fleet, self.prompts, self.params = fleet, prompts, params
         self.method, self.sliced, self.extra = method, sliced, extra
         self.stats: dict[int, BatchStats] = {}
         """A multi-turn batch's figures, per part."""
-        self.parts = {rank: (rows[0], rows[-1] + 1) for rank, rows in enumerate(shard_rows(len(prompts), len(fleet.group)))
-                      if rows}
+        ranks = list(range(len(fleet.group))) if ranks is None else list(ranks)
+        self.parts = {rank: (rows[0], rows[-1] + 1) for rank, rows in zip(ranks, shard_rows(len(prompts), len(ranks)))
+                      if rows} if resume is None else dict(resume.parts)
+        self.resume = resume
+        self.numbers: dict[int, Any] = {}
+        """(engine loops) Each part's batch number on its engine (a ref of its `launch`), for `cancel`."""
+        self.cancelled = False
+        self._told = threading.Lock()
+        self._callbacks: list[Any] = []
         self.sent_to: dict[int, Any] = {}
         self.current: dict[int, Any] = {}
         self.done_at: dict[int, float] = {}
-        self.groups: dict[int, list] = {}
+        self.groups: dict[int, list] = dict(resume.groups) if resume is not None else {}
         """Prompt index -> its generations, as received."""
         self.given: set[int] = set()
         """Prompts `as_finished` has handed out."""
         self.streams: dict[Any, int] = {}
         """The engines' streams under way -> their part (rank)."""
         for rank in self.parts:
-            self._start(rank)
+            if resume is None or rank in resume.under_way:
+                self._start(rank)
+            else:  # ended before the checkpoint: its groups are in `groups`
+                self.done_at[rank] = time.monotonic()
         self.launched = time.monotonic()
 
     def _start(self, rank: int) -> None:
@@ -364,8 +462,10 @@ class FleetBatch:
         self.done_at.pop(rank, None)
         part = self.params.part(a, b)
         if self.fleet.streaming and self.method == "generate_stream":  # launched in order with the syncs
-            launched = worker.launch.remote(self.prompts[a:b], part)
+            launched = (worker.launch.remote(self.prompts[a:b], part) if self.resume is None else
+                        worker.relaunch.remote(self.resume.under_way[rank]))
             self.fleet.launching.append(launched)
+            self.numbers[rank] = launched
             stream = worker.stream_batch.options(num_returns="streaming", concurrency_group=STREAMS).remote(launched)
         else:  # (trajectories on an engine loop: their turns posted to it, a sync pausing them, in STREAMS too)
             options = {"concurrency_group": STREAMS} if self.fleet.streaming else {}
@@ -379,9 +479,28 @@ class FleetBatch:
         """(Ray's callback thread) Part `rank` is done, unless `stream` is a try that was redone."""
         if self.current.get(rank) is stream:
             self.done_at[rank] = time.monotonic()
+            if self.finished() is not None:
+                with self._told:
+                    callbacks, self._callbacks = self._callbacks, []
+                for fn in callbacks:
+                    fn()
+
+    def add_done_callback(self, fn) -> None:
+        """Call `fn()` once every part's stream ended (at once if they did; else on Ray's callback thread; a part
+        that failed counts: `result` redoes it)."""
+        with self._told:
+            if self.finished() is None:
+                self._callbacks.append(fn)
+                return
+        fn()
 
     def finished(self) -> float | None:
         return max(self.done_at.values()) if len(self.done_at) == len(self.parts) else None
+
+    def done(self) -> bool:
+        """Whether every part's stream ended, without waiting (its groups are taken by `result`, which redoes the
+        part of an engine that died)."""
+        return self.finished() is not None
 
     def as_finished(self) -> Iterator[list]:
         """The groups (prompt index, generations) finished since the last item, as they finish -- at
@@ -393,6 +512,11 @@ class FleetBatch:
                 yield [(i, self.groups[i]) for i in new]
             if not self.streams:
                 return
+            self._take()
+
+    def receive(self, rank: int) -> None:
+        """Wait until part `rank`'s stream ended and its groups are here."""
+        while any(r == rank for r in self.streams.values()):
             self._take()
 
     def result(self) -> list:

@@ -277,6 +277,33 @@ def test_an_engine_loop_actor_pauses_its_batch_for_a_weight_sync_and_each_span_h
                 gap = (forward_logprobs(models[1], g) - torch.tensor(g.logprobs))[model_tokens]
                 assert gap.abs().max() < engine_tol()
         assert ray.get(engine.pop_busy.remote()) > 0  # the loop's engine steps
+        # arrival order's drop of a group under way: `cancel` aborts it and its stream ends, short of its groups
+        long = SamplingParams(n=2, max_new_tokens=200, min_new_tokens=200, seed=7)
+        launched = engine.launch.remote(prompts[:1], long)
+        stream = engine.stream_batch.options(num_returns="streaming", concurrency_group=STREAMS).remote(launched)
+        ray.get(engine.cancel.remote(launched))
+        assert [ray.get(ref) for ref in stream] == []
+        assert ray.get(engine.generate.remote(prompts[:1], long))[0][0].versions == [(0, 1)]  # the loop goes on
+        # a checkpoint that does not wait: `suspend` gives the batch as far as it got and lets it go on; `relaunch`
+        # continues that state (in a resumed run's engine) and every sample ends whole, its prefix kept
+        launched = engine.launch.remote(prompts[:2], long)
+        stream = engine.stream_batch.options(num_returns="streaming", concurrency_group=STREAMS).remote(launched)
+        for _ in range(100):  # (a pause for a checkpoint opens no span: looking again changes nothing)
+            state = ray.get(engine.suspend.remote(launched))
+            if all(s.tokens for _, _, s in state.under_way):
+                break
+            time.sleep(0.02)
+        assert state.count == 2 and len(state.under_way) == 4 and all(0 < len(s.tokens) < 200
+                                                                       for _, _, s in state.under_way)
+        whole = dict(g for ref in stream for g in ray.get(ref))
+        again = engine.stream_batch.options(num_returns="streaming", concurrency_group=STREAMS).remote(
+            engine.relaunch.remote(state))
+        resumed = dict(g for ref in again for g in ray.get(ref))
+        assert sorted(resumed) == sorted(whole) == [0, 1]
+        for i, j, sample in state.under_way:
+            g = resumed[i][j]
+            assert len(g.response_ids) == 200 and g.response_ids[:len(sample.tokens)] == sample.tokens
+        assert ray.get(engine.suspend.remote(launched)) is None  # ended: its stream gave everything
         ray.get(engine.close.remote())
     finally:
         ray.kill(engine)
@@ -332,3 +359,26 @@ def test_a_batch_streams_its_groups_and_keeps_those_received_before_an_engine_di
         engines.kill()
     finally:
         reservation.release()
+
+
+def test_one_prompt_batches_go_to_the_engine_with_the_fewest_under_way(monkeypatch):
+    """Arrival order launches one group per batch: each goes to the engine with the fewest such groups under way
+    (ended or cancelled ones no longer count; the lowest rank on a tie); a batch of several prompts is split over
+    every engine as before."""
+    from hpcrlhf.cluster import engines
+
+    class Batch:
+        def __init__(self, fleet, prompts, params, ranks=None) -> None:
+            self.parts = {rank: (0, 1) for rank in (ranks if ranks is not None else range(len(fleet.group)))}
+            self.ended, self.cancelled = None, False
+
+        def finished(self):
+            return self.ended
+
+    monkeypatch.setattr(engines, "FleetBatch", Batch)
+    fleet = engines.EngineFleet(["engine 0", "engine 1", "engine 2"], push=None, streaming=True)
+    first = [fleet.launch([[1]], None) for _ in range(4)]
+    assert [list(b.parts) for b in first] == [[0], [1], [2], [0]]
+    first[1].ended, first[2].cancelled = 12.0, True  # engines 1 and 2 have none under way now
+    assert [list(fleet.launch([[1]], None).parts) for _ in range(3)] == [[1], [2], [1]]
+    assert list(fleet.launch([[1], [2]], None).parts) == [0, 1, 2]

@@ -22,6 +22,7 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import time
@@ -195,8 +196,9 @@ def test_partial_rollouts_two_steps_ahead_on_ray_generate_on_engine_loops_beside
     loop -- the batches of the steps ahead share it, a sync pauses what runs and it goes on under the new weights
     (tests/cluster/test_engines.py shows a pause token by token). The first step is the synchronous run's own;
     later samples lag at most min(s, 2) updates (a batch launched after a sync may get its first token after the
-    next one); a checkpoint waits for the batches ahead (the Ray engines' samples under way are not kept) and
-    holds both, whole."""
+    next one); a checkpoint holds both batches ahead -- ended ones whole, one still under way as far as each engine
+    got (`EngineFleet.suspend`: the checkpoint does not wait for it) -- and a run resumed from it goes on (each
+    engine continues its part, `EngineFleet.relaunch`) to the end with every sample at most min(s, 2) old."""
     import torch
 
     folder = tmp_path / "run"
@@ -212,8 +214,50 @@ def test_partial_rollouts_two_steps_ahead_on_ray_generate_on_engine_loops_beside
     assert all(0 <= r["rollout/partial_share"] <= 1 for r in rows) and all(r["timing/overlap"] > 0 for r in rows[:-2])
     assert summary(folder)["status"] == "done"
     ahead = torch.load(folder / "checkpoints" / "step_000003" / "ahead_rank0.pt", weights_only=False)["ahead"]
-    assert [a["step"] for a in ahead] == [3, 4] and all("generations" in a for a in ahead), ahead
-    assert all(len(a["generations"]) == 32 and all(len(g) == 4 for g in a["generations"]) for a in ahead)
+    assert [a["step"] for a in ahead] == [3, 4], ahead
+    for a in ahead:
+        if a.get("generations") is not None:  # ended by the checkpoint
+            assert len(a["generations"]) == 32 and all(len(g) == 4 for g in a["generations"])
+        else:  # under way: each engine's part as far as it got, the groups already received kept
+            state = a["under_way"]
+            assert len(state.prompts) == 32 and sorted(state.parts) == [0, 1] and state.under_way, state
+            assert all(b.count == 16 for b in state.under_way.values())
+    shutil.rmtree(folder / "checkpoints" / "step_000006")
+    (folder / "checkpoints" / "latest").write_text("step_000003")
+    (folder / "summary.json").unlink()  # as if stopped after step 3
+    run_cli(["train", "ppo", "--config", SEPARATED, "-o", str(folder), "--set", f"model.path={policy_model}", *RUN,
+             "--set", "train.max_steps=6", "--set", "rollout.max_staleness=2", "--set", "rollout.partial=true",
+             "--set", "ppo.tis_cap=2", "--set", "checkpoint.every_steps=3"],
+            env={"RAY_ADDRESS": ray_cluster.address}, timeout=1200)
+    resumed = train_rows(folder)
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5, 6] and summary(folder)["status"] == "done"
+    assert all(0 <= r["rollout/staleness"] <= min(s, 2) for s, r in enumerate(resumed)), resumed
+
+
+@pytest.mark.slow
+def test_arrival_order_on_ray_trains_every_planned_group_once_within_k(ray_cluster, policy_model, tmp_path):
+    """rollout.stream_order arrival on the spread layout (2 engines x TP 2), k = 2 without partial rollouts: each
+    group goes alone to the engine with the fewest under way (every engine on an engine loop; a sync drains them),
+    each step trains the first 32 groups that end. No group trained more than min(s, 2) updates old; over the run
+    every planned group is trained exactly once (the final checkpoint's ledger); the step-2 checkpoint waited for
+    the groups under way and holds them ended."""
+    import torch
+
+    folder, steps, per_step = tmp_path / "run", 4, 32
+    run_cli(["train", "ppo", "--config", SEPARATED, "-o", str(folder), "--set", f"model.path={policy_model}", *RUN,
+             "--set", f"train.max_steps={steps}", "--set", "rollout.max_staleness=2", "--set", "ppo.tis_cap=2",
+             "--set", "rollout.stream_order=arrival", "--set", "checkpoint.every_steps=2"],
+            env={"RAY_ADDRESS": ray_cluster.address}, timeout=1200)
+    rows = train_rows(folder)
+    staleness = [r["rollout/staleness"] for r in rows]
+    assert len(rows) == steps and staleness[0] == 0 and all(0 <= a <= min(s, 2) for s, a in enumerate(staleness))
+    assert rows[0]["stream/admitted_groups"] == 3 * per_step and all("stream/dropped_groups" in r for r in rows)
+    ledger = torch.load(folder / "checkpoints" / f"step_{steps:06d}" / "stream_rank0.pt", weights_only=False)["ledger"]
+    assert sorted((t, i) for t, i, *_ in ledger["trained"]) == [(t, i) for t in range(steps) for i in range(per_step)]
+    assert all(s - head <= 2 for *_, head, s in ledger["trained"])
+    kept = torch.load(folder / "checkpoints" / "step_000002" / "stream_rank0.pt", weights_only=False)
+    assert kept["groups"] and all(g["generations"] is not None and len(g["generations"]) == 4 for g in kept["groups"])
+    assert summary(folder)["status"] == "done"
 
 
 def placement(folder, ips, args) -> tuple[dict, dict]:

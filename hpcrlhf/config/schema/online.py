@@ -91,11 +91,10 @@ class RolloutConfig:
     tokens are newer (rollout/staleness_tokens). Needs ppo.tis_cap (the behaviour log-probs of a paused
     sample come from two policies). With an agent section the model's turns are paused
     alike, and a trajectory records the version of each span of its turns (an environment's answer lies in the
-    span before it). On the local runtime a checkpoint does not wait for the samples under way: it keeps each as
-    far as it got, and the resumed run continues it (resume with this setting on) -- but for trajectories, which
-    it waits for (an environment's state cannot be kept): they end under the weights of the checkpoint's step,
-    where the run that saved it continued their tail under the next step's. On Ray a checkpoint waits for the
-    batches under way (kept whole: the resumed run trains on what the saving run did). false: without it, k >= 1
+    span before it). A checkpoint does not wait for the samples under way: it keeps each as far as it got (on Ray
+    each engine actor its part), and the resumed run continues it (resume with this setting on) -- but for
+    trajectories, which it waits for (an environment's state cannot be kept): they end under the weights of the
+    checkpoint's step, where the run that saved it continued their tail under the next step's. false: without it, k >= 1
     on the local runtime's engine still generates in its thread, on Ray each engine takes one batch at a time,
     and each sync waits for the samples under way to end (timing/weight_sync, timing/generate_ahead_wait hold that
     tail)."""
@@ -116,8 +115,11 @@ class RolloutConfig:
     repeats none, but which groups each step takes depends on when they end, so it does not equal an
     uninterrupted run. With ppo.dynamic_sampling each round takes the next rollout.prompts_per_step groups that end
     (as many more start), and the groups a step leaves out are discarded, not handed out again
-    (stream/discarded_groups; the prompts go on into the next epochs). arrival needs rollout.backend vllm on the
-    local runtime with one rank and no agent section (not built yet: Ray, several ranks, agents)."""
+    (stream/discarded_groups; the prompts go on into the next epochs). arrival needs rollout.backend vllm: on the
+    local runtime rank 0's engine loop takes every rank's groups (several ranks: rank 0's share first, then rank
+    1's, ..., each sent as it fills; not with ppo.dynamic_sampling yet), on Ray each group goes to the engine with
+    the fewest under way (every engine on an engine loop, with or without rollout.partial). Not with an agent
+    section yet."""
     length_key: str | None = None
     """Benchmarks only (hpcrlhf bench's long-tail suites): the prompt-row field holding the length, in tokens,
     of every response to that prompt -- EOS suppressed until then, cut there (vLLM's min_tokens = max_tokens),

@@ -109,6 +109,23 @@ class StreamBatch:
         self._given = 0
         self._finished: float | None = None if count else self.launched
         self._error: BaseException | None = None
+        self.cancelled = False
+        """Dropped for good (`EngineLoop.cancel`): it never finishes; a wait on it ends with what it has."""
+        self._callbacks: list[Callable[[], None]] = []
+
+    def add_done_callback(self, fn: Callable[[], None]) -> None:
+        """Call `fn()` once the batch ended or failed (at once if it did; else on the loop's thread)."""
+        with self._cond:
+            if self._finished is None and self._error is None:
+                self._callbacks.append(fn)
+                return
+        fn()
+
+    def _ended(self) -> None:
+        with self._cond:
+            callbacks, self._callbacks = self._callbacks, []
+        for fn in callbacks:
+            fn()
 
     def add(self, i: int, j: int, generation: Generation) -> None:
         """Sample j of prompt i ended (the loop's thread)."""
@@ -120,10 +137,18 @@ class StreamBatch:
                 if len(self._done) == len(self._samples):
                     self._finished = time.monotonic()
                 self._cond.notify_all()
+        if self._finished is not None:
+            self._ended()
 
     def fail(self, error: BaseException) -> None:
         with self._cond:
             self._error = error
+            self._cond.notify_all()
+        self._ended()
+
+    def cancel(self) -> None:
+        with self._cond:
+            self.cancelled = True
             self._cond.notify_all()
 
     def ended(self) -> list[tuple[int, int, Generation]]:
@@ -162,11 +187,13 @@ class StreamBatch:
             return self._finished is not None
 
     def as_finished(self) -> Iterator[Groups]:
-        while self._given < len(self._samples):
-            self._wait(lambda: len(self._done) > self._given)
+        """The groups as they end; a cancelled batch's stop where it was cancelled."""
+        while self._given < len(self._samples) and not self.cancelled:
+            self._wait(lambda: len(self._done) > self._given or self.cancelled)
             with self._cond:
                 new, self._given = self._done[self._given:], len(self._done)
-            yield [(i, self._group(i)) for i in new]
+            if new:  # (none: cancelled)
+                yield [(i, self._group(i)) for i in new]
 
 
 class EngineLoop:
@@ -344,7 +371,9 @@ class EngineLoop:
 
     def cancel(self, batches: Sequence[StreamBatch]) -> None:
         """Drop `batches` (under way in this loop) for good: their samples under way are aborted at the next engine
-        step; the batches never finish."""
+        step; the batches never finish (a stream of their groups ends where it is)."""
+        for batch in batches:
+            batch.cancel()
         if batches:
             self.post(lambda: self._cancel(list(batches)))
 
@@ -523,9 +552,11 @@ def streams(rollout: Any) -> bool:
 
 def suspends(rollout: Any) -> bool:
     """Whether a checkpoint can keep `rollout`'s batches under way as far as they got (`suspend`, `relaunch`):
-    an engine loop of this job's processes (`StreamingRollout`, or rank 0's serving every local rank). A Ray
-    fleet's engine actors cannot (yet): a checkpoint waits for their batches."""
-    return isinstance(rollout, StreamingRollout) or (isinstance(rollout, Rank0Rollout) and rollout.streaming)
+    an engine loop of this job's processes (`StreamingRollout`, or rank 0's serving every local rank), or a Ray
+    fleet's engine actors on engine loops with rollout.partial
+    (`hpcrlhf.cluster.engines.EngineFleet.suspends_batches`)."""
+    return (isinstance(rollout, StreamingRollout) or (isinstance(rollout, Rank0Rollout) and rollout.streaming)
+            or bool(getattr(rollout, "suspends_batches", False)))
 
 
 def engine_loop(rollout: Any) -> EngineLoop | None:

@@ -34,7 +34,6 @@ by the node map (`placement.runtime: ray`); the driver, its schedule and its che
 from __future__ import annotations
 
 import time
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 from collections.abc import Callable
@@ -52,7 +51,7 @@ from hpcrlhf.config.schema import PPOConfig
 from hpcrlhf.data.prompts import Prompt
 from hpcrlhf.engines.distributed import all_reduce_sum
 from hpcrlhf.engines.rollout import Done
-from hpcrlhf.engines.rollout.loop import StreamingRollout, engine_loop, streams, suspends
+from hpcrlhf.engines.rollout.loop import engine_loop, streams, suspends
 from hpcrlhf.errors import ConfigError
 from hpcrlhf.logs import get_logger
 from hpcrlhf.run.folder import StepAbandoned
@@ -64,7 +63,8 @@ from hpcrlhf.trainers.ppo.dynamic_sampling import fill_step
 from hpcrlhf.trainers.ppo.experience import ExperienceBatch, rollout_batch
 from hpcrlhf.trainers.ppo.roles import LocalRoles, PPORoles, RoleContext
 from hpcrlhf.trainers.ppo.staleness import Ahead, ahead_steps, load_ahead, save_ahead, staleness_stats
-from hpcrlhf.trainers.ppo.stream import Ledger, RolloutStream, load_stream, save_stream
+from hpcrlhf.trainers.ppo.arrival import ArrivalRollouts
+from hpcrlhf.trainers.ppo.stream import load_stream, save_stream
 from hpcrlhf.trainers.seeds import refill_seed
 
 log = get_logger()
@@ -103,8 +103,9 @@ class PPOTrainer(OnlineTrainer):
         way (rollout.partial), until it goes on (`relaunch_ahead`)."""
         self.version = 0
         """The policy version the actor holds: its updates done (steps trained; a resumed run's step)."""
-        self.stream = self.arrival_stream() if self.cfg.rollout.stream_order == "arrival" else None
-        """rollout.stream_order arrival: the run's groups on the engine loop (`trainers.ppo.stream`), else None."""
+        self.arrival = ArrivalRollouts(self) if self.cfg.rollout.stream_order == "arrival" else None
+        """rollout.stream_order arrival: where the run's groups go and how a step takes them
+        (`trainers.ppo.arrival`), else None."""
 
     # -- checkpoints -------------------------------------------------------------------------
     def save_checkpoint(self, folder: Path, client_state: dict[str, Any]) -> None:
@@ -113,7 +114,7 @@ class PPOTrainer(OnlineTrainer):
         reward moments, and the rollout generated ahead. Workers' random states are not saved:
         PPO's randomness (sampling, mini-batch order) is seeded per step (`trainers.seeds`)."""
         under_way = {**self.suspended, **self.suspend_ahead()}  # first: they go on while the models are saved
-        stream = self.stream.state_dict() if self.stream is not None else None
+        stream = self.arrival.stream.state_dict() if self.arrival is not None and self.arrival.stream else None
         controllers = {"kl_controller": self.kl_ctl.state_dict(), "reward_moments": self.moments.state_dict()}
         self.roles.save(folder, {**client_state, **controllers})
         save_ahead([a for a in self.ahead.values() if a.step not in under_way], folder, self.env.rank, under_way)
@@ -126,7 +127,7 @@ class PPOTrainer(OnlineTrainer):
         self.moments.load_state_dict(state["reward_moments"])
         self.restore_ahead(folder, self.env.rank)
         self.version = state["step"]
-        if self.stream is not None and not load_stream(self.stream, folder):
+        if self.arrival is not None and self.arrival.stream and not load_stream(self.arrival.stream, folder):
             raise ConfigError(f"rollout.stream_order: arrival, but the checkpoint {folder} holds no stream of groups "
                               "(it was saved in plan order): resume with rollout.stream_order=plan, or start a new run")
         self.rollout_synced = self.rollout is self.hf_rollout  # push the resumed weights before generating
@@ -159,8 +160,8 @@ class PPOTrainer(OnlineTrainer):
         self.roles.save_model(folder, files)
 
     def close(self) -> None:
-        if self.stream is not None:
-            self.stream.close()
+        if self.arrival is not None:
+            self.arrival.close()
         self.roles.close()
         if self.agent is not None:
             self.agent.close()
@@ -215,8 +216,8 @@ class PPOTrainer(OnlineTrainer):
         rollout.max_staleness k the step's planned batch (its first round) may have been generated up to
         k steps before (`rollout/staleness`: the updates it lags; refill rounds are generated now), and the
         next steps' batches are started here (`launch_ahead`) once this step's generations are in."""
-        if self.stream is not None:
-            return self.arrival_rollout(step)
+        if self.arrival is not None:
+            return self.arrival.rollout(step)
         n = self.cfg.rollout.samples_per_prompt
         self.relaunch_ahead()
         before = dict(self.ahead)
@@ -243,63 +244,6 @@ class PPOTrainer(OnlineTrainer):
         if self.cfg.rollout.max_staleness:
             metrics.update(reduce_means(staleness_stats(rollout.generations, step, self.cfg.rollout.max_staleness)))
         return rollout, metrics
-
-    def arrival_rollout(self, step: int) -> tuple[Rollout, dict[str, float]]:
-        """Arrival order: the step's groups are the first G the engine ends (`trainers.ppo.stream`). Groups too old
-        for this step are dropped (and requeued), the engine starts what the rule for k lets start, and the step
-        scores the groups as they end; with ppo.dynamic_sampling each round takes the next G that end (the rule
-        starts one for each taken and left out), and the groups left out are discarded."""
-        stream, cfg = self.stream, self.cfg
-        if not self.rollout_synced:
-            self.sync_rollout()
-        self.ready_to_generate()
-        stream.drop_stale(step)
-        takes: list = []
-
-        def take_round(round: int) -> Rollout:
-            quota = self.plan.prompts_per_rank
-            stream.admit(self.version, beyond=max(0, len(takes) - 1) * quota)  # the step trains `quota` of them
-            takes.append(stream.take(quota))
-            params = self.sampling(step, cfg.rollout.samples_per_prompt)
-            return self.score_rollout(LaunchedRollout(takes[-1].prompts, params, takes[-1]))
-
-        try:
-            if not cfg.ppo.dynamic_sampling:
-                rollout, metrics, used = take_round(0), {}, None
-            else:
-                filled = fill_step(take_round, n=cfg.rollout.samples_per_prompt,
-                                   max_rounds=cfg.ppo.dynamic_sampling_max_rounds, what=cfg.ppo.dynamic_sampling_filter)
-                rollout, metrics, used = filled.rollout, filled.metrics(), filled.picks
-        except StepAbandoned:  # the step is redone on resume: its groups wait in the checkpoint's pool
-            stream.untake(takes)
-            raise
-        metrics.update(stream.commit(takes, step, used))
-        return rollout, {**metrics, **reduce_means(staleness_stats(rollout.generations, step,
-                                                                   cfg.rollout.max_staleness))}
-
-    def arrival_stream(self) -> RolloutStream:
-        """rollout.stream_order arrival: the run's groups, each launched alone on this rank's engine loop with its
-        planned prompt and seed (group (t, i): prompt i of step t, sampled as step t's batch samples it)."""
-        if not isinstance(self.rollout, StreamingRollout) or self.agent is not None:
-            raise ConfigError(f"rollout.stream_order: arrival takes each step's groups as one engine loop ends them: "
-                              f"it runs on the local runtime with one rank, rollout.backend vllm and no agent section "
-                              f"(here: {self.env.world_size} rank(s), runtime "
-                              f"{self.cfg.placement.runtime}, backend {self.cfg.rollout.backend}); use "
-                              "rollout.stream_order=plan, or those settings")
-        n, planned = self.cfg.rollout.samples_per_prompt, {}
-
-        def launch(t: int, i: int, version: int):
-            if t not in planned:
-                planned.clear()
-                planned[t] = self.step_prompts(t)
-            prompt = planned[t][i]
-            return prompt, self.launch_rollout([prompt], replace(self.sampling(t, n), first_index=i), version).pending
-
-        engine, partial = self.rollout, self.cfg.rollout.partial
-        ledger = Ledger(self.plan.prompts_per_rank, None if self.cfg.ppo.dynamic_sampling else
-                        self.plan.total_steps * self.plan.prompts_per_rank)
-        return RolloutStream(ledger, self.cfg.rollout.max_staleness, launch, engine.cancel,
-                             engine.suspend if partial else None, engine.relaunch if partial else None)
 
     def launch_ahead(self, step: int, launched: LaunchedRollout) -> None:
         """Launch the batches of the steps due ahead (`staleness.ahead_steps`), with the weights this step
@@ -364,7 +308,7 @@ class PPOTrainer(OnlineTrainer):
         `timing/overlap`: the seconds the last one launched was generated while this step scored and trained."""
         if not self.ahead:
             if self.cfg.rollout.max_staleness:
-                self.run.add_timing("overlap", self.stream.overlap() if self.stream is not None else 0.0)
+                self.run.add_timing("overlap", self.arrival.overlap() if self.arrival is not None else 0.0)
             return
         waited = time.monotonic()
         if not self.cfg.rollout.partial:
@@ -463,9 +407,10 @@ class PPOTrainer(OnlineTrainer):
         """The trained roles' PPO epochs on the new experience (the actor waits out
         `ppo.freeze_actor_steps`), timed per role (`timing/train_<role>`: from the common start
         to the role's end, where roles train at once). The weight sync that follows may start
-        as soon as the actor is done, unless the engines are generating the next rollout."""
+        as soon as the actor is done, unless the engines are generating the next rollout (batches ahead, or
+        arrival order's groups: their sync names the version the engines then hold)."""
         roles = [r for r in self.roles.trained if not (r == "actor" and step < self.cfg.ppo.freeze_actor_steps)]
-        push = self.rollout is not self.hf_rollout and not self.ahead
+        push = self.rollout is not self.hf_rollout and not self.ahead and self.arrival is None
         sums, seconds = self.roles.learn(experience, step, roles, push=push)
         for role, s in seconds.items():
             self.run.add_timing(f"train_{role}", s)

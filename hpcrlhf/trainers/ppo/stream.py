@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import queue
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -40,7 +41,7 @@ from hpcrlhf.engines.rollout import Generation
 from hpcrlhf.engines.rollout.contract import Groups, head_version, stamp_version
 from hpcrlhf.engines.rollout.loop import LOOP_PARTY, WAIT_S, EngineLoopError
 from hpcrlhf.logs import get_logger
-from hpcrlhf.run.signals import watched_until
+from hpcrlhf.run.signals import watched_until, watched_wait
 
 log = get_logger()
 
@@ -111,6 +112,8 @@ class StreamGroup:
     generations: list[Generation] | None = None
     ended: float | None = None
     state: Any = None
+    listed: bool = False
+    """Whether it is in the stream's `ready` list (ended, waiting for a step)."""
 
     @property
     def key(self) -> tuple[int, int]:
@@ -118,7 +121,7 @@ class StreamGroup:
 
     def poll(self) -> bool:
         """Whether it ended (its generations kept, each stamped with the launch version where the engine recorded
-        none); raises the engine loop's error if it stopped."""
+        none); raises the engine's error if it failed."""
         if self.generations is None and self.batch is not None and self.batch.done():
             self.generations = self.batch.result()[0]
             stamp_version(self.generations, self.version)
@@ -131,84 +134,131 @@ class StreamGroup:
 
 
 class StreamTake:
-    """Step s's groups as the engine ends them (a `Pending`): the first `count` ended groups of the pool, the
-    ones that ended before the step began first. `prompts` fills as they come (slot order)."""
+    """Step s's groups as the engine ends them (a `Pending`): the first `count` groups of the stream's `ready`
+    list, those that ended before the step began first. `prompts` fills as they come (slot order). `keyed`: each
+    group's generations come with its key, (key, generations) -- for ranks that know their prompts by it."""
 
-    def __init__(self, stream: RolloutStream, count: int) -> None:
-        self.stream, self.count = stream, count
+    def __init__(self, stream: RolloutStream, count: int, keyed: bool = False) -> None:
+        self.stream, self.count, self.keyed = stream, count, keyed
         self.launched = time.monotonic()
         self.prompts: list[Any] = []
         self.groups: list[StreamGroup] = []
         self._finished: float | None = None
 
-    def _next(self) -> list[StreamGroup]:
-        """The groups that ended since the last look (waited for), in the order they ended, up to `count`."""
-        pool = self.stream.pool
-
-        def ended() -> list[StreamGroup]:
-            return sorted((g for g in pool if g.poll()), key=lambda g: g.ended)
-
-        watched_until(lambda: bool(ended()), lambda: [LOOP_PARTY], poll_s=WAIT_S, every_s=0.005)
-        new = ended()[:self.count - len(self.groups)]
-        for g in new:
-            pool.remove(g)
-        return new
-
     def as_finished(self) -> Iterator[Groups]:
+        stream = self.stream
         while len(self.groups) < self.count:
-            new = self._next()
+            watched_wait(stream.await_ended, stream.parties, poll_s=WAIT_S)
+            new = stream.ready[:self.count - len(self.groups)]
+            del stream.ready[:len(new)]
+            for g in new:
+                del stream.pool[g.key]
+                g.listed = False
             first = len(self.groups)
             self.groups += new
             self.prompts += [g.prompt for g in new]
             if len(self.groups) == self.count:
                 self._finished = time.monotonic()
-            yield [(first + j, list(g.generations)) for j, g in enumerate(new)]
+            yield [(first + j, self._item(g)) for j, g in enumerate(new)]
 
-    def result(self) -> list[list[Generation]]:
+    def _item(self, g: StreamGroup) -> Any:
+        return (g.key, list(g.generations)) if self.keyed else list(g.generations)
+
+    def result(self) -> list[Any]:
         for _ in self.as_finished():
             pass
-        return [list(g.generations) for g in self.groups]
+        return [self._item(g) for g in self.groups]
 
     def finished(self) -> float | None:
         return self._finished
 
 
 class RolloutStream:
-    """The groups of an arrival-order run on one engine loop (module docstring).
+    """The groups of an arrival-order run (module docstring).
 
     `launch(t, i, version)` starts group (t, i) -- (its prompt, its `Pending`); `cancel(batches)` drops batches
     under way; `suspend(batches)` / `relaunch(state)` keep and continue batches under way (rollout.partial), or
-    None where a checkpoint waits for them."""
+    None where a checkpoint waits for them. A batch with `add_done_callback` says when it ends (each ended group
+    costs O(1) to find); one without is polled."""
 
     def __init__(self, ledger: Ledger, k: int, launch: Callable[[int, int, int], tuple[Any, Any]],
                  cancel: Callable[[Sequence[Any]], None], suspend: Callable[[Sequence[Any]], list] | None = None,
-                 relaunch: Callable[[Any], Any] | None = None) -> None:
-        self.ledger, self.k = ledger, k
+                 relaunch: Callable[[Any], Any] | None = None,
+                 parties: Callable[[], list[str]] = lambda: [LOOP_PARTY]) -> None:
+        """`parties()`: whom a wait for groups names to the watchdog."""
+        self.ledger, self.k, self.parties = ledger, k, parties
         self._launch, self._cancel, self._suspend, self._relaunch = launch, cancel, suspend, relaunch
-        self.pool: list[StreamGroup] = []
-        """The groups admitted and not yet trained nor dropped."""
+        self.pool: dict[tuple[int, int], StreamGroup] = {}
+        """The groups admitted and not yet taken nor dropped, by key."""
+        self.ready: list[StreamGroup] = []
+        """The pool's groups that ended, in the order they ended (a step takes from the front)."""
+        self._ends: queue.SimpleQueue[StreamGroup] = queue.SimpleQueue()
+        """Groups whose batches said they ended (their engine's thread), not yet looked at."""
+        self._polled: list[StreamGroup] = []
+        """Groups under way whose batches cannot say when they end."""
+        self._dropped_before: set[tuple[int, int]] = set()
         self.counts = {"admitted": 0, "dropped": 0}
         """Since the step began (`step_metrics`)."""
         self._going: tuple[float, list[StreamGroup]] = (0.0, [])
         """When the step's groups were in, and the groups then under way (`overlap`)."""
 
+    # -- the groups that end -----------------------------------------------------------------------
+    def _watch(self, g: StreamGroup) -> None:
+        tell = getattr(g.batch, "add_done_callback", None)
+        if tell is not None:
+            tell(lambda: self._ends.put(g))
+        else:
+            self._polled.append(g)
+
+    def _collect(self, first: StreamGroup | None = None) -> None:
+        """Move the groups that ended since the last look into `ready`, in the order they ended."""
+        told = [first] if first is not None else []
+        while True:
+            try:
+                told.append(self._ends.get_nowait())
+            except queue.Empty:
+                break
+        polled = [g for g in self._polled if g.poll()]
+        if polled:
+            self._polled = [g for g in self._polled if g.generations is None]
+        new = [g for g in told + polled if self.pool.get(g.key) is g and not g.listed and g.poll()]
+        for g in sorted(new, key=lambda g: g.ended):
+            g.listed = True
+            self.ready.append(g)
+
+    def await_ended(self, seconds: float) -> bool:
+        """Wait up to `seconds` for an ended group in `ready` (a poll for `watched_wait`)."""
+        self._collect()
+        if self.ready:
+            return True
+        try:
+            first = self._ends.get(timeout=min(seconds, 0.005) if self._polled else seconds)
+        except queue.Empty:
+            first = None
+        self._collect(first)
+        return bool(self.ready)
+
     # -- the rule for k ---------------------------------------------------------------------------
     def drop_stale(self, step: int) -> list[StreamGroup]:
         """Drop the groups step `step` and later can no longer train (head older than step - k): those under way
         are cancelled; their prompts go back to the front of the queue."""
-        for g in self.pool:
+        self._collect()
+        for g in self.pool.values():
             g.poll()
-        stale = [g for g in self.pool if g.head() < step - self.k]
+        stale = [g for g in self.pool.values() if g.head() < step - self.k]
         self._cancel([g.batch for g in stale if g.batch is not None])
+        gone = {g.key for g in stale}
+        self.ready = [g for g in self.ready if g.key not in gone]
+        self._polled = [g for g in self._polled if g.key not in gone]
         for g in stale:
-            self.pool.remove(g)
-            again = any((t, i) == g.key for t, i, *_ in self.ledger.dropped)
+            del self.pool[g.key]
             self.ledger.reject(g.key, g.head(), step)
-            if again:  # its responses take longer than k steps: dropped each time, trained only when the run ends
+            if g.key in self._dropped_before:  # longer than k steps: dropped each time, trained when the prompts end
                 log.warning(f"arrival order: the group of step {g.step + 1}'s prompt {g.index} was dropped again at "
                             f"step {step + 1} (not done within rollout.max_staleness={self.k} updates of its start): "
                             "responses that take longer than k steps to generate are held back until the prompts run "
                             "out; raise rollout.max_staleness, or use rollout.stream_order=plan")
+            self._dropped_before.add(g.key)
         self.counts["dropped"] += len(stale)
         return stale
 
@@ -216,24 +266,29 @@ class RolloutStream:
         """Start the groups the rule lets start with the engine at `version` (the groups a checkpoint kept under
         way go on first), counting `beyond` groups taken by this step as rejected already (ppo.dynamic_sampling:
         a step that takes r rounds of G groups trains G of them); how many started."""
-        for g in self.pool:
+        for g in self.pool.values():
             if g.state is not None:
                 g.batch, g.state = self._relaunch(g.state), None
+                self._watch(g)
         ledger = self.ledger
         count = admits(version, self.k, ledger.per_step, ledger.admitted, ledger.rejected + beyond, ledger.supply())
         for _ in range(count):
             t, i = ledger.hand_out()
             prompt, batch = self._launch(t, i, version)
-            self.pool.append(StreamGroup(t, i, version, prompt, batch))
+            g = self.pool[t, i] = StreamGroup(t, i, version, prompt, batch)
+            self._watch(g)
         self.counts["admitted"] += count
         return count
 
-    def take(self, count: int) -> StreamTake:
-        return StreamTake(self, count)
+    def take(self, count: int, keyed: bool = False) -> StreamTake:
+        return StreamTake(self, count, keyed)
 
     def untake(self, takes: Sequence[StreamTake]) -> None:
-        """A step abandoned: the groups it took wait in the pool again (before any that ended later)."""
-        self.pool[:0] = [g for take in takes for g in take.groups]
+        """A step abandoned: the groups it took wait in the pool again, first in line."""
+        back = [g for take in takes for g in take.groups]
+        for g in back:
+            self.pool[g.key], g.listed = g, True
+        self.ready[:0] = back
         for take in takes:
             take.groups = []
 
@@ -243,13 +298,14 @@ class RolloutStream:
         slot) each, ppo.dynamic_sampling's picks -- and the others are discarded: recorded in the ledger; the step's
         stream metrics."""
         picked = [(r, j) for r, take in enumerate(takes) for j in range(len(take.groups))] if used is None else used
-        chosen = {(r, j) for r, j in picked}
-        self.ledger.trained += [(g.step, g.index, g.head(), step) for g in (takes[r].groups[j] for r, j in picked)]
+        chosen = set(picked)
+        trained = [takes[r].groups[j] for r, j in picked]
+        self.ledger.trained += [(g.step, g.index, g.head(), step) for g in trained]
         left = [g for r, take in enumerate(takes) for j, g in enumerate(take.groups) if (r, j) not in chosen]
         for g in left:
             self.ledger.discard(g.key, g.head(), step)
-        trained = [takes[r].groups[j] for r, j in picked]
-        self._going = (time.monotonic(), [g for g in self.pool if not g.poll()])
+        self._collect()
+        self._going = (time.monotonic(), [g for g in self.pool.values() if not g.listed and not g.poll()])
         under_way = len(self._going[1])
         metrics = {"stream/admitted_groups": float(self.counts["admitted"]),
                    "stream/dropped_groups": float(self.counts["dropped"]),
@@ -273,31 +329,39 @@ class RolloutStream:
     def state_dict(self) -> dict[str, Any]:
         """The ledger and the pool: ended groups whole (in the order they ended), those under way as far as they got
         (`suspend`: they go on meanwhile) or, without it, waited for."""
-        going = [g for g in self.pool if not g.poll() and g.state is None]
+        self._collect()
+        going = [g for g in self.pool.values() if not g.poll() and g.state is None]
         kept: dict[int, Any] = {}
         if going and self._suspend is not None:
             kept = {id(g): state for g, state in zip(going, self._suspend([g.batch for g in going]))}
         for g in going if self._suspend is None else ():
-            watched_until(g.poll, lambda: [LOOP_PARTY], poll_s=WAIT_S)
-        order = sorted(self.pool, key=lambda g: (g.generations is None, g.ended or 0.0))
+            watched_until(g.poll, self.parties, poll_s=WAIT_S)
+        done = {g.key for g in self.pool.values() if g.poll()}  # one look: a group may end meanwhile
+        later = sorted((g for g in self.pool.values() if not g.listed and g.key in done), key=lambda g: g.ended)
+        order = self.ready + later + [g for g in self.pool.values() if g.key not in done]
         groups = [{"step": g.step, "index": g.index, "version": g.version, "prompt": g.prompt,
                    "generations": g.generations, "under_way": g.state if g.state is not None else kept.get(id(g))}
                   for g in order]
         return {"ledger": self.ledger.__dict__, "groups": groups}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state["groups"] and any(g["under_way"] is not None for g in state["groups"]) and self._relaunch is None:
+        if any(g["under_way"] is not None for g in state["groups"]) and self._relaunch is None:
             raise ValueError("the checkpoint keeps groups under way on an engine loop; resume with rollout.partial")
         self.ledger = Ledger(**state["ledger"])
+        self._dropped_before = {(t, i) for t, i, *_ in self.ledger.dropped}
         now = time.monotonic()
-        self.pool = [StreamGroup(g["step"], g["index"], g["version"], g["prompt"], None, g["generations"],
-                                 now + 1e-6 * n if g["generations"] is not None else None, g["under_way"])
-                     for n, g in enumerate(state["groups"])]
+        groups = [StreamGroup(g["step"], g["index"], g["version"], g["prompt"], None, g["generations"],
+                              now + 1e-6 * n if g["generations"] is not None else None, g["under_way"])
+                  for n, g in enumerate(state["groups"])]
+        self.pool = {g.key: g for g in groups}
+        self.ready = [g for g in groups if g.generations is not None]
+        for g in self.ready:
+            g.listed = True
 
     def close(self) -> None:
         """Cancel what is under way (the run ended; nothing to cancel on a loop that stopped)."""
         with contextlib.suppress(EngineLoopError):
-            self._cancel([g.batch for g in self.pool if g.batch is not None])
+            self._cancel([g.batch for g in self.pool.values() if g.batch is not None])
 
 
 def save_stream(state: dict[str, Any], folder: Path) -> None:

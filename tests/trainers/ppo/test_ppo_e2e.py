@@ -398,12 +398,14 @@ def test_two_ranks_share_rank_0s_engine_loop_two_steps_ahead_with_partial_rollou
 
 @pytest.mark.slow
 def test_arrival_order_trains_every_planned_prompt_once_within_k_and_a_resumed_run_loses_none(policy_model, tmp_path):
-    """rollout.stream_order arrival, k = 2, partial rollouts, one rank: the engine loop gets one group at a time
-    as the rule for k allows and each step trains the first 8 groups that ended. Every 8th prompt's responses
-    run 160 tokens, the others 8 (rollout.length_key): the long ones are trained by later steps than planned,
-    none is trained more than 2 updates old, and over the run every planned group is trained exactly once --
-    dropped ones (too old) requeued and trained later (the final checkpoint's ledger). A run resumed from the
-    step-2 checkpoint (its groups under way kept as far as they got) again trains every planned group once."""
+    """rollout.stream_order arrival, k = 2, partial rollouts, two local ranks: rank 0's engine loop gets one group
+    at a time as the rule for k allows, each step takes the first 8 groups that ended (4 per rank: rank 0's share,
+    then rank 1's, each sent as it fills). Every 8th prompt's responses run 160 tokens, the others 8
+    (rollout.length_key): the long ones are trained by later steps than planned, none is trained more than 2
+    updates old, and over the run every planned group is trained exactly once -- dropped ones (too old) requeued
+    and trained later (the final checkpoint's ledger, rank 0's). A run resumed from the step-2 checkpoint (its
+    groups under way kept as far as they got) again trains every planned group once. (One rank: the learning
+    case grpo-k2-arrival-dapo-vllm.)"""
     import torch
 
     from hpcrlhf.data.tasks import ArithmeticTask
@@ -422,7 +424,7 @@ def test_arrival_order_trains_every_planned_prompt_once_within_k_and_a_resumed_r
             "train.micro_batch_size=16", "--set", "eval.score_prompts=16", "--set", f"data.train_path={data}",
             "--set", "task.name=arithmetic", "--set", "rollout.length_key=length", "--set", "rollout.max_new_tokens=160",
             "--set", "checkpoint.every_steps=2", "--set", "checkpoint.keep_last=3", *QUIET]
-    run_cli(args, timeout=900)
+    run_cli(args, nproc=2, timeout=900)
     rows_ = train_rows(out)
     assert [r["step"] for r in rows_] == list(range(1, steps + 1))
     staleness = [r["rollout/staleness"] for r in rows_]
@@ -450,7 +452,7 @@ def test_arrival_order_trains_every_planned_prompt_once_within_k_and_a_resumed_r
         shutil.rmtree(checkpoints / later)
     (checkpoints / "latest").write_text("step_000002")
     (out / "summary.json").unlink()  # as if stopped after step 2 (a finished run's rerun trains nothing)
-    run_cli(args, timeout=900)
+    run_cli(args, nproc=2, timeout=900)
     resumed = train_rows(out)
     assert [r["step"] for r in resumed] == list(range(1, steps + 1))
     assert all(0 <= r["rollout/staleness"] <= min(s, 2) for s, r in enumerate(resumed))

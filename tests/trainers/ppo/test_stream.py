@@ -160,7 +160,7 @@ def test_a_checkpoint_in_the_middle_loses_and_repeats_no_group(suspend: bool) ->
     assert bool(under_way) == suspend and all(g["generations"] is None for g in under_way)
     resumed = RolloutStream(Ledger(per_step, 0), k, engine.launch, engine.cancel, *hooks)
     resumed.load_state_dict(state)
-    assert [(g.step, g.index) for g in resumed.pool] == [(g["step"], g["index"]) for g in state["groups"]]
+    assert [(g.step, g.index) for g in resumed.pool.values()] == [(g["step"], g["index"]) for g in state["groups"]]
     trained = run_stream(resumed, range(90, steps), per_step, k)
     assert sorted((t, i) for t, i, *_ in trained) == [(t, i) for t in range(steps) for i in range(per_step)]
     if not suspend:  # without suspend the checkpoint waited for every group under way

@@ -98,12 +98,13 @@ class RayRoles:
         self.trained = tuple(role for role in TRAINED if role in self.groups)
         tp = node_map.vllm.tensor_parallel_size
         partial = cfg.rollout.partial  # each engine on an engine loop: a sync pauses what runs
-        engines = WorkerGroup.for_engines(EngineWorker, reservation, tensor_parallel_size=tp, loop=partial,
-                                          partial=partial, remote_options=LOOP_ACTOR if partial else None,
+        loop = partial or cfg.rollout.stream_order == "arrival"  # (arrival: one group per call, many at once)
+        engines = WorkerGroup.for_engines(EngineWorker, reservation, tensor_parallel_size=tp, loop=loop,
+                                          partial=partial, remote_options=LOOP_ACTOR if loop else None,
                                           **vllm_engine_args(cfg))
         self.weight_push = WeightPush(self.groups["actor"], tp, cfg.placement.vllm.weight_sync)
         self.rollout = EngineFleet(engines, self.weight_push, max_restarts=cfg.placement.vllm.max_restarts,
-                                   streaming=partial)
+                                   streaming=loop, partial=partial)
         self.hf_rollout = None  # the actor module lives on its workers
         setups = [ref for role, g in self.groups.items() if role != "reward" for ref in g.call_async("setup")]
         served = None

@@ -1,0 +1,170 @@
+"""The PPO driver's side of arrival order (rollout.stream_order: arrival; the rule and its bookkeeping are
+`trainers.ppo.stream`): which engine the groups run on, how a step takes and scores them, and with several local
+ranks how they reach each rank.
+
+- One local rank: the stream drives this process's engine loop (`StreamingRollout`).
+- Ray: the driver's stream sends each group to the engine actor with the fewest under way (`EngineFleet`).
+- Several local ranks: rank 0 holds the stream on its engine loop and takes the step's groups for every rank as
+  they end -- the first `prompts_per_rank` for rank 0, the next for rank 1, ... -- and sends each rank its share
+  as it fills (`Rank0Batch`, one meeting per lot; a group travels with its key, from which each rank knows its
+  prompt). The other ranks hold no stream; rank 0's checkpoint holds it.
+
+A group (t, i) is prompt i of step t's prompts of every prompt rank in rank order, sampled with the seed the plan
+gives step t's batch (rank 0's, as `Rank0Rollout.launch` and the Ray driver sample it) at its place i: a group
+draws the tokens its plan-order batch would, whichever step trains it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import replace
+from typing import Any
+
+from hpcrlhf.cluster.engines import EngineFleet
+from hpcrlhf.data.prompts import response_lengths
+from hpcrlhf.engines.rollout import Generation
+from hpcrlhf.engines.rollout.contract import Groups
+from hpcrlhf.engines.rollout.loop import LOOP_PARTY, StreamingRollout, suspends
+from hpcrlhf.engines.rollout.shared import Rank0Batch, Rank0Rollout
+from hpcrlhf.errors import ConfigError
+from hpcrlhf.run.folder import StepAbandoned
+from hpcrlhf.run.stats import reduce_means
+from hpcrlhf.trainers.online import LaunchedRollout, Rollout
+from hpcrlhf.trainers.ppo.dynamic_sampling import fill_step
+from hpcrlhf.trainers.ppo.staleness import staleness_stats
+from hpcrlhf.trainers.ppo.stream import Ledger, RolloutStream
+from hpcrlhf.trainers.seeds import sampling_seed
+
+
+class RankShare:
+    """This rank's groups of a step taken on rank 0 (a `Pending`): `Rank0Batch` brings them as (key, generations)
+    lots; each key gives its prompt (`prompt_of`), `prompts` filling as they come."""
+
+    def __init__(self, batch: Rank0Batch, prompt_of: Callable[[tuple[int, int]], Any]) -> None:
+        self.batch, self.prompt_of = batch, prompt_of
+        self.launched = batch.launched
+        self.prompts: list[Any] = []
+
+    def _unkeyed(self, groups: list) -> Groups:
+        out = []
+        for slot, (key, generations) in groups:
+            while len(self.prompts) <= slot:
+                self.prompts.append(None)
+            self.prompts[slot] = self.prompt_of(key)
+            out.append((slot, generations))
+        return out
+
+    def as_finished(self) -> Iterator[Groups]:
+        for groups in self.batch.as_finished():
+            yield self._unkeyed(groups)
+
+    def result(self) -> list[list[Generation]]:
+        return [generations for _, generations in self._unkeyed(list(enumerate(self.batch.result())))]
+
+    def finished(self) -> float | None:
+        return self.batch.finished()
+
+
+class ArrivalRollouts:
+    """Arrival order for a `PPOTrainer` (module docstring): `rollout(step)` is the step's scored rollout and its
+    stream metrics; the stream (`stream`: rank 0's, None elsewhere) goes into checkpoints."""
+
+    def __init__(self, trainer) -> None:
+        self.trainer = t = trainer
+        cfg, engine = t.cfg, t.rollout
+        shared = isinstance(engine, Rank0Rollout) and engine.streaming
+        loop = engine.engine if shared else engine
+        if not (isinstance(loop, StreamingRollout) or shared or isinstance(engine, EngineFleet) and engine.streaming) \
+                or t.agent is not None or (shared and cfg.ppo.dynamic_sampling):
+            raise ConfigError(f"rollout.stream_order: arrival takes each step's groups as the engine loops end them: "
+                              f"it runs with rollout.backend vllm on the local runtime (one rank, or several without "
+                              f"ppo.dynamic_sampling) or on Ray, and no agent section (here: {t.env.world_size} "
+                              f"local rank(s), runtime {cfg.placement.runtime}, backend {cfg.rollout.backend}, "
+                              f"dynamic sampling {cfg.ppo.dynamic_sampling}); use rollout.stream_order=plan, or those "
+                              "settings")
+        self.shared = shared
+        self.ranks = range(t.env.world_size) if shared else t.roles.prompt_ranks
+        """The prompt ranks whose prompts make a step's groups, in rank order."""
+        self.per_rank = t.plan.prompts_per_rank
+        self._planned: dict[int, list] = {}
+        self.stream: RolloutStream | None = None
+        if t.env.is_main or not shared:
+            per_step = self.per_rank * len(self.ranks)
+            keeps = cfg.rollout.partial and suspends(engine)
+            ledger = Ledger(per_step, None if cfg.ppo.dynamic_sampling else t.plan.total_steps * per_step)
+            self.stream = RolloutStream(ledger, cfg.rollout.max_staleness, self._launch, loop.cancel,
+                                        loop.suspend if keeps else None, loop.relaunch if keeps else None,
+                                        parties=(lambda: ["the vLLM engine actors"]) if isinstance(loop, EngineFleet)
+                                        else lambda: [LOOP_PARTY])
+            self.engine = loop
+        """Rank 0's (or the only) stream of groups; None on the other local ranks."""
+
+    # -- groups ---------------------------------------------------------------------------------
+    def prompt_of(self, key: tuple[int, int]) -> Any:
+        """Group (t, i)'s prompt: prompt i of step t's prompts of every prompt rank, in rank order."""
+        t, i = key
+        if t not in self._planned:
+            tr = self.trainer
+            self._planned = {t: [tr.prompts[j] for rank in self.ranks
+                                 for j in tr.plan.prompts_for_step(len(tr.prompts), t, tr.cfg.seed, rank)]}
+        return self._planned[t][i]
+
+    def _launch(self, t: int, i: int, version: int) -> tuple[Any, Any]:
+        """Start group (t, i) on the engine: (its prompt, its `Pending`)."""
+        tr, rollout = self.trainer, self.trainer.cfg.rollout
+        prompt = self.prompt_of((t, i))
+        params = replace(tr.sampling(t, rollout.samples_per_prompt), first_index=i,
+                         seed=sampling_seed(tr.cfg.seed, t, 0, 0))
+        if rollout.length_key:  # a benchmark's: the group's responses of its row's length
+            params = replace(params, lengths=response_lengths([prompt], rollout.length_key, params.max_new_tokens))
+        with tr.run.timed("generate"):
+            return prompt, self.engine.launch([list(prompt.ids)], params)
+
+    # -- a step ---------------------------------------------------------------------------------
+    def rollout(self, step: int) -> tuple[Rollout, dict[str, float]]:
+        """The step's scored rollout: the first groups that end (too old ones dropped and requeued first, as many
+        started as the rule lets); with ppo.dynamic_sampling each round takes the next that end (one more started
+        for each taken beyond the step's quota) and those left out are discarded."""
+        tr, stream, cfg = self.trainer, self.stream, self.trainer.cfg
+        if not tr.rollout_synced:
+            tr.sync_rollout()
+        tr.ready_to_generate()
+        if stream is not None:
+            stream.drop_stale(step)
+        takes: list = []
+        params = tr.sampling(step, cfg.rollout.samples_per_prompt)
+
+        def take_round(round: int) -> Rollout:
+            pending = None
+            if stream is not None:
+                quota = stream.ledger.per_step
+                stream.admit(tr.version, beyond=max(0, len(takes) - 1) * quota)  # the step trains `quota` of them
+                takes.append(stream.take(quota, keyed=self.shared))
+                pending = takes[-1]
+            if self.shared:
+                pending = RankShare(Rank0Batch(pending, [self.per_rank] * len(self.ranks), tr.rollout),
+                                    self.prompt_of)
+            return tr.score_rollout(LaunchedRollout(pending.prompts, params, pending))
+
+        try:
+            if not cfg.ppo.dynamic_sampling:
+                rollout, metrics, used = take_round(0), {}, None
+            else:
+                filled = fill_step(take_round, n=cfg.rollout.samples_per_prompt,
+                                   max_rounds=cfg.ppo.dynamic_sampling_max_rounds, what=cfg.ppo.dynamic_sampling_filter)
+                rollout, metrics, used = filled.rollout, filled.metrics(), filled.picks
+        except StepAbandoned:  # the step is redone on resume: its groups wait in the checkpoint's pool
+            if stream is not None:
+                stream.untake(takes)
+            raise
+        if stream is not None:
+            metrics.update(stream.commit(takes, step, used))
+        return rollout, {**metrics, **reduce_means(staleness_stats(rollout.generations, step,
+                                                                   cfg.rollout.max_staleness))}
+
+    def overlap(self) -> float:
+        return self.stream.overlap() if self.stream is not None else 0.0
+
+    def close(self) -> None:
+        if self.stream is not None:
+            self.stream.close()
