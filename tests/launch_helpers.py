@@ -89,6 +89,20 @@ def stop_after(args: list[str], out: Path, step: int, key: str = "train/loss") -
     return int((out / "checkpoints" / "latest").read_text().strip().split("_")[1])
 
 
+def rewind_to(out: Path, step: int) -> None:
+    """Make a finished run's folder the one a stop right after the checkpoint of `step` leaves: the later
+    checkpoints gone, `latest` naming that step's, no summary.json (a finished run's rerun trains nothing).
+    metrics.jsonl is left whole: the resumed run drops its rows past the checkpoint, as after a real stop."""
+    import shutil
+
+    checkpoints = out / "checkpoints"
+    for later in checkpoints.glob("step_*"):
+        if int(later.name.split("_")[1]) > step:
+            shutil.rmtree(later)
+    (checkpoints / "latest").write_text(f"step_{step:06d}")
+    (out / "summary.json").unlink()
+
+
 def in_a_fresh_process(fn, *args, timeout: float = 300):
     """fn(*args) in a spawned process, as a user's `hpcrlhf` command would run it (this one may hold a
     Ray driver: one per process). Returns fn's result (picklable) or raises its exception."""

@@ -22,7 +22,6 @@ import contextlib
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import time
@@ -35,7 +34,8 @@ from hpcrlhf.run.metrics import read_metrics
 from hpcrlhf.trainers.loop import CHECKPOINTABLE
 from tests.cluster.stores import assert_stores_sealed_in_the_block, survey
 from tests.hpc.slurm_jobs import TRACKED, attempts, render, slurm_log, wait_for_step
-from tests.launch_helpers import ROOT, cli_command, cli_env, run_cli
+from tests.budget import long_only
+from tests.launch_helpers import ROOT, cli_command, cli_env, rewind_to, run_cli
 from tests.slurm_cluster import node_address
 from tests.test_rewards import _make_rm
 from tests.trainers.faults import WORKER_HANG
@@ -190,31 +190,34 @@ def test_one_step_stale_ray_ppo_generates_the_next_rollout_while_it_trains_and_l
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("resume", [False, pytest.param(True, marks=long_only(
+    200, "the same run's checkpoint holding the batch under way, tests/cluster/test_engines.py's engine actor "
+    "suspend/relaunch and the local partial resume in tests/trainers/ppo/test_ppo_e2e.py"))])
 def test_partial_rollouts_two_steps_ahead_on_ray_generate_on_engine_loops_beside_the_step(ray_cluster, policy_model,
-                                                                                          runs, tmp_path):
+                                                                                          runs, tmp_path, resume):
     """rollout.partial with max_staleness 2 on the spread layout: each engine actor drives its engine on an engine
     loop -- the batches of the steps ahead share it, a sync pauses what runs and it goes on under the new weights
     (tests/cluster/test_engines.py shows a pause token by token). The first step is the synchronous run's own;
     later samples lag at most min(s, 2) updates (a batch launched after a sync may get its first token after the
     next one); a checkpoint holds both batches ahead -- ended ones whole, one still under way as far as each engine
-    got (`EngineFleet.suspend`: the checkpoint does not wait for it) -- and a run resumed from it goes on (each
-    engine continues its part, `EngineFleet.relaunch`) to the end with every sample at most min(s, 2) old."""
+    got (`EngineFleet.suspend`: the checkpoint does not wait for it) -- and (`resume`) a run resumed from it goes
+    on (each engine continues its part, `EngineFleet.relaunch`) to the end with every sample at most min(s, 2) old."""
     import torch
 
     folder = tmp_path / "run"
-    run_cli(["train", "ppo", "--config", SEPARATED, "-o", str(folder), "--set", f"model.path={policy_model}", *RUN,
-             "--set", "train.max_steps=6", "--set", "rollout.max_staleness=2", "--set", "rollout.partial=true",
-             "--set", "ppo.tis_cap=2", "--set", "checkpoint.every_steps=3"],
-            env={"RAY_ADDRESS": ray_cluster.address}, timeout=1200)
+    args = ["train", "ppo", "--config", SEPARATED, "-o", str(folder), "--set", f"model.path={policy_model}", *RUN,
+            "--set", "train.max_steps=4", "--set", "rollout.max_staleness=2", "--set", "rollout.partial=true",
+            "--set", "ppo.tis_cap=2", "--set", "checkpoint.every_steps=2"]
+    run_cli(args, env={"RAY_ADDRESS": ray_cluster.address}, timeout=1200)
     rows, sync = train_rows(folder), train_rows(runs[SEPARATED])
     staleness = [r["rollout/staleness"] for r in rows]
-    assert len(rows) == 6 and staleness[0] == 0 and max(staleness) == 2, staleness
+    assert len(rows) == 4 and staleness[0] == 0 and max(staleness) > 1, staleness  # two ahead
     assert all(0 <= a <= min(s, 2) for s, a in enumerate(staleness)), staleness
     assert rows[0]["rollout/score"] == pytest.approx(sync[0]["rollout/score"], abs=1e-6)
     assert all(0 <= r["rollout/partial_share"] <= 1 for r in rows) and all(r["timing/overlap"] > 0 for r in rows[:-2])
     assert summary(folder)["status"] == "done"
-    ahead = torch.load(folder / "checkpoints" / "step_000003" / "ahead_rank0.pt", weights_only=False)["ahead"]
-    assert [a["step"] for a in ahead] == [3, 4], ahead
+    ahead = torch.load(folder / "checkpoints" / "step_000002" / "ahead_rank0.pt", weights_only=False)["ahead"]
+    assert [a["step"] for a in ahead] == [2, 3], ahead
     for a in ahead:
         if a.get("generations") is not None:  # ended by the checkpoint
             assert len(a["generations"]) == 32 and all(len(g) == 4 for g in a["generations"])
@@ -222,16 +225,12 @@ def test_partial_rollouts_two_steps_ahead_on_ray_generate_on_engine_loops_beside
             state = a["under_way"]
             assert len(state.prompts) == 32 and sorted(state.parts) == [0, 1] and state.under_way, state
             assert all(b.count == 16 for b in state.under_way.values())
-    shutil.rmtree(folder / "checkpoints" / "step_000006")
-    (folder / "checkpoints" / "latest").write_text("step_000003")
-    (folder / "summary.json").unlink()  # as if stopped after step 3
-    run_cli(["train", "ppo", "--config", SEPARATED, "-o", str(folder), "--set", f"model.path={policy_model}", *RUN,
-             "--set", "train.max_steps=6", "--set", "rollout.max_staleness=2", "--set", "rollout.partial=true",
-             "--set", "ppo.tis_cap=2", "--set", "checkpoint.every_steps=3"],
-            env={"RAY_ADDRESS": ray_cluster.address}, timeout=1200)
-    resumed = train_rows(folder)
-    assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5, 6] and summary(folder)["status"] == "done"
-    assert all(0 <= r["rollout/staleness"] <= min(s, 2) for s, r in enumerate(resumed)), resumed
+    if resume:
+        rewind_to(folder, 2)
+        run_cli(args, env={"RAY_ADDRESS": ray_cluster.address}, timeout=1200)
+        resumed = train_rows(folder)
+        assert [r["step"] for r in resumed] == [1, 2, 3, 4] and summary(folder)["status"] == "done"
+        assert all(0 <= r["rollout/staleness"] <= min(s, 2) for s, r in enumerate(resumed)), resumed
 
 
 @pytest.mark.slow

@@ -7,13 +7,12 @@ every weight sync."""
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 
 from hpcrlhf.run.metrics import read_metrics
 from tests.budget import long_only
-from tests.launch_helpers import run_cli, stop_after
+from tests.launch_helpers import rewind_to, run_cli, stop_after
 
 QUIET = ["--set", "log.backends=[]", "--set", "eval.every_steps=0", "--set", "log.every_steps=1"]
 RL = [*QUIET, "--set", "task.eval_size=512", "--set", "eval.score_prompts=512", "--set", "rollout.prompts_per_step=32", "--set", "train.global_batch_size=64",
@@ -381,10 +380,7 @@ def test_two_ranks_share_rank_0s_engine_loop_two_steps_ahead_with_partial_rollou
     assert kept[3]["launched_at"] == 1 and going.sizes == [4, 4] and going.batch.count == 8, kept[3]
     assert going.batch.under_way and all(0 < len(s.tokens) < 192 and s.versions[0][1] == 1
                                          for _, _, s in going.batch.under_way), going.batch.under_way
-    for later in ("step_000004", "step_000006"):
-        shutil.rmtree(checkpoints / later)
-    (checkpoints / "latest").write_text("step_000002")
-    (out / "summary.json").unlink()  # as if stopped after step 2 (a finished run's rerun trains nothing)
+    rewind_to(out, 2)  # as if stopped after step 2
     run_cli(args, nproc=2, timeout=900)
     resumed = train_rows(out)
     assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5, 6]
@@ -414,7 +410,7 @@ def test_arrival_order_trains_every_planned_prompt_once_within_k_and_a_resumed_r
     data = tmp_path / "prompts.jsonl"
     data.write_text("".join(json.dumps({**row, "length": 160 if j % 8 == 0 else 8}) + "\n"
                             for j, row in enumerate(rows)))
-    out, steps, per_step = tmp_path / "run", 6, 8
+    out, steps, per_step = tmp_path / "run", 4, 8
     args = ["train", "ppo", "-o", str(out), "--set", f"model.path={policy_model}", "--set", f"train.max_steps={steps}",
             "--set", "ppo.advantage_estimator=grpo", "--set", "rollout.samples_per_prompt=4", "--set",
             "ppo.init_kl_coef=0", "--set", "optim.lr=1e-4", "--set", "rollout.backend=vllm", "--set",
@@ -448,10 +444,7 @@ def test_arrival_order_trains_every_planned_prompt_once_within_k_and_a_resumed_r
     assert sum(r["stream/late_groups"] for r in rows_) == sum(t < s for t, _, _, s in trained)
     kept = torch.load(checkpoints / "step_000002" / "stream_rank0.pt", weights_only=False)
     assert len(kept["ledger"]["trained"]) == 2 * per_step and kept["groups"], kept["ledger"]
-    for later in ("step_000004", "step_000006"):
-        shutil.rmtree(checkpoints / later)
-    (checkpoints / "latest").write_text("step_000002")
-    (out / "summary.json").unlink()  # as if stopped after step 2 (a finished run's rerun trains nothing)
+    rewind_to(out, 2)  # as if stopped after step 2
     run_cli(args, nproc=2, timeout=900)
     resumed = train_rows(out)
     assert [r["step"] for r in resumed] == list(range(1, steps + 1))
