@@ -231,8 +231,12 @@ class EngineFleet:
         """(engine loops) The batches' launch calls since the last sync: it waits for them, so that a batch
         launched before a sync starts under the weights before it -- whoever sends them (the object-store
         path's loads come from the actor, whose calls keep no order with the driver's)."""
-        self.singles: list[FleetBatch] = []
-        """One-prompt batches under way (arrival order's groups), to spread the next over the engines."""
+        self.singles: dict[int, int] = {}
+        """One-prompt batches under way (arrival order's groups: id -> their engine), to spread the next over the
+        engines; one leaves when its stream ends (its done callback) or it is cancelled."""
+        self.single_load = [0] * len(self.group)
+        """How many of `singles` each engine has."""
+        self._singles_lock = threading.Lock()
 
     @property
     def handles(self) -> list[Any]:
@@ -246,13 +250,20 @@ class EngineFleet:
         order's group) goes to the engine with the fewest such groups under way."""
         if len(prompts) != 1 or len(self.group) == 1:
             return FleetBatch(self, prompts, params)
-        self.singles = [b for b in self.singles if b.finished() is None and not b.cancelled]
-        load = [0] * len(self.group)
-        for b in self.singles:
-            load[next(iter(b.parts))] += 1
-        batch = FleetBatch(self, prompts, params, ranks=[load.index(min(load))])
-        self.singles.append(batch)
+        with self._singles_lock:
+            rank = self.single_load.index(min(self.single_load))
+            batch = FleetBatch(self, prompts, params, ranks=[rank])
+            self.singles[id(batch)] = rank
+            self.single_load[rank] += 1
+        batch.add_done_callback(lambda: self._unload(batch))
         return batch
+
+    def _unload(self, batch: FleetBatch) -> None:
+        """One-prompt `batch` no longer counts on its engine (once: ended, or cancelled)."""
+        with self._singles_lock:
+            rank = self.singles.pop(id(batch), None)
+            if rank is not None:
+                self.single_load[rank] -= 1
 
     def suspend(self, batches: Sequence[FleetBatch]) -> list[FleetState]:
         """What each batch under way made so far (each engine's part: `EngineWorker.suspend`; a part that ended:
@@ -280,6 +291,7 @@ class EngineFleet:
         calls = []
         for batch in batches:
             batch.cancelled = True
+            self._unload(batch)
             calls += [batch.sent_to[rank].cancel.remote(number) for rank, number in batch.numbers.items()]
         gather(calls)
 

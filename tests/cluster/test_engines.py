@@ -370,15 +370,22 @@ def test_one_prompt_batches_go_to_the_engine_with_the_fewest_under_way(monkeypat
     class Batch:
         def __init__(self, fleet, prompts, params, ranks=None) -> None:
             self.parts = {rank: (0, 1) for rank in (ranks if ranks is not None else range(len(fleet.group)))}
-            self.ended, self.cancelled = None, False
+            self.callbacks, self.cancelled, self.numbers = [], False, {}
 
-        def finished(self):
-            return self.ended
+        def add_done_callback(self, fn) -> None:
+            self.callbacks.append(fn)
+
+        def end(self) -> None:  # its stream ended: what Ray's callback thread runs
+            for fn in self.callbacks:
+                fn()
 
     monkeypatch.setattr(engines, "FleetBatch", Batch)
     fleet = engines.EngineFleet(["engine 0", "engine 1", "engine 2"], push=None, streaming=True)
     first = [fleet.launch([[1]], None) for _ in range(4)]
     assert [list(b.parts) for b in first] == [[0], [1], [2], [0]]
-    first[1].ended, first[2].cancelled = 12.0, True  # engines 1 and 2 have none under way now
+    first[1].end()
+    fleet.cancel([first[2]])
+    first[2].end()  # a cancelled batch's stream ends too: counted once
+    assert fleet.single_load == [2, 0, 0]  # engines 1 and 2 have none under way now
     assert [list(fleet.launch([[1]], None).parts) for _ in range(3)] == [[1], [2], [1]]
     assert list(fleet.launch([[1], [2]], None).parts) == [0, 1, 2]

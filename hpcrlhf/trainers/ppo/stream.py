@@ -129,7 +129,9 @@ class StreamGroup:
         return self.generations is not None
 
     def head(self) -> int:
-        """The version of its oldest token: its first sample's head, or its launch version while under way."""
+        """The version of its oldest token: its first sample's head, or its launch version while under way (a bound:
+        its first token may have come after a sync, under newer weights; `drop_stale` may so drop a group one step
+        early, never keep one too old)."""
         return min(head_version(g) for g in self.generations) if self.generations else self.version
 
 
@@ -256,8 +258,10 @@ class RolloutStream:
             if g.key in self._dropped_before:  # longer than k steps: dropped each time, trained when the prompts end
                 log.warning(f"arrival order: the group of step {g.step + 1}'s prompt {g.index} was dropped again at "
                             f"step {step + 1} (not done within rollout.max_staleness={self.k} updates of its start): "
-                            "responses that take longer than k steps to generate are held back until the prompts run "
-                            "out; raise rollout.max_staleness, or use rollout.stream_order=plan")
+                            "responses that take longer than k steps to generate are held back "
+                            + ("until the prompts run out" if self.ledger.total is not None else
+                               "for good (with ppo.dynamic_sampling the prompts never run out)")
+                            + "; raise rollout.max_staleness, or use rollout.stream_order=plan")
             self._dropped_before.add(g.key)
         self.counts["dropped"] += len(stale)
         return stale

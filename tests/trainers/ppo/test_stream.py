@@ -128,6 +128,27 @@ def test_dynamic_sampling_rounds_take_the_next_groups_that_end_and_discard_those
     assert not set(finals) & set(ledger.requeued)
 
 
+@pytest.mark.parametrize("total, held", [(8, "until the prompts run out"), (None, "for good")])
+def test_a_group_dropped_twice_is_named_with_what_becomes_of_it(total, held, caplog) -> None:
+    """A group that takes longer than k steps every time it starts is dropped again and again: the second drop
+    warns, naming the group, the step and its fate -- trained once the prompts run out, or never where
+    ppo.dynamic_sampling makes the supply endless."""
+    engine = ScriptedEngine(seed=0)
+    stream = RolloutStream(Ledger(1, total), 1, engine.launch, engine.cancel)
+    for step in range(5):
+        stream.drop_stale(step)
+        stream.admit(step)
+        for g in stream.pool.values():
+            if g.batch is not None:
+                g.batch.looks = 10 ** 9 if g.key == (0, 0) else 1  # group (0, 0) never ends, the others at once
+        take = stream.take(1)
+        take.result()
+        stream.commit([take], step)
+    assert [(t, i) for t, i, *_ in stream.ledger.dropped] == [(0, 0), (0, 0)]
+    (warning,) = [r.getMessage() for r in caplog.records if "dropped again" in r.getMessage()]
+    assert warning.startswith("arrival order: the group of step 1's prompt 0 was dropped again at step 5") and held in warning
+
+
 @pytest.mark.parametrize("k", [1, 2, 4])
 def test_arrival_trains_every_planned_group_once_never_older_than_k(k: int) -> None:
     per_step, steps = 4, 500
