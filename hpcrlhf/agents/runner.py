@@ -70,10 +70,11 @@ class AgentRunner:
         return self.cfg.schedule or ("turn" if synchronous else "trajectory")
 
     def run(self, engine: Any, rows: Sequence[Mapping[str, Any]], params: SamplingParams, env_seed: int,
-            origins: Sequence[str] | None = None) -> tuple[list[list[Generation]], BatchStats]:
+            origins: Sequence[str] | None = None, cancelled: Callable[[], bool] | None = None
+            ) -> tuple[list[list[Generation]], BatchStats]:
         """`rows` as `params.n` trajectories each on `engine` (an HF or vLLM rollout, or a request-level
         engine): their generations, row-major, and the batch's figures. `origins`: where each row came
-        from (`file:line`), for error messages."""
+        from (`file:line`), for error messages; `cancelled`: see `run_episodes`."""
         n, first = params.n, params.first_index
         requests = engine if hasattr(engine, "submit") else request_engine(engine, params)
         episodes = [Episode(f"{first + i:06d}-{j:04d}", row, mixed_seed(env_seed, first + i), self.setup,
@@ -81,7 +82,7 @@ class AgentRunner:
                     for i, row in enumerate(rows) for j in range(n)]
         stats = run_episodes(requests, episodes, self.pool, max_new_tokens=params.max_new_tokens, seed=params.seed,
                              schedule=self.schedule(requests.synchronous), max_failed_share=self.cfg.max_failed_share,
-                             first=first * n)
+                             first=first * n, cancelled=cancelled)
         generations = [ep.generation() for ep in episodes]
         return [generations[i * n:(i + 1) * n] for i in range(len(rows))], stats
 
@@ -89,7 +90,7 @@ class AgentRunner:
                env_seed: int, origins: Sequence[str] | None = None) -> EpisodeBatch:
         """As `run` on an engine loop, under way when this returns: a thread of its own schedules the
         trajectories (their environments on this runner's pool) while the caller trains."""
-        return EpisodeBatch(lambda: self.run(engine, rows, params, env_seed, origins))
+        return EpisodeBatch(lambda cancelled: self.run(engine, rows, params, env_seed, origins, cancelled))
 
     def close(self) -> None:
         self.pool.close()
@@ -97,24 +98,46 @@ class AgentRunner:
 
 class EpisodeBatch:
     """Trajectories under way on an engine loop (`AgentRunner.launch`; a `Pending`): `result()` waits for them
-    (watched: a hang names the loop) and raises what their run raised."""
+    (watched: a hang names the loop) and raises what their run raised; `cancel()` stops them (`run_episodes`)."""
 
-    def __init__(self, run: Callable[[], tuple[list[list[Generation]], BatchStats]]) -> None:
+    def __init__(self, run: Callable[[Callable[[], bool]], tuple[list[list[Generation]], BatchStats]]) -> None:
+        """`run(cancelled)`: the trajectories, run on a thread of their own."""
         self.launched = time.monotonic()
         self._out: tuple[list[list[Generation]], BatchStats] | None = None
         self._error: BaseException | None = None
         self._finished: float | None = None
-        self._done = threading.Event()
+        self._done, self._cancelled = threading.Event(), threading.Event()
+        self._told = threading.Lock()
+        self._callbacks: list[Callable[[], None]] = []
         threading.Thread(target=self._run, args=(run,), name="hpcrlhf-episodes", daemon=True).start()
 
-    def _run(self, run: Callable[[], tuple[list[list[Generation]], BatchStats]]) -> None:
+    def _run(self, run: Callable[[Callable[[], bool]], tuple[list[list[Generation]], BatchStats]]) -> None:
         try:
-            self._out = run()
+            self._out = run(self._cancelled.is_set)
         except BaseException as e:  # given to the caller by `result`
             self._error = e
         finally:
             self._finished = time.monotonic()
-            self._done.set()
+            with self._told:
+                self._done.set()
+                callbacks, self._callbacks = self._callbacks, []
+            for fn in callbacks:
+                fn()
+
+    def add_done_callback(self, fn: Callable[[], None]) -> None:
+        """Call `fn()` once the batch ended (at once if it did; else on the batch's thread)."""
+        with self._told:
+            if not self._done.is_set():
+                self._callbacks.append(fn)
+                return
+        fn()
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def cancel(self) -> None:
+        """Stop the trajectories (their result is then of no use: the caller drops the batch)."""
+        self._cancelled.set()
 
     def _wait(self) -> tuple[list[list[Generation]], BatchStats]:
         watched_wait(self._done.wait, lambda: [f"the trajectories of an agent batch on {LOOP_PARTY}"], poll_s=WAIT_S)

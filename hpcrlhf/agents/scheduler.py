@@ -12,14 +12,17 @@ threads (`EnvPool`), each with its deadline. A trajectory whose call runs past i
 `timeout`. When more than `max_failed_share` of the batch ended by a timeout or an environment error,
 the batch fails (a dead tool server must not train silently); so does any `reset` that raises, and any
 environment error under `agent.on_env_error: fail`. Whatever way the loop ends, requests still in the
-engine are aborted, so the engine is clean for the next batch or a checkpoint.
+engine are aborted, so the engine is clean for the next batch or a checkpoint. A batch whose `cancelled()`
+turns true (arrival order dropping a group too old to train) stops at once: its turns in the engine are aborted,
+no further turn starts, the environment calls under way are let end, and every environment still has its last
+say (`finish`: its reward, its close), so nothing it holds leaks.
 """
 
 from __future__ import annotations
 
 import hashlib
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 from typing import Protocol
 
@@ -94,10 +97,10 @@ def added(parts: Sequence[BatchStats]) -> BatchStats:
 
 def run_episodes(engine: RequestEngine, episodes: Sequence[Episode], pool: EnvPool, *, max_new_tokens: int,
                  seed: int | None, schedule: str = "trajectory", max_failed_share: float = 1.0,
-                 first: int = 0) -> BatchStats:
+                 first: int = 0, cancelled: Callable[[], bool] | None = None) -> BatchStats:
     """Run `episodes` to their ends on `engine`; their records and tokens hold the results. Turn t of
     episode i is sampled with `mixed_seed(seed, first + i, t)` (None: the engine's own stream; `first`:
-    the first episode's place in a batch split over engines)."""
+    the first episode's place in a batch split over engines). `cancelled()` true: stop (module docstring)."""
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
     if engine.synchronous and schedule != "turn":
@@ -135,6 +138,14 @@ def run_episodes(engine: RequestEngine, episodes: Sequence[Episode], pool: EnvPo
         for ep in episodes:
             call(ep, "reset")
         while calls or ready or in_engine:
+            if cancelled is not None and cancelled():
+                if in_engine:
+                    engine.abort(list(in_engine))
+                    in_engine.clear()
+                while calls:  # their answers are not acted on
+                    wait()
+                    collect()
+                break
             held = schedule == "turn" and calls  # the round's ready turns wait for its other trajectories
             if calls and not in_engine and (held or not ready):  # nothing to generate: wait for an answer or a deadline
                 waited = time.monotonic()

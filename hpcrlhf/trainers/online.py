@@ -239,6 +239,12 @@ class OnlineTrainer(TrainingLoop):
         """Generate `params.n` responses per prompt and score them."""
         return self.score_rollout(self.launch_rollout(prompts, params, version))
 
+    def with_lengths(self, prompts: Sequence[Prompt], params: SamplingParams) -> SamplingParams:
+        """`params` with each prompt's response length from its row where rollout.length_key names one (a
+        benchmark's long-tail lengths); else as they are."""
+        key = self.cfg.rollout.length_key
+        return replace(params, lengths=response_lengths(prompts, key, params.max_new_tokens)) if key else params
+
     def launch_rollout(self, prompts: Sequence[Prompt], params: SamplingParams, version: int) -> LaunchedRollout:
         """Start generating `params.n` responses per prompt (under way when this returns on engines
         that run elsewhere, done on the others) with the policy after `version` updates (the engines'
@@ -246,9 +252,7 @@ class OnlineTrainer(TrainingLoop):
         if not self.rollout_synced:
             self.sync_rollout()
         self.ready_to_generate()
-        if self.cfg.rollout.length_key:  # a benchmark's: each prompt's responses of its row's length
-            params = replace(params, lengths=response_lengths(prompts, self.cfg.rollout.length_key,
-                                                              params.max_new_tokens))
+        params = self.with_lengths(prompts, params)
         with self.run.timed("generate"):
             if self.agent is None:
                 return LaunchedRollout(list(prompts), params, launch(self.rollout, [list(p.ids) for p in prompts], params),

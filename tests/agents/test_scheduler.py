@@ -263,3 +263,48 @@ def test_an_engine_that_generates_a_batch_at_once_runs_turn_by_turn(tok, pool):
         run_episodes(engine, eps, pool, max_new_tokens=8, seed=1)
     run_episodes(engine, eps, pool, max_new_tokens=8, seed=1, schedule="turn")
     assert [ep.record.status for ep in eps] == ["done", "done"]
+
+
+def test_a_cancelled_batch_stops_its_turns_and_still_closes_every_environment(tok, pool):
+    """`cancelled()` turning true mid-batch (arrival order dropping a group too old to train): the turns in the engine
+    are aborted, no later turn starts, and every environment still gets its last say (its close) -- none leaks. A
+    trajectory whose environment answers slowly (0.3 s a turn) is cut after its first turn; the batch ends in well
+    under the ~0.9 s its three turns would take."""
+    rows = [{"id": "slow"}, {"id": "stuck"}]
+    eps = episodes(tok, pool, "tests.agents.envs:Countdown", {"latency": {"slow": 0.3}}, rows)
+    engine = ScriptedEngine(tok, lambda key, turn: (f"turn {turn} ok", 2 if key == "0" else 10 ** 6, True))
+    start = time.monotonic()
+    stop_at = start + 0.2  # during the slow environment's first answer; trajectory 1's turn never ends
+    stats = run_episodes(engine, eps, pool, max_new_tokens=16, seed=7, cancelled=lambda: time.monotonic() > stop_at)
+    took = time.monotonic() - start
+    assert took < 0.6, took
+    assert not engine.queue  # trajectory 1's turn was aborted in the engine
+    assert sorted((k, t) for k, t, *_ in engine.submitted) == [("0", 0), ("1", 0)]  # no turn started after the stop
+    assert all(ep.env.closed for ep in eps) and stats.env_calls == 2 + 1 + 2  # resets, 0's first answer, finishes
+
+
+def test_an_episode_batch_tells_its_end_once_and_its_cancel_reaches_the_run():
+    """`EpisodeBatch`: the run gets its `cancelled`; a done callback fires once, on the batch's thread or at once if
+    added after the end."""
+    import threading
+
+    from hpcrlhf.agents.runner import EpisodeBatch
+
+    seen, told, go = [], [], threading.Event()
+
+    def run(cancelled):
+        go.wait(5)
+        seen.append(cancelled())
+        return [], None
+
+    batch = EpisodeBatch(run)
+    batch.add_done_callback(lambda: told.append("early"))
+    assert not batch.done()
+    batch.cancel()
+    go.set()
+    assert batch.result() == [] and batch.done() and seen == [True]
+    deadline = time.monotonic() + 5
+    while not told and time.monotonic() < deadline:
+        time.sleep(0.01)
+    batch.add_done_callback(lambda: told.append("late"))
+    assert told == ["early", "late"] and batch.finished() is not None

@@ -58,9 +58,9 @@ from hpcrlhf.trainers.batches import PPOPlan
      "rollout.backend=vllm, or rollout.stream_order=plan"),
     (["rollout.stream_order=fifo"], "'fifo' is not one of 'plan', 'arrival'"),
     (["rollout.backend=vllm", "rollout.stream_order=arrival", "rollout.max_staleness=1",
-      "agent={environment: 'tests.agents.envs:Countdown'}", "agent.max_tokens=64"],
-     "rollout.stream_order: 'arrival' is invalid: taking each step's groups as the engine ends them is not built "
-     "with an agent section yet: use rollout.stream_order=plan, or no agent section"),
+      "agent={environment: 'tests.agents.envs:Countdown'}", "agent.max_tokens=64", "placement.runtime=ray"],
+     "rollout.stream_order: 'arrival' is invalid: with an agent section arrival order runs on the local runtime (one "
+     "rank) only: use rollout.stream_order=plan on Ray, or placement.runtime=local"),
     (["rollout.backend=vllm", "placement.vllm.sleep=true", "rollout.max_staleness=1"],
      "placement.vllm.sleep: true swaps GPU memory between generation and training, but rollout.max_staleness 1 runs "
      "them at the same time: use rollout.max_staleness=0 with sleep, or placement.vllm.sleep=false"),

@@ -118,8 +118,10 @@ class RolloutConfig:
     (stream/discarded_groups; the prompts go on into the next epochs). arrival needs rollout.backend vllm: on the
     local runtime rank 0's engine loop takes every rank's groups (several ranks: rank 0's share first, then rank
     1's, ..., each sent as it fills; not with ppo.dynamic_sampling yet), on Ray each group goes to the engine with
-    the fewest under way (every engine on an engine loop, with or without rollout.partial). Not with an agent
-    section yet."""
+    the fewest under way (every engine on an engine loop, with or without rollout.partial). With an agent section
+    (local runtime, one rank) a group is its prompt's trajectories, their turns on the engine loop; a dropped
+    group's trajectories stop (their environments still close), and a checkpoint waits for those under way. Not
+    with an agent section on Ray or several local ranks yet."""
     length_key: str | None = None
     """Benchmarks only (hpcrlhf bench's long-tail suites): the prompt-row field holding the length, in tokens,
     of every response to that prompt -- EOS suppressed until then, cut there (vLLM's min_tokens = max_tokens),

@@ -220,10 +220,10 @@ class PPOConfig(OnlineJobConfig):
                 "a paused sample goes on under newer weights than its first tokens', which the per-token ratios must "
                 "correct: set ppo.tis_cap=2 (truncated importance weights; ppo.is_mode=mask to drop outlying tokens "
                 "instead), or rollout.partial=false")
-        if self.rollout.stream_order == "arrival":  # (several local ranks with dynamic sampling: at the start)
-            require(self.agent is None, "rollout.stream_order", "arrival",
-                    "taking each step's groups as the engine ends them is not built with an agent section yet: use "
-                    "rollout.stream_order=plan, or no agent section")
+        if self.rollout.stream_order == "arrival":  # (several local ranks: at the start)
+            require(self.agent is None or self.placement.runtime != "ray", "rollout.stream_order", "arrival",
+                    "with an agent section arrival order runs on the local runtime (one rank) only: use "
+                    "rollout.stream_order=plan on Ray, or placement.runtime=local")
         if k >= 2 and self.ppo.tis_cap is None:
             raise ConfigError(f"rollout.max_staleness: {k} trains on samples up to {k} updates old without correcting "
                               "their per-token ratios: set ppo.tis_cap=2 (truncated importance weights; "

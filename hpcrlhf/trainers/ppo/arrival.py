@@ -2,7 +2,9 @@
 `trainers.ppo.stream`): which engine the groups run on, how a step takes and scores them, and with several local
 ranks how they reach each rank.
 
-- One local rank: the stream drives this process's engine loop (`StreamingRollout`).
+- One local rank: the stream drives this process's engine loop (`StreamingRollout`); with an agent section a
+  group is its prompt's trajectories (`AgentRunner.launch`, their turns on the loop), stopped when dropped, and a
+  checkpoint waits for those under way.
 - Ray: the driver's stream sends each group to the engine actor with the fewest under way (`EngineFleet`).
 - Several local ranks: rank 0 holds the stream on its engine loop and takes the step's groups for every rank as
   they end -- the first `prompts_per_rank` for rank 0, the next for rank 1, ... -- and sends each rank its share
@@ -16,23 +18,26 @@ draws the tokens its plan-order batch would, whichever step trains it.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
+from functools import partial
 from typing import Any
 
+from hpcrlhf.agents.metrics import batch_stats
+from hpcrlhf.agents.runner import EpisodeBatch
+from hpcrlhf.agents.scheduler import added
 from hpcrlhf.cluster.engines import EngineFleet
-from hpcrlhf.data.prompts import response_lengths
 from hpcrlhf.engines.rollout import Generation
 from hpcrlhf.engines.rollout.contract import Groups
 from hpcrlhf.engines.rollout.loop import LOOP_PARTY, StreamingRollout, suspends
 from hpcrlhf.engines.rollout.shared import Rank0Batch, Rank0Rollout
 from hpcrlhf.errors import ConfigError
 from hpcrlhf.run.folder import StepAbandoned
-from hpcrlhf.run.stats import reduce_means
+from hpcrlhf.run.stats import Stats, reduce_means
 from hpcrlhf.trainers.online import LaunchedRollout, Rollout
 from hpcrlhf.trainers.ppo.dynamic_sampling import fill_step
 from hpcrlhf.trainers.ppo.staleness import staleness_stats
-from hpcrlhf.trainers.ppo.stream import Ledger, RolloutStream
+from hpcrlhf.trainers.ppo.stream import Ledger, RolloutStream, StreamTake
 from hpcrlhf.trainers.seeds import sampling_seed
 
 
@@ -65,6 +70,12 @@ class RankShare:
         return self.batch.finished()
 
 
+def cancel_episodes(batches: Sequence[EpisodeBatch]) -> None:
+    """Stop groups' trajectories under way (too old to train; or the run ended)."""
+    for batch in batches:
+        batch.cancel()
+
+
 class ArrivalRollouts:
     """Arrival order for a `PPOTrainer` (module docstring): `rollout(step)` is the step's scored rollout and its
     stream metrics; the stream (`stream`: rank 0's, None elsewhere) goes into checkpoints."""
@@ -75,24 +86,30 @@ class ArrivalRollouts:
         shared = isinstance(engine, Rank0Rollout) and engine.streaming
         loop = engine.engine if shared else engine
         if not (isinstance(loop, StreamingRollout) or shared or isinstance(engine, EngineFleet) and engine.streaming) \
-                or t.agent is not None or (shared and cfg.ppo.dynamic_sampling):
+                or (t.agent is not None and not isinstance(engine, StreamingRollout)) \
+                or (shared and cfg.ppo.dynamic_sampling):
             raise ConfigError(f"rollout.stream_order: arrival takes each step's groups as the engine loops end them: "
                               f"it runs with rollout.backend vllm on the local runtime (one rank, or several without "
-                              f"ppo.dynamic_sampling) or on Ray, and no agent section (here: {t.env.world_size} "
-                              f"local rank(s), runtime {cfg.placement.runtime}, backend {cfg.rollout.backend}, "
-                              f"dynamic sampling {cfg.ppo.dynamic_sampling}); use rollout.stream_order=plan, or those "
+                              f"ppo.dynamic_sampling) or on Ray, and with an agent section on one local rank (here: "
+                              f"{t.env.world_size} local rank(s), runtime {cfg.placement.runtime}, backend "
+                              f"{cfg.rollout.backend}, dynamic sampling {cfg.ppo.dynamic_sampling}, agent "
+                              f"{'yes' if t.agent is not None else 'no'}); use rollout.stream_order=plan, or those "
                               "settings")
         self.shared = shared
         self.ranks = range(t.env.world_size) if shared else t.roles.prompt_ranks
         """The prompt ranks whose prompts make a step's groups, in rank order."""
         self.per_rank = t.plan.prompts_per_rank
         self._planned: dict[int, list] = {}
+        self._episodes: dict[tuple[int, int], EpisodeBatch] = {}
+        """(agent section) Each group's trajectories under way or not yet taken, for their scheduling figures."""
         self.stream: RolloutStream | None = None
         if t.env.is_main or not shared:
             per_step = self.per_rank * len(self.ranks)
-            keeps = cfg.rollout.partial and suspends(engine)
+            # trajectories under way are waited for by a checkpoint (an environment's state cannot be kept)
+            keeps = cfg.rollout.partial and suspends(engine) and t.agent is None
             ledger = Ledger(per_step, None if cfg.ppo.dynamic_sampling else t.plan.total_steps * per_step)
-            self.stream = RolloutStream(ledger, cfg.rollout.max_staleness, self._launch, loop.cancel,
+            cancel = loop.cancel if t.agent is None else cancel_episodes
+            self.stream = RolloutStream(ledger, cfg.rollout.max_staleness, self._launch, cancel,
                                         loop.suspend if keeps else None, loop.relaunch if keeps else None,
                                         parties=(lambda: ["the vLLM engine actors"]) if isinstance(loop, EngineFleet)
                                         else lambda: [LOOP_PARTY])
@@ -113,12 +130,19 @@ class ArrivalRollouts:
         """Start group (t, i) on the engine: (its prompt, its `Pending`)."""
         tr, rollout = self.trainer, self.trainer.cfg.rollout
         prompt = self.prompt_of((t, i))
-        params = replace(tr.sampling(t, rollout.samples_per_prompt), first_index=i,
-                         seed=sampling_seed(tr.cfg.seed, t, 0, 0))
-        if rollout.length_key:  # a benchmark's: the group's responses of its row's length
-            params = replace(params, lengths=response_lengths([prompt], rollout.length_key, params.max_new_tokens))
+        params = tr.with_lengths([prompt], replace(tr.sampling(t, rollout.samples_per_prompt), first_index=i,
+                                                   seed=sampling_seed(tr.cfg.seed, t, 0, 0)))
         with tr.run.timed("generate"):
-            return prompt, self.engine.launch([list(prompt.ids)], params)
+            if tr.agent is None:
+                return prompt, self.engine.launch([list(prompt.ids)], params)
+            batch, _ = tr._launch_episodes(self.engine, [prompt], params)  # the group's trajectories, on the loop
+            self._episodes[t, i] = batch
+            return prompt, batch
+
+    def _figures(self, take: StreamTake) -> Stats:
+        """(agent section) The scheduling figures of a round's groups (after they ended; each group's once)."""
+        stats = [self._episodes.pop(g.key).stats() for g in take.groups if g.key in self._episodes]
+        return batch_stats(added(stats), len(take.groups) * self.trainer.cfg.rollout.samples_per_prompt)
 
     # -- a step ---------------------------------------------------------------------------------
     def rollout(self, step: int) -> tuple[Rollout, dict[str, float]]:
@@ -135,16 +159,18 @@ class ArrivalRollouts:
         params = tr.sampling(step, cfg.rollout.samples_per_prompt)
 
         def take_round(round: int) -> Rollout:
-            pending = None
+            pending, figures = None, None
             if stream is not None:
                 quota = stream.ledger.per_step
                 stream.admit(tr.version, beyond=max(0, len(takes) - 1) * quota)  # the step trains `quota` of them
                 takes.append(stream.take(quota, keyed=self.shared))
                 pending = takes[-1]
+                if tr.agent is not None:
+                    figures = partial(self._figures, pending)
             if self.shared:
                 pending = RankShare(Rank0Batch(pending, [self.per_rank] * len(self.ranks), tr.rollout),
                                     self.prompt_of)
-            return tr.score_rollout(LaunchedRollout(pending.prompts, params, pending))
+            return tr.score_rollout(LaunchedRollout(pending.prompts, params, pending, figures))
 
         try:
             if not cfg.ppo.dynamic_sampling:

@@ -49,7 +49,10 @@ are state, not actions); 4 samples per prompt, as the measured run of docs/agent
         60, "the vllm case; the hf backend's trajectories by the misbehaving-tools and resume tests below"), id="hf"),
     pytest.param("vllm", GAE, id="vllm-gae"),
     pytest.param("vllm", ["--set", "rollout.max_staleness=2", "--set", "rollout.partial=true", "--set", "ppo.tis_cap=2"],
-                 id="vllm-k2-partial")])
+                 id="vllm-k2-partial"),
+    pytest.param("vllm", ["--set", "rollout.max_staleness=2", "--set", "rollout.partial=true", "--set", "ppo.tis_cap=2",
+                          "--set", "rollout.stream_order=arrival", "--set", "checkpoint.every_steps=8"],
+                 id="vllm-k2-arrival")])
 def test_the_agent_recipe_teaches_the_tiny_model_to_call_its_calculator(backend, extra, agent_policy, tmp_path):
     """The agent-tiny recipe (GRPO, the environment's reward alone; vLLM: each trajectory on its own
     clock): held-out greedy success from ~0 (the model guesses products) to most problems, by calling
@@ -60,7 +63,9 @@ def test_the_agent_recipe_teaches_the_tiny_model_to_call_its_calculator(backend,
     (`vllm-k2-partial`): each step's trajectories run on the engine loop while the two steps before train
     (`AgentRunner.launch`), their turns paused at each sync and continued under the new weights; a trajectory is
     as old as its first token (at most min(s, 2) updates), its later turns newer. (One step stale without partial
-    rollouts: the two-rank test below and the resume test.)"""
+    rollouts: the two-rank test below and the resume test.) In arrival order (`vllm-k2-arrival`) each prompt's
+    trajectories start as a group when the rule for k lets them and each step trains the first groups whose
+    trajectories all ended: every group is trained at most 2 updates after its first turn began."""
     out = tmp_path / "run"
     proc = run_cli(["train", "ppo", "--config", "agent-tiny", "-o", str(out), "--set", f"model.path={agent_policy}",
                     "--set", f"rollout.backend={backend}", "--set", "train.max_steps=8", "--set", "eval.every_steps=0",
@@ -83,8 +88,19 @@ def test_the_agent_recipe_teaches_the_tiny_model_to_call_its_calculator(backend,
         staleness = [r["rollout/staleness"] for r in rows]
         # a trajectory whose first turn began only after the next sync is fresher (a loaded host), never older
         assert staleness[0] == 0 and all(0 <= a <= min(s, 2) for s, a in enumerate(staleness)), staleness
-        assert max(staleness) > 1.5, staleness
-        assert all(r["rollout/staleness_tokens"] <= r["rollout/staleness"] + 1e-9 for r in rows)  # later turns newer
+        if "rollout.stream_order=arrival" in extra:  # ages mix in a step: the first groups that end
+            assert max(staleness) > 0.5, staleness
+            assert all(r["rollout/staleness_tokens"] <= min(s, 2) + 1e-9 for s, r in enumerate(rows))
+            import torch
+
+            per_step = int(rows[0]["stream/admitted_groups"]) // 3  # steps 0..2's groups start at once
+            ledger = torch.load(out / "checkpoints" / "step_000008" / "stream_rank0.pt", weights_only=False)["ledger"]
+            trained = ledger["trained"]  # (t, i, head version, step): every planned group once, none too old
+            assert sorted((t, i) for t, i, *_ in trained) == [(t, i) for t in range(8) for i in range(per_step)]
+            assert all(0 <= s - head <= 2 for *_, head, s in trained), trained
+        else:
+            assert max(staleness) > 1.5, staleness
+            assert all(r["rollout/staleness_tokens"] <= r["rollout/staleness"] + 1e-9 for r in rows)  # later turns newer
         assert rows[-1]["rollout/logprob_max_diff"] > 1e-4
         assert all(r["timing/busy_vllm"] > 0 for r in rows[:-2]), [r["timing/busy_vllm"] for r in rows]
         assert max(r["timing/overlap"] for r in rows) > 0
