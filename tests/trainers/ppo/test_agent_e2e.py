@@ -49,7 +49,10 @@ are state, not actions); 4 samples per prompt, as the measured run of docs/agent
         60, "the vllm case; the hf backend's trajectories by the misbehaving-tools and resume tests below"), id="hf"),
     pytest.param("vllm", GAE, id="vllm-gae"),
     pytest.param("vllm", ["--set", "rollout.max_staleness=2", "--set", "rollout.partial=true", "--set", "ppo.tis_cap=2"],
-                 id="vllm-k2-partial"),
+                 marks=long_only(100, "the vllm-k2-arrival case (the same loop pausing turns at each sync, two steps "
+                                      "ahead), plan order's agent batches on the loop at k = 1 in the two-rank test below, "
+                                      "and tests/engines/test_rollout.py's turns paused by a weight "
+                                      "update"), id="vllm-k2-partial"),
     pytest.param("vllm", ["--set", "rollout.max_staleness=2", "--set", "rollout.partial=true", "--set", "ppo.tis_cap=2",
                           "--set", "rollout.stream_order=arrival", "--set", "checkpoint.every_steps=8"],
                  id="vllm-k2-arrival")])
