@@ -25,6 +25,13 @@ continuously, and the rules of the schedule (docs/design/streaming-staleness.md,
 The model is fluid (a request's remaining tokens fall continuously between events), all engines take
 each version at once, and batches are split evenly over the engines (sample i on engine i mod E).
 With fixed lengths, k = 0 reproduces `predict`'s step and k >= 1 its `overlapped_step` (tested).
+
+Arrival order (`rollout.stream_order: arrival`, design 3.2): the samples are handed out one at a time in the
+plan's order, as many as the rule for k lets start ((version + k + 1) x samples admitted and not dropped), each
+to the engine with the fewest queued and running; a sample's age is that of its first token (the version when it
+was admitted); step s trains the first `samples` that ended, after dropping those older than s - k (running,
+paused or ended: started again from scratch, first in line). A sample stands for a group (one sample per prompt,
+as the shipped shapes count them).
 """
 
 from __future__ import annotations
@@ -95,6 +102,10 @@ class _Request:
     """Tokens still to decode when it was last queued."""
     kv: float
     """KV-cache bytes this row reads per decode step (its mean context)."""
+    index: int = 0
+    """Its place in its batch (arrival order: the hand-out order)."""
+    head: int | None = None
+    """The version its first token was generated with (None: not started)."""
 
 
 @dataclass
@@ -131,19 +142,27 @@ class Schedule:
     engine_busy_share: float
     trainer_idle_share: float
     steps: int
+    order: str = "plan"
+    dropped: int = 0
+    """(arrival) Samples dropped as too old and started again."""
+    max_age: int = 0
+    """The oldest trained sample's age in updates (at most k)."""
 
 
 def simulate_schedule(w: Workload, lay: SystemShape, hw: Hardware, eff: Efficiency,
                       lengths: LengthDist | Sequence[Sequence[int]], *, k: int, partial: bool = False, steps: int = 20,
-                      seed: int = 0, max_num_seqs: int = MAX_NUM_SEQS) -> Schedule:
+                      seed: int = 0, max_num_seqs: int = MAX_NUM_SEQS,
+                      order: Literal["plan", "arrival"] = "plan") -> Schedule:
     """Simulate `steps` PPO steps of workload `w` (w.response: the response limit C) on layout `lay`
-    (`distributed`: engines on devices of their own), k steps ahead, with or without partial rollouts.
-    `lengths`: a distribution, drawn from `seed` (the same lengths for every schedule), or each batch's
-    w.samples lengths (`steps` of them)."""
+    (`distributed`: engines on devices of their own), k steps ahead, with or without partial rollouts, in plan
+    or arrival order. `lengths`: a distribution, drawn from `seed` (the same lengths for every schedule), or each
+    batch's w.samples lengths (`steps` of them)."""
     if lay.kind != "distributed":
         raise ValueError(f"a {lay.kind} layout has no asynchronous schedule: its engines and roles take turns")
     if k < 0 or steps < k + 3:
         raise ValueError(f"need k >= 0 and steps >= k + 3 (a steady state), got k={k}, steps={steps}")
+    if order not in ("plan", "arrival") or (order == "arrival" and k < 1):
+        raise ValueError(f"order must be plan, or arrival with k >= 1; got {order!r} with k={k}")
     phases = predict(w, lay, hw, eff)
     per_token_train = (phases["make_experience"] + phases["train"]) / (w.samples * (w.prompt + w.response))
     fwd_flops = lay.tp * hw.peak_flops * eff.forward_mfu
@@ -161,30 +180,72 @@ def simulate_schedule(w: Workload, lay: SystemShape, hw: Hardware, eff: Efficien
             raise ValueError(f"lengths: give {steps} batches of {w.samples} lengths in [1, {w.response}] each")
     left_in_batch = [w.samples] * steps
     engines = [_Engine() for _ in range(lay.engines)]
-    now, version, queued, admitting, order = 0.0, 0, 0, True, 0  # the clock, the weights, batches queued
+    now, version, queued, admitting, pushed = 0.0, 0, 0, True, 0  # the clock, the weights, batches queued
     trainer_step, train_end, sync_end, waiting_sync = 0, None, None, False
-    update_ends, trainer_busy = [], 0.0
+    update_ends, trainer_busy, step_tokens, step_generated = [], 0.0, [], []
+    # arrival order: hand-outs in plan order, dropped samples first (in plan order), ended ones in end order
+    handed, admitted, rejected, dropped, max_age = 0, 0, 0, 0, 0
+    requeued: list[_Request] = []
+    ended: deque = deque()
+    oldest: dict[int, int] = {}
+    """Each batch's oldest first token's version."""
+
+    def fresh(b: int, i: int) -> _Request:
+        length = batches[b][i]
+        return _Request(b, length, float(length), w.kv_bytes_per_token * (w.prompt + length / 2), i)
 
     def queue_batches() -> None:
-        nonlocal queued
+        nonlocal queued, handed, admitted
+        if order == "arrival":  # as many as the rule for k lets start, each to the least loaded engine
+            room = (version + k + 1) * w.samples - (admitted - rejected)
+            while room > 0 and (requeued or handed < steps * w.samples):
+                if requeued:
+                    request = requeued.pop(0)
+                else:
+                    request, handed = fresh(*divmod(handed, w.samples)), handed + 1
+                min(engines, key=lambda e: len(e.queue) + len(e.running)).queue.append((request, w.prompt))
+                admitted, room = admitted + 1, room - 1
+            return
         while queued < steps and version >= queued - k:
             b = queued
-            for i, length in enumerate(batches[b]):
-                kv = w.kv_bytes_per_token * (w.prompt + length / 2)
-                engines[i % len(engines)].queue.append((_Request(b, length, float(length), kv), w.prompt))
+            for i in range(len(batches[b])):
+                engines[i % len(engines)].queue.append((fresh(b, i), w.prompt))
             queued += 1
 
     def admit(e: _Engine) -> None:
-        nonlocal order
+        nonlocal pushed
         tokens = 0.0
         while admitting and e.queue and len(e.running) < max_num_seqs:
             request, context = e.queue.popleft()
-            order += 1
-            heapq.heappush(e.running, (e.decoded + request.left, order, request))
+            if request.head is None:
+                request.head = version
+                oldest[request.batch] = min(oldest.get(request.batch, version), version)
+            pushed += 1
+            heapq.heappush(e.running, (e.decoded + request.left, pushed, request))
             e.kv += request.kv
             tokens += context
         if tokens:
             e.blocked_until = max(e.blocked_until, now) + 2 * w.params * tokens / fwd_flops
+
+    def drop_stale() -> None:
+        """(arrival) Drop what step `trainer_step` could no longer train (first token older than step - k):
+        each starts again from scratch, first in line."""
+        nonlocal rejected, dropped, ended
+
+        def stale(r: _Request) -> bool:
+            return r.head is not None and r.head < trainer_step - k
+
+        gone = [r for r in ended if stale(r)]
+        ended = deque(r for r in ended if not stale(r))
+        for e in engines:
+            gone += [r for _, _, r in e.running if stale(r)] + [r for r, _ in e.queue if stale(r)]
+            e.running = [item for item in e.running if not stale(item[2])]
+            heapq.heapify(e.running)
+            e.kv = sum(r.kv for _, _, r in e.running)
+            e.queue = deque(item for item in e.queue if not stale(item[0]))
+        rejected, dropped = rejected + len(gone), dropped + len(gone)
+        requeued.extend(fresh(r.batch, r.index) for r in gone)
+        requeued.sort(key=lambda r: (r.batch, r.index))
 
     def next_finish(e: _Engine) -> float:
         if not e.running:
@@ -209,10 +270,12 @@ def simulate_schedule(w: Workload, lay: SystemShape, hw: Hardware, eff: Efficien
         e.running, e.kv = [], 0.0
         e.queue.extendleft(reversed(kept))
 
-    def start_training() -> None:
+    def start_training(lengths: list[int]) -> None:
         nonlocal train_end, trainer_busy
-        seconds = per_token_train * sum(w.prompt + n for n in batches[trainer_step])
+        seconds = per_token_train * sum(w.prompt + n for n in lengths)
         train_end, trainer_busy = now + seconds, trainer_busy + seconds
+        step_tokens.append(sum(w.prompt + n for n in lengths))
+        step_generated.append(sum(lengths))
 
     queue_batches()
     for e in engines:
@@ -237,36 +300,55 @@ def simulate_schedule(w: Workload, lay: SystemShape, hw: Hardware, eff: Efficien
             sync_end, admitting = None, True
             version += 1
             trainer_step += 1
+            if order == "arrival":
+                drop_stale()
             queue_batches()
         for e in engines:  # the requests that ended now, and what takes their places
             while e.running and e.running[0][0] - e.decoded <= 1e-6:
                 _, _, r = heapq.heappop(e.running)
                 e.kv -= r.kv
                 left_in_batch[r.batch] -= 1
+                if order == "arrival":
+                    ended.append(r)
             admit(e)
         if waiting_sync and all(not e.running for e in engines):  # drained (or paused): the weights go in
             sync_end, waiting_sync = when + phases["weight_sync"], False
-        if (train_end is None and sync_end is None and not waiting_sync and trainer_step < steps
-                and left_in_batch[trainer_step] == 0):
-            start_training()
+        if train_end is None and sync_end is None and not waiting_sync and trainer_step < steps:
+            if order == "plan" and left_in_batch[trainer_step] == 0:
+                start_training(batches[trainer_step])
+                max_age = max(max_age, trainer_step - oldest[trainer_step])
+            elif order == "arrival" and len(ended) >= w.samples:  # the first that ended
+                taken = [ended.popleft() for _ in range(w.samples)]
+                max_age = max(max_age, *(trainer_step - r.head for r in taken))
+                start_training([r.length for r in taken])
     warm = k + 2
     step_s = statistics.median(b - a for a, b in zip(update_ends[warm - 1:], update_ends[warm:]))
-    trained = statistics.mean(sum(w.prompt + n for n in batch) for batch in batches[warm:])
-    generated = statistics.mean(sum(batch) for batch in batches[warm:])
     share = min(max_num_seqs, math.ceil(w.samples / lay.engines))
-    return Schedule(k, partial, step_s, trained / step_s / lay.devices, generated / step_s / lay.devices,
+    return Schedule(k, partial, step_s, statistics.mean(step_tokens[warm:]) / step_s / lay.devices,
+                    statistics.mean(step_generated[warm:]) / step_s / lay.devices,
                     sum(e.rows_time for e in engines) / (share * now * len(engines)),
-                    sum(e.busy_time for e in engines) / (now * len(engines)), 1 - trainer_busy / now, steps)
+                    sum(e.busy_time for e in engines) / (now * len(engines)), 1 - trainer_busy / now, steps,
+                    order, dropped, max_age)
 
 
-SCHEDULES = ((0, False), (1, False), (2, False), (4, False), (1, True), (2, True), (4, True))
-"""The schedules `schedule_table` compares: synchronous, k = 1, 2, 4 without and with partial rollouts."""
+SCHEDULES = ((0, False, "plan"), (1, False, "plan"), (2, False, "plan"), (4, False, "plan"), (1, True, "plan"),
+             (2, True, "plan"), (4, True, "plan"), (2, False, "arrival"), (2, True, "arrival"), (4, True, "arrival"))
+"""The schedules `schedule_table` compares: synchronous, k = 1, 2, 4 without and with partial rollouts in plan
+order, and arrival order at k = 2 without and with partial rollouts and at k = 4 with them."""
+
+
+def schedule_name(row: dict) -> str:
+    """A `schedule_table` row's schedule in words: synchronous, k=2 + partial, k=2 + partial, arrival, ..."""
+    if row["k"] == 0:
+        return "synchronous"
+    return f"k={row['k']}" + (" + partial" if row["partial"] else "") + (", arrival" if row["order"] == "arrival" else "")
 
 
 def schedule_table(w: Workload, lay: SystemShape, hw: Hardware, eff: Efficiency, lengths: LengthDist, *,
                    steps: int = 20, seed: int = 0) -> list[dict]:
     """Each of SCHEDULES simulated on the same lengths, with its speed-up over the synchronous one."""
-    rows = [simulate_schedule(w, lay, hw, eff, lengths, k=k, partial=p, steps=steps, seed=seed) for k, p in SCHEDULES]
+    rows = [simulate_schedule(w, lay, hw, eff, lengths, k=k, partial=p, steps=steps, seed=seed, order=o)
+            for k, p, o in SCHEDULES]
     base = rows[0].step_s
     return [{**vars(r), "speedup_vs_sync": base / r.step_s} for r in rows]
 
@@ -338,12 +420,14 @@ def render_schedules(doc: dict) -> str:
              f"{doc['prompt_tokens']} prompt + {doc['max_new_tokens']} response tokens, {told}):"]
     if not doc["rows"]:
         return "\n".join(lines + [f"  none: {doc['why_none']}"]) + "\n"
-    lines.append(f"  {'schedule':<22}{'step s':>9}{'tokens/s/GPU':>14}{'occupancy':>11}{'trainer idle':>14}{'speed-up':>10}")
+    lines.append(f"  {'schedule':<27}{'step s':>9}{'tokens/s/GPU':>14}{'occupancy':>11}{'trainer idle':>14}"
+                 f"{'dropped':>9}{'speed-up':>10}")
     for r in doc["rows"]:
-        name = "synchronous" if r["k"] == 0 else f"k={r['k']}" + (" + partial" if r["partial"] else "")
-        lines.append(f"  {name:<22}{_seconds(r['step_s']):>9}{r['trained_tokens_per_s_per_gpu']:>14.1f}{r['occupancy']:>11.2f}"
-                     f"{r['trainer_idle_share']:>14.2f}{r['speedup_vs_sync']:>9.2f}x")
-    lines.append("  (rollout.max_staleness = k; partial: rollout.partial, not built yet -- docs/design/streaming-staleness.md)")
+        lines.append(f"  {schedule_name(r):<27}{_seconds(r['step_s']):>9}{r['trained_tokens_per_s_per_gpu']:>14.1f}"
+                     f"{r['occupancy']:>11.2f}{r['trainer_idle_share']:>14.2f}{r['dropped']:>9}{r['speedup_vs_sync']:>9.2f}x")
+    lines.append("  (rollout.max_staleness = k; partial: rollout.partial; arrival: rollout.stream_order=arrival, dropped:")
+    lines.append("  samples started again over the run because their first token grew older than k -- responses whose")
+    lines.append("  generation takes longer than k steps; docs/design/streaming-staleness.md)")
     lines.append("published, other shapes (for context, not a validation):")
     lines += [f"  {name}: {figure}" for name, figure in PUBLISHED_ASYNC.items()]
     return "\n".join(lines) + "\n"

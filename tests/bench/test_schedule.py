@@ -74,14 +74,42 @@ def test_under_a_long_tail_partial_rollouts_keep_the_engines_full_and_pay_off():
     """7B, 8192-token limit, long-tail lengths: one step ahead hides generation partly; partial rollouts
     with k = 2 (stragglers continue in the background) are faster still and keep the engines fuller;
     every schedule reads the same lengths (one seed), and every share is a share."""
-    rows = {(r["k"], r["partial"]): r for r in schedule_table(workload(8192), LAYOUT, A800_80GB, Efficiency(),
-                                                              LengthDist(), steps=12)}
-    assert rows[0, False]["speedup_vs_sync"] == 1
-    assert rows[1, False]["speedup_vs_sync"] > 1.3
-    assert rows[2, True]["step_s"] < 0.85 * rows[2, False]["step_s"]
-    assert rows[2, True]["occupancy"] > rows[0, False]["occupancy"]
-    for r in rows.values():
+    rows = {(r["k"], r["partial"], r["order"]): r for r in schedule_table(workload(8192), LAYOUT, A800_80GB,
+                                                                          Efficiency(), LengthDist(), steps=12)}
+    assert rows[0, False, "plan"]["speedup_vs_sync"] == 1
+    assert rows[1, False, "plan"]["speedup_vs_sync"] > 1.3
+    assert rows[2, True, "plan"]["step_s"] < 0.85 * rows[2, False, "plan"]["step_s"]
+    assert rows[2, True, "plan"]["occupancy"] > rows[0, False, "plan"]["occupancy"]
+    for (k, _, order), r in rows.items():
         assert 0 < r["occupancy"] <= 1 and 0 < r["engine_busy_share"] <= 1 and 0 <= r["trainer_idle_share"] < 1
+        assert r["max_age"] <= k and (r["dropped"] == 0 or order == "arrival")  # nothing trained older than k
+
+
+def test_arrival_order_equals_plan_order_without_a_tail_and_drops_what_outlives_k():
+    """Fixed lengths: every sample of a batch ends together, so arrival order takes exactly plan order's batches
+    (the same steps to 1e-9, nothing dropped). Under the long tail at 8192 tokens, where a decode step reads every
+    running row's KV cache (the model keeps them all: no preemption), a long response takes longer than two steps
+    to generate: without partial rollouts each sync drains the engines, so every sample ends within its step and
+    arrival order, taking the first that end, is no slower than plan order; with them a long response runs on
+    across syncs, outlives k = 2 and is dropped and started again, over and over -- the rule holds (nothing
+    trained older than k) but the restarts cost more than the ordering wins; k = 4 drops fewer."""
+    w = workload(1024)
+    for k, partial in ((1, False), (2, True)):
+        runs = {o: simulate_schedule(w, LAYOUT, A800_80GB, Efficiency(), LengthDist("fixed"), k=k, partial=partial,
+                                     steps=8, max_num_seqs=256, order=o) for o in ("plan", "arrival")}
+        assert runs["arrival"].step_s == pytest.approx(runs["plan"].step_s, rel=1e-9)
+        assert runs["arrival"].dropped == 0 and runs["arrival"].max_age == runs["plan"].max_age == k
+    tail = {(k, p, o): simulate_schedule(workload(8192), LAYOUT, A800_80GB, Efficiency(), LengthDist(), k=k, partial=p,
+                                         steps=12, order=o)
+            for k, p, o in ((2, False, "plan"), (2, False, "arrival"), (2, True, "plan"), (2, True, "arrival"),
+                            (4, True, "arrival"))}
+    assert tail[2, False, "arrival"].step_s <= tail[2, False, "plan"].step_s and tail[2, False, "arrival"].dropped == 0
+    assert tail[2, True, "arrival"].dropped > 12 * 1024 * 0.05  # the drop storm
+    assert tail[2, True, "arrival"].step_s > tail[2, True, "plan"].step_s
+    assert 0 < tail[4, True, "arrival"].dropped < tail[2, True, "arrival"].dropped
+    assert all(r.max_age <= r.k for r in tail.values())
+    with pytest.raises(ValueError, match="arrival with k >= 1"):
+        simulate_schedule(w, LAYOUT, A800_80GB, Efficiency(), LengthDist(), k=0, order="arrival")
 
 
 def test_only_separate_engines_have_an_asynchronous_schedule_and_lengths_are_checked():
@@ -95,5 +123,5 @@ def test_paper_schedules_cover_every_shipped_size_at_both_limits():
     out = paper_schedules()
     assert set(out["shapes"]) == {f"{s}-{c}" for s in ("7b", "13b", "70b") for c in (1024, 8192)}
     for rows in out["shapes"].values():
-        assert [(r["k"], r["partial"]) for r in rows][:4] == [(0, False), (1, False), (2, False), (4, False)]
+        assert [(r["k"], r["partial"], r["order"]) for r in rows][:4] == [(k, False, "plan") for k in (0, 1, 2, 4)]
         assert all(r["speedup_vs_sync"] > 0.99 for r in rows)  # never slower than waiting for every response

@@ -83,17 +83,19 @@ def test_plan_schedule_with_fixed_lengths_is_the_step_time_model(capsys):
                                          overlapped_step, paper_predictions, predict)
 
     assert main(["plan", "ppo-7b", "--schedule", "--lengths", "fixed", "--json"]) == 0
-    rows = {(r["k"], r["partial"]): r for r in json.loads(capsys.readouterr().out)["schedule"]["rows"]}
+    rows = {(r["k"], r["partial"], r["order"]): r for r in json.loads(capsys.readouterr().out)["schedule"]["rows"]}
     w = Workload(LLAMA2_PARAMS["7b"], LLAMA2_PARAMS["7b"], 1024, 1024, 1024, LLAMA2_KV_BYTES["7b"])
     phases = predict(w, PAPER_LAYOUTS["7b"]["distributed"], A800_80GB, Efficiency(**paper_predictions()["efficiency"]))
-    assert rows[0, False]["step_s"] == pytest.approx(phases["step"], rel=2e-3)  # 6.738e9 counted vs 6.74e9 rounded
-    assert rows[1, False]["step_s"] == pytest.approx(overlapped_step(phases), rel=2e-3)
+    assert rows[0, False, "plan"]["step_s"] == pytest.approx(phases["step"], rel=2e-3)  # 6.738e9 counted vs 6.74e9
+    assert rows[1, False, "plan"]["step_s"] == pytest.approx(overlapped_step(phases), rel=2e-3)
+    assert rows[2, False, "arrival"]["step_s"] == pytest.approx(rows[2, False, "plan"]["step_s"], rel=1e-9)  # no tail
     assert main(["plan", "ppo-7b", "--schedule"]) == 0
     out = capsys.readouterr().out
     node_map = plan("ppo-7b")
     assert out == render_text(node_map) + "\n" + render_schedules(plan_schedules(
         build_config("ppo", "ppo-7b", [], None), node_map, A800_80GB, LengthDist()))
     assert "  synchronous " in out and out.count(" + partial ") == 3 and "  NeMo-RL one step off: " in out
+    assert out.count(", arrival ") == 3 and "dropped" in out
 
 
 def test_plan_schedule_says_why_a_layout_has_none(capsys):

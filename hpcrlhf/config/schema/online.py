@@ -110,7 +110,9 @@ class RolloutConfig:
     (stream/dropped_groups, stream/requeued_prompts; also stream/admitted_groups, stream/late_groups -- groups
     planned for an earlier step --, stream/under_way_groups, stream/ended_groups). A response that takes longer than
     about k steps to generate is so dropped each time it starts again and trained only when the prompts run out
-    (a warning names it): raise k for long generations. A checkpoint keeps the groups
+    (a warning names it): raise k for long generations (`hpcrlhf plan --schedule` predicts how many are dropped;
+    with rollout.partial a long response runs on across the syncs and outlives k sooner). A checkpoint keeps the
+    groups
     started and not trained (with rollout.partial those under way as far as they got): a resumed run loses and
     repeats none, but which groups each step takes depends on when they end, so it does not equal an
     uninterrupted run. With ppo.dynamic_sampling each round takes the next rollout.prompts_per_step groups that end
