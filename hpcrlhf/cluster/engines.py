@@ -234,8 +234,8 @@ class EngineFleet:
         self.singles: dict[int, int] = {}
         """One-prompt batches under way (arrival order's groups: id -> their engine), to spread the next over the
         engines; one leaves when its stream ends (its done callback) or it is cancelled."""
-        self.single_load = [0] * len(self.group)
-        """How many of `singles` each engine has."""
+        self.single_load: dict[int, int] = {}
+        """How many of `singles` each engine (rank) has."""
         self._singles_lock = threading.Lock()
 
     @property
@@ -251,10 +251,10 @@ class EngineFleet:
         if len(prompts) != 1 or len(self.group) == 1:
             return FleetBatch(self, prompts, params)
         with self._singles_lock:
-            rank = self.single_load.index(min(self.single_load))
+            rank = min(range(len(self.group)), key=lambda r: self.single_load.get(r, 0))  # the lowest on a tie
             batch = FleetBatch(self, prompts, params, ranks=[rank])
             self.singles[id(batch)] = rank
-            self.single_load[rank] += 1
+            self.single_load[rank] = self.single_load.get(rank, 0) + 1
         batch.add_done_callback(lambda: self._unload(batch))
         return batch
 

@@ -386,6 +386,6 @@ def test_one_prompt_batches_go_to_the_engine_with_the_fewest_under_way(monkeypat
     first[1].end()
     fleet.cancel([first[2]])
     first[2].end()  # a cancelled batch's stream ends too: counted once
-    assert fleet.single_load == [2, 0, 0]  # engines 1 and 2 have none under way now
+    assert fleet.single_load == {0: 2, 1: 0, 2: 0}  # engines 1 and 2 have none under way now
     assert [list(fleet.launch([[1]], None).parts) for _ in range(3)] == [[1], [2], [1]]
     assert list(fleet.launch([[1], [2]], None).parts) == [0, 1, 2]
