@@ -132,6 +132,15 @@ def broadcast_object(obj: Any) -> Any:
     return box[0]
 
 
+def gather_objects(obj: Any) -> list[Any]:
+    """Every rank's `obj` (picklable), in rank order, on every rank; [obj] without a process group."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
 def on_main_rank(action: Callable[[], T], is_main: bool, share: bool = True) -> T | None:
     """`action()` on the main rank; an HpcrlhfError it raises is raised on every rank (none is left waiting
     in a collective for a rank that failed). Returns its result on every rank (`share`: it must be

@@ -119,7 +119,8 @@ class RolloutConfig:
     (as many more start), and the groups a step leaves out are discarded, not handed out again
     (stream/discarded_groups; the prompts go on into the next epochs). arrival needs rollout.backend vllm: on the
     local runtime rank 0's engine loop takes every rank's groups (several ranks: rank 0's share first, then rank
-    1's, ..., each sent as it fills; not with ppo.dynamic_sampling yet), on Ray each group goes to the engine with
+    1's, ..., each sent as it fills; with ppo.dynamic_sampling every rank takes part in each round and rank 0
+    records which groups the ranks used), on Ray each group goes to the engine with
     the fewest under way (every engine on an engine loop, with or without rollout.partial). With an agent section
     (local runtime, one rank) a group is its prompt's trajectories, their turns on the engine loop; a dropped
     group's trajectories stop (their environments still close), and a checkpoint waits for those under way. Not

@@ -9,7 +9,8 @@ ranks how they reach each rank.
 - Several local ranks: rank 0 holds the stream on its engine loop and takes the step's groups for every rank as
   they end -- the first `prompts_per_rank` for rank 0, the next for rank 1, ... -- and sends each rank its share
   as it fills (`Rank0Batch`, one meeting per lot; a group travels with its key, from which each rank knows its
-  prompt). The other ranks hold no stream; rank 0's checkpoint holds it.
+  prompt). The other ranks hold no stream; rank 0's checkpoint holds it. With ppo.dynamic_sampling every rank takes
+  part in each round while any misses groups, and rank 0 records the groups every rank used (`_slots`).
 
 A group (t, i) is prompt i of step t's prompts of every prompt rank in rank order, sampled with the seed the plan
 gives step t's batch (rank 0's, as `Rank0Rollout.launch` and the Ray driver sample it) at its place i: a group
@@ -27,6 +28,7 @@ from hpcrlhf.agents.metrics import batch_stats
 from hpcrlhf.agents.runner import EpisodeBatch
 from hpcrlhf.agents.scheduler import added
 from hpcrlhf.cluster.engines import EngineFleet
+from hpcrlhf.engines.distributed import all_reduce_sum, gather_objects
 from hpcrlhf.engines.rollout import Generation
 from hpcrlhf.engines.rollout.contract import Groups
 from hpcrlhf.engines.rollout.loop import LOOP_PARTY, StreamingRollout, suspends
@@ -86,13 +88,11 @@ class ArrivalRollouts:
         shared = isinstance(engine, Rank0Rollout) and engine.streaming
         loop = engine.engine if shared else engine
         if not (isinstance(loop, StreamingRollout) or shared or isinstance(engine, EngineFleet) and engine.streaming) \
-                or (t.agent is not None and not isinstance(engine, StreamingRollout)) \
-                or (shared and cfg.ppo.dynamic_sampling):
+                or (t.agent is not None and not isinstance(engine, StreamingRollout)):
             raise ConfigError(f"rollout.stream_order: arrival takes each step's groups as the engine loops end them: "
-                              f"it runs with rollout.backend vllm on the local runtime (one rank, or several without "
-                              f"ppo.dynamic_sampling) or on Ray, and with an agent section on one local rank (here: "
-                              f"{t.env.world_size} local rank(s), runtime {cfg.placement.runtime}, backend "
-                              f"{cfg.rollout.backend}, dynamic sampling {cfg.ppo.dynamic_sampling}, agent "
+                              f"it runs with rollout.backend vllm on the local runtime (one rank or several) or on "
+                              f"Ray, and with an agent section on one local rank (here: {t.env.world_size} local "
+                              f"rank(s), runtime {cfg.placement.runtime}, backend {cfg.rollout.backend}, agent "
                               f"{'yes' if t.agent is not None else 'no'}); use rollout.stream_order=plan, or those "
                               "settings")
         self.shared = shared
@@ -175,10 +175,11 @@ class ArrivalRollouts:
         try:
             if not cfg.ppo.dynamic_sampling:
                 rollout, metrics, used = take_round(0), {}, None
-            else:
+            else:  # every rank goes on while any misses groups (a round's scoring is collective)
                 filled = fill_step(take_round, n=cfg.rollout.samples_per_prompt,
-                                   max_rounds=cfg.ppo.dynamic_sampling_max_rounds, what=cfg.ppo.dynamic_sampling_filter)
-                rollout, metrics, used = filled.rollout, filled.metrics(), filled.picks
+                                   max_rounds=cfg.ppo.dynamic_sampling_max_rounds, what=cfg.ppo.dynamic_sampling_filter,
+                                   missing_anywhere=lambda missing: int(all_reduce_sum([missing])[0]))
+                rollout, metrics, used = filled.rollout, filled.metrics(), self._slots(filled.picks)
         except StepAbandoned:  # the step is redone on resume: its groups wait in the checkpoint's pool
             if stream is not None:
                 stream.untake(takes)
@@ -187,6 +188,13 @@ class ArrivalRollouts:
             metrics.update(stream.commit(takes, step, used))
         return rollout, {**metrics, **reduce_means(staleness_stats(rollout.generations, step,
                                                                    cfg.rollout.max_staleness))}
+
+    def _slots(self, picks: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        """The groups the step trains as (round, slot in rank 0's take): this rank's (round, group) picks; with
+        several local ranks every rank's, gathered -- rank r's share of a take is slots r x G_r onwards."""
+        if not self.shared:
+            return picks
+        return [(r, rank * self.per_rank + g) for rank, part in enumerate(gather_objects(picks)) for r, g in part]
 
     def overlap(self) -> float:
         return self.stream.overlap() if self.stream is not None else 0.0

@@ -392,6 +392,19 @@ def test_two_ranks_share_rank_0s_engine_loop_two_steps_ahead_with_partial_rollou
     assert all(r["rollout/response_length"] == 192 and 0.5 < r["rollout/is_weight"] <= 2 for r in resumed)
 
 
+def two_rank_arrival(out, policy_model: str, steps: int, per_step: int, samples: int, *extra: str) -> list[str]:
+    """`hpcrlhf train ppo` arguments for two local ranks in arrival order: GRPO, k = 2 with partial rollouts on rank
+    0's engine loop, `per_step` groups of `samples` per step, one optimizer step each."""
+    return ["train", "ppo", "-o", str(out), "--set", f"model.path={policy_model}", "--set", f"train.max_steps={steps}",
+            "--set", "ppo.advantage_estimator=grpo", "--set", f"rollout.samples_per_prompt={samples}", "--set",
+            "ppo.init_kl_coef=0", "--set", "optim.lr=1e-4", "--set", "rollout.backend=vllm", "--set",
+            "rollout.vllm_kv_cache_gb=0.25", "--set", "rollout.max_staleness=2", "--set", "rollout.partial=true",
+            "--set", "rollout.stream_order=arrival", "--set", "ppo.tis_cap=2", "--set", "ppo.is_mode=mask",
+            "--set", f"rollout.prompts_per_step={per_step}", "--set", f"train.global_batch_size={per_step * samples}",
+            "--set", f"train.micro_batch_size={per_step * samples // 2}", "--set", "eval.score_prompts=16", *extra,
+            *QUIET]
+
+
 @pytest.mark.slow
 def test_arrival_order_trains_every_planned_prompt_once_within_k_and_a_resumed_run_loses_none(policy_model, tmp_path):
     """rollout.stream_order arrival, k = 2, partial rollouts, two local ranks: rank 0's engine loop gets one group
@@ -411,15 +424,10 @@ def test_arrival_order_trains_every_planned_prompt_once_within_k_and_a_resumed_r
     data.write_text("".join(json.dumps({**row, "length": 160 if j % 8 == 0 else 8}) + "\n"
                             for j, row in enumerate(rows)))
     out, steps, per_step = tmp_path / "run", 4, 8
-    args = ["train", "ppo", "-o", str(out), "--set", f"model.path={policy_model}", "--set", f"train.max_steps={steps}",
-            "--set", "ppo.advantage_estimator=grpo", "--set", "rollout.samples_per_prompt=4", "--set",
-            "ppo.init_kl_coef=0", "--set", "optim.lr=1e-4", "--set", "rollout.backend=vllm", "--set",
-            "rollout.vllm_kv_cache_gb=0.25", "--set", "rollout.max_staleness=2", "--set", "rollout.partial=true",
-            "--set", "rollout.stream_order=arrival", "--set", "ppo.tis_cap=2", "--set", "ppo.is_mode=mask",
-            "--set", f"rollout.prompts_per_step={per_step}", "--set", "train.global_batch_size=32", "--set",
-            "train.micro_batch_size=16", "--set", "eval.score_prompts=16", "--set", f"data.train_path={data}",
-            "--set", "task.name=arithmetic", "--set", "rollout.length_key=length", "--set", "rollout.max_new_tokens=160",
-            "--set", "checkpoint.every_steps=2", "--set", "checkpoint.keep_last=3", *QUIET]
+    args = two_rank_arrival(out, policy_model, steps, per_step, 4, "--set", f"data.train_path={data}",
+                            "--set", "task.name=arithmetic", "--set", "rollout.length_key=length",
+                            "--set", "rollout.max_new_tokens=160", "--set", "checkpoint.every_steps=2",
+                            "--set", "checkpoint.keep_last=3")
     run_cli(args, nproc=2, timeout=900)
     rows_ = train_rows(out)
     assert [r["step"] for r in rows_] == list(range(1, steps + 1))
@@ -450,6 +458,32 @@ def test_arrival_order_trains_every_planned_prompt_once_within_k_and_a_resumed_r
     assert [r["step"] for r in resumed] == list(range(1, steps + 1))
     assert all(0 <= r["rollout/staleness"] <= min(s, 2) for s, r in enumerate(resumed))
     planned_once(checkpoints / f"step_{steps:06d}")
+
+
+@pytest.mark.slow
+def test_arrival_order_with_dynamic_sampling_on_two_ranks_records_the_groups_every_rank_trained(policy_model, tmp_path):
+    """ppo.dynamic_sampling in arrival order on two local ranks: every rank takes part in each round while any
+    misses informative groups (2 samples per prompt: half the groups score alike), each round rank 0 takes the
+    next 8 groups that end and sends each rank its 4; the step's picks of every rank reach rank 0's ledger -- 8
+    groups trained per step, the rest of the rounds discarded, none trained or discarded twice, none trained
+    more than 2 updates old, and the step's discarded count is the ledger's."""
+    import torch
+
+    out, steps, per_step = tmp_path / "run", 3, 8
+    run_cli(two_rank_arrival(out, policy_model, steps, per_step, 2, "--set", "ppo.dynamic_sampling=true",
+                             "--set", "ppo.dynamic_sampling_max_rounds=3", "--set", "checkpoint.every_steps=3"),
+            nproc=2, timeout=900)
+    rows = train_rows(out)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert all(0 <= r["rollout/staleness"] <= min(s, 2) for s, r in enumerate(rows))
+    assert max(r["rollout/generation_rounds"] for r in rows) >= 2
+    ledger = torch.load(out / "checkpoints" / "step_000003" / "stream_rank0.pt", weights_only=False)["ledger"]
+    trained, discarded = ledger["trained"], ledger["discarded"]
+    assert [sum(s == step for *_, s in trained) for step in range(steps)] == [per_step] * steps
+    keys = [(t, i) for t, i, *_ in trained + discarded]
+    assert discarded and len(keys) == len(set(keys))
+    assert all(s - head <= 2 for *_, head, s in trained)
+    assert sum(r["stream/discarded_groups"] for r in rows) == len(discarded)
 
 
 @pytest.mark.slow
