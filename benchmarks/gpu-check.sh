@@ -20,11 +20,12 @@
 #   -k TESTS       run only the tests pytest's -k selects (e.g. vllm)
 #   --systems A,B  run only these systems of the gpu-1 suite
 #   --no-longtail  skip gpu-1-longtail; --longtail-only: run nothing else (no tests, no gpu-1)
+#   --longtail-suite NAME  the long-tail suite to run (default gpu-1-longtail; gpu-1-longtail-1k: a longer tail)
 # Needs: python3 with a CUDA build of torch. With the package index reachable it installs
 # `.[gpu,hpc,lora,bench,dev]` over that torch (never replacing it).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-out="" site="" install=1 tests=1 bench=1 longtail=1 select=() systems=() paths=(tests/gpu)
+out="" site="" install=1 tests=1 bench=1 longtail=1 select=() systems=() paths=(tests/gpu) tail_suite=gpu-1-longtail
 while [ $# -gt 0 ]; do
   case "$1" in
     --site) site="$2"; shift 2 ;;
@@ -33,6 +34,7 @@ while [ $# -gt 0 ]; do
     --no-bench) bench=0; shift ;;
     --no-longtail) longtail=0; shift ;;
     --longtail-only) tests=0; bench=0; shift ;;
+    --longtail-suite) tail_suite="$2"; shift 2 ;;
     --tests) read -ra paths <<< "$2"; shift 2 ;;
     -k) select=(-k "$2"); shift 2 ;;
     --systems) systems=(--systems "$2"); shift 2 ;;
@@ -102,7 +104,7 @@ if [ "$bench" = 1 ]; then
   $PY -m hpcrlhf bench --suite gpu-1 "${systems[@]}" -o "$out/bench" || status=$?
 fi
 if [ "$longtail" = 1 ]; then  # sync against k steps ahead with partial rollouts, long-tail lengths
-  $PY -m hpcrlhf bench --suite gpu-1-longtail -o "$out/bench-longtail" || status=$?
+  $PY -m hpcrlhf bench --suite "$tail_suite" -o "$out/bench-longtail" || status=$?
 fi
 echo "gpu-check: results in $out (exit $status)"
 exit $status

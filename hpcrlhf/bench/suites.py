@@ -345,6 +345,11 @@ SUITES: dict[str, Suite] = {s.name: s for s in (
           "gpu", 1, 1, prompt_tokens=256, response_tokens=512, prompts_per_step=256, warmup_steps=1, steps=3,
           systems=longtail_systems(16)[:1] + longtail_systems(16)[2:3] + longtail_systems(16)[4:], model="builtin:llama-500m",
           lengths=LengthDist()),
+    # generation a larger share of the step: the longest of 1024 tokens sets the synchronous step's generation
+    Suite("gpu-1-longtail-1k", "one GPU, a longer tail: gpu-1-longtail with responses of at most 1024 tokens "
+          "(median 128)", "gpu", 1, 1, prompt_tokens=256, response_tokens=1024, prompts_per_step=256, warmup_steps=1,
+          steps=3, systems=longtail_systems(16)[:1] + longtail_systems(16)[2:3] + longtail_systems(16)[4:],
+          model="builtin:llama-500m", lengths=LengthDist()),
     Suite("gpu-1", "one GPU: a 0.5B llama built from config, 256-token prompts and answers, 64 prompts per step",
           "gpu", 1, 1, prompt_tokens=256, response_tokens=256, prompts_per_step=64, warmup_steps=1, steps=3,
           systems=_GPU1_SYSTEMS, model="builtin:llama-500m"),
