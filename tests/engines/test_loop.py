@@ -69,26 +69,43 @@ def test_a_cancelled_batch_never_ends_and_the_batches_beside_it_draw_as_alone(st
     assert streaming.generate(rollout_prompts[:2], short)[0][0].response_ids == alone[0][0].response_ids
 
 
-def hold_when(loop: EngineLoop, ready, gone=lambda: False) -> threading.Event:
-    """Hold the loop at the first engine-step boundary where `ready()` (called on the loop's thread): whatever the
-    host's load, no sample goes on until the gate returned is opened. Fails once `gone()` (the moment passed)."""
-    gate, held = threading.Event(), threading.Event()
+class Hold:
+    """Holds the engine loop at the first engine-step boundary after which `ready()` (called on the loop's thread):
+    no sample goes on until `set()`. Armed when made -- before the batch it waits for is launched -- and checked
+    after every step, so no state is missed whatever the host's load (a check posted from the test's thread now
+    and then could come only after the batch had ended: the wait never ended)."""
 
-    def check() -> None:
-        if ready():
-            held.set()
-            gate.wait()
+    def __init__(self, loop: EngineLoop, ready) -> None:
+        self.loop, self.ready = loop, ready
+        self.held, self.gate = threading.Event(), threading.Event()
+        self._step = loop._step
+        loop._step = self._held_step
 
-    while not held.is_set():
-        assert not gone(), "the loop never reached the state to hold it at"
-        asked = loop.post(check)
-        wait_until(lambda asked=asked: asked.done() or held.is_set())
-    return gate
+    def _held_step(self) -> None:
+        self._step()
+        if not self.held.is_set() and self.ready():
+            self.held.set()
+            self.gate.wait()
+
+    def reached(self, gone=lambda: False, timeout_s: float = 120.0) -> Hold:
+        """Wait until the loop is held; fails once `gone()` (the moment passed) or after `timeout_s`."""
+        try:
+            wait_until(lambda: self.held.is_set() or gone(), timeout_s)
+            assert self.held.is_set(), "the loop never reached the state to hold it at"
+        except AssertionError:
+            self.set()  # the loop is shared by the tests that follow
+            raise
+        return self
+
+    def set(self) -> None:
+        """Let the loop go on (and stop checking)."""
+        self.loop._step = self._step
+        self.gate.set()
 
 
-def behind(rollout: StreamingRollout, gate: threading.Event, call, *args, **kwargs):
+def behind(rollout: StreamingRollout, gate: Hold, call, *args, **kwargs):
     """`call(*args, **kwargs)` (which posts a message to the loop and waits for it) run by the loop as the next thing
-    after the hold (`hold_when`)."""
+    after the hold (`Hold`)."""
     with ThreadPoolExecutor(1) as caller:
         answer = caller.submit(call, *args, **kwargs)
         wait_until(lambda: not rollout.loop._inbox.empty() or answer.done())  # its message waits behind the hold
@@ -96,7 +113,7 @@ def behind(rollout: StreamingRollout, gate: threading.Event, call, *args, **kwar
         return answer.result(timeout=120)
 
 
-def load_behind(rollout: StreamingRollout, gate: threading.Event, state, version: int):
+def load_behind(rollout: StreamingRollout, gate: Hold, state, version: int):
     """`rollout.load_weights(state, version)` taken by the loop as the next thing after the hold."""
     return behind(rollout, gate, rollout.load_weights, state, version=version)
 
@@ -108,10 +125,11 @@ def assert_paused_and_continued(rollout: StreamingRollout, prompts, model_dir: s
     `restore`: the old weights go back in at the end (a shared engine)."""
     old, new = old_and_new(model_dir, 1)
     params = SamplingParams(n=2, temperature=1.0, max_new_tokens=new_tokens, min_new_tokens=new_tokens, seed=3)
-    batch = rollout.launch(prompts[:3], params)
     stream = rollout.loop.stream
-    gate = hold_when(rollout.loop, lambda: len(stream.samples) == 6
-                     and min(len(s.tokens) for s in stream.samples.values()) >= 3)
+    gate = Hold(rollout.loop, lambda: len(stream.samples) == 6
+                and min(len(s.tokens) for s in stream.samples.values()) >= 3)
+    batch = rollout.launch(prompts[:3], params)
+    gate.reached(batch.done)
     try:
         stats = load_behind(rollout, gate, new.state_dict(), 1)
         assert stats.bytes > 0 and rollout.version == 1
@@ -146,10 +164,11 @@ def test_a_batch_suspended_for_a_checkpoint_goes_on_alike_when_relaunched(stream
     go on; the state relaunched (a resumed run) makes exactly what the batch that went on made: the same tokens,
     log-probs and spans, the samples that had ended kept as they were."""
     params = SamplingParams(n=2, temperature=1.0, max_new_tokens=40, seed=11, lengths=(3, 40, 40))
-    batch = streaming.launch(rollout_prompts[:3], params)
     stream = streaming.loop.stream
-    gate = hold_when(streaming.loop, lambda: len(stream.samples) == 4
-                     and min(len(s.tokens) for s in stream.samples.values()) >= 5)
+    gate = Hold(streaming.loop, lambda: len(stream.samples) == 4
+                and min(len(s.tokens) for s in stream.samples.values()) >= 5)
+    batch = streaming.launch(rollout_prompts[:3], params)
+    gate.reached(batch.done)
     (state,) = behind(streaming, gate, streaming.suspend, [batch])
     went_on = batch.result()
     assert state.count == 3 and state.n == 2 and not state.greedy

@@ -632,17 +632,17 @@ def test_agent_turns_paused_by_a_weight_update_go_on_under_it_and_each_trajector
 
     from hpcrlhf.agents.requests import VLLMRequests
     from hpcrlhf.engines.rollout.contract import token_versions
-    from tests.engines.test_loop import hold_when, load_behind
+    from tests.engines.test_loop import Hold, load_behind
 
     old_state = agent_eos_prone(hf_model, tokenizer, alpha=0.07)  # turns of 1-10 tokens, most trajectories 3 turns
     new_state = perturbed(old_state, 0.02, seed=7)
     streaming.load_weights(old_state, version=5)
     stream = streaming.loop.stream
+    gate = Hold(streaming.loop, lambda: any(len(s.tokens) >= 2 and not s.finished for s in stream.samples.values()))
     with ThreadPoolExecutor(1) as caller:
         running = caller.submit(run_agents, VLLMRequests.on_loop(streaming.loop, SamplingParams(max_new_tokens=10)),
                                 tokenizer, 8)
-        gate = hold_when(streaming.loop, lambda: any(len(s.tokens) >= 2 and not s.finished
-                                                      for s in stream.samples.values()), running.done)
+        gate.reached(running.done)
         load_behind(streaming, gate, new_state, 6)
         episodes = running.result(timeout=300)
     models = {5: hf_model, 6: load_causal_lm_like(hf_model, new_state)}
