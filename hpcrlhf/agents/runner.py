@@ -31,7 +31,7 @@ from hpcrlhf.agents.requests import HFRequests, VLLMRequests
 from hpcrlhf.agents.scheduler import BatchStats, mixed_seed, run_episodes
 from hpcrlhf.agents.tools import load_tools
 from hpcrlhf.config.schema.agent import AgentConfig
-from hpcrlhf.engines.rollout.contract import Generation, Groups, SamplingParams, all_at_once
+from hpcrlhf.engines.rollout.contract import EndCallbacks, Generation, Groups, SamplingParams, all_at_once
 from hpcrlhf.engines.rollout.loop import LOOP_PARTY, WAIT_S, StreamingRollout
 from hpcrlhf.engines.rollout.vllm import VLLMRollout
 from hpcrlhf.models.loading import load_tokenizer
@@ -107,8 +107,7 @@ class EpisodeBatch:
         self._error: BaseException | None = None
         self._finished: float | None = None
         self._done, self._cancelled = threading.Event(), threading.Event()
-        self._told = threading.Lock()
-        self._callbacks: list[Callable[[], None]] = []
+        self._on_end = EndCallbacks()
         threading.Thread(target=self._run, args=(run,), name="hpcrlhf-episodes", daemon=True).start()
 
     def _run(self, run: Callable[[Callable[[], bool]], tuple[list[list[Generation]], BatchStats]]) -> None:
@@ -118,19 +117,12 @@ class EpisodeBatch:
             self._error = e
         finally:
             self._finished = time.monotonic()
-            with self._told:
-                self._done.set()
-                callbacks, self._callbacks = self._callbacks, []
-            for fn in callbacks:
-                fn()
+            self._done.set()
+            self._on_end.fire()
 
     def add_done_callback(self, fn: Callable[[], None]) -> None:
         """Call `fn()` once the batch ended (at once if it did; else on the batch's thread)."""
-        with self._told:
-            if not self._done.is_set():
-                self._callbacks.append(fn)
-                return
-        fn()
+        self._on_end.add(fn)
 
     def done(self) -> bool:
         return self._done.is_set()

@@ -35,6 +35,7 @@ from hpcrlhf.agents.scheduler import BatchStats, added
 from hpcrlhf.cluster.worker_group import (RoleWorker, WorkerGroup, busy, dead_worker_message, death_verdict, gather,
                                           lost_worker_error, wait_any)
 from hpcrlhf.data.batching import shard_rows
+from hpcrlhf.engines.rollout.contract import EndCallbacks
 from hpcrlhf.engines.rollout.loop import BatchState, StreamBatch, StreamingRollout
 from hpcrlhf.engines.rollout.vllm import VLLMRollout
 from hpcrlhf.logs import get_logger
@@ -231,9 +232,9 @@ class EngineFleet:
         """(engine loops) The batches' launch calls since the last sync: it waits for them, so that a batch
         launched before a sync starts under the weights before it -- whoever sends them (the object-store
         path's loads come from the actor, whose calls keep no order with the driver's)."""
-        self.singles: dict[int, int] = {}
-        """One-prompt batches under way (arrival order's groups: id -> their engine), to spread the next over the
-        engines; one leaves when its stream ends (its done callback) or it is cancelled."""
+        self.singles: set[int] = set()
+        """One-prompt batches under way (arrival order's groups, by id), to spread the next over the engines; one
+        leaves when its stream ends (its done callback) or it is cancelled."""
         self.single_load: dict[int, int] = {}
         """How many of `singles` each engine (rank) has."""
         self._singles_lock = threading.Lock()
@@ -253,7 +254,7 @@ class EngineFleet:
         with self._singles_lock:
             rank = min(range(len(self.group)), key=lambda r: self.single_load.get(r, 0))  # the lowest on a tie
             batch = FleetBatch(self, prompts, params, ranks=[rank])
-            self.singles[id(batch)] = rank
+            self.singles.add(id(batch))
             self.single_load[rank] = self.single_load.get(rank, 0) + 1
         batch.add_done_callback(lambda: self._unload(batch))
         return batch
@@ -261,8 +262,9 @@ class EngineFleet:
     def _unload(self, batch: FleetBatch) -> None:
         """One-prompt `batch` no longer counts on its engine (once: ended, or cancelled)."""
         with self._singles_lock:
-            rank = self.singles.pop(id(batch), None)
-            if rank is not None:
+            if id(batch) in self.singles:
+                self.singles.discard(id(batch))
+                (rank,) = batch.parts  # its engine
                 self.single_load[rank] -= 1
 
     def suspend(self, batches: Sequence[FleetBatch]) -> list[FleetState]:
@@ -449,8 +451,7 @@ class FleetBatch:
         self.numbers: dict[int, Any] = {}
         """(engine loops) Each part's batch number on its engine (a ref of its `launch`), for `cancel`."""
         self.cancelled = False
-        self._told = threading.Lock()
-        self._callbacks: list[Any] = []
+        self._on_end = EndCallbacks()
         self.sent_to: dict[int, Any] = {}
         self.current: dict[int, Any] = {}
         self.done_at: dict[int, float] = {}
@@ -466,6 +467,8 @@ class FleetBatch:
             else:  # ended before the checkpoint: its groups are in `groups`
                 self.done_at[rank] = time.monotonic()
         self.launched = time.monotonic()
+        if self.finished() is not None:  # every part had ended
+            self._on_end.fire()
 
     def _start(self, rank: int) -> None:
         a, b = self.parts[rank]
@@ -492,19 +495,12 @@ class FleetBatch:
         if self.current.get(rank) is stream:
             self.done_at[rank] = time.monotonic()
             if self.finished() is not None:
-                with self._told:
-                    callbacks, self._callbacks = self._callbacks, []
-                for fn in callbacks:
-                    fn()
+                self._on_end.fire()
 
     def add_done_callback(self, fn) -> None:
         """Call `fn()` once every part's stream ended (at once if they did; else on Ray's callback thread; a part
         that failed counts: `result` redoes it)."""
-        with self._told:
-            if self.finished() is None:
-                self._callbacks.append(fn)
-                return
-        fn()
+        self._on_end.add(fn)
 
     def finished(self) -> float | None:
         return max(self.done_at.values()) if len(self.done_at) == len(self.parts) else None

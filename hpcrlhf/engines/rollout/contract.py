@@ -5,8 +5,9 @@ when it was `hpcrlhf.engines.rollout.Generation` load through the package's name
 
 from __future__ import annotations
 
+import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
@@ -173,6 +174,30 @@ class Pending(Protocol):
         (at once those already done), every prompt once over all calls, in any order; `result()`
         then waits no more."""
         ...
+
+
+class EndCallbacks:
+    """What a batch under way calls once it ends (its `add_done_callback`, which a `Pending` may offer so that a
+    caller learns of each end in O(1)): `add(fn)` before the end queues fn, after it calls fn at once; the batch's
+    owner calls `fire()` once it ended (on whatever thread saw the end; again: nothing)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._waiting: list[Callable[[], None]] | None = []
+        """None once fired."""
+
+    def add(self, fn: Callable[[], None]) -> None:
+        with self._lock:
+            if self._waiting is not None:
+                self._waiting.append(fn)
+                return
+        fn()
+
+    def fire(self) -> None:
+        with self._lock:
+            waiting, self._waiting = self._waiting or [], None
+        for fn in waiting:
+            fn()
 
 
 class Done:

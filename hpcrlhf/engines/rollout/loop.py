@@ -32,7 +32,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from typing import Any, Protocol, TypeVar
 
-from hpcrlhf.engines.rollout.contract import Generation, Groups, SamplingParams, check_prompts, greedy_copies
+from hpcrlhf.engines.rollout.contract import (EndCallbacks, Generation, Groups, SamplingParams, check_prompts,
+                                              greedy_copies)
 from hpcrlhf.engines.rollout.shared import Rank0Rollout
 from hpcrlhf.engines.rollout.streaming import StreamSample, VLLMStream, sample_seeds
 from hpcrlhf.engines.rollout.vllm import VLLMRollout
@@ -111,21 +112,13 @@ class StreamBatch:
         self._error: BaseException | None = None
         self.cancelled = False
         """Dropped for good (`EngineLoop.cancel`): it never finishes; a wait on it ends with what it has."""
-        self._callbacks: list[Callable[[], None]] = []
+        self._on_end = EndCallbacks()
+        if not count:
+            self._on_end.fire()
 
     def add_done_callback(self, fn: Callable[[], None]) -> None:
         """Call `fn()` once the batch ended or failed (at once if it did; else on the loop's thread)."""
-        with self._cond:
-            if self._finished is None and self._error is None:
-                self._callbacks.append(fn)
-                return
-        fn()
-
-    def _ended(self) -> None:
-        with self._cond:
-            callbacks, self._callbacks = self._callbacks, []
-        for fn in callbacks:
-            fn()
+        self._on_end.add(fn)
 
     def add(self, i: int, j: int, generation: Generation) -> None:
         """Sample j of prompt i ended (the loop's thread)."""
@@ -138,13 +131,13 @@ class StreamBatch:
                     self._finished = time.monotonic()
                 self._cond.notify_all()
         if self._finished is not None:
-            self._ended()
+            self._on_end.fire()
 
     def fail(self, error: BaseException) -> None:
         with self._cond:
             self._error = error
             self._cond.notify_all()
-        self._ended()
+        self._on_end.fire()
 
     def cancel(self) -> None:
         with self._cond:
