@@ -17,7 +17,9 @@ weights it was launched with), while each batch's stream of finished groups (`st
 its own (STREAMS). A checkpoint keeps the batches under way as far as each engine got (`suspend`, `relaunch`:
 `EngineFleet.suspend` gives a `FleetState`). Arrival order (rollout.stream_order: arrival) runs each engine on an
 engine loop too, with or without partial: each group is a batch of one prompt, sent to the engine with the fewest
-such groups under way, and a group too old to train is cancelled where it runs (`cancel`).
+such groups under way, and a group too old to train is cancelled where it runs (`cancel`). With an agent section a
+group is its prompt's trajectories (`run_episodes_stream` of one row), stopped where they run when cancelled
+(`cancel_episodes`: no new turn starts, the turns in the engine are aborted, every environment still finishes).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import itertools
 import os
 import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,7 +66,8 @@ class EngineWorker(RoleWorker):
     (`loop`, with `partial`) also `launch` and `stream_batch` (module docstring)."""
 
     def __init__(self, role: str, rank: int, world_size: int, model_dir: str, *, tensor_parallel_size: int,
-                 seed: int = 0, loop: bool = False, partial: bool = False, **engine_kwargs: Any) -> None:
+                 seed: int = 0, loop: bool = False, partial: bool = False, min_step_s: float = 0.0,
+                 **engine_kwargs: Any) -> None:
         super().__init__(role, rank, world_size)
 
         if tensor_parallel_size > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
@@ -77,7 +80,7 @@ class EngineWorker(RoleWorker):
             return VLLMRollout(model_dir, seed=seed + rank, tensor_parallel_size=tensor_parallel_size,
                                distributed_executor_backend="mp", in_process=None, **engine_kwargs)
 
-        self.streaming = StreamingRollout(make, partial=partial) if loop else None
+        self.streaming = StreamingRollout(make, partial=partial, min_step_s=min_step_s) if loop else None
         """The engine on an engine loop that alone drives it (rollout.partial), else None: calls drive it."""
         self.loop = self.streaming.loop if self.streaming is not None else None
         self.engine = self.streaming.engine if self.streaming is not None else make()
@@ -86,6 +89,10 @@ class EngineWorker(RoleWorker):
         self._numbers = itertools.count()
         self.agent: tuple[AgentSpec, AgentRunner] | None = None
         """The job's agent (multi-turn rollouts), built at its first batch."""
+        self.episode_runs: dict[Any, threading.Event] = {}
+        """(agent section) The trajectory batches under way by their driver's token, each its cancel flag; a
+        cancel that comes first leaves its flag set for the run it names."""
+        self._agent_lock = threading.Lock()
 
     @busy
     def generate(self, prompts: Sequence[Sequence[int]], params) -> list:
@@ -139,16 +146,31 @@ class EngineWorker(RoleWorker):
 
     @busy
     def run_episodes_stream(self, rows: Sequence[Mapping[str, Any]], params, origins: Sequence[str], env_seed: int,
-                            spec: AgentSpec) -> Iterator[list]:
+                            spec: AgentSpec, token: Any = None) -> Iterator[list]:
         """`params.n` multi-turn trajectories of each row (`AgentRunner.run`) on this engine, the
         environments and tools of the job's agent section (`spec`) in this process: one item, the part's
-        groups with the batch's scheduling figures (`EpisodeGroups`)."""
-        if self.agent is None or self.agent[0] != spec:
-            if self.agent is not None:
-                self.agent[1].close()
-            self.agent = (spec, spec.runner())
-        generations, stats = self.agent[1].run(self.streaming or self.engine, rows, params, env_seed, origins)
+        groups with the batch's scheduling figures (`EpisodeGroups`). `token`: the name `cancel_episodes`
+        stops them by (on an engine loop several such batches run at once, each in a STREAMS thread)."""
+        with self._agent_lock:
+            if self.agent is None or self.agent[0] != spec:
+                if self.agent is not None:
+                    self.agent[1].close()
+                self.agent = (spec, spec.runner())
+            runner = self.agent[1]
+            cancelled = self.episode_runs.setdefault(token, threading.Event()) if token is not None else None
+        try:
+            generations, stats = runner.run(self.streaming or self.engine, rows, params, env_seed, origins,
+                                            cancelled.is_set if cancelled is not None else None)
+        finally:
+            with self._agent_lock:
+                self.episode_runs.pop(token, None)
         yield EpisodeGroups(enumerate(generations), stats)
+
+    def cancel_episodes(self, token: Any) -> None:
+        """Stop the trajectory batch `token` (arrival order's group too old to train): no new turn starts, its
+        turns in the engine are aborted, every environment still finishes; one not yet started ends at once."""
+        with self._agent_lock:
+            self.episode_runs.setdefault(token, threading.Event()).set()
 
     @busy
     def load_weights(self, state: Mapping[str, Any], version: int | None = None) -> None:
@@ -238,6 +260,8 @@ class EngineFleet:
         self.single_load: dict[int, int] = {}
         """How many of `singles` each engine (rank) has."""
         self._singles_lock = threading.Lock()
+        self._tokens = itertools.count()
+        """Names of trajectory batches, by which an engine stops one (`cancel`)."""
 
     @property
     def handles(self) -> list[Any]:
@@ -249,11 +273,16 @@ class EngineFleet:
     def launch(self, prompts: Sequence[Sequence[int]], params) -> FleetBatch:
         """Start generating `prompts` on the engines (each its part); `result()` collects them. One prompt (arrival
         order's group) goes to the engine with the fewest such groups under way."""
-        if len(prompts) != 1 or len(self.group) == 1:
-            return FleetBatch(self, prompts, params)
+        return self._spread(len(prompts), lambda ranks: FleetBatch(self, prompts, params, ranks=ranks))
+
+    def _spread(self, count: int, make: Callable[[Sequence[int] | None], FleetBatch]) -> FleetBatch:
+        """`make(ranks)`: a batch of `count` prompts on every engine (None), or one prompt on the engine with the
+        fewest one-prompt batches under way."""
+        if count != 1 or len(self.group) == 1:
+            return make(None)
         with self._singles_lock:
             rank = min(range(len(self.group)), key=lambda r: self.single_load.get(r, 0))  # the lowest on a tie
-            batch = FleetBatch(self, prompts, params, ranks=[rank])
+            batch = make([rank])
             self.singles.add(id(batch))
             self.single_load[rank] = self.single_load.get(rank, 0) + 1
         batch.add_done_callback(lambda: self._unload(batch))
@@ -294,14 +323,22 @@ class EngineFleet:
         for batch in batches:
             batch.cancelled = True
             self._unload(batch)
-            calls += [batch.sent_to[rank].cancel.remote(number) for rank, number in batch.numbers.items()]
+            if batch.token is not None:  # trajectories: stopped by their token on each engine with a part
+                calls += [batch.sent_to[rank].cancel_episodes.remote(batch.token) for rank in batch.parts
+                          if rank not in batch.done_at]
+            else:
+                calls += [batch.sent_to[rank].cancel.remote(number) for rank, number in batch.numbers.items()]
         gather(calls)
 
     def launch_episodes(self, rows: Sequence[Mapping[str, Any]], params, origins: Sequence[str], env_seed: int,
                         spec: AgentSpec) -> FleetBatch:
         """Start the multi-turn trajectories of `rows` on the engines, each its part beside its engine
-        (`EngineWorker.run_episodes_stream`); `result()` collects them, `episode_stats()` their figures."""
-        return FleetBatch(self, rows, params, method="run_episodes_stream", sliced=(origins,), extra=(env_seed, spec))
+        (`EngineWorker.run_episodes_stream`); `result()` collects them, `stats()` their figures. One row (arrival
+        order's group) goes to the engine with the fewest such groups under way."""
+        token = next(self._tokens)
+        return self._spread(len(rows), lambda ranks: FleetBatch(
+            self, rows, params, method="run_episodes_stream", sliced=(origins,), extra=(env_seed, spec, token),
+            ranks=ranks, token=token))
 
     def sleep(self) -> None:
         """Every engine releases its GPU memory (`VLLMRollout.sleep`)."""
@@ -436,13 +473,14 @@ class FleetBatch:
 
     def __init__(self, fleet: EngineFleet, prompts: Sequence[Any], params, *, method: str = "generate_stream",
                  sliced: Sequence[Sequence[Any]] = (), extra: Sequence[Any] = (), ranks: Sequence[int] | None = None,
-                 resume: FleetState | None = None) -> None:
+                 resume: FleetState | None = None, token: Any = None) -> None:
         """`prompts` (token ids, or rows for `run_episodes_stream`) by the workers' streaming `method`,
         each given its part of `prompts` and of each of `sliced`, its params, then `extra`; on the engines
-        `ranks` (default: all); or a batch a checkpoint kept going on (`resume`: `EngineFleet.relaunch`)."""
+        `ranks` (default: all); or a batch a checkpoint kept going on (`resume`: `EngineFleet.relaunch`).
+        `token`: a trajectory batch's name on its engines, for `EngineFleet.cancel`."""
         self.fleet, self.prompts, self.params = fleet, prompts, params
-        self.method, self.sliced, self.extra = method, sliced, extra
-        self.stats: dict[int, BatchStats] = {}
+        self.method, self.sliced, self.extra, self.token = method, sliced, extra, token
+        self.part_stats: dict[int, BatchStats] = {}
         """A multi-turn batch's figures, per part."""
         ranks = list(range(len(fleet.group))) if ranks is None else list(ranks)
         self.parts = {rank: (rows[0], rows[-1] + 1) for rank, rows in zip(ranks, shard_rows(len(prompts), len(ranks)))
@@ -533,9 +571,10 @@ class FleetBatch:
             self._take()
         return [self.groups[i] for i in range(len(self.prompts))]
 
-    def episode_stats(self) -> BatchStats:
-        """A multi-turn batch's scheduling figures, its parts' added up (after `result`)."""
-        return added([self.stats[rank] for rank in sorted(self.stats)])
+    def stats(self) -> BatchStats:
+        """A multi-turn batch's scheduling figures, its parts' added up (waits for them)."""
+        self.result()
+        return added([self.part_stats[rank] for rank in sorted(self.part_stats)])
 
     def _take(self) -> None:
         """Wait until an engine's stream has news, then take one item of every stream that has one: its
@@ -563,6 +602,6 @@ class FleetBatch:
                 continue
             first = self.parts[rank][0]
             if isinstance(groups, EpisodeGroups):
-                self.stats[rank] = groups.stats
+                self.part_stats[rank] = groups.stats
             for i, generations in groups:
                 self.groups.setdefault(first + i, generations)  # a redo's copy of a kept group: dropped

@@ -111,7 +111,8 @@ def rollout_engines(engine, models: ModelFactory, cfg: OnlineJobConfig):
     if not env.is_main:
         vllm = None
     elif streaming:  # generated in a thread of its own while the step trains (rollout.partial: paused across syncs)
-        vllm = StreamingRollout(lambda: VLLMRollout(**vllm_engine_args(cfg)), partial=cfg.rollout.partial)
+        vllm = StreamingRollout(lambda: VLLMRollout(**vllm_engine_args(cfg)), partial=cfg.rollout.partial,
+                                min_step_s=cfg.rollout.min_engine_step_s)
     else:
         vllm = VLLMRollout(**vllm_engine_args(cfg))
     return (vllm if env.world_size == 1 else Rank0Rollout(vllm, env, streaming=streaming)), hf
@@ -268,11 +269,10 @@ class OnlineTrainer(TrainingLoop):
         to its end here; what gives its scheduling figures once it is done)."""
         rows, origins = [p.row for p in prompts], [p.origin for p in prompts]
         trajectories = len(prompts) * params.n
-        if hasattr(engine, "launch_episodes"):
-            batch = engine.launch_episodes(rows, params, origins, params.seed, self.agent_spec)
-            return batch, lambda: batch_stats(batch.episode_stats(), trajectories)
-        if isinstance(engine, StreamingRollout):  # an engine loop: the trajectories run beside the step
-            batch = self.agent.launch(engine, rows, params, params.seed, origins)
+        if hasattr(engine, "launch_episodes") or isinstance(engine, StreamingRollout):  # run beside the step
+            batch = (engine.launch_episodes(rows, params, origins, params.seed, self.agent_spec)
+                     if hasattr(engine, "launch_episodes") else self.agent.launch(engine, rows, params, params.seed,
+                                                                                 origins))  # (an engine loop)
             return batch, lambda: batch_stats(batch.stats(), trajectories)
         if hasattr(engine, "run_episodes"):  # one engine on rank 0 for every rank: its environments run there
             generations, stats = engine.run_episodes(self.agent, rows, params, params.seed, origins)

@@ -2,8 +2,9 @@
 runs its part of a batch's trajectories beside its TP-2 vLLM engine (their environments in its
 process), and the trainer learns from them as on the local runtime -- the engine's log-probs of the
 model's tokens equal the actor's. With rollout.max_staleness 1 the engine actor runs the next step's
-trajectories while the roles score and train. That a batch split over engines is the batch one engine
-runs: tests/cluster/test_engines.py."""
+trajectories while the roles score and train. In arrival order each prompt's trajectories are a group of their
+own on the engine with the fewest under way. That a batch split over engines is the batch one engine runs, and
+that a group's trajectories stop where they run when it is dropped: tests/cluster/test_engines.py."""
 
 from __future__ import annotations
 
@@ -18,7 +19,10 @@ from tests.trainers.ppo.test_agent_e2e import short_turned
 pytestmark = pytest.mark.slow
 
 
-def test_ray_ppo_runs_its_trajectories_beside_the_tp_2_engine_while_it_trains_and_learns_from_them(ray_cluster, tmp_path):
+def ray_agent_run(ray_cluster, tmp_path, *extra: str) -> tuple:
+    """`hpcrlhf train ppo` on Ray with the agent section (tests.agents.envs:Wordy, 2 turns), GRPO, 4 prompts x 4
+    trajectories a step, on the colocated layout (the roles and the vLLM engines on both GPUs) and `extra`
+    settings: (the run folder, its rows)."""
     rows = tmp_path / "rows.jsonl"
     rows.write_text("".join(json.dumps({"prompt": f"count {i}", "id": f"row{i}"}) + "\n" for i in range(16)))
     model, out = short_turned("llama", None, tmp_path / "model"), tmp_path / "run"
@@ -26,13 +30,20 @@ def test_ray_ppo_runs_its_trajectories_beside_the_tp_2_engine_while_it_trains_an
              "--set", f"data.train_path={rows}", "--set", "data.apply_chat_template=true", "--set", "task.name=null",
              "--set", "ppo.advantage_estimator=grpo", "--set", "placement.critic.gpus_per_node=0",
              "--set", "placement.colocate=[[actor, ref, vllm]]", "--set", "rollout.prompts_per_step=4", "--set",
-             "rollout.samples_per_prompt=4", "--set", "rollout.max_new_tokens=8", "--set", "train.max_steps=3", "--set", "rollout.max_staleness=1", "--set", "checkpoint.every_steps=2",
+             "rollout.samples_per_prompt=4", "--set", "rollout.max_new_tokens=8",
              "--set", "train.global_batch_size=16", "--set", "train.micro_batch_size=8", "--set", "optim.lr=1e-4",
              "--set", "agent={environment: 'tests.agents.envs:Wordy', environment_args: {turns: 2}, max_turns: 3, "
                       "max_tokens: 48}", "--set", "reward.sources=[{env: true}]",
-             "--set", "log.backends=[]", "--set", "log.every_steps=1", "--set", f"data.eval_path={rows}",
-             "--set", "eval.score_prompts=4", "--set", "eval.every_steps=2", "--set", "eval.keep_best=eval/reward"],
+             "--set", "log.backends=[]", "--set", "log.every_steps=1", *extra],
             env={"RAY_ADDRESS": ray_cluster.address}, timeout=900)
+    return out, rows
+
+
+def test_ray_ppo_runs_its_trajectories_beside_the_tp_2_engine_while_it_trains_and_learns_from_them(ray_cluster, tmp_path):
+    out, rows = ray_agent_run(ray_cluster, tmp_path, "--set", "train.max_steps=3", "--set", "rollout.max_staleness=1",
+                              "--set", "checkpoint.every_steps=2", "--set", f"data.eval_path={tmp_path / 'rows.jsonl'}",
+                              "--set", "eval.score_prompts=4", "--set", "eval.every_steps=2",
+                              "--set", "eval.keep_best=eval/reward")
     steps = [m for m in read_metrics(out) if "rollout/score" in m]
     assert [r["step"] for r in steps] == [1, 2, 3]
     for r in steps:
@@ -57,3 +68,35 @@ def test_ray_ppo_runs_its_trajectories_beside_the_tp_2_engine_while_it_trains_an
     assert ahead["agent_batch"]["agent/env_calls"][1] == 16 and ahead["agent_batch"]["agent/env_calls"][0] > 16
     workers = json.loads((out / "placement.json").read_text())["workers"]
     assert [w["visible_devices"] for w in workers if w["role"] == "vllm"] == ["0,1"]  # the colocated TP-2 engine
+
+
+def test_ray_ppo_in_arrival_order_runs_each_prompts_trajectories_as_a_group_on_the_least_loaded_engine(
+        ray_cluster, tmp_path):
+    """rollout.stream_order arrival with an agent section on Ray: two engines of TP 1, k = 2 with partial rollouts.
+    Each prompt's trajectories are one group, sent to the engine with the fewest under way and run in its actor
+    beside its engine (their environments there); each step trains the first 4 groups whose trajectories all
+    ended. Over the run every planned group is trained exactly once, at most 2 updates after its first turn began
+    (the final checkpoint's ledger); the step-2 checkpoint waited for the trajectories under way (an environment's
+    state cannot be kept): every group it holds ended, with its episodes."""
+    import torch
+
+    steps, per_step = 3, 4
+    out, _ = ray_agent_run(ray_cluster, tmp_path, "--set", f"train.max_steps={steps}", "--set",
+                           "rollout.max_staleness=2", "--set", "rollout.partial=true", "--set", "ppo.tis_cap=2",
+                           "--set", "rollout.stream_order=arrival", "--set", "checkpoint.every_steps=1",
+                           "--set", "placement.vllm.engines=2", "--set", "placement.vllm.tensor_parallel_size=1")
+    rows = [m for m in read_metrics(out) if "rollout/score" in m]
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    assert rows[0]["stream/admitted_groups"] == 3 * per_step  # steps 0..2's groups start at once (k = 2)
+    for s, r in enumerate(rows):
+        assert r["reward/env"] == pytest.approx(r["agent/episode_reward"]) and r["agent/env_calls"] > 1, r
+        assert 0 <= r["rollout/staleness"] <= min(s, 2) and 0 <= r["agent/engine_idle_share"] < 1, r
+    ledger = torch.load(out / "checkpoints" / f"step_{steps:06d}" / "stream_rank0.pt", weights_only=False)["ledger"]
+    trained = ledger["trained"]  # (t, i, head version, step)
+    assert sorted((t, i) for t, i, *_ in trained) == [(t, i) for t in range(steps) for i in range(per_step)]
+    assert all(0 <= s - head <= 2 for *_, head, s in trained), trained
+    kept = torch.load(out / "checkpoints" / "step_000002" / "stream_rank0.pt", weights_only=False)["groups"]
+    assert kept and all(len(g["generations"]) == 4 and all(x.episode is not None for x in g["generations"])
+                        for g in kept), kept
+    workers = json.loads((out / "placement.json").read_text())["workers"]
+    assert sorted(w["visible_devices"] for w in workers if w["role"] == "vllm") == ["0", "1"]  # one GPU each

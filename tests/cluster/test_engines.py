@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -152,11 +153,11 @@ def check_episodes_over_the_fleet(engines, fleet, model, tokenizer, tiny_llama) 
     origins = [f"rows.jsonl:{i + 1}" for i in range(6)]
     params = SamplingParams(n=2, max_new_tokens=8, seed=5)
     batch = fleet.launch_episodes(rows, params, origins, 11, spec)
-    split, stats = batch.result(), batch.episode_stats()
+    split, stats = batch.result(), batch.stats()
     stream = engines.workers[0].run_episodes_stream.options(num_returns="streaming").remote(rows, params, origins, 11,
                                                                                            spec)
     whole = ray.get(next(stream))
-    assert [i for i, _ in whole] == list(range(6)) and sorted(batch.stats) == [0, 1]  # both engines ran a part
+    assert [i for i, _ in whole] == list(range(6)) and sorted(batch.part_stats) == [0, 1]  # both engines ran a part
 
     def seen(groups) -> list:
         return [[(g.response_ids, g.action_mask, g.logprobs, g.episode.status, g.episode.reward) for g in group]
@@ -277,6 +278,15 @@ def test_an_engine_loop_actor_pauses_its_batch_for_a_weight_sync_and_each_span_h
                 gap = (forward_logprobs(models[1], g) - torch.tensor(g.logprobs))[model_tokens]
                 assert gap.abs().max() < engine_tol()
         assert ray.get(engine.pop_busy.remote()) > 0  # the loop's engine steps
+        # arrival order's drop of a group of trajectories, by its name; a cancel that comes before its run (the calls
+        # are in different groups) stops it at its start: no turn is generated, the environments still finish
+        ray.get(engine.cancel_episodes.remote("group-7"))
+        stream = engine.run_episodes_stream.options(num_returns="streaming", concurrency_group=STREAMS).remote(
+            rows, SamplingParams(n=2, max_new_tokens=8, seed=5), [f"rows.jsonl:{i + 1}" for i in range(3)], 11, spec,
+            "group-7")
+        cut = [g for _, group in ray.get(next(stream)) for g in group]
+        assert len(cut) == 6 and not any(g.response_ids for g in cut), [g.response_ids for g in cut]
+        assert ray.get(engine.__ray_call__.remote(lambda self: len(self.episode_runs))) == 0  # nothing left behind
         # arrival order's drop of a group under way: `cancel` aborts it and its stream ends, short of its groups
         long = SamplingParams(n=2, max_new_tokens=200, min_new_tokens=200, seed=7)
         launched = engine.launch.remote(prompts[:1], long)
@@ -364,13 +374,20 @@ def test_a_batch_streams_its_groups_and_keeps_those_received_before_an_engine_di
 def test_one_prompt_batches_go_to_the_engine_with_the_fewest_under_way(monkeypatch):
     """Arrival order launches one group per batch: each goes to the engine with the fewest such groups under way
     (ended or cancelled ones no longer count; the lowest rank on a tie); a batch of several prompts is split over
-    every engine as before."""
+    every engine as before. A group of trajectories (one row) goes alike, and is stopped by its name on its engine."""
     from hpcrlhf.cluster import engines
 
+    stopped = []
+
+    class Worker:  # an engine actor's handle: what `cancel` sends it
+        def __init__(self, rank: int) -> None:
+            self.cancel_episodes = SimpleNamespace(remote=lambda token: stopped.append((rank, token)))
+
     class Batch:
-        def __init__(self, fleet, prompts, params, ranks=None) -> None:
+        def __init__(self, fleet, prompts, params, ranks=None, token=None, **how) -> None:
             self.parts = {rank: (0, 1) for rank in (ranks if ranks is not None else range(len(fleet.group)))}
-            self.callbacks, self.cancelled, self.numbers = [], False, {}
+            self.callbacks, self.cancelled, self.numbers, self.token, self.done_at = [], False, {}, token, {}
+            self.sent_to = {rank: Worker(rank) for rank in self.parts}
 
         def add_done_callback(self, fn) -> None:
             self.callbacks.append(fn)
@@ -389,3 +406,9 @@ def test_one_prompt_batches_go_to_the_engine_with_the_fewest_under_way(monkeypat
     assert fleet.single_load == {0: 2, 1: 0, 2: 0}  # engines 1 and 2 have none under way now
     assert [list(fleet.launch([[1]], None).parts) for _ in range(3)] == [[1], [2], [1]]
     assert list(fleet.launch([[1], [2]], None).parts) == [0, 1, 2]
+    # a group of trajectories (one row) likewise, and its cancel stops it by its token on its engine
+    monkeypatch.setattr(engines, "gather", list)
+    episodes = [fleet.launch_episodes([{"prompt": "p"}], None, ["rows:1"], 0, None) for _ in range(2)]
+    assert [list(b.parts) for b in episodes] == [[2], [0]] and episodes[0].token != episodes[1].token
+    fleet.cancel([episodes[0]])
+    assert stopped == [(2, episodes[0].token)] and fleet.single_load == {0: 3, 1: 2, 2: 1}

@@ -242,10 +242,10 @@ def test_arrival_order_on_ray_trains_every_planned_group_once_within_k(ray_clust
     the groups under way and holds them ended."""
     import torch
 
-    folder, steps, per_step = tmp_path / "run", 4, 32
+    folder, steps, per_step = tmp_path / "run", 3, 32
     run_cli(["train", "ppo", "--config", SEPARATED, "-o", str(folder), "--set", f"model.path={policy_model}", *RUN,
              "--set", f"train.max_steps={steps}", "--set", "rollout.max_staleness=2", "--set", "ppo.tis_cap=2",
-             "--set", "rollout.stream_order=arrival", "--set", "checkpoint.every_steps=2"],
+             "--set", "rollout.stream_order=arrival", "--set", "checkpoint.every_steps=1"],
             env={"RAY_ADDRESS": ray_cluster.address}, timeout=1200)
     rows = train_rows(folder)
     staleness = [r["rollout/staleness"] for r in rows]

@@ -53,6 +53,24 @@ def test_batches_sharing_the_loop_draw_what_each_draws_alone(streaming, rollout_
     assert greedy[0][0] is not greedy[0][1] and greedy[0][0].response_ids is not greedy[0][1].response_ids
 
 
+def test_a_floor_on_the_engine_step_slows_each_step_and_changes_no_token(streaming, rollout_prompts):
+    """rollout.min_engine_step_s: every engine step lasts at least the floor (the loop sleeps the rest: counted as
+    the engine's busy time, as a larger model's step would be); the samples are those drawn without it."""
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=6, min_new_tokens=6, seed=8)
+    fast = streaming.generate(rollout_prompts[:2], params)
+    streaming.loop.pop_load()
+    streaming.loop.min_step_s = 0.05
+    try:
+        began = time.perf_counter()
+        slow = streaming.generate(rollout_prompts[:2], params)
+        took = time.perf_counter() - began
+        load = streaming.loop.pop_load()
+    finally:
+        streaming.loop.min_step_s = 0.0
+    assert [g.response_ids for gens in slow for g in gens] == [g.response_ids for gens in fast for g in gens]
+    assert load.steps >= 6 and load.busy_s >= 0.05 * load.steps and took >= 0.05 * load.steps, (load, took)
+
+
 def test_a_cancelled_batch_never_ends_and_the_batches_beside_it_draw_as_alone(streaming, rollout_prompts):
     """`cancel` (arrival order's drop of a group under way): the batch's samples are aborted, it never ends, and a
     batch under way beside it draws what it draws alone; one cancelled after it ended changes nothing."""

@@ -57,10 +57,14 @@ from hpcrlhf.trainers.batches import PPOPlan
      "rollout.backend hf generates each batch in one call of the training process, in plan order: set "
      "rollout.backend=vllm, or rollout.stream_order=plan"),
     (["rollout.stream_order=fifo"], "'fifo' is not one of 'plan', 'arrival'"),
-    (["rollout.backend=vllm", "rollout.stream_order=arrival", "rollout.max_staleness=1",
-      "agent={environment: 'tests.agents.envs:Countdown'}", "agent.max_tokens=64", "placement.runtime=ray"],
-     "rollout.stream_order: 'arrival' is invalid: with an agent section arrival order runs on the local runtime (one "
-     "rank) only: use rollout.stream_order=plan on Ray, or placement.runtime=local"),
+    (["rollout.backend=vllm", "rollout.min_engine_step_s=0.02"], "rollout.min_engine_step_s: 0.02 is invalid: it "
+     "slows the steps of the vLLM engine loop, which runs with rollout.backend vllm and rollout.max_staleness >= 1: "
+     "set those, or rollout.min_engine_step_s=0"),
+    (["rollout.backend=vllm", "rollout.max_staleness=1", "rollout.min_engine_step_s=-1"],
+     "rollout.min_engine_step_s: -1.0 is invalid: use 0 (off) or a floor in seconds"),
+    (["rollout.backend=vllm", "rollout.max_staleness=1", "rollout.min_engine_step_s=0.02", "placement.runtime=ray"],
+     "rollout.min_engine_step_s: 0.02 is invalid: on Ray the engine actors run on engine loops with rollout.partial "
+     "or rollout.stream_order arrival only"),
     (["rollout.backend=vllm", "placement.vllm.sleep=true", "rollout.max_staleness=1"],
      "placement.vllm.sleep: true swaps GPU memory between generation and training, but rollout.max_staleness 1 runs "
      "them at the same time: use rollout.max_staleness=0 with sleep, or placement.vllm.sleep=false"),

@@ -122,15 +122,22 @@ class RolloutConfig:
     1's, ..., each sent as it fills; with ppo.dynamic_sampling every rank takes part in each round and rank 0
     records which groups the ranks used), on Ray each group goes to the engine with
     the fewest under way (every engine on an engine loop, with or without rollout.partial). With an agent section
-    (local runtime, one rank) a group is its prompt's trajectories, their turns on the engine loop; a dropped
-    group's trajectories stop (their environments still close), and a checkpoint waits for those under way. Not
-    with an agent section on Ray or several local ranks yet."""
+    (local runtime with one rank, or Ray) a group is its prompt's trajectories, their turns on the engine loop (on
+    Ray in the engine actor it went to, beside its engine); a dropped group's trajectories stop (their environments
+    still close), and a checkpoint waits for those under way. Not with an agent section on several local ranks
+    yet."""
     length_key: str | None = None
     """Benchmarks only (hpcrlhf bench's long-tail suites): the prompt-row field holding the length, in tokens,
     of every response to that prompt -- EOS suppressed until then, cut there (vLLM's min_tokens = max_tokens),
     so that every system of a suite generates the same lengths, drawn from a stated distribution. At most
     rollout.max_new_tokens; vllm only; not with an agent section. null: the model decides (up to
     max_new_tokens)."""
+    min_engine_step_s: float = 0.0
+    """Benchmarks and tests only: each step of the vLLM engine loop takes at least this many seconds (it sleeps the
+    rest, holding no core), as a larger model's decode step would -- so that on a small machine generation takes
+    its real share of a step, and samples are under way at a weight sync whatever the host's speed. Needs an
+    engine loop: rollout.backend vllm with rollout.max_staleness >= 1 (on Ray also rollout.partial or
+    rollout.stream_order arrival). 0: off."""
 
     def __post_init__(self) -> None:
         require_finite(self, "rollout")
@@ -166,6 +173,12 @@ class RolloutConfig:
         require(self.length_key is None or self.backend == "vllm", "rollout.length_key", self.length_key,
                 "fixed per-prompt lengths are set per request in a vLLM engine: set rollout.backend=vllm, or "
                 "rollout.length_key=null")
+        require(self.min_engine_step_s >= 0, "rollout.min_engine_step_s", self.min_engine_step_s,
+                "use 0 (off) or a floor in seconds, e.g. 0.02")
+        require(not self.min_engine_step_s or (self.backend == "vllm" and self.max_staleness >= 1),
+                "rollout.min_engine_step_s", self.min_engine_step_s,
+                "it slows the steps of the vLLM engine loop, which runs with rollout.backend vllm and "
+                "rollout.max_staleness >= 1: set those, or rollout.min_engine_step_s=0")
         require(self.vllm_kv_cache_gb > 0, "rollout.vllm_kv_cache_gb", self.vllm_kv_cache_gb, "use a positive size")
         for name in ("vllm_max_num_seqs", "vllm_max_num_batched_tokens"):
             value = getattr(self, name)

@@ -220,10 +220,11 @@ class PPOConfig(OnlineJobConfig):
                 "a paused sample goes on under newer weights than its first tokens', which the per-token ratios must "
                 "correct: set ppo.tis_cap=2 (truncated importance weights; ppo.is_mode=mask to drop outlying tokens "
                 "instead), or rollout.partial=false")
-        if self.rollout.stream_order == "arrival":  # (several local ranks: at the start)
-            require(self.agent is None or self.placement.runtime != "ray", "rollout.stream_order", "arrival",
-                    "with an agent section arrival order runs on the local runtime (one rank) only: use "
-                    "rollout.stream_order=plan on Ray, or placement.runtime=local")
+        if self.placement.runtime == "ray":
+            require(not self.rollout.min_engine_step_s or self.rollout.partial or self.rollout.stream_order == "arrival",
+                    "rollout.min_engine_step_s", self.rollout.min_engine_step_s,
+                    "on Ray the engine actors run on engine loops with rollout.partial or rollout.stream_order arrival "
+                    "only: set one of them, or rollout.min_engine_step_s=0")
         if k >= 2 and self.ppo.tis_cap is None:
             raise ConfigError(f"rollout.max_staleness: {k} trains on samples up to {k} updates old without correcting "
                               "their per-token ratios: set ppo.tis_cap=2 (truncated importance weights; "

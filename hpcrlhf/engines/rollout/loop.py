@@ -194,9 +194,11 @@ class EngineLoop:
     `VLLMStream` (`partial`: samples can be paused across a weight update). Every method posts a message the
     loop runs in order between engine steps."""
 
-    def __init__(self, make_engine: Callable[[], VLLMRollout], *, partial: bool,
+    def __init__(self, make_engine: Callable[[], VLLMRollout], *, partial: bool, min_step_s: float = 0.0,
                  name: str = "hpcrlhf-engine-loop") -> None:
         self.partial = partial
+        self.min_step_s = min_step_s
+        """Each engine step takes at least this long (rollout.min_engine_step_s: the loop sleeps the rest)."""
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._error: BaseException | None = None
@@ -249,6 +251,8 @@ class EngineLoop:
         assert self.stream is not None
         rows, began = len(self.stream.requests), time.perf_counter()
         ended = self.stream.step()
+        if self.min_step_s:
+            time.sleep(max(0.0, began + self.min_step_s - time.perf_counter()))
         with self._lock:
             self._load[0] += time.perf_counter() - began
             self._load[1] += 1
@@ -496,13 +500,13 @@ class StreamingRollout:
     (module docstring). `make_engine` builds the engine on the loop's thread. It never sleeps (no `sleep`,
     `wake`): placement.vllm.sleep is refused with rollout.max_staleness >= 1, the engine generates meanwhile."""
 
-    def __init__(self, make_engine: Callable[[], VLLMRollout], *, partial: bool) -> None:
+    def __init__(self, make_engine: Callable[[], VLLMRollout], *, partial: bool, min_step_s: float = 0.0) -> None:
         def build() -> VLLMRollout:
             engine = make_engine()
             engine.weight_group()  # formed here, where the engine is driven; the senders reuse it
             return engine
 
-        self.loop = EngineLoop(build, partial=partial)
+        self.loop = EngineLoop(build, partial=partial, min_step_s=min_step_s)
         self.engine = self.loop.engine
         self.partial = partial
 

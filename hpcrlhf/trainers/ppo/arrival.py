@@ -5,7 +5,9 @@ ranks how they reach each rank.
 - One local rank: the stream drives this process's engine loop (`StreamingRollout`); with an agent section a
   group is its prompt's trajectories (`AgentRunner.launch`, their turns on the loop), stopped when dropped, and a
   checkpoint waits for those under way.
-- Ray: the driver's stream sends each group to the engine actor with the fewest under way (`EngineFleet`).
+- Ray: the driver's stream sends each group to the engine actor with the fewest under way (`EngineFleet`); with an
+  agent section a group is its prompt's trajectories run in that actor beside its engine, stopped there when
+  dropped (`EngineFleet.cancel`), and a checkpoint waits for those under way.
 - Several local ranks: rank 0 holds the stream on its engine loop and takes the step's groups for every rank as
   they end -- the first `prompts_per_rank` for rank 0, the next for rank 1, ... -- and sends each rank its share
   as it fills (`Rank0Batch`, one meeting per lot; a group travels with its key, from which each rank knows its
@@ -88,11 +90,11 @@ class ArrivalRollouts:
         shared = isinstance(engine, Rank0Rollout) and engine.streaming
         loop = engine.engine if shared else engine
         if not (isinstance(loop, StreamingRollout) or shared or isinstance(engine, EngineFleet) and engine.streaming) \
-                or (t.agent is not None and not isinstance(engine, StreamingRollout)):
+                or (t.agent is not None and shared):
             raise ConfigError(f"rollout.stream_order: arrival takes each step's groups as the engine loops end them: "
                               f"it runs with rollout.backend vllm on the local runtime (one rank or several) or on "
-                              f"Ray, and with an agent section on one local rank (here: {t.env.world_size} local "
-                              f"rank(s), runtime {cfg.placement.runtime}, backend {cfg.rollout.backend}, agent "
+                              f"Ray, and with an agent section on one local rank or on Ray (here: {t.env.world_size} "
+                              f"local rank(s), runtime {cfg.placement.runtime}, backend {cfg.rollout.backend}, agent "
                               f"{'yes' if t.agent is not None else 'no'}); use rollout.stream_order=plan, or those "
                               "settings")
         self.shared = shared
@@ -108,7 +110,7 @@ class ArrivalRollouts:
             # trajectories under way are waited for by a checkpoint (an environment's state cannot be kept)
             keeps = cfg.rollout.partial and suspends(engine) and t.agent is None
             ledger = Ledger(per_step, None if cfg.ppo.dynamic_sampling else t.plan.total_steps * per_step)
-            cancel = loop.cancel if t.agent is None else cancel_episodes
+            cancel = cancel_episodes if t.agent is not None and isinstance(loop, StreamingRollout) else loop.cancel
             self.stream = RolloutStream(ledger, cfg.rollout.max_staleness, self._launch, cancel,
                                         loop.suspend if keeps else None, loop.relaunch if keeps else None,
                                         parties=(lambda: ["the vLLM engine actors"]) if isinstance(loop, EngineFleet)
@@ -135,7 +137,7 @@ class ArrivalRollouts:
         with tr.run.timed("generate"):
             if tr.agent is None:
                 return prompt, self.engine.launch([list(prompt.ids)], params)
-            batch, _ = tr._launch_episodes(self.engine, [prompt], params)  # the group's trajectories, on the loop
+            batch, _ = tr._launch_episodes(self.engine, [prompt], params)  # the group's trajectories
             self._episodes[t, i] = batch
             return prompt, batch
 

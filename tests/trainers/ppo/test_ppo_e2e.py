@@ -347,9 +347,10 @@ def test_two_ranks_share_rank_0s_engine_loop_two_steps_ahead_with_partial_rollou
     ranks' batches ahead while they train (`Rank0Rollout.launch`: the prompts gathered at the launch, the
     generations scattered when the step takes them). Each sample's first token is at most min(s, 2) updates old
     and the loop runs two ahead; step 1's samples come from the weights the trainer holds (equal log-probs),
-    later ones from older weights. Responses of 192 tokens: step 4's batch is still under way at the checkpoint
-    of step 2, which keeps it as far as it got without waiting (`EngineLoop.suspend`); resumed from it, the run
-    repeats step 3 exactly and goes on with step 4's samples from where they stopped, each as old as before."""
+    later ones from older weights. Responses of 192 tokens, each engine step at least 40 ms (a batch of them takes
+    longer than a training step on any host): step 6's batch is still under way at the checkpoint
+    of step 4, which keeps it as far as it got without waiting (`EngineLoop.suspend`); resumed from it, the run
+    repeats step 5 exactly and goes on with step 6's samples from where they stopped, each as old as before."""
     import torch
 
     out = tmp_path / "run"
@@ -360,7 +361,8 @@ def test_two_ranks_share_rank_0s_engine_loop_two_steps_ahead_with_partial_rollou
              "--set", "ppo.tis_cap=2", "--set", "ppo.is_mode=mask", "--set", "rollout.prompts_per_step=8",
              "--set", "train.global_batch_size=32", "--set", "train.micro_batch_size=16", "--set", "eval.score_prompts=16",
              "--set", "checkpoint.every_steps=2", "--set", "checkpoint.keep_last=3", "--set",
-             "rollout.min_new_tokens=192", "--set", "rollout.max_new_tokens=192", *QUIET]
+             "rollout.min_new_tokens=192", "--set", "rollout.max_new_tokens=192", "--set",
+             "rollout.min_engine_step_s=0.04", *QUIET]  # a batch takes >= 7.7 s: under way at each sync, on any host
     run_cli(args, nproc=2, timeout=900)
     rows = train_rows(out)
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
@@ -374,20 +376,20 @@ def test_two_ranks_share_rank_0s_engine_loop_two_steps_ahead_with_partial_rollou
     assert all(r["timing/busy_vllm"] >= 0 and 0 <= r["rollout/engine_rows"] <= 3 * 32 for r in rows)
     assert max(r["rollout/engine_rows"] for r in rows) >= 1
     checkpoints = out / "checkpoints"
-    assert {p.name for p in (checkpoints / "step_000002").glob("ahead_rank*.pt")} == {"ahead_rank0.pt", "ahead_rank1.pt"}
-    kept = {a["step"]: a for a in torch.load(checkpoints / "step_000002" / "ahead_rank0.pt", weights_only=False)["ahead"]}
-    going = kept[3]["under_way"]  # step 4's batch (0-based 3), launched after 1 update
-    assert kept[3]["launched_at"] == 1 and going.sizes == [4, 4] and going.batch.count == 8, kept[3]
-    assert going.batch.under_way and all(0 < len(s.tokens) < 192 and s.versions[0][1] == 1
+    assert {p.name for p in (checkpoints / "step_000004").glob("ahead_rank*.pt")} == {"ahead_rank0.pt", "ahead_rank1.pt"}
+    kept = {a["step"]: a for a in torch.load(checkpoints / "step_000004" / "ahead_rank0.pt", weights_only=False)["ahead"]}
+    going = kept[5]["under_way"]  # step 6's batch (0-based 5), launched after 3 updates
+    assert kept[5]["launched_at"] == 3 and going.sizes == [4, 4] and going.batch.count == 8, kept[5]
+    assert going.batch.under_way and all(0 < len(s.tokens) < 192 and s.versions[0][1] == 3
                                          for _, _, s in going.batch.under_way), going.batch.under_way
-    rewind_to(out, 2)  # as if stopped after step 2
+    rewind_to(out, 4)  # as if stopped after step 4
     run_cli(args, nproc=2, timeout=900)
     resumed = train_rows(out)
     assert [r["step"] for r in resumed] == [1, 2, 3, 4, 5, 6]
-    for key in ("rollout/score", "rollout/staleness", "rollout/is_weight", "train/policy_loss"):  # step 3: kept whole
-        assert resumed[2][key] == pytest.approx(rows[2][key], rel=1e-6, abs=1e-9), key
+    for key in ("rollout/score", "rollout/staleness", "rollout/is_weight", "train/policy_loss"):  # step 5: kept whole
+        assert resumed[4][key] == pytest.approx(rows[4][key], rel=1e-6, abs=1e-9), key
     # later: the split points of the samples paused at a sync are the host's timing, and so is a sample's age where
-    # its first token came only after the next sync (the resumed loop re-prefills step 4's samples first)
+    # its first token came only after the next sync (the resumed loop re-prefills step 6's samples first)
     assert all(0 <= r["rollout/staleness"] <= min(s, 2) for s, r in enumerate(resumed)), resumed
     assert all(r["rollout/response_length"] == 192 and 0.5 < r["rollout/is_weight"] <= 2 for r in resumed)
 

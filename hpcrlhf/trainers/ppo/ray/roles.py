@@ -100,7 +100,8 @@ class RayRoles:
         partial = cfg.rollout.partial  # each engine on an engine loop: a sync pauses what runs
         loop = partial or cfg.rollout.stream_order == "arrival"  # (arrival: one group per call, many at once)
         engines = WorkerGroup.for_engines(EngineWorker, reservation, tensor_parallel_size=tp, loop=loop,
-                                          partial=partial, remote_options=LOOP_ACTOR if loop else None,
+                                          partial=partial, min_step_s=cfg.rollout.min_engine_step_s,
+                                          remote_options=LOOP_ACTOR if loop else None,
                                           **vllm_engine_args(cfg))
         self.weight_push = WeightPush(self.groups["actor"], tp, cfg.placement.vllm.weight_sync)
         self.rollout = EngineFleet(engines, self.weight_push, max_restarts=cfg.placement.vllm.max_restarts,
