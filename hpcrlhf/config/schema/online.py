@@ -122,10 +122,10 @@ class RolloutConfig:
     1's, ..., each sent as it fills; with ppo.dynamic_sampling every rank takes part in each round and rank 0
     records which groups the ranks used), on Ray each group goes to the engine with
     the fewest under way (every engine on an engine loop, with or without rollout.partial). With an agent section
-    (local runtime with one rank, or Ray) a group is its prompt's trajectories, their turns on the engine loop (on
-    Ray in the engine actor it went to, beside its engine); a dropped group's trajectories stop (their environments
-    still close), and a checkpoint waits for those under way. Not with an agent section on several local ranks
-    yet."""
+    a group is its prompt's trajectories, their turns on the engine loop (several local ranks: rank 0's, the
+    environments in its process, each group sent to its rank with its episodes; on Ray in the engine actor it went
+    to, beside its engine); a dropped group's trajectories stop (their environments still close), and a checkpoint
+    waits for those under way."""
     length_key: str | None = None
     """Benchmarks only (hpcrlhf bench's long-tail suites): the prompt-row field holding the length, in tokens,
     of every response to that prompt -- EOS suppressed until then, cut there (vLLM's min_tokens = max_tokens),

@@ -12,7 +12,9 @@ ranks how they reach each rank.
   they end -- the first `prompts_per_rank` for rank 0, the next for rank 1, ... -- and sends each rank its share
   as it fills (`Rank0Batch`, one meeting per lot; a group travels with its key, from which each rank knows its
   prompt). The other ranks hold no stream; rank 0's checkpoint holds it. With ppo.dynamic_sampling every rank takes
-  part in each round while any misses groups, and rank 0 records the groups every rank used (`_slots`).
+  part in each round while any misses groups, and rank 0 records the groups every rank used (`_slots`). With an
+  agent section a group is its prompt's trajectories on rank 0's loop (their environments in rank 0's process),
+  sent to their rank with their episodes; rank 0 logs the scheduling figures of every rank's groups.
 
 A group (t, i) is prompt i of step t's prompts of every prompt rank in rank order, sampled with the seed the plan
 gives step t's batch (rank 0's, as `Rank0Rollout.launch` and the Ray driver sample it) at its place i: a group
@@ -89,14 +91,11 @@ class ArrivalRollouts:
         cfg, engine = t.cfg, t.rollout
         shared = isinstance(engine, Rank0Rollout) and engine.streaming
         loop = engine.engine if shared else engine
-        if not (isinstance(loop, StreamingRollout) or shared or isinstance(engine, EngineFleet) and engine.streaming) \
-                or (t.agent is not None and shared):
+        if not (isinstance(loop, StreamingRollout) or shared or isinstance(engine, EngineFleet) and engine.streaming):
             raise ConfigError(f"rollout.stream_order: arrival takes each step's groups as the engine loops end them: "
                               f"it runs with rollout.backend vllm on the local runtime (one rank or several) or on "
-                              f"Ray, and with an agent section on one local rank or on Ray (here: {t.env.world_size} "
-                              f"local rank(s), runtime {cfg.placement.runtime}, backend {cfg.rollout.backend}, agent "
-                              f"{'yes' if t.agent is not None else 'no'}); use rollout.stream_order=plan, or those "
-                              "settings")
+                              f"Ray (here: {t.env.world_size} local rank(s), runtime {cfg.placement.runtime}, backend "
+                              f"{cfg.rollout.backend}); use rollout.stream_order=plan, or those settings")
         self.shared = shared
         self.ranks = range(t.env.world_size) if shared else t.roles.prompt_ranks
         """The prompt ranks whose prompts make a step's groups, in rank order."""
@@ -141,10 +140,13 @@ class ArrivalRollouts:
             self._episodes[t, i] = batch
             return prompt, batch
 
-    def _figures(self, take: StreamTake) -> Stats:
-        """(agent section) The scheduling figures of a round's groups (after they ended; each group's once)."""
-        stats = [self._episodes.pop(g.key).stats() for g in take.groups if g.key in self._episodes]
-        return batch_stats(added(stats), len(take.groups) * self.trainer.cfg.rollout.samples_per_prompt)
+    def _figures(self, take: StreamTake | None) -> Stats:
+        """(agent section) The scheduling figures of a round's groups (after they ended; each group's once): rank 0's
+        are every rank's groups' (their trajectories all ran there), the other ranks' none, each counting its own
+        trajectories -- so that the ranks' figures add up to each trajectory once."""
+        stats = [self._episodes.pop(g.key).stats() for g in take.groups if g.key in self._episodes] if take else []
+        groups = self.per_rank if self.shared else len(take.groups)
+        return batch_stats(added(stats), groups * self.trainer.cfg.rollout.samples_per_prompt)
 
     # -- a step ---------------------------------------------------------------------------------
     def rollout(self, step: int) -> tuple[Rollout, dict[str, float]]:
@@ -167,8 +169,8 @@ class ArrivalRollouts:
                 stream.admit(tr.version, beyond=max(0, len(takes) - 1) * quota)  # the step trains `quota` of them
                 takes.append(stream.take(quota, keyed=self.shared))
                 pending = takes[-1]
-                if tr.agent is not None:
-                    figures = partial(self._figures, pending)
+            if tr.agent is not None:
+                figures = partial(self._figures, pending)
             if self.shared:
                 pending = RankShare(Rank0Batch(pending, [self.per_rank] * len(self.ranks), tr.rollout),
                                     self.prompt_of)

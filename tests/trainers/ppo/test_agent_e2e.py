@@ -229,14 +229,22 @@ def test_resumed_agent_runs_equal_uninterrupted_ones(tmp_path):
             assert max(r["rollout/generation_rounds"] for r in a) > 1  # a refill round was resumed
 
 
+ARRIVAL = ["--set", "rollout.max_staleness=2", "--set", "ppo.tis_cap=2", "--set", "rollout.stream_order=arrival",
+           "--set", "checkpoint.every_steps=2"]
+"""Arrival order two steps ahead, the final checkpoint's ledger kept (2 steps)."""
+
+
 @pytest.mark.slow
-def test_two_ranks_run_their_trajectories_on_rank_0s_engine(tmp_path):
+@pytest.mark.parametrize("order", ["plan", "arrival"])
+def test_two_ranks_run_their_trajectories_on_rank_0s_engine(order, tmp_path):
     """Two training ranks under ZeRO-3 with the vLLM backend: rank 0 runs both ranks' trajectories as one
     batch on its engine (their environments in its process) and each rank learns from its own; the batch's
     figures count each trajectory once (an environment call per reset, per turn and at the end, over the
     trajectories of both ranks). Evaluation runs its episodes on the engine too: the ranks' ZeRO-3
     modules generate in lockstep, which trajectories of different lengths cannot keep. One step stale
-    (rollout.max_staleness 1), rank 0's engine is an engine loop: its scheduler posts each turn to it."""
+    (rollout.max_staleness 1), rank 0's engine is an engine loop: its scheduler posts each turn to it. In arrival
+    order (k = 2) each prompt's trajectories are a group on rank 0's loop, each step takes the first 4 that ended
+    (2 per rank, sent to their rank with their episodes), and every planned group is trained once."""
     rows = tmp_path / "rows.jsonl"
     rows.write_text("".join(json.dumps({"prompt": f"count {i}", "id": f"row{i}"}) + "\n" for i in range(32)))
     model, out = short_turned("llama", None, tmp_path / "model"), tmp_path / "run"
@@ -248,14 +256,23 @@ def test_two_ranks_run_their_trajectories_on_rank_0s_engine(tmp_path):
              "--set", "optim.lr=1e-4", "--set", "train.max_steps=2", "--set", f"data.eval_path={rows}",
              "--set", "eval.score_prompts=5", "--set", "rollout.max_staleness=1",
              "--set", "agent={environment: 'tests.agents.envs:Wordy', environment_args: {turns: 2}, max_turns: 3, "
-                      "max_tokens: 48}", "--set", "reward.sources=[{env: true}]", *QUIET], nproc=2, timeout=900)
+                      "max_tokens: 48}", "--set", "reward.sources=[{env: true}]", *QUIET,
+             *(ARRIVAL if order == "arrival" else [])], nproc=2, timeout=900)
     steps = train_rows(out)
     assert [r["step"] for r in steps] == [1, 2]
     for r in steps:
         assert r["agent/env_calls"] == pytest.approx(r["agent/turns"] + 2), r  # reset, turns, end: counted once
         assert r["reward/env"] == pytest.approx(r["agent/episode_reward"]) and 0 <= r["agent/engine_idle_share"] < 1
     assert steps[0]["rollout/logprob_max_diff"] < 1e-4  # the engine's log-probs of the model's tokens: the ZeRO-3 actor's
-    assert [r["rollout/staleness"] for r in steps] == [0, 1] and steps[0]["timing/busy_vllm"] > 0  # rank 0's loop
+    assert [r["rollout/staleness"] for r in steps][0] == 0 and steps[0]["timing/busy_vllm"] > 0  # rank 0's loop
+    if order == "plan":
+        assert steps[1]["rollout/staleness"] == 1
+    else:
+        import torch
+
+        assert 0 <= steps[1]["rollout/staleness"] <= 1 and steps[0]["stream/admitted_groups"] == 2 * 4  # the whole run
+        ledger = torch.load(out / "checkpoints" / "step_000002" / "stream_rank0.pt", weights_only=False)["ledger"]
+        assert sorted((t, i) for t, i, *_ in ledger["trained"]) == [(t, i) for t in range(2) for i in range(4)]
     assert max(r["agent/turns"] for r in steps) > 1 and steps[1]["train/policy_loss"] != 0
     s = summary(out)
     assert s["status"] == "done" and s["before"]["eval/turns"] >= 1 and "eval/reward" in s["after"], s

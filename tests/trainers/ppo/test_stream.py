@@ -188,20 +188,18 @@ def test_a_checkpoint_in_the_middle_loses_and_repeats_no_group(suspend: bool) ->
         assert all(g["generations"] is not None for g in state["groups"])
 
 
-def test_arrival_order_with_an_agent_over_several_local_ranks_is_refused_at_the_start() -> None:
-    """Several local ranks share rank 0's engine loop (`Rank0Rollout`); trajectories cannot be taken so yet: the
-    error names the setting, what this run has, and the ways out -- before any group starts."""
+def test_arrival_order_without_an_engine_loop_is_refused_at_the_start() -> None:
+    """An engine that generates each batch in one call (here the hf backend's) cannot hand out groups as they end:
+    the error names the setting, what this run has, and the way out -- before any group starts."""
     from types import SimpleNamespace
 
-    from hpcrlhf.engines.rollout.shared import Rank0Rollout
     from hpcrlhf.errors import ConfigError
     from hpcrlhf.trainers.ppo.arrival import ArrivalRollouts
 
-    cfg = SimpleNamespace(placement=SimpleNamespace(runtime="local"), rollout=SimpleNamespace(backend="vllm"))
-    trainer = SimpleNamespace(cfg=cfg, rollout=Rank0Rollout(None, SimpleNamespace(rank=1), streaming=True),
-                              agent=object(), env=SimpleNamespace(world_size=2))
+    cfg = SimpleNamespace(placement=SimpleNamespace(runtime="local"), rollout=SimpleNamespace(backend="hf"))
+    trainer = SimpleNamespace(cfg=cfg, rollout=object(), agent=None, env=SimpleNamespace(world_size=1))
     with pytest.raises(ConfigError) as refused:
         ArrivalRollouts(trainer)
     message = str(refused.value)
-    assert message.startswith("rollout.stream_order: arrival") and "here: 2 local rank(s), runtime local" in message
-    assert "agent yes" in message and "use rollout.stream_order=plan" in message
+    assert message.startswith("rollout.stream_order: arrival") and "here: 1 local rank(s), runtime local" in message
+    assert "backend hf" in message and "use rollout.stream_order=plan" in message
