@@ -30,8 +30,9 @@ Arrival order (`rollout.stream_order: arrival`, design 3.2): the samples are han
 plan's order, as many as the rule for k lets start ((version + k + 1) x samples admitted and not dropped), each
 to the engine with the fewest queued and running; a sample's age is that of its first token (the version when it
 was admitted); step s trains the first `samples` that ended, after dropping those older than s - k (running,
-paused or ended: started again from scratch, first in line). A sample stands for a group (one sample per prompt,
-as the shipped shapes count them).
+paused or ended: started again from scratch, first in line) -- or, with `stale="keep"` (rollout.stale_groups keep),
+dropping none: a slow sample is trained when it ends, however old. A sample stands for a group (one sample per
+prompt, as the shipped shapes count them).
 """
 
 from __future__ import annotations
@@ -146,23 +147,27 @@ class Schedule:
     dropped: int = 0
     """(arrival) Samples dropped as too old and started again."""
     max_age: int = 0
-    """The oldest trained sample's age in updates (at most k)."""
+    """The oldest trained sample's age in updates (at most k, but with `stale` keep)."""
+    stale: str = "drop"
+    """(arrival) What became of a sample grown older than k: drop (started again) or keep (trained when it ends)."""
 
 
 def simulate_schedule(w: Workload, lay: SystemShape, hw: Hardware, eff: Efficiency,
                       lengths: LengthDist | Sequence[Sequence[int]], *, k: int, partial: bool = False, steps: int = 20,
                       seed: int = 0, max_num_seqs: int = MAX_NUM_SEQS,
-                      order: Literal["plan", "arrival"] = "plan") -> Schedule:
+                      order: Literal["plan", "arrival"] = "plan", stale: Literal["drop", "keep"] = "drop") -> Schedule:
     """Simulate `steps` PPO steps of workload `w` (w.response: the response limit C) on layout `lay`
     (`distributed`: engines on devices of their own), k steps ahead, with or without partial rollouts, in plan
     or arrival order. `lengths`: a distribution, drawn from `seed` (the same lengths for every schedule), or each
-    batch's w.samples lengths (`steps` of them)."""
+    batch's w.samples lengths (`steps` of them). `stale`: arrival order's rollout.stale_groups."""
     if lay.kind != "distributed":
         raise ValueError(f"a {lay.kind} layout has no asynchronous schedule: its engines and roles take turns")
     if k < 0 or steps < k + 3:
         raise ValueError(f"need k >= 0 and steps >= k + 3 (a steady state), got k={k}, steps={steps}")
     if order not in ("plan", "arrival") or (order == "arrival" and k < 1):
         raise ValueError(f"order must be plan, or arrival with k >= 1; got {order!r} with k={k}")
+    if stale not in ("drop", "keep") or (stale == "keep" and order != "arrival"):
+        raise ValueError(f"stale must be drop, or keep in arrival order; got {stale!r} in {order} order")
     phases = predict(w, lay, hw, eff)
     per_token_train = (phases["make_experience"] + phases["train"]) / (w.samples * (w.prompt + w.response))
     fwd_flops = lay.tp * hw.peak_flops * eff.forward_mfu
@@ -300,7 +305,7 @@ def simulate_schedule(w: Workload, lay: SystemShape, hw: Hardware, eff: Efficien
             sync_end, admitting = None, True
             version += 1
             trainer_step += 1
-            if order == "arrival":
+            if order == "arrival" and stale == "drop":
                 drop_stale()
             queue_batches()
         for e in engines:  # the requests that ended now, and what takes their places
@@ -328,27 +333,31 @@ def simulate_schedule(w: Workload, lay: SystemShape, hw: Hardware, eff: Efficien
                     statistics.mean(step_generated[warm:]) / step_s / lay.devices,
                     sum(e.rows_time for e in engines) / (share * now * len(engines)),
                     sum(e.busy_time for e in engines) / (now * len(engines)), 1 - trainer_busy / now, steps,
-                    order, dropped, max_age)
+                    order, dropped, max_age, stale)
 
 
-SCHEDULES = ((0, False, "plan"), (1, False, "plan"), (2, False, "plan"), (4, False, "plan"), (1, True, "plan"),
-             (2, True, "plan"), (4, True, "plan"), (2, False, "arrival"), (2, True, "arrival"), (4, True, "arrival"))
-"""The schedules `schedule_table` compares: synchronous, k = 1, 2, 4 without and with partial rollouts in plan
-order, and arrival order at k = 2 without and with partial rollouts and at k = 4 with them."""
+SCHEDULES = ((0, False, "plan", "drop"), (1, False, "plan", "drop"), (2, False, "plan", "drop"),
+             (4, False, "plan", "drop"), (1, True, "plan", "drop"), (2, True, "plan", "drop"), (4, True, "plan", "drop"),
+             (2, False, "arrival", "drop"), (2, True, "arrival", "drop"), (4, True, "arrival", "drop"),
+             (2, True, "arrival", "keep"))
+"""The schedules `schedule_table` compares, (k, partial, order, stale): synchronous, k = 1, 2, 4 without and with
+partial rollouts in plan order, arrival order at k = 2 without and with partial rollouts and at k = 4 with them,
+and k = 2 with partial rollouts keeping stale samples (rollout.stale_groups keep)."""
 
 
 def schedule_name(row: dict) -> str:
     """A `schedule_table` row's schedule in words: synchronous, k=2 + partial, k=2 + partial, arrival, ..."""
     if row["k"] == 0:
         return "synchronous"
-    return f"k={row['k']}" + (" + partial" if row["partial"] else "") + (", arrival" if row["order"] == "arrival" else "")
+    return (f"k={row['k']}" + (" + partial" if row["partial"] else "") + (", arrival" if row["order"] == "arrival" else "")
+            + (", keep" if row.get("stale") == "keep" else ""))
 
 
 def schedule_table(w: Workload, lay: SystemShape, hw: Hardware, eff: Efficiency, lengths: LengthDist, *,
                    steps: int = 20, seed: int = 0) -> list[dict]:
     """Each of SCHEDULES simulated on the same lengths, with its speed-up over the synchronous one."""
-    rows = [simulate_schedule(w, lay, hw, eff, lengths, k=k, partial=p, steps=steps, seed=seed, order=o)
-            for k, p, o in SCHEDULES]
+    rows = [simulate_schedule(w, lay, hw, eff, lengths, k=k, partial=p, steps=steps, seed=seed, order=o, stale=st)
+            for k, p, o, st in SCHEDULES]
     base = rows[0].step_s
     return [{**vars(r), "speedup_vs_sync": base / r.step_s} for r in rows]
 
@@ -420,14 +429,15 @@ def render_schedules(doc: dict) -> str:
              f"{doc['prompt_tokens']} prompt + {doc['max_new_tokens']} response tokens, {told}):"]
     if not doc["rows"]:
         return "\n".join(lines + [f"  none: {doc['why_none']}"]) + "\n"
-    lines.append(f"  {'schedule':<27}{'step s':>9}{'tokens/s/GPU':>14}{'occupancy':>11}{'trainer idle':>14}"
+    lines.append(f"  {'schedule':<30}{'step s':>9}{'tokens/s/GPU':>14}{'occupancy':>11}{'trainer idle':>14}"
                  f"{'dropped':>9}{'speed-up':>10}")
     for r in doc["rows"]:
-        lines.append(f"  {schedule_name(r):<27}{_seconds(r['step_s']):>9}{r['trained_tokens_per_s_per_gpu']:>14.1f}"
+        lines.append(f"  {schedule_name(r):<30}{_seconds(r['step_s']):>9}{r['trained_tokens_per_s_per_gpu']:>14.1f}"
                      f"{r['occupancy']:>11.2f}{r['trainer_idle_share']:>14.2f}{r['dropped']:>9}{r['speedup_vs_sync']:>9.2f}x")
     lines.append("  (rollout.max_staleness = k; partial: rollout.partial; arrival: rollout.stream_order=arrival, dropped:")
     lines.append("  samples started again over the run because their first token grew older than k -- responses whose")
-    lines.append("  generation takes longer than k steps; docs/design/streaming-staleness.md)")
+    lines.append("  generation takes longer than k steps; keep: rollout.stale_groups=keep, nothing dropped, a slow response")
+    lines.append("  trained when it ends, however old; docs/design/streaming-staleness.md)")
     lines.append("published, other shapes (for context, not a validation):")
     lines += [f"  {name}: {figure}" for name, figure in PUBLISHED_ASYNC.items()]
     return "\n".join(lines) + "\n"

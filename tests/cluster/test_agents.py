@@ -72,29 +72,34 @@ def test_ray_ppo_runs_its_trajectories_beside_the_tp_2_engine_while_it_trains_an
 
 def test_ray_ppo_in_arrival_order_runs_each_prompts_trajectories_as_a_group_on_the_least_loaded_engine(
         ray_cluster, tmp_path):
-    """rollout.stream_order arrival with an agent section on Ray: two engines of TP 1, k = 2 with partial rollouts.
-    Each prompt's trajectories are one group, sent to the engine with the fewest under way and run in its actor
-    beside its engine (their environments there); each step trains the first 4 groups whose trajectories all
-    ended. Over the run every planned group is trained exactly once, at most 2 updates after its first turn began
-    (the final checkpoint's ledger); the step-2 checkpoint waited for the trajectories under way (an environment's
-    state cannot be kept): every group it holds ended, with its episodes."""
+    """rollout.stream_order arrival with an agent section on Ray: two engines of TP 1, k = 2 with partial rollouts,
+    stale groups kept (rollout.stale_groups keep). Each prompt's trajectories are one group, sent to the engine
+    with the fewest under way and run in its actor beside its engine (their environments there); each step trains
+    the first 4 groups whose trajectories all ended. Over the run every planned group is started once and trained
+    exactly once (the final checkpoint's ledger), none dropped, each step's groups older than 2 counted; the step-2
+    checkpoint waited for the trajectories under way (an environment's state cannot be kept): every group it holds
+    ended, with its episodes."""
     import torch
 
     steps, per_step = 3, 4
     out, _ = ray_agent_run(ray_cluster, tmp_path, "--set", f"train.max_steps={steps}", "--set",
                            "rollout.max_staleness=2", "--set", "rollout.partial=true", "--set", "ppo.tis_cap=2",
-                           "--set", "rollout.stream_order=arrival", "--set", "checkpoint.every_steps=1",
+                           "--set", "rollout.stream_order=arrival", "--set", "rollout.stale_groups=keep",
+                           "--set", "checkpoint.every_steps=1",
                            "--set", "placement.vllm.engines=2", "--set", "placement.vllm.tensor_parallel_size=1")
     rows = [m for m in read_metrics(out) if "rollout/score" in m]
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
     assert rows[0]["stream/admitted_groups"] == 3 * per_step  # steps 0..2's groups start at once (k = 2)
-    for s, r in enumerate(rows):
+    for r in rows:
         assert r["reward/env"] == pytest.approx(r["agent/episode_reward"]) and r["agent/env_calls"] > 1, r
-        assert 0 <= r["rollout/staleness"] <= min(s, 2) and 0 <= r["agent/engine_idle_share"] < 1, r
+        assert r["stream/dropped_groups"] == 0 and 0 <= r["agent/engine_idle_share"] < 1, r
     ledger = torch.load(out / "checkpoints" / f"step_{steps:06d}" / "stream_rank0.pt", weights_only=False)["ledger"]
     trained = ledger["trained"]  # (t, i, head version, step)
     assert sorted((t, i) for t, i, *_ in trained) == [(t, i) for t in range(steps) for i in range(per_step)]
-    assert all(0 <= s - head <= 2 for *_, head, s in trained), trained
+    assert not ledger["dropped"] and ledger["admitted"] == steps * per_step  # each started once
+    for s, r in enumerate(rows):  # the step's groups older than k: logged, as their share
+        older = sum(s - head > 2 for *_, head, step in trained if step == s)
+        assert r["stream/overage_groups"] == older and (r["rollout/staleness_share/older"] > 0) == (older > 0), r
     kept = torch.load(out / "checkpoints" / "step_000002" / "stream_rank0.pt", weights_only=False)["groups"]
     assert kept and all(len(g["generations"]) == 4 and all(x.episode is not None for x in g["generations"])
                         for g in kept), kept

@@ -57,6 +57,9 @@ from hpcrlhf.trainers.batches import PPOPlan
      "rollout.backend hf generates each batch in one call of the training process, in plan order: set "
      "rollout.backend=vllm, or rollout.stream_order=plan"),
     (["rollout.stream_order=fifo"], "'fifo' is not one of 'plan', 'arrival'"),
+    (["rollout.backend=vllm", "rollout.max_staleness=1", "rollout.stale_groups=keep"], "rollout.stale_groups: "
+     "'keep' is invalid: plan order trains each step's planned prompts and drops none: it applies to "
+     "rollout.stream_order=arrival; set that, or rollout.stale_groups=drop"),
     (["rollout.backend=vllm", "rollout.min_engine_step_s=0.02"], "rollout.min_engine_step_s: 0.02 is invalid: it "
      "slows the steps of the vLLM engine loop, which runs with rollout.backend vllm and rollout.max_staleness >= 1: "
      "set those, or rollout.min_engine_step_s=0"),

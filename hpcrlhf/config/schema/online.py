@@ -78,7 +78,8 @@ class RolloutConfig:
     ppo.tis_cap. Checkpoints keep the rollouts generated ahead, so a resumed run (after a stop signal
     too) equals an uninterrupted one. Logged, from the policy version each sample records:
     rollout/staleness (the updates the step's samples lag, their mean), rollout/staleness_tokens (the
-    same per model token), rollout/staleness_share/<a> (the share a updates old, a = 0..k);
+    same per model token), rollout/staleness_share/<a> (the share a updates old, a = 0..k; `older`: more than
+    k -- rollout.stale_groups keep, or a run resumed with a smaller k);
     timing/overlap (seconds generation ran while the step trained)."""
     partial: bool = False
     """ppo only, rollout.backend vllm: partial rollouts.
@@ -110,8 +111,9 @@ class RolloutConfig:
     (stream/dropped_groups, stream/requeued_prompts; also stream/admitted_groups, stream/late_groups -- groups
     planned for an earlier step --, stream/under_way_groups, stream/ended_groups). A response that takes longer than
     about k steps to generate is so dropped each time it starts again and trained only when the prompts run out
-    (a warning names it): raise k for long generations (`hpcrlhf plan --schedule` predicts how many are dropped;
-    with rollout.partial a long response runs on across the syncs and outlives k sooner). A checkpoint keeps the
+    (a warning names it): raise k for long generations, or set rollout.stale_groups=keep (`hpcrlhf plan
+    --schedule` predicts how many are dropped; with rollout.partial a long response runs on across the syncs and
+    outlives k sooner). A checkpoint keeps the
     groups
     started and not trained (with rollout.partial those under way as far as they got): a resumed run loses and
     repeats none, but which groups each step takes depends on when they end, so it does not equal an
@@ -126,6 +128,15 @@ class RolloutConfig:
     environments in its process, each group sent to its rank with its episodes; on Ray in the engine actor it went
     to, beside its engine); a dropped group's trajectories stop (their environments still close), and a checkpoint
     waits for those under way."""
+    stale_groups: Literal["drop", "keep"] = "drop"
+    """ppo only, rollout.stream_order arrival: what becomes of a group that would be more than rollout.max_staleness
+    updates old when trained. drop: it is dropped (cancelled if under way) and its prompt handed out again --
+    nothing trained is older than k, but a response that takes longer than about k steps to generate starts over
+    each time (a drop storm: `hpcrlhf plan --schedule`). keep: nothing is dropped for age -- a slow group is
+    trained when it ends, however old, as the Tinker cookbook's and Agent Lightning's asynchronous RL do; k then
+    bounds how far generation runs ahead (at most (k + 1) x rollout.prompts_per_step groups started and not
+    trained), not staleness: watch stream/overage_groups (groups trained older than k) and
+    rollout/staleness_share/older, with ppo.tis_cap correcting the per-token ratios."""
     length_key: str | None = None
     """Benchmarks only (hpcrlhf bench's long-tail suites): the prompt-row field holding the length, in tokens,
     of every response to that prompt -- EOS suppressed until then, cut there (vLLM's min_tokens = max_tokens),
@@ -167,6 +178,10 @@ class RolloutConfig:
         require(self.stream_order == "plan" or self.max_staleness >= 1, "rollout.stream_order", self.stream_order,
                 "it takes each step's groups as the engine ends them, but rollout.max_staleness is 0 (each step "
                 "generates its own batch): set rollout.max_staleness=1 or more, or rollout.stream_order=plan")
+        require(self.stale_groups in ("drop", "keep"), "rollout.stale_groups", self.stale_groups, "use drop or keep")
+        require(self.stale_groups == "drop" or self.stream_order == "arrival", "rollout.stale_groups",
+                self.stale_groups, "plan order trains each step's planned prompts and drops none: it applies to "
+                "rollout.stream_order=arrival; set that, or rollout.stale_groups=drop")
         require(self.stream_order == "plan" or self.backend == "vllm", "rollout.stream_order", self.stream_order,
                 f"rollout.backend {self.backend} generates each batch in one call of the training process, in plan "
                 "order: set rollout.backend=vllm, or rollout.stream_order=plan")

@@ -113,7 +113,7 @@ class ArrivalRollouts:
             self.stream = RolloutStream(ledger, cfg.rollout.max_staleness, self._launch, cancel,
                                         loop.suspend if keeps else None, loop.relaunch if keeps else None,
                                         parties=(lambda: ["the vLLM engine actors"]) if isinstance(loop, EngineFleet)
-                                        else lambda: [LOOP_PARTY])
+                                        else lambda: [LOOP_PARTY], keep_stale=cfg.rollout.stale_groups == "keep")
             self.engine = loop
         """Rank 0's (or the only) stream of groups; None on the other local ranks."""
 

@@ -89,8 +89,9 @@ def staleness_stats(generations: Sequence[Generation], version: int, k: int) -> 
     """How old the samples trained after `version` updates are (their recorded versions), as (sum, count)
     pairs that add up over ranks: rollout/staleness -- the mean age of a sample, that of its first token (its
     oldest) --, rollout/staleness_tokens -- the mean age of a model token --, and rollout/staleness_share/<a>
-    for a = 0..k, and any older age present (a run resumed with a smaller k trains the batches generated ahead
-    under the larger one) -- the share of samples a updates old (they sum to 1) --, and rollout/partial_share --
+    for a = 0..k and `older` (more than k: arrival order with rollout.stale_groups keep, or a run resumed with a
+    smaller k, which trains the batches generated ahead under the larger one) -- the share of samples a updates
+    old (they sum to 1; the same keys on every rank, whatever its samples) --, and rollout/partial_share --
     the share of samples generated across a weight sync (rollout.partial: more than one version; a trajectory's
     turn paused and continued, or its later turns begun after the sync)."""
     n = len(generations)
@@ -102,4 +103,5 @@ def staleness_stats(generations: Sequence[Generation], version: int, k: int) -> 
     model = sum(sum(g.action_mask) if g.action_mask is not None else len(g.response_ids) for g in generations)
     return {"rollout/staleness": (float(sum(heads)), n), "rollout/staleness_tokens": (float(sum(tokens)), model),
             "rollout/partial_share": (float(sum(len(g.versions or ()) > 1 for g in generations)), n),
-            **{f"rollout/staleness_share/{a}": (float(heads.count(a)), n) for a in sorted({*range(k + 1), *heads})}}
+            **{f"rollout/staleness_share/{a}": (float(heads.count(a)), n) for a in range(k + 1)},
+            "rollout/staleness_share/older": (float(sum(a > k for a in heads)), n)}

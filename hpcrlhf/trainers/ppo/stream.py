@@ -13,8 +13,11 @@ those rejected):
 - the guarantee: at step s a group whose first token is older than s - k (its head, `head_version`) can no longer
   be trained; it is dropped -- cancelled on the engine if still under way -- counted (`stream/dropped_groups`) and
   its prompt goes back to the front of the queue (`stream/requeued_prompts`), so that every prompt of the run is
-  still trained once (TRL and prime-rl discard instead; here an epoch keeps its prompts).
-A group's staleness is that of its head, at most k; with rollout.partial its later tokens are newer.
+  still trained once (TRL and prime-rl discard instead; here an epoch keeps its prompts). With
+  rollout.stale_groups keep there is no such guarantee (the Tinker cookbook's and Agent Lightning's way): a slow
+  group is trained when it ends, however old (`stream/overage_groups`), so that a response longer than k steps
+  does not start over at each drop; admission alone bounds how far generation runs ahead.
+A group's staleness is that of its head, at most k (with drop); with rollout.partial its later tokens are newer.
 
 The state -- the ledger (`Ledger`: hand-outs, the requeued queue, counters, and which step trained or dropped
 which group) and the groups admitted and not yet trained -- goes into a checkpoint (`stream_rank0.pt`): ended
@@ -186,9 +189,10 @@ class RolloutStream:
     def __init__(self, ledger: Ledger, k: int, launch: Callable[[int, int, int], tuple[Any, Any]],
                  cancel: Callable[[Sequence[Any]], None], suspend: Callable[[Sequence[Any]], list] | None = None,
                  relaunch: Callable[[Any], Any] | None = None,
-                 parties: Callable[[], list[str]] = lambda: [LOOP_PARTY]) -> None:
-        """`parties()`: whom a wait for groups names to the watchdog."""
-        self.ledger, self.k, self.parties = ledger, k, parties
+                 parties: Callable[[], list[str]] = lambda: [LOOP_PARTY], keep_stale: bool = False) -> None:
+        """`parties()`: whom a wait for groups names to the watchdog; `keep_stale`: rollout.stale_groups keep (no
+        group is dropped for age)."""
+        self.ledger, self.k, self.parties, self.keep_stale = ledger, k, parties, keep_stale
         self._launch, self._cancel, self._suspend, self._relaunch = launch, cancel, suspend, relaunch
         self.pool: dict[tuple[int, int], StreamGroup] = {}
         """The groups admitted and not yet taken nor dropped, by key."""
@@ -243,8 +247,10 @@ class RolloutStream:
     # -- the rule for k ---------------------------------------------------------------------------
     def drop_stale(self, step: int) -> list[StreamGroup]:
         """Drop the groups step `step` and later can no longer train (head older than step - k): those under way
-        are cancelled; their prompts go back to the front of the queue."""
+        are cancelled; their prompts go back to the front of the queue. None with `keep_stale`."""
         self._collect()
+        if self.keep_stale:
+            return []
         for g in self.pool.values():
             g.poll()
         stale = [g for g in self.pool.values() if g.head() < step - self.k]
@@ -261,7 +267,8 @@ class RolloutStream:
                             "responses that take longer than k steps to generate are held back "
                             + ("until the prompts run out" if self.ledger.total is not None else
                                "for good (with ppo.dynamic_sampling the prompts never run out)")
-                            + "; raise rollout.max_staleness, or use rollout.stream_order=plan")
+                            + "; raise rollout.max_staleness, set rollout.stale_groups=keep (trained when it ends, "
+                              "however old), or use rollout.stream_order=plan")
             self._dropped_before.add(g.key)
         self.counts["dropped"] += len(stale)
         return stale
@@ -317,7 +324,8 @@ class RolloutStream:
                    "stream/requeued_prompts": float(len(self.ledger.requeued)),
                    "stream/under_way_groups": float(under_way),
                    "stream/ended_groups": float(len(self.pool) - under_way),
-                   "stream/late_groups": float(sum(g.step < step for g in trained))}
+                   "stream/late_groups": float(sum(g.step < step for g in trained)),
+                   "stream/overage_groups": float(sum(step - g.head() > self.k for g in trained))}
         self.counts = {"admitted": 0, "dropped": 0}
         return metrics
 

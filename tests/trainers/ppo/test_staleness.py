@@ -42,15 +42,17 @@ def test_staleness_figures_count_each_sample_by_its_oldest_token_and_each_model_
     # by hand: heads 2, 1, 0, 1 -> mean 1; model tokens: 3 x 2 + (1 + 1 + 0 + 0) + 2 x 0 + 1 x 1 over 3 + 4 + 2 + 1
     assert stats == {"rollout/staleness": (4.0, 4), "rollout/staleness_tokens": (9.0, 10),
                      "rollout/staleness_share/0": (1.0, 4), "rollout/staleness_share/1": (2.0, 4),
-                     "rollout/staleness_share/2": (1.0, 4), "rollout/partial_share": (1.0, 4)}
+                     "rollout/staleness_share/2": (1.0, 4), "rollout/staleness_share/older": (0.0, 4),
+                     "rollout/partial_share": (1.0, 4)}
     # (sum, count) pairs: two ranks' figures add up to the mean over both
     both = add_stats(add_stats(new_stats(), stats), staleness_stats(samples[:1], 10, 2))
     assert both["rollout/staleness"] == [6.0, 5] and both["rollout/staleness_share/2"] == [2.0, 5]
-    # a smaller k than the samples' (a run resumed with it): the older ages are counted, not hidden
-    assert staleness_stats(samples, 10, 1)["rollout/staleness_share/2"] == (1.0, 4)
-    assert sorted(staleness_stats(samples[1:], 10, 0)) == ["rollout/partial_share", "rollout/staleness",
-                                                           "rollout/staleness_share/0", "rollout/staleness_share/1",
-                                                           "rollout/staleness_tokens"]
+    # a smaller k than the samples' (a run resumed with it, or rollout.stale_groups keep): the older ages are counted,
+    # not hidden, under one key that every rank sends whatever its samples (the ranks' figures are summed key by key)
+    assert staleness_stats(samples, 10, 1)["rollout/staleness_share/older"] == (1.0, 4)
+    assert sorted(staleness_stats(samples[1:], 10, 0)) == sorted(staleness_stats(samples[2:3], 10, 0)) == [
+        "rollout/partial_share", "rollout/staleness", "rollout/staleness_share/0", "rollout/staleness_share/older",
+        "rollout/staleness_tokens"]
     with pytest.raises(ValueError, match=r"samples of versions after 8 cannot be trained at it: \[-2, -1, 0\]"):
         staleness_stats(samples[:3], 8, 2)
 

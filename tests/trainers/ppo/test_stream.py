@@ -81,7 +81,9 @@ class ScriptedEngine:
 
 
 def run_stream(stream: RolloutStream, steps: range, per_step: int, k: int) -> list[tuple[int, int, int, int]]:
-    """Steps as the driver takes them: drop, admit at version = step, take G; the invariants at every step."""
+    """Steps as the driver takes them: drop, admit at version = step, take G; the invariants at every step (with
+    `keep_stale` a step may train groups older than k: counted in its metrics)."""
+    overage = []
     for step in steps:
         stream.drop_stale(step)
         stream.admit(step)
@@ -92,8 +94,11 @@ def run_stream(stream: RolloutStream, steps: range, per_step: int, k: int) -> li
         assert len(generations) == per_step and take.prompts == [(g.step, g.index) for g in take.groups]
         ended = [g.ended for g in take.groups]
         assert ended == sorted(ended)  # in the order they ended
-        stream.commit([take], step)
-        assert all(step - head <= k for *_, head, s in ledger.trained if s == step)
+        metrics = stream.commit([take], step)
+        too_old = sum(step - head > k for *_, head, s in ledger.trained if s == step)
+        assert metrics["stream/overage_groups"] == too_old and (too_old == 0 or stream.keep_stale)
+        overage.append(too_old)
+    stream.overage = overage
     return stream.ledger.trained
 
 
@@ -167,6 +172,51 @@ def test_arrival_trains_every_planned_group_once_never_older_than_k(k: int) -> N
     assert sum(b.cancelled for b in engine.launched) >= 1 and len(dropped) <= len(ledger.dropped)
     # arrival order: some steps trained groups planned for a later step, some for an earlier one
     assert any(t > s for t, _, _, s in trained) and any(t < s for t, _, _, s in trained)
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_keeping_stale_groups_trains_each_once_when_it_ends_and_starts_none_over(k: int) -> None:
+    """rollout.stale_groups keep: the same long tail, nothing dropped or cancelled -- each planned group is started
+    once and trained once, when it ends; admission still holds at most (k + 1) G groups started and not trained, so
+    a slow group holds a slot and fewer start; the long tail makes some groups older than k when trained, counted
+    step by step (stream/overage_groups), each as old as the steps it took to end."""
+    per_step, steps = 4, 500
+    engine = ScriptedEngine(seed=k)
+    stream = RolloutStream(Ledger(per_step, steps * per_step), k, engine.launch, engine.cancel, keep_stale=True)
+    trained = run_stream(stream, range(steps), per_step, k)
+    assert sorted((t, i) for t, i, *_ in trained) == [(t, i) for t in range(steps) for i in range(per_step)]
+    ledger = stream.ledger
+    assert not ledger.dropped and not ledger.requeued and ledger.rejected == 0
+    assert len(engine.launched) == steps * per_step and not any(b.cancelled for b in engine.launched)
+    assert sum(stream.overage) == sum(s - head > k for *_, head, s in trained) > 0  # the tail outlived k
+    assert max(s - head for *_, head, s in trained) > k + 1
+
+
+def test_a_group_that_never_ends_within_k_is_trained_once_when_kept() -> None:
+    """The drop storm's case (`test_a_group_dropped_twice_is_named_with_what_becomes_of_it`) with
+    rollout.stale_groups keep: the slow group is started once, never dropped, and trained when it ends, while the
+    other groups go on around it."""
+    engine = ScriptedEngine(seed=0)
+    stream = RolloutStream(Ledger(1, 8), 1, engine.launch, engine.cancel, keep_stale=True)
+    slow = None
+    for step in range(8):
+        stream.drop_stale(step)
+        stream.admit(step)
+        for g in stream.pool.values():
+            if g.batch is not None and g.key == (0, 0) and slow is None:
+                slow = g.batch
+                slow.looks = 10 ** 9  # under way for 5 steps
+            elif g.batch is not None and g.batch is not slow:
+                g.batch.looks = 1
+        if step == 5:
+            slow.looks = 1
+        take = stream.take(1)
+        take.result()
+        stream.commit([take], step)
+    trained = {(t, i): (head, s) for t, i, head, s in stream.ledger.trained}
+    assert not stream.ledger.dropped and sorted(trained) == [(t, 0) for t in range(8)]
+    assert trained[0, 0][1] == 5 and trained[0, 0][1] - trained[0, 0][0] > 1  # 5 updates old, trained once
+    assert sum(b is slow for b in engine.launched) == 1
 
 
 @pytest.mark.parametrize("suspend", [True, False])
