@@ -251,16 +251,18 @@ _CPU_STALE = System("hpcrlhf-distributed-stale1", "hpcrlhf", "ppo-tiny-ray",
 _LONGTAIL_GROUP = 4
 
 
-def longtail_systems(kv_cache_gb: int) -> tuple[System, ...]:
+def longtail_systems(kv_cache_gb: int, min_step_s: float = 0.0) -> tuple[System, ...]:
     """hpcrlhf's local runtime with a vLLM engine (`kv_cache_gb`), GRPO as TRL runs it (4 samples per prompt):
-    synchronous, then k steps ahead on the engine loop, without and with partial rollouts."""
+    synchronous, then k steps ahead on the engine loop, without and with partial rollouts. `min_step_s`: every
+    system's engine steps at least that long (rollout.min_engine_step_s: a larger model's decode, emulated)."""
     base = ("placement.runtime=local", "rollout.backend=vllm", "engine.zero_stage=0",
             f"rollout.vllm_kv_cache_gb={kv_cache_gb}", f"train.micro_batch_size={DSCHAT_PER_DEVICE_BATCH}",
-            *GRPO_AS_TRL)
+            *GRPO_AS_TRL, *((f"rollout.min_engine_step_s={min_step_s}",) if min_step_s else ()))
 
-    def system(name: str, k: int, partial: bool, about: str, order: str = "plan") -> System:
+    def system(name: str, k: int, partial: bool, about: str, order: str = "plan", stale: str = "drop") -> System:
         ahead = (f"rollout.max_staleness={k}", "ppo.tis_cap=2", *(("rollout.partial=true",) if partial else ()),
-                 *((f"rollout.stream_order={order}",) if order != "plan" else ()))
+                 *((f"rollout.stream_order={order}",) if order != "plan" else ()),
+                 *((f"rollout.stale_groups={stale}",) if stale != "drop" else ()))
         return System(name, "hpcrlhf", None, (*base, *(ahead if k else ())), samples_per_prompt=_LONGTAIL_GROUP,
                       needs=("vllm",), about=about, tail_steps=k)
 
@@ -269,7 +271,9 @@ def longtail_systems(kv_cache_gb: int) -> tuple[System, ...]:
             system("k2-partial", 2, True, "two steps ahead, samples under way paused at each sync and continued"),
             system("k4-partial", 4, True, "four steps ahead, partial rollouts"),
             system("k2-arrival-partial", 2, True, "two steps ahead, partial rollouts, each step trains the first "
-                   "groups that end (rollout.stream_order=arrival)", "arrival"))
+                   "groups that end (rollout.stream_order=arrival)", "arrival"),
+            system("k2-arrival-keep", 2, True, "k2-arrival-partial keeping groups grown older than k (trained when "
+                   "they end: rollout.stale_groups=keep) instead of dropping them", "arrival", "keep"))
 
 
 _LONGTAIL_SYSTEMS = longtail_systems(1)
@@ -331,6 +335,12 @@ SUITES: dict[str, Suite] = {s.name: s for s in (
           "(median 32 of at most 256 tokens), 32 prompts x 4 samples per step, one vLLM engine", "cpu", 1, 1,
           prompt_tokens=32, response_tokens=256, prompts_per_step=128, warmup_steps=4, steps=6,
           systems=_LONGTAIL_SYSTEMS, lengths=LengthDist(), dschat_ranks=1),
+    # the engine's decode step emulated at 20 ms (slept: the two cores stay the trainer's), as a larger model's on a
+    # GPU: generation is then most of the synchronous step, as with long generations, and asynchrony can pay here
+    Suite("cpu-longtail-emulated", "cpu-longtail with every engine step at least 20 ms (rollout.min_engine_step_s, "
+          "slept: a larger model's decode emulated without taking the trainer's cores)", "cpu", 1, 1, prompt_tokens=32,
+          response_tokens=256, prompts_per_step=128, warmup_steps=4, steps=6, systems=longtail_systems(1, 0.02),
+          lengths=LengthDist(), dschat_ranks=1),
     Suite("cpu-longtail-tiny", "harness check of cpu-longtail: 8 prompts x 4 samples, at most 64 tokens, 2 measured "
           "steps", "cpu", 1, 1, prompt_tokens=16, response_tokens=64, prompts_per_step=32, warmup_steps=1, steps=2,
           systems=_LONGTAIL_SYSTEMS[:1] + _LONGTAIL_SYSTEMS[2:3] + _LONGTAIL_SYSTEMS[4:], lengths=LengthDist(), dschat_ranks=1),
@@ -343,12 +353,12 @@ SUITES: dict[str, Suite] = {s.name: s for s in (
     Suite("gpu-1-longtail", "one GPU, long-tail lengths: a 0.5B llama built from config, 256-token prompts, "
           "responses of log-normal lengths (median 64 of at most 512 tokens), 64 prompts x 4 samples per step",
           "gpu", 1, 1, prompt_tokens=256, response_tokens=512, prompts_per_step=256, warmup_steps=1, steps=3,
-          systems=longtail_systems(16)[:1] + longtail_systems(16)[2:3] + longtail_systems(16)[4:], model="builtin:llama-500m",
+          systems=longtail_systems(16)[:1] + longtail_systems(16)[2:3] + longtail_systems(16)[4:5], model="builtin:llama-500m",
           lengths=LengthDist()),
     # generation a larger share of the step: the longest of 1024 tokens sets the synchronous step's generation
     Suite("gpu-1-longtail-1k", "one GPU, a longer tail: gpu-1-longtail with responses of at most 1024 tokens "
           "(median 128)", "gpu", 1, 1, prompt_tokens=256, response_tokens=1024, prompts_per_step=256, warmup_steps=1,
-          steps=3, systems=longtail_systems(16)[:1] + longtail_systems(16)[2:3] + longtail_systems(16)[4:],
+          steps=3, systems=longtail_systems(16)[:1] + longtail_systems(16)[2:3] + longtail_systems(16)[4:5],
           model="builtin:llama-500m", lengths=LengthDist()),
     Suite("gpu-1", "one GPU: a 0.5B llama built from config, 256-token prompts and answers, 64 prompts per step",
           "gpu", 1, 1, prompt_tokens=256, response_tokens=256, prompts_per_step=64, warmup_steps=1, steps=3,

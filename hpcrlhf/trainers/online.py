@@ -100,14 +100,15 @@ def stream_weights(engine, rollout, bucket_bytes: int, version: int | None = Non
 def rollout_engines(engine, models: ModelFactory, cfg: OnlineJobConfig):
     """(the rollout engine, the trained module of `engine` as a generator): the same object
     with rollout.backend hf; with vllm, an engine on rank 0 serving every rank -- an engine loop
-    (`StreamingRollout`) with rollout.max_staleness >= 1 (an agent section's trajectories run on it too)."""
+    (`StreamingRollout`) with rollout.max_staleness >= 1 or rollout.min_engine_step_s (an agent section's
+    trajectories run on it too)."""
     env = models.env
     synced = engine.zero_stage == 3 and env.world_size > 1
     hf = HFRollout(engine.module, pad_token_id=models.pad_id, eos_token_id=models.tokenizer.eos_token_id,
                    device=engine.device, synced_gpus=synced, batch_size=cfg.rollout.hf_batch_size)
     if cfg.rollout.backend == "hf":
         return hf, hf
-    streaming = bool(cfg.rollout.max_staleness)
+    streaming = bool(cfg.rollout.max_staleness or cfg.rollout.min_engine_step_s)  # (a floor needs the loop)
     if not env.is_main:
         vllm = None
     elif streaming:  # generated in a thread of its own while the step trains (rollout.partial: paused across syncs)
@@ -269,10 +270,12 @@ class OnlineTrainer(TrainingLoop):
         to its end here; what gives its scheduling figures once it is done)."""
         rows, origins = [p.row for p in prompts], [p.origin for p in prompts]
         trajectories = len(prompts) * params.n
-        if hasattr(engine, "launch_episodes") or isinstance(engine, StreamingRollout):  # run beside the step
-            batch = (engine.launch_episodes(rows, params, origins, params.seed, self.agent_spec)
-                     if hasattr(engine, "launch_episodes") else self.agent.launch(engine, rows, params, params.seed,
-                                                                                 origins))  # (an engine loop)
+        batch = None  # under way beside the step: on Ray engine actors, or on this process's engine loop
+        if hasattr(engine, "launch_episodes"):
+            batch = engine.launch_episodes(rows, params, origins, params.seed, self.agent_spec)
+        elif isinstance(engine, StreamingRollout):
+            batch = self.agent.launch(engine, rows, params, params.seed, origins)
+        if batch is not None:
             return batch, lambda: batch_stats(batch.stats(), trajectories)
         if hasattr(engine, "run_episodes"):  # one engine on rank 0 for every rank: its environments run there
             generations, stats = engine.run_episodes(self.agent, rows, params, params.seed, origins)

@@ -41,8 +41,11 @@ def test_every_system_of_a_longtail_suite_gets_the_same_seeded_lengths(tmp_path)
     assert {(c.rollout.max_staleness, c.rollout.partial) for c in configs.values()} == {(0, False), (2, True)}
     # k steps ahead launch nothing in their last k steps: those run after the measured ones, dropped
     assert {c.train.max_steps for c in configs.values()} == {suite.warmup_steps + suite.steps + k for k in (0, 2)}
-    for name in ("cpu-longtail", "gpu-1-longtail", "gpu-1-longtail-1k"):  # the recorded suite and the GPU check's
+    for name in ("cpu-longtail", "cpu-longtail-emulated", "gpu-1-longtail", "gpu-1-longtail-1k"):  # the recorded ones
         check_systems(get_suite(name), get_suite(name).systems, first)
+    emulated = get_suite("cpu-longtail-emulated")  # every system's engine steps the same floor, the synchronous one's too
+    assert {build_config("ppo", s.recipe, emulated.overrides_for(s, str(first)), None).rollout.min_engine_step_s
+            for s in emulated.systems} == {0.02}
 
 
 def test_a_longtail_report_compares_with_the_synchronous_run():

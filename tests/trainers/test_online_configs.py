@@ -60,9 +60,8 @@ from hpcrlhf.trainers.batches import PPOPlan
     (["rollout.backend=vllm", "rollout.max_staleness=1", "rollout.stale_groups=keep"], "rollout.stale_groups: "
      "'keep' is invalid: plan order trains each step's planned prompts and drops none: it applies to "
      "rollout.stream_order=arrival; set that, or rollout.stale_groups=drop"),
-    (["rollout.backend=vllm", "rollout.min_engine_step_s=0.02"], "rollout.min_engine_step_s: 0.02 is invalid: it "
-     "slows the steps of the vLLM engine loop, which runs with rollout.backend vllm and rollout.max_staleness >= 1: "
-     "set those, or rollout.min_engine_step_s=0"),
+    (["rollout.min_engine_step_s=0.02"], "rollout.min_engine_step_s: 0.02 is invalid: it slows the steps of the vLLM "
+     "engine loop; rollout.backend hf has none: set rollout.backend=vllm, or rollout.min_engine_step_s=0"),
     (["rollout.backend=vllm", "rollout.max_staleness=1", "rollout.min_engine_step_s=-1"],
      "rollout.min_engine_step_s: -1.0 is invalid: use 0 (off) or a floor in seconds"),
     (["rollout.backend=vllm", "rollout.max_staleness=1", "rollout.min_engine_step_s=0.02", "placement.runtime=ray"],
@@ -71,6 +70,9 @@ from hpcrlhf.trainers.batches import PPOPlan
     (["rollout.backend=vllm", "placement.vllm.sleep=true", "rollout.max_staleness=1"],
      "placement.vllm.sleep: true swaps GPU memory between generation and training, but rollout.max_staleness 1 runs "
      "them at the same time: use rollout.max_staleness=0 with sleep, or placement.vllm.sleep=false"),
+    (["rollout.backend=vllm", "placement.vllm.sleep=true", "rollout.min_engine_step_s=0.02"],
+     "placement.vllm.sleep: true swaps GPU memory between generation and training, but rollout.min_engine_step_s "
+     "runs the engine on an engine loop, which never sleeps"),
     (["placement.actor.sleep=true"], "placement.actor.sleep: true swaps GPU memory between vLLM generation and "
      "training, but rollout.backend is 'hf' (the actor generates itself): set placement.actor.sleep=false, or "
      "rollout.backend=vllm"),
@@ -93,6 +95,7 @@ def test_bad_ppo_settings_fail_with_the_field_and_the_fix(overrides, message):
     (["rollout.backend=vllm", "rollout.max_staleness=1", "rollout.partial=true"],
      "rollout.partial: True is invalid: ppo only; rejection sampling"),
     (["rollout.backend=vllm", "rollout.length_key=length"], "rollout.length_key: 'length' is invalid: ppo only"),
+    (["rollout.backend=vllm", "rollout.min_engine_step_s=0.02"], "rollout.min_engine_step_s: 0.02 is invalid: ppo only"),
     (["rollout.backend=vllm", "rollout.stream_order=arrival", "rollout.max_staleness=1"],
      "rollout.stream_order: 'arrival' is invalid: ppo only"),
 ])

@@ -144,11 +144,12 @@ class RolloutConfig:
     rollout.max_new_tokens; vllm only; not with an agent section. null: the model decides (up to
     max_new_tokens)."""
     min_engine_step_s: float = 0.0
-    """Benchmarks and tests only: each step of the vLLM engine loop takes at least this many seconds (it sleeps the
-    rest, holding no core), as a larger model's decode step would -- so that on a small machine generation takes
-    its real share of a step, and samples are under way at a weight sync whatever the host's speed. Needs an
-    engine loop: rollout.backend vllm with rollout.max_staleness >= 1 (on Ray also rollout.partial or
-    rollout.stream_order arrival). 0: off."""
+    """ppo only; benchmarks and tests: each step of the vLLM engine loop takes at least this many seconds (it sleeps
+    the rest, holding no core), as a larger model's decode step would -- so that on a small machine generation
+    takes its real share of a step (the synchronous run's too: with it the engine runs on a loop at
+    rollout.max_staleness 0 as well, each batch waited for), and samples are under way at a weight sync whatever
+    the host's speed. rollout.backend vllm; on Ray the engine actors run on loops with rollout.partial or
+    rollout.stream_order arrival only. 0: off."""
 
     def __post_init__(self) -> None:
         require_finite(self, "rollout")
@@ -190,10 +191,9 @@ class RolloutConfig:
                 "rollout.length_key=null")
         require(self.min_engine_step_s >= 0, "rollout.min_engine_step_s", self.min_engine_step_s,
                 "use 0 (off) or a floor in seconds, e.g. 0.02")
-        require(not self.min_engine_step_s or (self.backend == "vllm" and self.max_staleness >= 1),
-                "rollout.min_engine_step_s", self.min_engine_step_s,
-                "it slows the steps of the vLLM engine loop, which runs with rollout.backend vllm and "
-                "rollout.max_staleness >= 1: set those, or rollout.min_engine_step_s=0")
+        require(not self.min_engine_step_s or self.backend == "vllm", "rollout.min_engine_step_s",
+                self.min_engine_step_s, f"it slows the steps of the vLLM engine loop; rollout.backend {self.backend} "
+                "has none: set rollout.backend=vllm, or rollout.min_engine_step_s=0")
         require(self.vllm_kv_cache_gb > 0, "rollout.vllm_kv_cache_gb", self.vllm_kv_cache_gb, "use a positive size")
         for name in ("vllm_max_num_seqs", "vllm_max_num_batched_tokens"):
             value = getattr(self, name)
@@ -525,6 +525,8 @@ class RSConfig(OnlineJobConfig):
                 "ppo only (a benchmark setting): set rollout.length_key=null")
         require(self.rollout.stream_order == "plan", "rollout.stream_order", self.rollout.stream_order,
                 "ppo only; rejection sampling generates each round whole: leave it plan")
+        require(not self.rollout.min_engine_step_s, "rollout.min_engine_step_s", self.rollout.min_engine_step_s,
+                "ppo only (a benchmark setting): set rollout.min_engine_step_s=0")
         require(not self.rollout.partial, "rollout.partial", self.rollout.partial,
                 "ppo only; rejection sampling generates each round with the weights the round before trained: leave "
                 "it false")
@@ -577,7 +579,7 @@ class GenerateConfig:
         fill_derived(self, "rollout", max_new_tokens=resolved_new_tokens(self.rollout.max_new_tokens, self.task, self.data))
         require_metrics(self.metrics, "metrics")
         require_in_job(self.reward, "generate", allow_env=True)
-        for key in ("max_staleness", "partial", "length_key"):
+        for key in ("max_staleness", "partial", "length_key", "min_engine_step_s"):
             require(not getattr(self.rollout, key), f"rollout.{key}", getattr(self.rollout, key),
                     "a ppo setting; generate answers each prompt once with the model as it is: drop it")
         require_agent_settings(self.agent, self.reward, self.rollout)

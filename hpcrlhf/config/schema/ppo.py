@@ -281,6 +281,10 @@ def _require_sleep_settings(cfg: PPOConfig) -> None:
             raise ConfigError(f"{key}: true swaps GPU memory between generation and training, but "
                               f"rollout.max_staleness {cfg.rollout.max_staleness} runs them at the same time: use "
                               f"rollout.max_staleness=0 with sleep, or {key}=false")
+        if cfg.rollout.min_engine_step_s:
+            raise ConfigError(f"{key}: true swaps GPU memory between generation and training, but "
+                              "rollout.min_engine_step_s runs the engine on an engine loop, which never sleeps: "
+                              f"use one or the other (rollout.min_engine_step_s=0, or {key}=false)")
         offload = getattr(p, role).offload_params if role != "vllm" else None
         if offload or (offload is None and role != "vllm" and cfg.engine.offload_params):
             source = f"placement.{role}.offload_params" if offload else "engine.offload_params"
