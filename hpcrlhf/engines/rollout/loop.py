@@ -498,7 +498,8 @@ class LoopTurns:
 class StreamingRollout:
     """A `VLLMRollout` driven by an `EngineLoop`: the local trainer's engine with rollout.max_staleness >= 1
     (module docstring). `make_engine` builds the engine on the loop's thread. It never sleeps (no `sleep`,
-    `wake`): placement.vllm.sleep is refused with rollout.max_staleness >= 1, the engine generates meanwhile."""
+    `wake`): placement.vllm.sleep is refused with rollout.max_staleness >= 1 (the engine generates meanwhile) and
+    with rollout.min_engine_step_s."""
 
     def __init__(self, make_engine: Callable[[], VLLMRollout], *, partial: bool, min_step_s: float = 0.0) -> None:
         def build() -> VLLMRollout:
