@@ -28,6 +28,7 @@ Suites named `cpu*` run here; `gpu-*` suites are for clusters and need `--model`
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
@@ -251,10 +252,11 @@ _CPU_STALE = System("hpcrlhf-distributed-stale1", "hpcrlhf", "ppo-tiny-ray",
 _LONGTAIL_GROUP = 4
 
 
-def longtail_systems(kv_cache_gb: int, min_step_s: float = 0.0) -> tuple[System, ...]:
+def longtail_systems(kv_cache_gb: int, min_step_s: float = 0.0, names: Sequence[str] | None = None) -> tuple[System, ...]:
     """hpcrlhf's local runtime with a vLLM engine (`kv_cache_gb`), GRPO as TRL runs it (4 samples per prompt):
     synchronous, then k steps ahead on the engine loop, without and with partial rollouts. `min_step_s`: every
-    system's engine steps at least that long (rollout.min_engine_step_s: a larger model's decode, emulated)."""
+    system's engine steps at least that long (rollout.min_engine_step_s: a larger model's decode, emulated);
+    `names`: only those systems (None: all)."""
     base = ("placement.runtime=local", "rollout.backend=vllm", "engine.zero_stage=0",
             f"rollout.vllm_kv_cache_gb={kv_cache_gb}", f"train.micro_batch_size={DSCHAT_PER_DEVICE_BATCH}",
             *GRPO_AS_TRL, *((f"rollout.min_engine_step_s={min_step_s}",) if min_step_s else ()))
@@ -266,7 +268,7 @@ def longtail_systems(kv_cache_gb: int, min_step_s: float = 0.0) -> tuple[System,
         return System(name, "hpcrlhf", None, (*base, *(ahead if k else ())), samples_per_prompt=_LONGTAIL_GROUP,
                       needs=("vllm",), about=about, tail_steps=k)
 
-    return (system("sync", 0, False, "synchronous: each step generates its batch, then trains on it"),
+    systems = (system("sync", 0, False, "synchronous: each step generates its batch, then trains on it"),
             system("k1", 1, False, "one step ahead on the engine loop: each sync waits for what runs (the drain)"),
             system("k2-partial", 2, True, "two steps ahead, samples under way paused at each sync and continued"),
             system("k4-partial", 4, True, "four steps ahead, partial rollouts"),
@@ -274,9 +276,15 @@ def longtail_systems(kv_cache_gb: int, min_step_s: float = 0.0) -> tuple[System,
                    "groups that end (rollout.stream_order=arrival)", "arrival"),
             system("k2-arrival-keep", 2, True, "k2-arrival-partial keeping groups grown older than k (trained when "
                    "they end: rollout.stale_groups=keep) instead of dropping them", "arrival", "keep"))
+    known = [s.name for s in systems]
+    if names is not None and set(names) - set(known):
+        raise ValueError(f"longtail_systems: no system {sorted(set(names) - set(known))}; there are {known}")
+    return systems if names is None else tuple(s for s in systems if s.name in names)
 
 
-_LONGTAIL_SYSTEMS = longtail_systems(1)
+_SHORT_LIST = ("sync", "k2-partial", "k2-arrival-partial")
+"""The long-tail systems of the suites that cannot afford all: synchronous, plan order and arrival order, k = 2."""
+
 
 # -- GPU: the shipped OpenRLHF-style layouts against DSChat-style on the same allocation -------------
 # OpenRLHF's benchmark (OpenRLHF/OpenRLHF benchmark/README.md) used 1024-token prompts and answers.
@@ -334,7 +342,7 @@ SUITES: dict[str, Suite] = {s.name: s for s in (
     Suite("cpu-longtail", "long-tail lengths on CPU: tiny llama, 32-token prompts, responses of log-normal lengths "
           "(median 32 of at most 256 tokens), 32 prompts x 4 samples per step, one vLLM engine", "cpu", 1, 1,
           prompt_tokens=32, response_tokens=256, prompts_per_step=128, warmup_steps=4, steps=6,
-          systems=_LONGTAIL_SYSTEMS, lengths=LengthDist(), dschat_ranks=1),
+          systems=longtail_systems(1), lengths=LengthDist(), dschat_ranks=1),
     # the engine's decode step emulated at 20 ms (slept: the two cores stay the trainer's), as a larger model's on a
     # GPU: generation is then most of the synchronous step, as with long generations, and asynchrony can pay here
     Suite("cpu-longtail-emulated", "cpu-longtail with every engine step at least 20 ms (rollout.min_engine_step_s, "
@@ -343,7 +351,7 @@ SUITES: dict[str, Suite] = {s.name: s for s in (
           lengths=LengthDist(), dschat_ranks=1),
     Suite("cpu-longtail-tiny", "harness check of cpu-longtail: 8 prompts x 4 samples, at most 64 tokens, 2 measured "
           "steps", "cpu", 1, 1, prompt_tokens=16, response_tokens=64, prompts_per_step=32, warmup_steps=1, steps=2,
-          systems=_LONGTAIL_SYSTEMS[:1] + _LONGTAIL_SYSTEMS[2:3] + _LONGTAIL_SYSTEMS[4:], lengths=LengthDist(), dschat_ranks=1),
+          systems=longtail_systems(1, names=(*_SHORT_LIST, "k2-arrival-keep")), lengths=LengthDist(), dschat_ranks=1),
     Suite("gpu-7b", "7B actor/critic/ref/RM on 2 x 8 GPUs (OpenRLHF's published 7B layout)", nodes=2, gpus_per_node=8,
           systems=_gpu_systems("ppo-7b", 2, 8, (8, 2)), **_GPU),
     Suite("gpu-13b", "13B on 4 x 8 GPUs", nodes=4, gpus_per_node=8, systems=_gpu_systems("ppo-13b", 4, 8, (8, 4)), **_GPU),
@@ -353,12 +361,12 @@ SUITES: dict[str, Suite] = {s.name: s for s in (
     Suite("gpu-1-longtail", "one GPU, long-tail lengths: a 0.5B llama built from config, 256-token prompts, "
           "responses of log-normal lengths (median 64 of at most 512 tokens), 64 prompts x 4 samples per step",
           "gpu", 1, 1, prompt_tokens=256, response_tokens=512, prompts_per_step=256, warmup_steps=1, steps=3,
-          systems=longtail_systems(16)[:1] + longtail_systems(16)[2:3] + longtail_systems(16)[4:5], model="builtin:llama-500m",
+          systems=longtail_systems(16, names=_SHORT_LIST), model="builtin:llama-500m",
           lengths=LengthDist()),
     # generation a larger share of the step: the longest of 1024 tokens sets the synchronous step's generation
     Suite("gpu-1-longtail-1k", "one GPU, a longer tail: gpu-1-longtail with responses of at most 1024 tokens "
           "(median 128)", "gpu", 1, 1, prompt_tokens=256, response_tokens=1024, prompts_per_step=256, warmup_steps=1,
-          steps=3, systems=longtail_systems(16)[:1] + longtail_systems(16)[2:3] + longtail_systems(16)[4:5],
+          steps=3, systems=longtail_systems(16, names=_SHORT_LIST),
           model="builtin:llama-500m", lengths=LengthDist()),
     Suite("gpu-1", "one GPU: a 0.5B llama built from config, 256-token prompts and answers, 64 prompts per step",
           "gpu", 1, 1, prompt_tokens=256, response_tokens=256, prompts_per_step=64, warmup_steps=1, steps=3,

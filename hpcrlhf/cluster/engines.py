@@ -337,7 +337,7 @@ class EngineFleet:
         order's group) goes to the engine with the fewest such groups under way."""
         token = next(self._tokens)
         return self._spread(len(rows), lambda ranks: FleetBatch(
-            self, rows, params, method="run_episodes_stream", sliced=(origins,), extra=(env_seed, spec, token),
+            self, rows, params, method="run_episodes_stream", sliced=(origins,), extra=(env_seed, spec),
             ranks=ranks, token=token))
 
     def sleep(self) -> None:
@@ -477,7 +477,8 @@ class FleetBatch:
         """`prompts` (token ids, or rows for `run_episodes_stream`) by the workers' streaming `method`,
         each given its part of `prompts` and of each of `sliced`, its params, then `extra`; on the engines
         `ranks` (default: all); or a batch a checkpoint kept going on (`resume`: `EngineFleet.relaunch`).
-        `token`: a trajectory batch's name on its engines, for `EngineFleet.cancel`."""
+        `token`: a trajectory batch's name on its engines (given to `method` after `extra`), for
+        `EngineFleet.cancel`."""
         self.fleet, self.prompts, self.params = fleet, prompts, params
         self.method, self.sliced, self.extra, self.token = method, sliced, extra, token
         self.part_stats: dict[int, BatchStats] = {}
@@ -523,7 +524,8 @@ class FleetBatch:
         else:  # (trajectories on an engine loop: their turns posted to it, a sync pausing them, in STREAMS too)
             options = {"concurrency_group": STREAMS} if self.fleet.streaming else {}
             stream = getattr(worker, self.method).options(num_returns="streaming", **options).remote(
-                self.prompts[a:b], part, *(s[a:b] for s in self.sliced), *self.extra)
+                self.prompts[a:b], part, *(s[a:b] for s in self.sliced), *self.extra,
+                *((self.token,) if self.token is not None else ()))
         self.current[rank] = stream
         stream.completed().future().add_done_callback(lambda _, rank=rank, s=stream: self._mark_done(rank, s))
         self.streams[stream] = rank

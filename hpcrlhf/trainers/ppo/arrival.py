@@ -145,8 +145,13 @@ class ArrivalRollouts:
         are every rank's groups' (their trajectories all ran there), the other ranks' none, each counting its own
         trajectories -- so that the ranks' figures add up to each trajectory once."""
         stats = [self._episodes.pop(g.key).stats() for g in take.groups if g.key in self._episodes] if take else []
-        groups = self.per_rank if self.shared else len(take.groups)
-        return batch_stats(added(stats), groups * self.trainer.cfg.rollout.samples_per_prompt)
+        return batch_stats(added(stats), self._own_trajectories(take))
+
+    def _own_trajectories(self, take: StreamTake | None) -> int:
+        """How many trajectories of a round this rank trains: its share of rank 0's take with several local ranks
+        (`take` None on the other ranks), else the whole take."""
+        groups = self.per_rank if self.shared else len(take.groups)  # type: ignore[union-attr]
+        return groups * self.trainer.cfg.rollout.samples_per_prompt
 
     # -- a step ---------------------------------------------------------------------------------
     def rollout(self, step: int) -> tuple[Rollout, dict[str, float]]:
