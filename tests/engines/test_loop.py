@@ -54,21 +54,35 @@ def test_batches_sharing_the_loop_draw_what_each_draws_alone(streaming, rollout_
 
 
 def test_a_floor_on_the_engine_step_slows_each_step_and_changes_no_token(streaming, rollout_prompts):
-    """rollout.min_engine_step_s: every engine step lasts at least the floor (the loop sleeps the rest: counted as
-    the engine's busy time, as a larger model's step would be); the samples are those drawn without it."""
-    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=6, min_new_tokens=6, seed=8)
+    """rollout.min_engine_step_s: every model step of the engine's worker lasts at least the floor (it sleeps the
+    rest, as a larger model's step would), so a batch of 12-token samples takes >= 12 floors; the samples are those
+    drawn without it. The floor is in the worker, not the loop's reads: the engine core runs ahead of the loop and
+    queues its steps' outputs, so the loop keeps pace with it -- a pause after a wait sees every token generated."""
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=12, min_new_tokens=12, seed=8)
     fast = streaming.generate(rollout_prompts[:2], params)
     streaming.loop.pop_load()
-    streaming.loop.min_step_s = 0.05
+    streaming.set_min_step_s(0.05)
     try:
         began = time.perf_counter()
         slow = streaming.generate(rollout_prompts[:2], params)
         took = time.perf_counter() - began
         load = streaming.loop.pop_load()
+        long = SamplingParams(n=1, temperature=1.0, max_new_tokens=200, min_new_tokens=200, seed=3)
+        batch = streaming.launch(rollout_prompts[:1], long)
+        time.sleep(0.5)
+        (state,) = streaming.suspend([batch])  # paused and continued at once
+        streaming.loop.pop_load()
+        (_, _, paused), = state.under_way
+        wait_until(lambda: any(len(s.tokens) >= len(paused.tokens) + 5 for s in streaming.loop.stream.samples.values()))
+        after = streaming.loop.pop_load()
+        streaming.cancel([batch])
     finally:
-        streaming.loop.min_step_s = 0.0
+        streaming.set_min_step_s(0.0)
     assert [g.response_ids for gens in slow for g in gens] == [g.response_ids for gens in fast for g in gens]
-    assert load.steps >= 6 and load.busy_s >= 0.05 * load.steps and took >= 0.05 * load.steps, (load, took)
+    assert took >= 0.05 * 12 and load.busy_s >= 0.05 * 12 and 12 <= load.steps <= 30, (load, took)
+    # 5 tokens of the continued sample within a few steps: no queue of the paused request's outputs to read first
+    # (a floor on the loop's reads alone read ~90 of them here, the core running at its own speed meanwhile)
+    assert after.steps <= 12, after
 
 
 def test_a_cancelled_batch_never_ends_and_the_batches_beside_it_draw_as_alone(streaming, rollout_prompts):

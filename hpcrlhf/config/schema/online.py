@@ -144,9 +144,9 @@ class RolloutConfig:
     rollout.max_new_tokens; vllm only; not with an agent section. null: the model decides (up to
     max_new_tokens)."""
     min_engine_step_s: float = 0.0
-    """ppo only; benchmarks and tests: each step of the vLLM engine loop takes at least this many seconds (it sleeps
-    the rest, holding no core), as a larger model's decode step would -- so that on a small machine generation
-    takes its real share of a step (the synchronous run's too: with it the engine runs on a loop at
+    """ppo only; benchmarks and tests: each model step of the vLLM engine on an engine loop takes at least this many
+    seconds (its worker sleeps the rest, holding no core), as a larger model's step would -- so that on a small
+    machine generation takes its real share of a step (the synchronous run's too: with it the engine runs on a loop at
     rollout.max_staleness 0 as well, each batch waited for), and samples are under way at a weight sync whatever
     the host's speed. rollout.backend vllm; on Ray the engine actors run on loops with rollout.partial or
     rollout.stream_order arrival only. 0: off."""

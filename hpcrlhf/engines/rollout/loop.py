@@ -65,6 +65,8 @@ class EngineLoad:
     steps: int
     rows_per_step: float
     """Samples under way in the mean engine step: how full the engine's batch was kept."""
+    reprefilled: int = 0
+    """Tokens of paused samples' prefixes prefilled again (`VLLMStream.reprefilled`): what partial rollouts cost."""
 
 
 @dataclass
@@ -194,11 +196,9 @@ class EngineLoop:
     `VLLMStream` (`partial`: samples can be paused across a weight update). Every method posts a message the
     loop runs in order between engine steps."""
 
-    def __init__(self, make_engine: Callable[[], VLLMRollout], *, partial: bool, min_step_s: float = 0.0,
+    def __init__(self, make_engine: Callable[[], VLLMRollout], *, partial: bool,
                  name: str = "hpcrlhf-engine-loop") -> None:
         self.partial = partial
-        self.min_step_s = min_step_s
-        """Each engine step takes at least this long (rollout.min_engine_step_s: the loop sleeps the rest)."""
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._error: BaseException | None = None
@@ -208,6 +208,8 @@ class EngineLoop:
         self._batch_ids = itertools.count()
         self._load = [0.0, 0, 0]
         """Seconds in engine steps, steps, samples under way summed over them (since `pop_load`)."""
+        self._reprefilled = 0
+        """`VLLMStream.reprefilled` at the last `pop_load`."""
         self.stream: VLLMStream | None = None
         built: Future = Future()
         self._thread = threading.Thread(target=self._run, args=(make_engine, built), name=name, daemon=True)
@@ -251,8 +253,6 @@ class EngineLoop:
         assert self.stream is not None
         rows, began = len(self.stream.requests), time.perf_counter()
         ended = self.stream.step()
-        if self.min_step_s:
-            time.sleep(max(0.0, began + self.min_step_s - time.perf_counter()))
         with self._lock:
             self._load[0] += time.perf_counter() - began
             self._load[1] += 1
@@ -423,7 +423,9 @@ class EngineLoop:
         with self._lock:
             busy, steps, rows = self._load
             self._load = [0.0, 0, 0]
-        return EngineLoad(busy, steps, rows / steps if steps else 0.0)
+        total = self.stream.reprefilled if self.stream is not None else 0
+        reprefilled, self._reprefilled = total - self._reprefilled, total
+        return EngineLoad(busy, steps, rows / steps if steps else 0.0, reprefilled)
 
     def close(self) -> None:
         """Stop the loop (samples under way are dropped) and close its engine; idempotent. A loop whose thread
@@ -499,15 +501,18 @@ class StreamingRollout:
     """A `VLLMRollout` driven by an `EngineLoop`: the local trainer's engine with rollout.max_staleness >= 1
     (module docstring). `make_engine` builds the engine on the loop's thread. It never sleeps (no `sleep`,
     `wake`): placement.vllm.sleep is refused with rollout.max_staleness >= 1 (the engine generates meanwhile) and
-    with rollout.min_engine_step_s."""
+    with rollout.min_engine_step_s. `min_step_s`: each model step of the engine lasts at least that long
+    (`VLLMRollout.set_min_step_s`)."""
 
     def __init__(self, make_engine: Callable[[], VLLMRollout], *, partial: bool, min_step_s: float = 0.0) -> None:
         def build() -> VLLMRollout:
             engine = make_engine()
             engine.weight_group()  # formed here, where the engine is driven; the senders reuse it
+            if min_step_s:
+                engine.set_min_step_s(min_step_s)
             return engine
 
-        self.loop = EngineLoop(build, partial=partial, min_step_s=min_step_s)
+        self.loop = EngineLoop(build, partial=partial)
         self.engine = self.loop.engine
         self.partial = partial
 
@@ -529,6 +534,10 @@ class StreamingRollout:
 
     def cancel(self, batches: Sequence[StreamBatch]) -> None:
         self.loop.cancel(batches)
+
+    def set_min_step_s(self, seconds: float) -> None:
+        """Each engine step lasts at least `seconds` from now on (`VLLMRollout.set_min_step_s`, on the loop)."""
+        self.loop.post(lambda: self.engine.set_min_step_s(seconds)).result()
 
     def load_weights(self, tensors: Any, version: int | None = None) -> SyncStats:
         """The weights into the engine while the loop keeps its samples (paused, or drained first): this

@@ -346,6 +346,12 @@ class VLLMRollout:
         done = self.llm.collective_rpc("hpcrlhf_receive_weights", args=(kind,))
         return Received(done[0][0], max(seconds for _, seconds in done))
 
+    def set_min_step_s(self, seconds: float) -> None:
+        """Each model step of the engine's workers lasts at least `seconds` from now on (they sleep the rest:
+        rollout.min_engine_step_s, a benchmark's emulation of a larger model's step; 0: off). Call it from the
+        thread that drives the engine."""
+        self.llm.collective_rpc("hpcrlhf_min_step_s", args=(float(seconds),))
+
     def sleep(self) -> None:
         """Release the engine's GPU memory until `wake` (vLLM sleep mode, level 1: the weights to CPU
         memory, the KV cache dropped); a no-op where vLLM has no sleep mode (CPU). Idempotent."""

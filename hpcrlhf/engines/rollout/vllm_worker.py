@@ -1,6 +1,7 @@
 """What hpcrlhf adds to vLLM's worker class, in vLLM's own worker processes
 (`LLM(worker_extension_cls=EXTENSION_CLASS)`): joining a weight-sync group, loading the weights
-broadcast in it, and repacking the CPU build's expert weights after such a reload. vLLM imports
+broadcast in it, repacking the CPU build's expert weights after such a reload, and a floor on the
+duration of each model step (a benchmark's emulation of a larger model). vLLM imports
 this module in each worker by the class's path; only method *names* cross its process boundary
 (`collective_rpc`)."""
 
@@ -32,6 +33,26 @@ class WeightSyncExtension:
                 return False
 
         return [o.busy_loop_s for o in gc.get_objects() if reader(o)]
+
+    def hpcrlhf_min_step_s(self, seconds: float) -> float:
+        """Make each model step of this worker (`execute_model` with tokens scheduled) last at least
+        `seconds` -- it sleeps the rest, holding no core -- as a larger model's step would (0: off).
+        In the worker, not the caller: vLLM's engine core runs ahead of its caller and queues each
+        step's outputs, so a caller that slows only its own reads falls behind that queue (outputs
+        of samples it paused since arrive after seconds of stale ones). Returns the floor set."""
+        if not hasattr(self, "hpcrlhf_step_floor"):
+            unslowed = self.execute_model  # type: ignore[attr-defined]
+
+            def execute_model(scheduler_output, *args, **kwargs):
+                began = time.perf_counter()
+                out = unslowed(scheduler_output, *args, **kwargs)
+                if self.hpcrlhf_step_floor and scheduler_output.total_num_scheduled_tokens:
+                    time.sleep(max(0.0, began + self.hpcrlhf_step_floor - time.perf_counter()))
+                return out
+
+            self.execute_model = execute_model
+        self.hpcrlhf_step_floor = float(seconds)
+        return self.hpcrlhf_step_floor
 
     def hpcrlhf_join_weight_group(self, spec: dict, first_rank: int) -> int:
         """Join a weight-sync group (`hpcrlhf.engines.weight_sync`) as rank `first_rank` + this

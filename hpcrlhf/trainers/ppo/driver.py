@@ -208,6 +208,8 @@ class PPOTrainer(OnlineTrainer):
             load = loop.pop_load()
             self.run.add_timing("busy_vllm", load.busy_s)
             sampling_metrics["rollout/engine_rows"] = load.rows_per_step
+            sampling_metrics["rollout/engine_steps"] = load.steps
+            sampling_metrics["rollout/reprefilled_tokens"] = load.reprefilled
         return {**self.step_metrics(rollout, stats, sums), **self.sync_metrics, **sampling_metrics}
 
     def step_rollout(self, step: int) -> tuple[Rollout, dict[str, float]]:
