@@ -269,13 +269,13 @@ def longtail_systems(kv_cache_gb: int, min_step_s: float = 0.0, names: Sequence[
                       needs=("vllm",), about=about, tail_steps=k)
 
     systems = (system("sync", 0, False, "synchronous: each step generates its batch, then trains on it"),
-            system("k1", 1, False, "one step ahead on the engine loop: each sync waits for what runs (the drain)"),
-            system("k2-partial", 2, True, "two steps ahead, samples under way paused at each sync and continued"),
-            system("k4-partial", 4, True, "four steps ahead, partial rollouts"),
-            system("k2-arrival-partial", 2, True, "two steps ahead, partial rollouts, each step trains the first "
-                   "groups that end (rollout.stream_order=arrival)", "arrival"),
-            system("k2-arrival-keep", 2, True, "k2-arrival-partial keeping groups grown older than k (trained when "
-                   "they end: rollout.stale_groups=keep) instead of dropping them", "arrival", "keep"))
+               system("k1", 1, False, "one step ahead on the engine loop: each sync waits for what runs (the drain)"),
+               system("k2-partial", 2, True, "two steps ahead, samples under way paused at each sync and continued"),
+               system("k4-partial", 4, True, "four steps ahead, partial rollouts"),
+               system("k2-arrival-partial", 2, True, "two steps ahead, partial rollouts, each step trains the first "
+                      "groups that end (rollout.stream_order=arrival)", "arrival"),
+               system("k2-arrival-keep", 2, True, "k2-arrival-partial keeping groups grown older than k (trained when "
+                      "they end: rollout.stale_groups=keep) instead of dropping them", "arrival", "keep"))
     known = [s.name for s in systems]
     if names is not None and set(names) - set(known):
         raise ValueError(f"longtail_systems: no system {sorted(set(names) - set(known))}; there are {known}")

@@ -13,7 +13,7 @@ import pytest
 from hpcrlhf.bench.report import markdown, speedups
 from hpcrlhf.bench.runner import check_systems, write_prompts
 from hpcrlhf.bench.schedule import LengthDist
-from hpcrlhf.bench.suites import LENGTH_KEY, get_suite
+from hpcrlhf.bench.suites import LENGTH_KEY, get_suite, longtail_systems
 from hpcrlhf.config.jobspec import build_config
 from hpcrlhf.data.prompts import Prompt, response_lengths
 from hpcrlhf.errors import DataError
@@ -46,6 +46,15 @@ def test_every_system_of_a_longtail_suite_gets_the_same_seeded_lengths(tmp_path)
     emulated = get_suite("cpu-longtail-emulated")  # every system's engine steps the same floor, the synchronous one's too
     assert {build_config("ppo", s.recipe, emulated.overrides_for(s, str(first)), None).rollout.min_engine_step_s
             for s in emulated.systems} == {0.02}
+
+
+def test_the_suites_that_run_a_few_long_tail_systems_pick_them_by_name():
+    assert [s.name for s in get_suite("gpu-1-longtail").systems] == ["sync", "k2-partial", "k2-arrival-partial"]
+    assert [s.name for s in get_suite("cpu-longtail-tiny").systems] == ["sync", "k2-partial", "k2-arrival-partial",
+                                                                        "k2-arrival-keep"]
+    assert len(get_suite("cpu-longtail").systems) == 6
+    with pytest.raises(ValueError, match="no system \\['k3'\\]"):
+        longtail_systems(1, names=("sync", "k3"))
 
 
 def test_a_longtail_report_compares_with_the_synchronous_run():
